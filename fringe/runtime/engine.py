@@ -1,0 +1,121 @@
+"""Forward and backward of a plan for the ranks one process drives, on any transport.
+
+Tensors are stacked over the driven ranks: ``q [R, B, H, L, D]``, ``k, v [R, B, G, L, D]``
+(R = P on the virtual mesh, R = 1 under torch.distributed), and ``ranks`` names them.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from ..schedules.ir import Compute, GradCompute, buffer_name
+from .interpreter import RankState, Transport, execute
+
+
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Accumulation dtype for out/lse/gradients: float64 stays, everything else float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def kept_names(plan, rank: int) -> list[str]:
+    """kv buffers rank keeps from forward to backward when ``plan.kv == "keep"``."""
+    if plan.kv != "keep":
+        return []
+    return sorted({buffer_name("kv", op.kv) for _, op in plan.forward[rank].ops()
+                   if isinstance(op, Compute) and op.kv != rank})
+
+
+def _tile_args(plan, i: int, j: int, device: torch.device) -> dict:
+    return dict(q_pos=plan.positions(i, device), kv_pos=plan.positions(j, device),
+                mask_mod=plan.mask_mod, score_mod=plan.score_mod, scale=plan.scale,
+                kind=plan.tile_kind(i, j), blocks=plan.tile_blocks(i, j),
+                block_size=plan.block_size, kernel=plan.kernel)
+
+
+def forward(plan, ranks: Sequence[int], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+            transport: Transport):
+    """Run the forward programs of ``ranks``.
+
+    Returns:
+        ``(out [R, B, H, L, D], lse [R, B, H, L], kept, states)`` where ``kept`` is a list of
+        per-rank lists of kv buffers to save (empty unless ``plan.kv == "keep"``).
+    """
+    from ..ops import merge, tile_forward
+
+    acc = acc_dtype(q.dtype)
+    states, outs, lses = {}, {}, {}
+    for n, r in enumerate(ranks):
+        own = torch.stack([k[n], v[n]])
+        keep = set(kept_names(plan, r))
+        st = RankState(r, plan.forward[r], kv_like=own, grad_like=None,
+                       protect={buffer_name("kv", r)} | keep)
+        st.bufs[buffer_name("kv", r)] = own
+        states[r] = st
+    index = {r: n for n, r in enumerate(ranks)}
+
+    def compute(st: RankState, op) -> None:
+        if not isinstance(op, Compute):
+            raise RuntimeError(f"rank {st.rank}: forward program contains {op}")
+        n = index[st.rank]
+        kv = st.bufs[buffer_name("kv", op.kv)]
+        o, l = tile_forward(q[n], kv[0], kv[1], **_tile_args(plan, op.q, op.kv, q.device))
+        o, l = o.to(acc), l.to(acc)
+        if st.rank in outs:
+            outs[st.rank], lses[st.rank] = merge(outs[st.rank], lses[st.rank], o, l)
+        else:
+            outs[st.rank], lses[st.rank] = o, l
+
+    execute({r: plan.forward[r] for r in ranks}, states, transport, compute)
+    out, lse = [], []
+    for n, r in enumerate(ranks):
+        if r in outs:
+            out.append(outs[r].to(q.dtype))
+            lse.append(lses[r])
+        else:                       # every tile of this rank's queries is empty
+            out.append(torch.zeros_like(q[n]))
+            lse.append(torch.full(q[n].shape[:-1], float("-inf"), dtype=acc, device=q.device))
+    kept = [[states[r].bufs[name] for name in kept_names(plan, r)] for r in ranks]
+    return torch.stack(out), torch.stack(lse), kept, states
+
+
+def backward(plan, ranks: Sequence[int], q, k, v, out, lse, dout, kept, transport: Transport):
+    """Run the backward programs of ``ranks``; returns ``(dq, dk, dv, states)`` stacked."""
+    from ..ops import tile_backward
+
+    acc = acc_dtype(q.dtype)
+    states, dqs = {}, {}
+    index = {r: n for n, r in enumerate(ranks)}
+    for n, r in enumerate(ranks):
+        own = torch.stack([k[n], v[n]])
+        grad_like = torch.empty(own.shape, dtype=acc, device=own.device)
+        st = RankState(r, plan.backward[r], kv_like=own, grad_like=grad_like,
+                       protect={buffer_name("kv", r), buffer_name("dkv", r)})
+        st.bufs[buffer_name("kv", r)] = own
+        for name, buf in zip(kept_names(plan, r), kept[n] if kept else []):
+            st.bufs[name] = buf
+        states[r] = st
+        dqs[r] = torch.zeros(q[n].shape, dtype=acc, device=q.device)
+
+    def compute(st: RankState, op) -> None:
+        if not isinstance(op, GradCompute):
+            raise RuntimeError(f"rank {st.rank}: backward program contains {op}")
+        n = index[st.rank]
+        kv = st.bufs[buffer_name("kv", op.kv)]
+        dq, dk, dv = tile_backward(q[n], kv[0], kv[1], out[n], lse[n], dout[n],
+                                   **_tile_args(plan, op.q, op.kv, q.device))
+        dqs[st.rank].add_(dq.to(acc))
+        st.accumulate(buffer_name("dkv", op.kv), torch.stack([dk, dv]).to(acc))
+
+    execute({r: plan.backward[r] for r in ranks}, states, transport, compute)
+    dq, dk, dv = [], [], []
+    for n, r in enumerate(ranks):
+        dq.append(dqs[r].to(q.dtype))
+        g = states[r].bufs.get(buffer_name("dkv", r))
+        if g is None:
+            dk.append(torch.zeros_like(k[n]))
+            dv.append(torch.zeros_like(v[n]))
+        else:
+            dk.append(g[0].to(k.dtype))
+            dv.append(g[1].to(v.dtype))
+    return torch.stack(dq), torch.stack(dk), torch.stack(dv), states

@@ -1,0 +1,71 @@
+"""A schedule is a value: a layout plus a communication pattern.
+
+``Schedule.programs(need)`` lowers the pattern to one forward program per rank and prunes
+it by the mask's tile classification; the backward comes from
+:func:`fringe.schedules.reverse`. Users build their own schedule from the same parts:
+
+>>> from fringe import layout
+>>> from fringe.schedules import Schedule, ring_hops
+>>> mine = Schedule("ring-on-striped(4)",
+...                 layout=lambda S, P, block_size: layout.striped(S, P, stripe=4, block_size=block_size),
+...                 hops=ring_hops)
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Sequence
+
+import torch
+
+from ..layout import Layout
+from .ir import Program
+from .passes import Hop, lower, prune
+
+LayoutFn = Callable[..., Layout]          # (seq_len, world_size, *, block_size) -> Layout
+HopsFn = Callable[[int], dict[int, Sequence[Hop]]]
+
+
+def ring_hops(world_size: int) -> dict[int, list[Hop]]:
+    """The ring: kv chunk j moves j → j+1 → ... (mod P), one hop per step."""
+    P = world_size
+    return {j: [Hop(s, (j + s) % P, (j + s + 1) % P) for s in range(P - 1)] for j in range(P)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """A named (layout, communication pattern) pair, or a fixed list of programs.
+
+    Args:
+        name: display name.
+        layout: ``layout(seq_len, world_size, block_size=...) -> Layout``.
+        hops: ``hops(world_size) -> {kv_chunk: [Hop, ...]}``; each chunk's hops form a tree
+            rooted at its owner. Mutually exclusive with ``programs``.
+        programs: ``programs(world_size) -> [Program]`` — hand-written forward programs
+            (still pruned, checked and reversed like any other).
+    """
+
+    name: str
+    layout: LayoutFn
+    hops: HopsFn | None = None
+    programs_fn: Callable[[int], Sequence[Program]] | None = None
+
+    def __post_init__(self) -> None:
+        if (self.hops is None) == (self.programs_fn is None):
+            raise ValueError(f"schedule {self.name!r}: give exactly one of hops= or programs_fn=")
+
+    def make_layout(self, seq_len: int, world_size: int, *, block_size: int) -> Layout:
+        return self.layout(seq_len, world_size, block_size=block_size)
+
+    def programs(self, world_size: int, need: torch.Tensor | None = None) -> list[Program]:
+        """Forward programs for P ranks, pruned by ``need`` (bool [P, P]) when given."""
+        if self.hops is not None:
+            progs = lower(world_size, self.hops(world_size))
+        else:
+            progs = list(self.programs_fn(world_size))
+            if len(progs) != world_size:
+                raise ValueError(f"schedule {self.name!r} gave {len(progs)} programs for "
+                                 f"world_size={world_size}")
+        return prune(progs, need) if need is not None else progs
+
+    def __repr__(self) -> str:
+        return f"Schedule({self.name})"

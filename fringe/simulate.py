@@ -1,0 +1,54 @@
+"""Run a plan on the in-process virtual mesh: global tensors in, global tensors out.
+
+``fringe.simulate.attention(q, k, v, plan=plan)`` shards q/k/v by the plan's layout, runs
+every rank's program through the same interpreter the distributed runtime uses (a
+:class:`~fringe.runtime.VirtualMesh` transport instead of torch.distributed), and
+unshards the result. It is differentiable (``backward`` runs the derived backward
+programs) and works under ``torch.func.grad`` / ``vjp`` / ``vmap``.
+"""
+from __future__ import annotations
+
+import torch
+
+from .autograd import attention_stacked
+from .runtime.virtual import VirtualRuntime
+
+
+def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, plan, local: bool) -> None:
+    """Shape/dtype checks shared by the virtual and distributed entry points."""
+    from .ops import check_qkv
+    check_qkv(q, k, v)
+    want = plan.local_len if local else plan.seq_len
+    where = "local (per-rank) " if local else "global "
+    if q.shape[-2] != want or k.shape[-2] != want:
+        raise ValueError(f"q has {q.shape[-2]} and k/v {k.shape[-2]} tokens, but the plan expects "
+                         f"{where}length {want} (S={plan.seq_len}, P={plan.world_size}); "
+                         f"re-plan with seq_len={q.shape[-2] * (plan.world_size if local else 1)}"
+                         f" or pass tensors of the planned length")
+    for name, val, size in (("batch_size", plan.batch_size, q.shape[0]),
+                            ("num_heads", plan.num_heads, q.shape[1])):
+        if val is not None and val != size:
+            raise ValueError(f"the plan's mask was classified for {name}={val}, but q has {size}")
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, plan,
+              return_lse: bool = False):
+    """Context-parallel attention of global tensors, simulated on one process.
+
+    Args:
+        q: ``[B, H, S, D]``; k, v: ``[B, G, S, D]`` (global, natural token order).
+        plan: from :func:`fringe.plan`.
+        return_lse: also return the log-sum-exp ``[B, H, S]``.
+
+    Returns:
+        out ``[B, H, S, D]`` (and lse), equal to dense attention under the plan's mask.
+    """
+    check_inputs(q, k, v, plan=plan, local=False)
+    lay, P = plan.layout, plan.world_size
+    stack = lambda x: torch.stack([lay.shard(x, r) for r in range(P)])   # noqa: E731
+    out, lse = attention_stacked(stack(q), stack(k), stack(v), plan=plan,
+                                 runtime=VirtualRuntime(P))
+    out = lay.unshard(list(out.unbind(0)))
+    if return_lse:
+        return out, lay.unshard(list(lse.unsqueeze(-1).unbind(0))).squeeze(-1)
+    return out
