@@ -6,11 +6,12 @@ interpreter runs them on the virtual mesh or over torch.distributed.
 from __future__ import annotations
 
 from . import layout as layout, masks as masks, ops as ops, schedules as schedules
-from . import simulate as simulate
+from . import launch as launch, render as render, runtime as runtime, simulate as simulate
+from .api import RunStats as RunStats, attention as attention, last_run as last_run
 from .layout import DEFAULT_BLOCK_SIZE as DEFAULT_BLOCK_SIZE, Layout as Layout
 from .plan import Plan as Plan, PlanStats as PlanStats, plan as plan
 
 __version__ = "0.1.0"
 
-__all__ = ["DEFAULT_BLOCK_SIZE", "Layout", "Plan", "PlanStats", "layout", "masks", "ops",
-           "plan", "schedules", "simulate"]
+__all__ = ["DEFAULT_BLOCK_SIZE", "Layout", "Plan", "PlanStats", "RunStats", "attention", "last_run",
+           "launch", "layout", "masks", "ops", "plan", "render", "schedules", "simulate"]

@@ -189,8 +189,10 @@ def test_golden_grids(name):
 
 def test_schedule_module_docstrings_show_their_grid():
     import doctest
-    import fringe.schedules.ring as ring_mod
-    result = doctest.testmod(ring_mod, optionflags=doctest.NORMALIZE_WHITESPACE)
+    import fringe.schedules.rings as ring_mod
+    result = doctest.testmod(ring_mod, optionflags=doctest.NORMALIZE_WHITESPACE,
+                             extraglobs=dict(fringe=fringe, masks=masks, render=render,
+                                             schedules=schedules))
     assert result.attempted >= 3 and result.failed == 0
 
 

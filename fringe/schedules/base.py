@@ -19,7 +19,7 @@ import torch
 
 from ..layout import Layout
 from .ir import Program
-from .passes import Hop, lower, prune
+from .passes import Hop, check, lower, prune
 
 LayoutFn = Callable[..., Layout]          # (seq_len, world_size, *, block_size) -> Layout
 HopsFn = Callable[[int], dict[int, Sequence[Hop]]]
@@ -65,6 +65,7 @@ class Schedule:
             if len(progs) != world_size:
                 raise ValueError(f"schedule {self.name!r} gave {len(progs)} programs for "
                                  f"world_size={world_size}")
+        check(progs)          # before pruning, so errors name the steps as written
         return prune(progs, need) if need is not None else progs
 
     def __repr__(self) -> str:

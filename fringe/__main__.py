@@ -1,0 +1,91 @@
+"""Command line: ``python -m fringe demo`` and ``python -m fringe show``.
+
+* ``demo``: trains a tiny LM with context parallelism on spawned CPU ranks (gloo) and in one
+  process with dense attention, prints both losses per step, and exits 1 if they differ by
+  more than the stated tolerance (see :mod:`fringe.demo`).
+* ``show``: prints a plan's step × rank grid and its per-rank work and traffic.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .layout import DEFAULT_BLOCK_SIZE
+
+
+def _common(p: argparse.ArgumentParser, *, seq_len: int) -> None:
+    from .demo import MASKS, SCHEDULES
+    p.add_argument("--world-size", type=int, default=4, help="P, context-parallel ranks")
+    p.add_argument("--schedule", choices=SCHEDULES, default="zigzag")
+    p.add_argument("--mask", choices=MASKS, default="document",
+                   help="document = causal & document over packed docs (boundaries change "
+                        "every batch); sliding_window is also within documents")
+    p.add_argument("--seq-len", type=int, default=seq_len, help="S, global tokens")
+    p.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE)
+    p.add_argument("--window", type=int, default=128, help="sliding_window width in tokens")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m fringe",
+                                 description="Context-parallel attention for any mask_mod.")
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    demo = sub.add_parser("demo", help="train a tiny LM under CP (CPU ranks, gloo) and check "
+                                       "it against one process")
+    _common(demo, seq_len=1024)
+    demo.add_argument("--steps", type=int, default=8)
+    demo.add_argument("--batch-size", type=int, default=1)
+    demo.add_argument("--dtype", choices=("float32", "float64"), default="float32")
+    demo.add_argument("--layers", type=int, default=2)
+    demo.add_argument("--lr", type=float, default=1e-2)
+    demo.add_argument("--timeout", type=float, default=300.0,
+                      help="seconds a step may take on the ranks before giving up")
+
+    show = sub.add_parser("show", help="print a plan's step x rank grid and per-rank stats")
+    _common(show, seq_len=1024)
+    show.add_argument("--backward", action="store_true", help="show the backward programs too")
+    return ap
+
+
+def _demo(args) -> int:
+    from .demo import DemoConfig, run_demo
+    from .launch import LaunchError
+    cfg = DemoConfig(world_size=args.world_size, schedule=args.schedule, mask=args.mask,
+                     seq_len=args.seq_len, block_size=args.block_size, steps=args.steps,
+                     batch_size=args.batch_size, dtype=args.dtype, seed=args.seed,
+                     window=args.window, layers=args.layers, lr=args.lr)
+    try:
+        result = run_demo(cfg, timeout_s=args.timeout)
+    except LaunchError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(result.report())
+    return 0 if result.ok else 1
+
+
+def _show(args) -> int:
+    from . import render
+    from .demo import make_batch, make_mask, make_schedule
+    from .plan import plan as make_plan
+    _, _, doc_ids = make_batch(0, seq_len=args.seq_len, seed=args.seed)
+    p = make_plan(make_schedule(args.schedule), make_mask(args.mask, doc_ids, window=args.window),
+                  seq_len=args.seq_len, world_size=args.world_size, block_size=args.block_size)
+    print(render.table(p))
+    if args.backward:
+        print(render.table(p, backward=True))
+    print(p.stats().table())
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        return {"demo": _demo, "show": _show}[args.command](args)
+    except ValueError as e:             # bad sizes or names: the message says how to fix them
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

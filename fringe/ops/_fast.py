@@ -1,0 +1,163 @@
+"""The ``sdpa`` kernel: torch's fused CPU flash-attention op, which returns an lse.
+
+This is the ONLY module in fringe that touches non-public torch ops. Every use is guarded by a
+feature check (``hasattr(torch.ops.aten, ...)``) and a tiny self-test against the reference
+kernel at first use per device type; on any failure the kernel falls back to ``reference`` and
+records why in :meth:`SdpaKernel.available`.
+
+Measured on torch 2.13 CPU (``_scaled_dot_product_flash_attention_for_cpu``):
+
+- the lse it returns is natural-log but not differentiable -> we only call it from explicit
+  forward/backward functions, never under autograd;
+- it takes float (0 / -inf) masks only, a bool mask is rejected -> we build an additive bias;
+- a fully masked row gets lse = 0 (not -inf) and out = 0 -> we set lse to -inf for those rows;
+  in the backward a globally dead row's lse (-inf) is replaced by 0 so p = exp(-inf - 0) = 0;
+- ``is_causal`` aligns top-left when Lq < Lk -> never used; masks are always explicit;
+- it accepts G < H (GQA, kv head ``h // (H/G)``) natively in forward and backward; the
+  self-test checks this and we expand k/v (inside this kernel only) if it ever stops holding;
+- its ``_backward`` op accepts the GLOBAL merged out/lse (flash-attention style).
+
+No score_mod support: with a score_mod the kernel delegates to ``reference``. On CUDA the fused
+ops with a mask (memory-efficient attention) are not validated here yet, so CUDA delegates to
+``reference`` with a reason string.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .reference import REFERENCE, compute_dtype
+
+_FWD = "_scaled_dot_product_flash_attention_for_cpu"
+_BWD = "_scaled_dot_product_flash_attention_for_cpu_backward"
+
+
+def _expand_kv(t: torch.Tensor, H: int) -> torch.Tensor:
+    """``[B, G, L, D] -> [B, H, L, D]`` (kv head g serves query heads g*R .. g*R+R-1)."""
+    B, G, L, D = t.shape
+    return t[:, :, None].expand(B, G, H // G, L, D).reshape(B, H, L, D)
+
+
+class SdpaKernel:
+    """Fused CPU SDPA (flash attention for CPU) with an additive mask; see the module notes."""
+
+    name = "sdpa"
+
+    def __init__(self) -> None:
+        self._status: dict[str, tuple[bool, str]] = {}
+        self.native_gqa = True
+
+    # -- availability --------------------------------------------------------------------------
+
+    def available(self, device: torch.device | str | None = None) -> tuple[bool, str]:
+        """``(ok, reason)`` on ``device`` (default CPU); self-tests once per device type."""
+        dev = torch.device(device if device is not None else "cpu").type
+        if dev not in self._status:
+            self._status[dev] = self._probe(dev)
+        return self._status[dev]
+
+    def _probe(self, dev: str) -> tuple[bool, str]:
+        if dev != "cpu":
+            return False, (f"sdpa on {dev} is not validated in this build (only the fused CPU op "
+                           f"is); using the reference kernel")
+        if not (hasattr(torch.ops.aten, _FWD) and hasattr(torch.ops.aten, _BWD)):
+            return False, (f"torch {torch.__version__} has no aten.{_FWD}/_backward; "
+                           f"using the reference kernel")
+        try:
+            if self._self_test():
+                return True, "fused CPU op, self-test passed (native GQA)"
+            self.native_gqa = False
+            if self._self_test():
+                return True, "fused CPU op, self-test passed (k/v expanded for GQA)"
+            return False, "fused CPU op disagrees with reference in the self-test; using reference"
+        except Exception as e:  # noqa: BLE001 - any failure of a private op means: do not use it
+            self.native_gqa = True
+            return False, (f"fused CPU op failed its self-test ({type(e).__name__}: {e}); "
+                           f"using the reference kernel")
+
+    def _self_test(self) -> bool:
+        g = torch.Generator().manual_seed(0)
+        B, H, G, Lq, Lk, D = 1, 4, 2, 5, 7, 8
+        q = torch.randn(B, H, Lq, D, generator=g, dtype=torch.float64)
+        k = torch.randn(B, G, Lk, D, generator=g, dtype=torch.float64)
+        v = torch.randn(B, G, Lk, D, generator=g, dtype=torch.float64)
+        dout = torch.randn(B, H, Lq, D, generator=g, dtype=torch.float64)
+        mask = torch.rand(1, 1, Lq, Lk, generator=g) > 0.4
+        mask[..., 0, :] = False                                        # a fully masked row
+        mask[..., 1, :] = True
+        kw = dict(q_pos=torch.arange(Lq), kv_pos=torch.arange(Lk), mask=mask, scale=0.3)
+        out, lse = self._forward(q, k, v, **kw)
+        ro, rl = REFERENCE.forward(q, k, v, **kw)
+        live = torch.isfinite(rl)
+        if not (torch.allclose(out, ro, atol=1e-9) and torch.equal(torch.isfinite(lse), live)
+                and torch.allclose(lse[live], rl[live], atol=1e-9)):
+            return False
+        grads = self._backward(q, k, v, ro, rl, dout, **kw)
+        rgrads = REFERENCE.backward(q, k, v, ro, rl, dout, **kw)
+        return all(a.shape == b.shape and torch.allclose(a, b, atol=1e-9)
+                   for a, b in zip(grads, rgrads))
+
+    def _usable(self, q: torch.Tensor, score_mod) -> bool:
+        return score_mod is None and self.available(q.device)[0]
+
+    # -- kernel interface ----------------------------------------------------------------------
+
+    def forward(self, q, k, v, *, q_pos, kv_pos, mask=None, score_mod=None, scale):
+        if not self._usable(q, score_mod):
+            return REFERENCE.forward(q, k, v, q_pos=q_pos, kv_pos=kv_pos, mask=mask,
+                                     score_mod=score_mod, scale=scale)
+        return self._forward(q, k, v, q_pos=q_pos, kv_pos=kv_pos, mask=mask, scale=scale)
+
+    def backward(self, q, k, v, out, lse, dout, *, q_pos, kv_pos, mask=None, score_mod=None,
+                 scale):
+        if not self._usable(q, score_mod):
+            return REFERENCE.backward(q, k, v, out, lse, dout, q_pos=q_pos, kv_pos=kv_pos,
+                                      mask=mask, score_mod=score_mod, scale=scale)
+        return self._backward(q, k, v, out, lse, dout, q_pos=q_pos, kv_pos=kv_pos, mask=mask,
+                              scale=scale)
+
+    # -- the op calls --------------------------------------------------------------------------
+
+    def _bias(self, mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+        if mask is None:
+            return None
+        return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask,
+                                                                                   -math.inf)
+
+    def _kv(self, k, v, H):
+        if self.native_gqa or k.shape[1] == H:
+            return k, v
+        return _expand_kv(k, H), _expand_kv(v, H)
+
+    def _forward(self, q, k, v, *, q_pos, kv_pos, mask, scale):
+        H = q.shape[1]
+        kk, vv = self._kv(k, v, H)
+        op = getattr(torch.ops.aten, _FWD)
+        out, lse = op(q, kk, vv, 0.0, False, attn_mask=self._bias(mask, q.dtype), scale=scale)
+        lse = lse.to(compute_dtype(q.dtype))
+        if mask is not None:
+            dead = ~mask.any(dim=-1)                                   # [B|1, H|1, Lq]
+            if bool(dead.any()):
+                lse = lse.masked_fill(dead, -math.inf)
+                out = out.masked_fill(dead.unsqueeze(-1), 0.0)
+        return out, lse
+
+    def _backward(self, q, k, v, out, lse, dout, *, q_pos, kv_pos, mask, scale):
+        B, H, Lq, D = q.shape
+        G = k.shape[1]
+        kk, vv = self._kv(k, v, H)
+        ct = compute_dtype(q.dtype)
+        lse = lse.to(ct)
+        lse = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse).contiguous()
+        op = getattr(torch.ops.aten, _BWD)
+        dq, dk, dv = op(dout.to(q.dtype).contiguous(), q, kk, vv, out.to(q.dtype).contiguous(),
+                        lse, 0.0, False, attn_mask=self._bias(mask, q.dtype), scale=scale)
+        if kk is not k:                                                 # fold the H/G copies
+            Lk = k.shape[2]
+            dk = dk.reshape(B, G, H // G, Lk, D).sum(2)
+            dv = dv.reshape(B, G, H // G, Lk, D).sum(2)
+        return dq, dk, dv
+
+
+SDPA = SdpaKernel()

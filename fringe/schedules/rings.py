@@ -1,0 +1,119 @@
+"""Ring, zigzag and striped: one ring pattern over three layouts.
+
+Each rank keeps its queries; kv chunks travel around the ring one hop per step, and each
+rank computes a tile the step a chunk arrives. Zigzag and striped only change which tokens
+a rank holds, which balances causal work; pruning then drops empty tiles and stops a chunk
+after the last rank that needs it.
+
+The grids in the docstrings below are printed by the code and checked by the test suite
+(``tests/test_schedules.py``), so they cannot drift.
+"""
+from __future__ import annotations
+
+from .. import layout as _layout
+from .base import Schedule, ring_hops
+
+
+def ring() -> Schedule:
+    """Ring attention on the contiguous layout (rank r holds ``[rL, (r+1)L)``).
+
+    Causal pruning leaves rank 0 idle after step 0 and the last rank with P tiles:
+
+    >>> p = fringe.plan(schedules.ring(), masks.causal(), seq_len=32, world_size=4, block_size=2)
+    >>> print(render.table(p)); print(render.tile_map(p))
+    ring · causal · S=32 P=4 block=2 · forward
+    ┌────────┬──────────┬──────────┬──────────┬──────────┐
+    │ step   │ rank 0   │ rank 1   │ rank 2   │ rank 3   │
+    ├────────┼──────────┼──────────┼──────────┼──────────┤
+    │ t0     │ C q0·kv0 │ R kv0←r0 │ R kv1←r1 │ R kv2←r2 │
+    │        │ S kv0→r1 │ C q1·kv1 │ C q2·kv2 │ C q3·kv3 │
+    │        │          │ S kv1→r2 │ S kv2→r3 │          │
+    ├────────┼──────────┼──────────┼──────────┼──────────┤
+    │ t1     │          │ C q1·kv0 │ R kv0←r1 │ R kv1←r2 │
+    │        │          │ S kv0→r2 │ C q2·kv1 │ C q3·kv2 │
+    │        │          │          │ S kv1→r3 │          │
+    ├────────┼──────────┼──────────┼──────────┼──────────┤
+    │ t2     │          │          │ C q2·kv0 │ R kv0←r2 │
+    │        │          │          │ S kv0→r3 │ C q3·kv1 │
+    ├────────┼──────────┼──────────┼──────────┼──────────┤
+    │ t3     │          │          │          │ C q3·kv0 │
+    └────────┴──────────┴──────────┴──────────┴──────────┘
+    q\\kv    0    1    2    3
+       0 p  0    .    .    .
+       1 F  1 p  0    .    .
+       2 F  2 F  1 p  0    .
+       3 F  3 F  2 F  1 p  0
+    """
+    return Schedule("ring", layout=_layout.contiguous, hops=ring_hops)
+
+
+def zigzag() -> Schedule:
+    """Ring over the zigzag layout: 2P chunks, rank r holds chunks r and 2P-1-r.
+
+    Every rank computes one tile per step; causal work is balanced:
+
+    >>> p = fringe.plan(schedules.zigzag(), masks.causal(), seq_len=32, world_size=4, block_size=2)
+    >>> print(render.table(p)); print(render.tile_map(p))
+    zigzag · causal · S=32 P=4 block=2 · forward
+    ┌────────┬──────────┬──────────┬──────────┬──────────┐
+    │ step   │ rank 0   │ rank 1   │ rank 2   │ rank 3   │
+    ├────────┼──────────┼──────────┼──────────┼──────────┤
+    │ t0     │ R kv3←r3 │ R kv0←r0 │ R kv1←r1 │ R kv2←r2 │
+    │        │ C q0·kv0 │ C q1·kv1 │ C q2·kv2 │ C q3·kv3 │
+    │        │ S kv0→r1 │ S kv1→r2 │ S kv2→r3 │ S kv3→r0 │
+    ├────────┼──────────┼──────────┼──────────┼──────────┤
+    │ t1     │ R kv2←r3 │ R kv3←r0 │ R kv0←r1 │ R kv1←r2 │
+    │        │ C q0·kv3 │ C q1·kv0 │ C q2·kv1 │ C q3·kv2 │
+    │        │ S kv3→r1 │ S kv0→r2 │ S kv1→r3 │ S kv2→r0 │
+    ├────────┼──────────┼──────────┼──────────┼──────────┤
+    │ t2     │ R kv1←r3 │ R kv2←r0 │ R kv3←r1 │ R kv0←r2 │
+    │        │ C q0·kv2 │ C q1·kv3 │ C q2·kv0 │ C q3·kv1 │
+    │        │ S kv2→r1 │ S kv3→r2 │ S kv0→r3 │ S kv1→r0 │
+    ├────────┼──────────┼──────────┼──────────┼──────────┤
+    │ t3     │ C q0·kv1 │ C q1·kv2 │ C q2·kv3 │ C q3·kv0 │
+    └────────┴──────────┴──────────┴──────────┴──────────┘
+    q\\kv    0    1    2    3
+       0 p  0 p  3 p  2 p  1
+       1 p  1 p  0 p  3 p  2
+       2 p  2 p  1 p  0 p  3
+       3 p  3 p  2 p  1 p  0
+    """
+    return Schedule("zigzag", layout=_layout.zigzag, hops=ring_hops)
+
+
+def striped(stripe: int | None = None) -> Schedule:
+    """Ring over the striped layout; ``stripe`` tokens per stripe (default: the block size).
+
+    Stripe i goes to rank i % P; causal work is balanced at block granularity:
+
+    >>> p = fringe.plan(schedules.striped(), masks.causal(), seq_len=32, world_size=4, block_size=2)
+    >>> print(render.table(p)); print(render.tile_map(p))
+    striped · causal · S=32 P=4 block=2 · forward
+    ┌────────┬──────────┬──────────┬──────────┬──────────┐
+    │ step   │ rank 0   │ rank 1   │ rank 2   │ rank 3   │
+    ├────────┼──────────┼──────────┼──────────┼──────────┤
+    │ t0     │ R kv3←r3 │ R kv0←r0 │ R kv1←r1 │ R kv2←r2 │
+    │        │ C q0·kv0 │ C q1·kv1 │ C q2·kv2 │ C q3·kv3 │
+    │        │ S kv0→r1 │ S kv1→r2 │ S kv2→r3 │ S kv3→r0 │
+    ├────────┼──────────┼──────────┼──────────┼──────────┤
+    │ t1     │ R kv2←r3 │ R kv3←r0 │ R kv0←r1 │ R kv1←r2 │
+    │        │ C q0·kv3 │ C q1·kv0 │ C q2·kv1 │ C q3·kv2 │
+    │        │ S kv3→r1 │ S kv0→r2 │ S kv1→r3 │ S kv2→r0 │
+    ├────────┼──────────┼──────────┼──────────┼──────────┤
+    │ t2     │ R kv1←r3 │ R kv2←r0 │ R kv3←r1 │ R kv0←r2 │
+    │        │ C q0·kv2 │ C q1·kv3 │ C q2·kv0 │ C q3·kv1 │
+    │        │ S kv2→r1 │ S kv3→r2 │ S kv0→r3 │ S kv1→r0 │
+    ├────────┼──────────┼──────────┼──────────┼──────────┤
+    │ t3     │ C q0·kv1 │ C q1·kv2 │ C q2·kv3 │ C q3·kv0 │
+    └────────┴──────────┴──────────┴──────────┴──────────┘
+    q\\kv    0    1    2    3
+       0 p  0 p  3 p  2 p  1
+       1 p  1 p  0 p  3 p  2
+       2 p  2 p  1 p  0 p  3
+       3 p  3 p  2 p  1 p  0
+    """
+    def make(seq_len: int, world_size: int, *, block_size: int):
+        return _layout.striped(seq_len, world_size, stripe=stripe or block_size,
+                               block_size=block_size)
+    return Schedule("striped" if stripe is None else f"striped({stripe})", layout=make,
+                    hops=ring_hops)

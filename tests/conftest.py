@@ -1,0 +1,12 @@
+"""Hypothesis profiles: ``ci`` (derandomized, modest) when env CI is set, ``dev`` otherwise."""
+from __future__ import annotations
+
+import os
+
+from hypothesis import HealthCheck, settings
+
+settings.register_profile("ci", deadline=None, derandomize=True, max_examples=25,
+                          print_blob=True, suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile("dev", deadline=None, max_examples=25,
+                          suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("ci" if os.environ.get("CI") else "dev")
