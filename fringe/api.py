@@ -41,9 +41,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, plan, group=
         RankMismatch: ranks disagree on shapes, dtype, device or plan.
         CommTimeout: a peer stopped answering.
     """
-    check_inputs(q, k, v, plan=plan, local=True)
     rt = _runtime(group, timeout_s)
-    rt.agree(plan, q, k)
+    rt.agree(plan, q, k)              # first, so that a bad rank fails on every rank
+    check_inputs(q, k, v, plan=plan, local=True)
     out, lse = attention_stacked(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), plan=plan,
                                  runtime=rt)
     return (out[0], lse[0]) if return_lse else out[0]

@@ -22,6 +22,7 @@ import os
 import queue as _queue
 import shutil
 import tempfile
+import time
 import traceback
 from typing import Any, Callable
 
@@ -32,8 +33,9 @@ class LaunchError(RuntimeError):
     """A rank failed (or the launch timed out); ``rank`` and ``remote_traceback`` say where."""
 
     def __init__(self, message: str, *, rank: int | None = None, remote_traceback: str = "",
-                 kind: str = "") -> None:
+                 kind: str = "", errors: dict | None = None) -> None:
         super().__init__(message)
+        self.errors = dict(errors or {})     # rank -> (exception type name, traceback)
         self.rank = rank
         self.remote_traceback = remote_traceback
         self.kind = kind
@@ -123,27 +125,40 @@ class Workers:
 
     def _collect(self, call_id: int) -> list:
         out: dict[int, Any] = {}
-        errors = []
-        deadline = self.timeout_s + 30
+        errors: dict[int, tuple[str, str]] = {}
+        deadline = time.monotonic() + self.timeout_s + 30
+        dead_since: dict[int, float] = {}
         while len(out) + len(errors) < self.world_size:
             try:
-                rank, cid, status, value, tb = self._results.get(timeout=deadline)
+                rank, cid, status, value, tb = self._results.get(timeout=0.5)
             except _queue.Empty:
-                dead = [r for r, p in enumerate(self._procs) if not p.is_alive()]
-                missing = sorted(set(range(self.world_size)) - set(out) - {e[0] for e in errors})
-                self.close()
-                raise LaunchError(f"ranks {missing} did not answer within {deadline:g}s "
-                                  f"(dead processes: {dead})", kind="timeout") from None
+                now = time.monotonic()
+                for r, p in enumerate(self._procs):
+                    if r not in out and r not in errors and not p.is_alive():
+                        # give its last message a moment to arrive, then call it dead
+                        if now - dead_since.setdefault(r, now) > 2.0:
+                            errors[r] = ("ProcessDied", f"rank {r} exited with code "
+                                                        f"{p.exitcode} without answering")
+                if now > deadline:
+                    missing = sorted(set(range(self.world_size)) - set(out) - set(errors))
+                    self.close()
+                    raise LaunchError(f"ranks {missing} did not answer within "
+                                      f"{self.timeout_s + 30:g}s", kind="timeout",
+                                      errors=errors) from None
+                continue
             if cid != call_id:
                 continue
             if status == "ok":
                 out[rank] = value
             else:
-                errors.append((rank, value, tb))
+                errors[rank] = (value, tb)
         if errors:
-            rank, kind, tb = sorted(errors)[0]
+            rank = min(errors, key=lambda r: (errors[r][0] == "ProcessDied", r))
+            kind, tb = errors[rank]
+            if any(k == "ProcessDied" for k, _ in errors.values()):
+                self.close()          # the process group is broken; the pool cannot be reused
             raise LaunchError(f"rank {rank} failed with {kind}:\n{tb}", rank=rank,
-                              remote_traceback=tb, kind=kind)
+                              remote_traceback=tb, kind=kind, errors=errors)
         return [out[r] for r in range(self.world_size)]
 
     def close(self) -> None:

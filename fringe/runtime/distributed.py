@@ -95,7 +95,7 @@ class DistTransport:
                 raise CommTimeout(
                     f"rank {rank}, step {step}: {kind} of {name} {direction} rank {peer} did not "
                     f"complete within {self.timeout_s:g}s; the peer may have died or be running a "
-                    f"different plan (raise timeout= or FRINGE_TIMEOUT if it is just slow). "
+                    f"different plan (raise timeout_s= or FRINGE_TIMEOUT if it is just slow). "
                     f"Backend said: {str(e).splitlines()[0][:200]}") from e
         if self.cuda:
             torch.cuda.current_stream().wait_stream(self.stream)
@@ -119,10 +119,11 @@ class DistRuntime:
 
     def agree(self, plan, q: torch.Tensor, k: torch.Tensor) -> None:
         """Check once per (plan, shapes) that all ranks agree; raise on every rank if not."""
-        B, H, L, D = q.shape
+        B, H, L, D = q.shape if q.dim() == 4 else (-1, -1, -1, -1)   # malformed: still agree
+        G = k.shape[1] if k.dim() == 4 else -1
         dtype = _DTYPES.index(q.dtype) if q.dtype in _DTYPES else 99
         fp = plan.fingerprint()
-        mine = [plan.world_size, B, H, k.shape[1], L, D, dtype, int(q.is_cuda), _h48(fp)]
+        mine = [plan.world_size, B, H, G, L, D, dtype, int(q.is_cuda), _h48(fp)]
         key = tuple(mine)
         if key in self._agreed:
             return
