@@ -42,10 +42,11 @@ from typing import Callable
 
 import torch
 
+from .layout import DEFAULT_BLOCK_SIZE  # the one default block size (tokens per side)
+
 MaskMod = Callable[..., torch.Tensor]
 
 __all__ = [
-    "BLOCK_SIZE",
     "BlockKind",
     "Mask",
     "MaskError",
@@ -60,12 +61,10 @@ __all__ = [
     "sliding_window",
 ]
 
-BLOCK_SIZE = 128
-"""Default mask block size (tokens per side of a block)."""
 
 # Memory bounds (elements) for the temporaries of classify.
-_ROW_CHUNK_ELEMS = 1 << 18  # block-pair codes per row chunk: [rows, nKb]
-_DENSE_CHUNK_ELEMS = 1 << 20  # token pairs per dense resolution chunk: [n, B, H, bs, bs]
+_ROW_CHUNK_ELEMS = 1 << 15  # block-pair codes per row chunk: [rows, nKb]
+_DENSE_CHUNK_ELEMS = 1 << 16  # token pairs per dense resolution chunk: [n, B, H, bs, bs]
 
 
 class BlockKind(enum.IntEnum):
@@ -180,7 +179,7 @@ class _Band:
             hit = inside | (same & (kmin <= kmax))
             out = _codes(full, empty, decided)
             # decided and no difference inside the band: EMPTY after all
-            return out
+            return torch.where(decided & ~hit & ~full, torch.tensor(_EMPTY, dtype=torch.int8), out)
 
         return rows
 
@@ -459,8 +458,11 @@ def _is_control_flow_error(e: BaseException) -> bool:
 
 
 def _check_result(out, shape: tuple[int, ...]) -> torch.Tensor:
-    """Validate a mask_mod result and broadcast it to ``shape`` (ValueError-free shapes
-    raise RuntimeError so that the caller can fall back)."""
+    """Validate a mask_mod result and broadcast it to ``shape``.
+
+    A wrong dtype raises :class:`MaskError`; a shape that does not broadcast raises
+    torch's RuntimeError, so that the caller can fall back to vmap.
+    """
     if isinstance(out, bool):
         out = torch.tensor(out)
     if not isinstance(out, torch.Tensor):
@@ -584,7 +586,7 @@ def _dense_codes(mod: MaskMod, qpos: torch.Tensor, kpos: torch.Tensor,
 
 
 def classify(mask_mod: MaskMod, q_pos: torch.Tensor, kv_pos: torch.Tensor, *,
-             block_size: int = BLOCK_SIZE, B: int | None = None, H: int | None = None,
+             block_size: int = DEFAULT_BLOCK_SIZE, B: int | None = None, H: int | None = None,
              stats: dict | None = None) -> torch.Tensor:
     """Exact block map of ``mask_mod`` over arbitrary global index sets.
 
