@@ -34,7 +34,7 @@ def parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="train a tiny LM under CP (CPU ranks, gloo) and check "
                                        "it against one process")
     _common(demo, seq_len=1024)
-    demo.add_argument("--steps", type=int, default=8)
+    demo.add_argument("--steps", type=int, default=16)
     demo.add_argument("--batch-size", type=int, default=1)
     demo.add_argument("--dtype", choices=("float32", "float64"), default="float32")
     demo.add_argument("--layers", type=int, default=2)

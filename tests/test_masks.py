@@ -176,7 +176,7 @@ def dataclasses_frozen_error():
 LAYOUTS = ["contiguous", "zigzag", "striped", "permutation"]
 
 
-@settings(deadline=None, max_examples=50)
+@settings(deadline=None, max_examples=30)
 @given(seed=SEEDS, P=st.sampled_from([1, 2, 4]), bs=st.sampled_from([1, 2, 3, 4, 8]),
        k=st.integers(1, 3))
 def test_classify_is_exact(seed, P, bs, k):
@@ -190,8 +190,10 @@ def test_classify_is_exact(seed, P, bs, k):
     for qk in LAYOUTS:
         for kk in LAYOUTS:
             r, r2 = rng.randrange(P), rng.randrange(P)
-            for q_pos, kv_pos in [(pos[qk], pos[kk]),
-                                  (pos[qk][r * L:(r + 1) * L], pos[kk][r2 * L:(r2 + 1) * L])]:
+            pairs = [(pos[qk], pos[kk])]
+            if qk == kk:  # one rank's q against another rank's kv
+                pairs.append((pos[qk][r * L:(r + 1) * L], pos[kk][r2 * L:(r2 + 1) * L]))
+            for q_pos, kv_pos in pairs:
                 got = M.classify(mask, q_pos, kv_pos, block_size=bs)
                 expect = block_reduce(broadcast_oracle(mask, q_pos, kv_pos), bs)
                 assert got.dtype == torch.int8
@@ -216,11 +218,11 @@ def test_classify_leaves_exact(seed, P, bs, leaf, param):
     L = S // P
     for qk in LAYOUTS:
         for kk in LAYOUTS:
-            for r in range(P):
-                q_pos, kv_pos = pos[qk][r * L:(r + 1) * L], pos[kk][((r + 1) % P) * L:][:L]
-                got = M.classify(mask, q_pos, kv_pos, block_size=bs)
-                assert torch.equal(got, block_reduce(broadcast_oracle(mask, q_pos, kv_pos), bs)), \
-                    (mask, qk, kk, r)
+            r, r2 = rng.randrange(P), rng.randrange(P)
+            q_pos, kv_pos = pos[qk][r * L:(r + 1) * L], pos[kk][r2 * L:(r2 + 1) * L]
+            got = M.classify(mask, q_pos, kv_pos, block_size=bs)
+            assert torch.equal(got, block_reduce(broadcast_oracle(mask, q_pos, kv_pos), bs)), \
+                (mask, qk, kk, r, r2)
 
 
 @settings(deadline=None, max_examples=30)
