@@ -46,6 +46,7 @@ SCHEDULES = ("ring", "zigzag", "striped")
 MASKS = ("document", "causal", "sliding_window")
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 IGNORE = -100
+DEFAULT_WINDOW = 128   # tokens a query may look back in the sliding_window demo mask
 
 #: Largest |loss(CP) - loss(single)| accepted at any step, per dtype. Both runs do the same
 #: math except the attention, where CP sums the softmax over kv tiles in another order
@@ -90,7 +91,7 @@ class DemoConfig:
     layers: int = 2
     heads: int = 4
     kv_heads: int = 2
-    window: int = 128
+    window: int = DEFAULT_WINDOW
     lr: float = 1e-2
 
     def __post_init__(self) -> None:
@@ -158,7 +159,7 @@ def make_batch(step: int, *, seq_len: int, batch_size: int = 1, vocab: int = 32,
     return tokens, targets, doc_ids
 
 
-def make_mask(kind: str, doc_ids: torch.Tensor, *, window: int = 128):
+def make_mask(kind: str, doc_ids: torch.Tensor, *, window: int = DEFAULT_WINDOW):
     """The demo's mask for one batch: ``"document"`` = causal & document(doc_ids)."""
     if kind == "document":
         return masks.causal() & masks.document(doc_ids)

@@ -84,33 +84,17 @@ def zigzag() -> Schedule:
 def striped(stripe: int | None = None) -> Schedule:
     """Ring over the striped layout; ``stripe`` tokens per stripe (default: the block size).
 
-    Stripe i goes to rank i % P; causal work is balanced at block granularity:
+    Stripe i goes to rank i % P. The steps are those of :func:`zigzag`; what changes is
+    which tokens each tile holds, and causal work is balanced at block granularity:
 
-    >>> p = fringe.plan(schedules.striped(), masks.causal(), seq_len=32, world_size=4, block_size=2)
-    >>> print(render.table(p)); print(render.tile_map(p))
-    striped · causal · S=32 P=4 block=2 · forward
-    ┌────────┬──────────┬──────────┬──────────┬──────────┐
-    │ step   │ rank 0   │ rank 1   │ rank 2   │ rank 3   │
-    ├────────┼──────────┼──────────┼──────────┼──────────┤
-    │ t0     │ R kv3←r3 │ R kv0←r0 │ R kv1←r1 │ R kv2←r2 │
-    │        │ C q0·kv0 │ C q1·kv1 │ C q2·kv2 │ C q3·kv3 │
-    │        │ S kv0→r1 │ S kv1→r2 │ S kv2→r3 │ S kv3→r0 │
-    ├────────┼──────────┼──────────┼──────────┼──────────┤
-    │ t1     │ R kv2←r3 │ R kv3←r0 │ R kv0←r1 │ R kv1←r2 │
-    │        │ C q0·kv3 │ C q1·kv0 │ C q2·kv1 │ C q3·kv2 │
-    │        │ S kv3→r1 │ S kv0→r2 │ S kv1→r3 │ S kv2→r0 │
-    ├────────┼──────────┼──────────┼──────────┼──────────┤
-    │ t2     │ R kv1←r3 │ R kv2←r0 │ R kv3←r1 │ R kv0←r2 │
-    │        │ C q0·kv2 │ C q1·kv3 │ C q2·kv0 │ C q3·kv1 │
-    │        │ S kv2→r1 │ S kv3→r2 │ S kv0→r3 │ S kv1→r0 │
-    ├────────┼──────────┼──────────┼──────────┼──────────┤
-    │ t3     │ C q0·kv1 │ C q1·kv2 │ C q2·kv3 │ C q3·kv0 │
-    └────────┴──────────┴──────────┴──────────┴──────────┘
+    >>> p = fringe.plan(schedules.striped(), masks.causal(), seq_len=256, world_size=4, block_size=2)
+    >>> print(render.tile_map(p)); print(round(p.stats().balance, 3))
     q\\kv    0    1    2    3
        0 p  0 p  3 p  2 p  1
        1 p  1 p  0 p  3 p  2
        2 p  2 p  1 p  0 p  3
        3 p  3 p  2 p  1 p  0
+    1.023
     """
     def make(seq_len: int, world_size: int, *, block_size: int):
         return _layout.striped(seq_len, world_size, stripe=stripe or block_size,
