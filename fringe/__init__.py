@@ -10,8 +10,10 @@ from . import launch as launch, render as render, runtime as runtime, simulate a
 from .api import RunStats as RunStats, attention as attention, last_run as last_run
 from .layout import DEFAULT_BLOCK_SIZE as DEFAULT_BLOCK_SIZE, Layout as Layout
 from .plan import Plan as Plan, PlanStats as PlanStats, plan as plan
+from .runtime.distributed import CommTimeout as CommTimeout, RankMismatch as RankMismatch
 
 __version__ = "0.1.0"
 
-__all__ = ["DEFAULT_BLOCK_SIZE", "Layout", "Plan", "PlanStats", "RunStats", "attention", "last_run",
-           "launch", "layout", "masks", "ops", "plan", "render", "schedules", "simulate"]
+__all__ = ["CommTimeout", "DEFAULT_BLOCK_SIZE", "Layout", "Plan", "PlanStats", "RankMismatch",
+           "RunStats", "attention", "last_run", "launch", "layout", "masks", "ops", "plan",
+           "render", "runtime", "schedules", "simulate"]

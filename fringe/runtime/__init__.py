@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 from .interpreter import Pool as Pool, RankState as RankState, StepRecord as StepRecord, execute as execute
+from .distributed import (CommTimeout as CommTimeout, DistRuntime as DistRuntime,
+                          DistTransport as DistTransport, RankMismatch as RankMismatch)
 from .virtual import VirtualMesh as VirtualMesh, VirtualRuntime as VirtualRuntime
 
-__all__ = ["Pool", "RankState", "StepRecord", "VirtualMesh", "VirtualRuntime", "execute"]
+__all__ = ["CommTimeout", "DistRuntime", "DistTransport", "Pool", "RankMismatch", "RankState",
+           "StepRecord", "VirtualMesh", "VirtualRuntime", "execute"]

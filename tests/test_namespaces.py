@@ -1,0 +1,40 @@
+"""The public surface is deliberate: adding or removing a name is a visible change here."""
+from __future__ import annotations
+
+import importlib
+
+import pytest
+
+PUBLIC = {
+    "fringe": ["CommTimeout", "DEFAULT_BLOCK_SIZE", "Layout", "Plan", "PlanStats", "RankMismatch",
+               "RunStats", "attention", "last_run", "launch", "layout", "masks", "ops", "plan",
+               "render", "runtime", "schedules", "simulate"],
+    "fringe.masks": ["BlockKind", "Mask", "MaskError", "MaskMod", "as_mask", "causal", "classify",
+                     "document", "evaluate", "full", "prefix_lm", "sliding_window"],
+    "fringe.ops": ["KERNELS", "Kernel", "ReferenceKernel", "SdpaKernel", "attention", "check_qkv",
+                   "get_kernel", "merge", "tile_backward", "tile_forward"],
+    "fringe.schedules": ["Compute", "GradCompute", "Hop", "KV_MODES", "Program", "Recv",
+                         "Schedule", "ScheduleError", "Send", "Step", "check", "lower", "parse_op",
+                         "prune", "reverse", "ring", "ring_hops", "striped", "zigzag"],
+    "fringe.runtime": ["CommTimeout", "DistRuntime", "DistTransport", "Pool", "RankMismatch",
+                       "RankState", "StepRecord", "VirtualMesh", "VirtualRuntime", "execute"],
+}
+
+
+@pytest.mark.parametrize("module", sorted(PUBLIC))
+def test_public_names_are_pinned(module):
+    mod = importlib.import_module(module)
+    assert sorted(mod.__all__) == sorted(PUBLIC[module])
+    for name in mod.__all__:
+        assert hasattr(mod, name), f"{module}.{name} is in __all__ but missing"
+
+
+def test_no_private_torch_imports_outside_the_fast_path():
+    import pathlib
+    import re
+    root = pathlib.Path(importlib.import_module("fringe").__file__).parent
+    pattern = re.compile(r"torch\._(higher_order_ops|inductor|dynamo|prims)|torch\.ops\.aten\._|"
+                         r"from torch[\w.]* import _")
+    offenders = [str(p.relative_to(root)) for p in root.rglob("*.py")
+                 if p.name != "_fast.py" and pattern.search(p.read_text())]
+    assert offenders == [], f"private torch API outside fringe/ops/_fast.py: {offenders}"
