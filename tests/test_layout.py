@@ -1,0 +1,90 @@
+"""Layouts: permutations of S global positions into P equal shards."""
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from fringe import layout
+
+
+def make(kind: str, S: int, P: int, bs: int, seed: int):
+    if kind == "contiguous":
+        return layout.contiguous(S, P, block_size=bs)
+    if kind == "zigzag":
+        return layout.zigzag(S, P, block_size=bs)
+    if kind == "striped":
+        return layout.striped(S, P, stripe=bs, block_size=bs)
+    g = torch.Generator().manual_seed(seed)
+    return layout.from_order(torch.randperm(S, generator=g), P, block_size=bs)
+
+
+layouts = st.tuples(st.sampled_from(["contiguous", "zigzag", "striped", "random"]),
+                    st.integers(1, 8), st.sampled_from([1, 2, 4]), st.integers(1, 3),
+                    st.integers(0, 2**16))
+
+
+@settings(deadline=None)
+@given(layouts)
+def test_unshard_inverts_shard_and_positions_partition_the_sequence(args):
+    kind, P, bs, m, seed = args
+    S = 2 * P * bs * m
+    lay = make(kind, S, P, bs, seed)
+    x = torch.randn(2, 3, S, 5, generator=torch.Generator().manual_seed(seed))
+    shards = [lay.shard(x, r) for r in range(P)]
+    assert all(s.shape == (2, 3, S // P, 5) for s in shards)
+    assert torch.equal(lay.unshard(shards), x)
+    allpos = torch.cat([lay.positions(r) for r in range(P)])
+    assert torch.equal(allpos.sort().values, torch.arange(S))
+    for r in range(P):         # shard is "take my positions"
+        assert torch.equal(shards[r], x[:, :, lay.positions(r)])
+    assert torch.equal(lay.owner()[lay.positions(P - 1)], torch.full((S // P,), P - 1))
+
+
+def test_shard_along_another_dim():
+    lay = layout.zigzag(16, 2, block_size=2)
+    x = torch.arange(16 * 3).view(16, 3)
+    assert torch.equal(lay.unshard([lay.shard(x, r, dim=0) for r in range(2)], dim=0), x)
+
+
+def test_zigzag_p2_s8():
+    lay = layout.zigzag(8, 2, block_size=2)
+    assert lay.positions(0).tolist() == [0, 1, 6, 7]
+    assert lay.positions(1).tolist() == [2, 3, 4, 5]
+
+
+def test_striped_round_robin():
+    lay = layout.striped(12, 3, stripe=2, block_size=2)
+    assert lay.positions(0).tolist() == [0, 1, 6, 7]
+    assert lay.positions(2).tolist() == [4, 5, 10, 11]
+
+
+@pytest.mark.parametrize("make_layout,match", [
+    (lambda: layout.zigzag(1000, 4, block_size=64),
+     r"S=1000 is not divisible by 2\*P\*block=2\*4\*64=512; pad the sequence to 1024"),
+    (lambda: layout.contiguous(100, 3, block_size=8),
+     r"S=100 is not divisible by P\*block=3\*8=24; pad the sequence to 120"),
+    (lambda: layout.striped(30, 4, stripe=4, block_size=4),
+     r"S=30 is not divisible by stripe\*P=4\*4=16; pad the sequence to 32"),
+    (lambda: layout.contiguous(64, 0), r"world_size must be >= 1"),
+    (lambda: layout.from_order(torch.tensor([0, 0, 1, 2]), 2, block_size=1),
+     r"permutation of range\(4\)"),
+])
+def test_bad_sizes_name_the_numbers_and_the_fix(make_layout, match):
+    with pytest.raises(ValueError, match=match):
+        make_layout()
+
+
+def test_wrong_length_tensor_is_rejected():
+    lay = layout.contiguous(16, 2, block_size=2)
+    with pytest.raises(ValueError, match=r"tensor has 8 tokens along dim -2, but the layout is "
+                                         r"for S=16"):
+        lay.shard(torch.zeros(1, 1, 8, 4), 0)
+    with pytest.raises(ValueError, match=r"rank must be in \[0, 2\), got 2"):
+        lay.positions(2)
+
+
+def test_fingerprint_is_equal_for_equal_layouts_only():
+    a, b = layout.zigzag(32, 2, block_size=2), layout.zigzag(32, 2, block_size=2)
+    assert a.fingerprint() == b.fingerprint()
+    assert a.fingerprint() != layout.contiguous(32, 2, block_size=2).fingerprint()
