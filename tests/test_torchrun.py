@@ -1,0 +1,17 @@
+"""The same entry point under torchrun (env:// rendezvous on localhost), as users launch it."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+EXAMPLE = Path(__file__).parent.parent / "examples" / "torchrun_attention.py"
+
+
+def test_torchrun_env_rendezvous_matches_dense():
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(EXAMPLE), "--schedule", "striped", "--seq-len", "256"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("rank ")]
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert len(lines) == 2 and all(ln.endswith("OK") for ln in lines), done.stdout
