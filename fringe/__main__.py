@@ -14,7 +14,7 @@ from .layout import DEFAULT_BLOCK_SIZE
 
 
 def _common(p: argparse.ArgumentParser, *, seq_len: int) -> None:
-    from .demo import MASKS, SCHEDULES
+    from .demo import DEFAULT_WINDOW, MASKS, SCHEDULES
     p.add_argument("--world-size", type=int, default=4, help="P, context-parallel ranks")
     p.add_argument("--schedule", choices=SCHEDULES, default="zigzag")
     p.add_argument("--mask", choices=MASKS, default="document",
@@ -22,7 +22,7 @@ def _common(p: argparse.ArgumentParser, *, seq_len: int) -> None:
                         "every batch); sliding_window is also within documents")
     p.add_argument("--seq-len", type=int, default=seq_len, help="S, global tokens")
     p.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE)
-    p.add_argument("--window", type=int, default=128, help="sliding_window width in tokens")
+    p.add_argument("--window", type=int, default=DEFAULT_WINDOW, help="sliding_window width in tokens")
     p.add_argument("--seed", type=int, default=0)
 
 
