@@ -17,7 +17,11 @@ import torch
 
 
 def _fold(x: torch.Tensor, bdim: int | None, n: int) -> torch.Tensor:
-    """[.., N at bdim, ..] with rank-stacked layout [R, B, ...] -> [R, N*B, ...]."""
+    """Fold the vmapped dim N into dim 1: ``[R, B, ...]`` per example -> ``[R, N*B, ...]``.
+
+    Used for rank-stacked tensors (R ranks, B batch) and for kept kv buffers
+    (``[2, B, G, L, D]``, where dim 1 is the batch too).
+    """
     if bdim is None:
         x = x.unsqueeze(0).expand(n, *x.shape)
     else:
@@ -27,22 +31,7 @@ def _fold(x: torch.Tensor, bdim: int | None, n: int) -> torch.Tensor:
 
 
 def _unfold(x: torch.Tensor, n: int) -> torch.Tensor:
-    """[R, N*B, ...] -> [N, R, B, ...] (batch dim 0)."""
-    x = x.reshape(x.shape[0], n, x.shape[1] // n, *x.shape[2:])
-    return x.movedim(1, 0)
-
-
-def _fold_kept(x: torch.Tensor, bdim: int | None, n: int) -> torch.Tensor:
-    """kept kv buffers [2, B, G, L, D] under vmap -> [2, N*B, G, L, D]."""
-    if bdim is None:
-        x = x.unsqueeze(0).expand(n, *x.shape)
-    else:
-        x = x.movedim(bdim, 0)
-    x = x.movedim(0, 1)
-    return x.reshape(x.shape[0], n * x.shape[2], *x.shape[3:])
-
-
-def _unfold_kept(x: torch.Tensor, n: int) -> torch.Tensor:
+    """Inverse of :func:`_fold`: ``[R, N*B, ...] -> [N, R, B, ...]`` (vmapped dim 0)."""
     x = x.reshape(x.shape[0], n, x.shape[1] // n, *x.shape[2:])
     return x.movedim(1, 0)
 
@@ -79,7 +68,7 @@ class Attention(torch.autograd.Function):
         qd, kd, vd = in_dims[:3]
         res = Attention.apply(_fold(q, qd, n), _fold(k, kd, n), _fold(v, vd, n), plan, runtime)
         out, lse, *flat = res
-        outs = (_unfold(out, n), _unfold(lse, n), *(_unfold_kept(t, n) for t in flat))
+        outs = (_unfold(out, n), _unfold(lse, n), *(_unfold(t, n) for t in flat))
         return outs, tuple(0 for _ in outs)
 
 
@@ -116,7 +105,7 @@ class AttentionBackward(torch.autograd.Function):
         n = info.batch_size
         d = in_dims
         args = [_fold(x, bd, n) for x, bd in zip((q, k, v, out, lse, dout), d[:6])]
-        kept = [_fold_kept(x, bd, n) for x, bd in zip(flat, d[8:])]
+        kept = [_fold(x, bd, n) for x, bd in zip(flat, d[8:])]
         dq, dk, dv = AttentionBackward.apply(*args, plan, runtime, *kept)
         return (_unfold(dq, n), _unfold(dk, n), _unfold(dv, n)), (0, 0, 0)
 

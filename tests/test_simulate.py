@@ -114,12 +114,14 @@ def test_score_mod_alibi_under_zigzag():
         assert_close(a, b, **EXACT)
 
 
-def _plan(S=32, P=4, name="zigzag"):
-    return fringe.plan(SCHEDULES[name](), masks.causal(), seq_len=S, world_size=P, block_size=2)
+def _plan(S=32, P=4, name="zigzag", kv="resend"):
+    return fringe.plan(SCHEDULES[name](), masks.causal(), seq_len=S, world_size=P, block_size=2,
+                       kv=kv)
 
 
-def test_torch_func_grad_and_vjp():
-    p = _plan()
+@pytest.mark.parametrize("kv", ["resend", "keep"])
+def test_torch_func_grad_and_vjp(kv):
+    p = _plan(kv=kv)
     q, k, v = make_qkv(B=1, H=2, G=1, S=32, D=4, seed=1)
     f = lambda q, k, v: fringe.simulate.attention(q, k, v, plan=p).square().sum()   # noqa: E731
     r = lambda q, k, v: reference.attention(q, k, v, mask_mod=masks.causal())[0].square().sum()  # noqa: E731
@@ -135,8 +137,9 @@ def test_torch_func_grad_and_vjp():
         assert_close(a, b, **EXACT)
 
 
-def test_torch_func_vmap_over_an_extra_leading_dimension():
-    p = _plan()
+@pytest.mark.parametrize("kv", ["resend", "keep"])
+def test_torch_func_vmap_over_an_extra_leading_dimension(kv):
+    p = _plan(kv=kv)
     q, k, v = make_qkv(B=2, H=2, G=2, S=32, D=4, seed=2)
     qs, ks, vs = (torch.stack([t, t.flip(-1) * 0.5, -t]) for t in (q, k, v))   # [N, B, ...]
     got = torch.func.vmap(lambda q, k, v: fringe.simulate.attention(q, k, v, plan=p))(qs, ks, vs)
