@@ -184,7 +184,7 @@ def test_golden_grids(name):
     if os.environ.get("FRINGE_REGOLD"):
         path.parent.mkdir(exist_ok=True)
         path.write_text(text)
-    assert text == path.read_text(), f"regenerate with FRINGE_REGOLD=1 if the change is intended"
+    assert text == path.read_text(), "regenerate with FRINGE_REGOLD=1 if the change is intended"
 
 
 def test_schedule_module_docstrings_show_their_grid():

@@ -28,7 +28,7 @@ from typing import Any, Callable, Protocol
 
 import torch
 
-from ..schedules.ir import Compute, GradCompute, Program, Recv, Send, buffer_name, split_name
+from ..schedules.ir import Compute, GradCompute, Program, Send, buffer_name, split_name
 
 
 class Transport(Protocol):
