@@ -4,6 +4,7 @@
   process with dense attention, prints both losses per step, and exits 1 if they differ by
   more than the stated tolerance (see :mod:`fringe.demo`).
 * ``show``: prints a plan's step × rank grid and its per-rank work and traffic.
+* ``bench``: measures planning, attention speed and exposed communication (:mod:`fringe.bench`).
 """
 from __future__ import annotations
 
@@ -42,6 +43,15 @@ def parser() -> argparse.ArgumentParser:
     demo.add_argument("--timeout", type=float, default=300.0,
                       help="seconds a step may take on the ranks before giving up")
 
+    bench = sub.add_parser("bench", help="measure planning, attention speed and exposed "
+                                         "communication; prints targets beside the figures")
+    bench.add_argument("--seq-len", type=int, default=8192)
+    bench.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
+    bench.add_argument("--schedule", choices=("ring", "zigzag", "striped"), default="zigzag")
+    bench.add_argument("--iters", type=int, default=3)
+    bench.add_argument("--plan-size", type=int, default=1 << 20,
+                       help="tokens for the planning benchmark")
+
     show = sub.add_parser("show", help="print a plan's step x rank grid and per-rank stats")
     _common(show, seq_len=1024)
     show.add_argument("--backward", action="store_true", help="show the backward programs too")
@@ -64,6 +74,13 @@ def _demo(args) -> int:
     return 0 if result.ok else 1
 
 
+def _bench(args) -> int:
+    from .bench import AttnCase, run
+    print(run(world_sizes=tuple(args.world_sizes), plan_size=args.plan_size,
+              case=AttnCase(schedule=args.schedule, seq_len=args.seq_len, iters=args.iters)))
+    return 0
+
+
 def _show(args) -> int:
     from . import render
     from .demo import make_batch, make_mask, make_schedule
@@ -81,7 +98,7 @@ def _show(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
-        return {"demo": _demo, "show": _show}[args.command](args)
+        return {"demo": _demo, "show": _show, "bench": _bench}[args.command](args)
     except ValueError as e:             # bad sizes or names: the message says how to fix them
         print(f"error: {e}", file=sys.stderr)
         return 2

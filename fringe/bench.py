@@ -1,0 +1,164 @@
+"""``python -m fringe bench``: measured figures, printed beside their targets.
+
+Speed and memory live here, never in the tests. Three measurements:
+
+1. **plan**: planning cost for a large packed-document batch (masks change every batch,
+   so a plan must be cheap): S = 1,048,576 tokens, 1,000 documents, P = 8, block 128.
+2. **attention**: forward + backward of one attention call on P gloo CPU ranks for a
+   ``causal & document`` mask, against the same work on one process (fringe with P = 1, and
+   torch's dense ``scaled_dot_product_attention`` with a bool mask).
+3. **exposed communication**: time ranks wait for transfers after their compute, as a
+   fraction of (compute + wait), recorded by the interpreter on every step.
+
+Targets are what we hold ourselves to on a 2-core CPU box; a figure that misses its target is
+marked ``MISS`` (the command still exits 0: it measures, it does not test).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import statistics
+import time
+
+import torch
+
+from . import masks, schedules
+from .plan import plan as make_plan
+
+PLAN_TARGET_S = 5.0          # 1M-token plan, one core
+EXPOSED_TARGET = 0.25        # forward wait / (compute + wait) while P <= cores
+SPEEDUP_TARGET = 1.25        # P-rank CP step vs one process doing all the work, P <= cores
+# The backward has T+1 steps for T forward steps: its first step fetches the kv the last
+# ranks need (kv="resend") and nothing local is left to compute in its last step while the
+# final dkv comes home, so about 1/(T+1) of it is exposed by construction; it is printed
+# without a target.
+
+
+def packed_docs(S: int, n_docs: int, seed: int) -> torch.Tensor:
+    """doc ids [S] for ``n_docs`` random-length packed documents."""
+    g = torch.Generator().manual_seed(seed)
+    cuts = torch.randperm(S - 1, generator=g)[:n_docs - 1].sort().values + 1
+    ids = torch.zeros(S, dtype=torch.int64)
+    ids[cuts] = 1
+    return ids.cumsum(0)
+
+
+def bench_plan(*, S: int = 1 << 20, n_docs: int = 1000, P: int = 8, block_size: int = 128):
+    ids = packed_docs(S, n_docs, 0)
+    mask = masks.causal() & masks.document(ids)
+    rows = []
+    for name in ("ring", "zigzag", "striped"):
+        t0 = time.perf_counter()
+        p = make_plan(getattr(schedules, name)(), mask, seq_len=S, world_size=P,
+                      block_size=block_size)
+        dt = time.perf_counter() - t0
+        empty = float((p.blocks == masks.BlockKind.EMPTY).float().mean())
+        rows.append(dict(schedule=name, seconds=dt, empty_blocks=empty,
+                         balance=p.stats().balance))
+    return rows
+
+
+@dataclasses.dataclass(frozen=True)
+class AttnCase:
+    schedule: str = "zigzag"
+    seq_len: int = 8192
+    heads: int = 8
+    kv_heads: int = 8
+    head_dim: int = 64
+    n_docs: int = 16
+    block_size: int = 128
+    iters: int = 3
+
+
+def _qkv(case: AttnCase):
+    g = torch.Generator().manual_seed(0)
+    S, H, G, D = case.seq_len, case.heads, case.kv_heads, case.head_dim
+    return (torch.randn(1, H, S, D, generator=g), torch.randn(1, G, S, D, generator=g),
+            torch.randn(1, G, S, D, generator=g))
+
+
+def _time(fn, iters: int) -> float:
+    fn()                                            # warm up (plans, caches, allocator)
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _worker(rank: int, world_size: int, case: AttnCase):
+    import fringe
+    mask = masks.causal() & masks.document(packed_docs(case.seq_len, case.n_docs, 1))
+    p = make_plan(getattr(schedules, case.schedule)(), mask, seq_len=case.seq_len,
+                  world_size=world_size, block_size=case.block_size)
+    q, k, v = (p.layout.shard(t, rank).requires_grad_() for t in _qkv(case))
+
+    def step():
+        out = fringe.attention(q, k, v, plan=p)
+        out.sum().backward()
+    dt = _time(step, case.iters)
+    s = fringe.last_run().summary()
+    return dict(seconds=dt, exposed_fwd=s["forward"]["exposed"],
+                exposed_bwd=s["backward"]["exposed"])
+
+
+def _single(case: AttnCase):
+    """One process: fringe with P=1 (block-sparse) and torch's dense SDPA with a bool mask."""
+    import fringe
+    mask = masks.causal() & masks.document(packed_docs(case.seq_len, case.n_docs, 1))
+    p1 = make_plan(schedules.ring(), mask, seq_len=case.seq_len, world_size=1,
+                   block_size=case.block_size)
+    q, k, v = (t.requires_grad_() for t in _qkv(case))
+
+    def fringe_step():
+        fringe.simulate.attention(q, k, v, plan=p1).sum().backward()
+    dense_mask = masks.evaluate(mask, torch.arange(case.seq_len), torch.arange(case.seq_len))
+
+    def dense_step():
+        torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=dense_mask).sum().backward()
+    return _time(fringe_step, case.iters), _time(dense_step, case.iters)
+
+
+def run(*, world_sizes=(2, 4), case: AttnCase = AttnCase(), plan_size: int = 1 << 20) -> str:
+    """Run the benchmark and return the report text."""
+    from tabulate import tabulate
+
+    from .launch import Workers
+    out = []
+    rows = bench_plan(S=plan_size)
+    out.append(f"plan: S={plan_size:,} tokens, 1,000 packed documents, causal & document, "
+               f"P=8, block 128 (target < {PLAN_TARGET_S:g} s each)")
+    out.append(tabulate([[r["schedule"], f"{r['seconds']:.2f}", f"{r['empty_blocks']:.1%}",
+                          f"{r['balance']:.3f}",
+                          "ok" if r["seconds"] < PLAN_TARGET_S else "MISS"] for r in rows],
+                        headers=["schedule", "seconds", "empty blocks", "work max/mean",
+                                 "target"]))
+    torch.set_num_threads(1)
+    single_fringe, single_dense = _single(case)
+    out.append("")
+    out.append(f"attention fwd+bwd: S={case.seq_len:,}, H={case.heads}, G={case.kv_heads}, "
+               f"D={case.head_dim}, float32, causal & document ({case.n_docs} docs), "
+               f"{case.schedule}, 1 thread per rank, median of {case.iters}")
+    table = [["1 process, dense SDPA + bool mask", 1, f"{single_dense:.3f}", "", "", ""],
+             ["1 process, fringe (block-sparse)", 1, f"{single_fringe:.3f}", "", "", ""]]
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    for P in world_sizes:
+        with Workers(P, timeout_s=300, threads=1) as w:
+            res = w.run(_worker, case)
+        slowest = max(r["seconds"] for r in res)
+        fwd = max(r["exposed_fwd"] for r in res)
+        bwd = max(r["exposed_bwd"] for r in res)
+        speedup = single_fringe / slowest
+        if P <= cores:
+            target = (f"speedup >= {SPEEDUP_TARGET:g}: "
+                      f"{'ok' if speedup >= SPEEDUP_TARGET else 'MISS'}; fwd exposed <= "
+                      f"{EXPOSED_TARGET:g}: {'ok' if fwd <= EXPOSED_TARGET else 'MISS'}")
+        else:
+            target = f"none: P={P} > {cores} cores, waits include waiting for a core"
+        table.append([f"{P} gloo ranks, fringe", P, f"{slowest:.3f}", f"{speedup:.2f}x",
+                      f"{fwd:.2f} / {bwd:.2f}", target])
+    out.append(tabulate(table, headers=["run", "P", "seconds", "vs 1-process fringe",
+                                        "exposed comm fwd / bwd", "target"]))
+    return "\n".join(out)
