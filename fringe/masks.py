@@ -58,6 +58,7 @@ __all__ = [
     "evaluate",
     "full",
     "prefix_lm",
+    "reads_batch_head",
     "sliding_window",
 ]
 
@@ -585,6 +586,27 @@ def _dense_codes(mod: MaskMod, qpos: torch.Tensor, kpos: torch.Tensor,
     return torch.where(allv, _FULL, torch.where(anyv, _PARTIAL, _EMPTY)).to(torch.int8)
 
 
+def reads_batch_head(mask_mod: MaskMod) -> tuple[bool, bool]:
+    """Whether ``mask_mod`` reads ``b`` / ``h``, probed by broadcasting (no evaluation of S² pairs).
+
+    The mod is called once with ``b`` of shape ``[2, 1, 1, 1]`` and ``h`` of shape ``[1, 2, 1, 1]``
+    on a 2x2 tile: an output that broadcasts along a dimension read that index. A mod that
+    cannot be broadcast (it only works under vmap) is reported as reading neither.
+
+    Returns:
+        ``(reads_b, reads_h)``.
+    """
+    idx = torch.arange(2)
+    try:
+        out = mask_mod(idx.view(2, 1, 1, 1), idx.view(1, 2, 1, 1), idx.view(1, 1, 2, 1),
+                       idx.view(1, 1, 1, 2))
+    except Exception:           # noqa: BLE001 - evaluate()/classify() report real errors
+        return False, False
+    shape = tuple(torch.as_tensor(out).shape)
+    shape = (1,) * (4 - len(shape)) + shape
+    return shape[0] == 2, shape[1] == 2
+
+
 def classify(mask_mod: MaskMod, q_pos: torch.Tensor, kv_pos: torch.Tensor, *,
              block_size: int = DEFAULT_BLOCK_SIZE, B: int | None = None, H: int | None = None,
              stats: dict | None = None) -> torch.Tensor:
@@ -634,7 +656,10 @@ def classify(mask_mod: MaskMod, q_pos: torch.Tensor, kv_pos: torch.Tensor, *,
     dev = q_pos.device
     kv_pos = kv_pos.to(dev)
     nqb, nkb = q_pos.numel() // bs, kv_pos.numel() // bs
-    nb, nh = (1, 1) if mask.bh_invariant else (B or 1, H or 1)
+    # a plain callable is invariant only if it does not read b / h (probed by broadcasting)
+    invariant = mask.bh_invariant and (isinstance(mask_mod, Mask)
+                                       or not any(reads_batch_head(mask_mod)))
+    nb, nh = (1, 1) if invariant else (B or 1, H or 1)
     out = torch.empty((nqb, nkb), dtype=torch.int8, device=dev)
     dense_blocks = 0
     if nqb and nkb:

@@ -215,6 +215,17 @@ def plan(schedule: Schedule, mask_mod: Callable | None = None, *, seq_len: int,
         raise TypeError(f"schedule must be a fringe.schedules.Schedule (e.g. schedules.zigzag()), "
                         f"got {type(schedule).__name__}")
     mask_mod = mask_mod if mask_mod is not None else _masks.full()
+    reads_b, reads_h = _masks.reads_batch_head(mask_mod)
+    name = getattr(mask_mod, "__name__", "mask_mod")
+    for reads, given, arg, idx in ((reads_b, batch_size, "batch_size", "b"),
+                                   (reads_h, num_heads, "num_heads", "h")):
+        if reads and given is None:
+            raise ValueError(f"{name} reads the {idx} index (its output varies with {idx}), so "
+                             f"its empty/full blocks depend on {idx}; pass {arg}= to "
+                             f"fringe.plan so every {idx} is classified")
+        if reads and getattr(mask_mod, "bh_invariant", False):
+            raise ValueError(f"{name} is declared bh_invariant but reads the {idx} index; "
+                             f"wrap it with masks.as_mask(fn, bh_invariant=False)")
     lay = schedule.make_layout(seq_len, world_size, block_size=block_size)
     if lay.seq_len != seq_len or lay.world_size != world_size:
         raise ValueError(f"schedule {schedule.name!r} built a layout for S={lay.seq_len}, "

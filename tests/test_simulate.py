@@ -200,3 +200,60 @@ def test_interpreter_reuses_buffers():
     stack = lambda x: torch.stack([p.layout.shard(x, r) for r in range(P)])   # noqa: E731
     rt.forward(p, stack(q), stack(k), stack(v))
     assert max(st.pool.allocated for st in rt.last_states["forward"].values()) <= 2
+
+
+def random_tree_hops(P: int, seed: int):
+    """Each kv chunk spreads over a random tree of ranks, hops at random (valid) steps."""
+    g = torch.Generator().manual_seed(seed)
+    hops = {}
+    for j in range(P):
+        arrival = {j: 0}
+        order = [r for r in torch.randperm(P, generator=g).tolist() if r != j]
+        chunk_hops = []
+        for r in order:
+            parents = sorted(arrival)
+            parent = parents[int(torch.randint(0, len(parents), (), generator=g))]
+            t = arrival[parent] + int(torch.randint(0, 3, (), generator=g))
+            chunk_hops.append(schedules.Hop(t, parent, r))
+            arrival[r] = t + 1
+        hops[j] = chunk_hops
+    return hops
+
+
+@settings(deadline=None, max_examples=30)
+@given(st.integers(1, 6), st.sampled_from(MASKS), seeds(), st.sampled_from(["resend", "keep"]))
+def test_user_schedule_with_random_routes_gets_a_correct_backward(P, mask_kind, seed, kv):
+    """A schedule written in user code (random broadcast trees, not a ring) gets pruning,
+    checks and a derived backward for free, and matches dense attention."""
+    bs = 2
+    S = 2 * P * bs * 2
+    g = torch.Generator().manual_seed(seed)
+    mask = make_mask(mask_kind, S, g)
+    mine = schedules.Schedule("random-trees", layout=fringe.layout.contiguous,
+                              hops=lambda P: random_tree_hops(P, seed))
+    p = fringe.plan(mine, mask, seq_len=S, world_size=P, block_size=bs, kv=kv)
+    q, k, v = make_qkv(B=1, H=2, G=1, S=S, D=4, seed=seed, requires_grad=True)
+    out = fringe.simulate.attention(q, k, v, plan=p)
+    ref, _ = reference.attention(q, k, v, mask_mod=mask)
+    assert_close(out, ref, **EXACT)
+    for a, b in zip(torch.autograd.grad(out.square().sum(), (q, k, v)),
+                    torch.autograd.grad(ref.square().sum(), (q, k, v))):
+        assert_close(a, b, **EXACT)
+
+
+@pytest.mark.parametrize("wrap", ["mask", "lambda"])
+def test_head_dependent_mask_needs_num_heads_and_then_matches_dense(wrap):
+    S, P, H = 64, 4, 4
+    window = torch.tensor([4, 8, 16, 64])
+    fn = lambda b, h, q, kv: (q >= kv) & (q - kv < window[h])   # noqa: E731
+    mask = masks.as_mask(fn, name="per_head_window", bh_invariant=False) if wrap == "mask" else fn
+    with pytest.raises(ValueError, match=r"reads the h index .* pass num_heads="):
+        fringe.plan(schedules.zigzag(), mask, seq_len=S, world_size=P, block_size=4)
+    p = fringe.plan(schedules.zigzag(), mask, seq_len=S, world_size=P, block_size=4, num_heads=H)
+    q, k, v = make_qkv(B=1, H=H, G=2, S=S, D=8, seed=0, requires_grad=True)
+    out = fringe.simulate.attention(q, k, v, plan=p)
+    ref, _ = reference.attention(q, k, v, mask_mod=mask)
+    assert_close(out, ref, **EXACT)
+    for a, b in zip(torch.autograd.grad(out.sum(), (q, k, v)),
+                    torch.autograd.grad(ref.sum(), (q, k, v))):
+        assert_close(a, b, **EXACT)
