@@ -39,15 +39,39 @@ class Transport(Protocol):
 
 @dataclasses.dataclass
 class StepRecord:
-    """What one rank spent on one step: computing tiles, and waiting for transfers."""
+    """What one rank spent on one step: computing tiles, and waiting for transfers.
+
+    On CPU both times are wall-clock. On CUDA they are read from events on the compute stream
+    (compute: from before the first tile to after the last; wait: from there until the
+    stream may go on after the transfers), resolved on first access so that recording never
+    synchronises the device.
+    """
 
     rank: int
     step: int
-    compute_s: float
-    wait_s: float
+    _compute_s: float | None
+    _wait_s: float | None
     tiles: int
     sent_bytes: int
     recv_bytes: int
+    events: tuple | None = None
+
+    def _resolve(self) -> None:
+        if self._compute_s is None and self.events is not None:
+            e0, e1, e2 = self.events
+            e2.synchronize()
+            self._compute_s = e0.elapsed_time(e1) / 1e3
+            self._wait_s = e1.elapsed_time(e2) / 1e3
+
+    @property
+    def compute_s(self) -> float:
+        self._resolve()
+        return self._compute_s
+
+    @property
+    def wait_s(self) -> float:
+        self._resolve()
+        return self._wait_s
 
 
 class Pool:
@@ -151,19 +175,36 @@ def execute(programs: dict[int, Program], states: dict[int, RankState], transpor
                     recvs.append((op.peer, op.buf, st.incoming(op.buf)))
             pending[r] = (step, recvs, transport.issue(r, t, sends, recvs),
                           sum(x.numel() * x.element_size() for _, _, x in sends))
-        timings = {}
+        timings, events = {}, {}
         for r, (step, _, _, _) in pending.items():
+            ev = _events(states[r])
             t0 = time.perf_counter()
             for op in step.computes:
                 compute(states[r], op)
             timings[r] = time.perf_counter() - t0
+            if ev is not None:
+                ev[1].record()
+            events[r] = ev
         for r, (step, recvs, handle, sent) in pending.items():
             st = states[r]
             t0 = time.perf_counter()
             transport.wait(r, t, handle)
             wait_s = time.perf_counter() - t0
+            ev = events[r]
+            if ev is not None:
+                ev[2].record()
             for _, name, buf in recvs:
                 st.arrived(name, buf)
             st.release(t)
-            st.records.append(StepRecord(r, t, timings[r], wait_s, len(step.computes), sent,
-                                         sum(x.numel() * x.element_size() for _, _, x in recvs)))
+            st.records.append(StepRecord(
+                r, t, None if ev else timings[r], None if ev else wait_s, len(step.computes),
+                sent, sum(x.numel() * x.element_size() for _, _, x in recvs), ev))
+
+
+def _events(st: RankState):
+    """Three timing events on CUDA (the first recorded now), else None."""
+    if not st.kv_like.is_cuda:
+        return None
+    ev = tuple(torch.cuda.Event(enable_timing=True) for _ in range(3))
+    ev[0].record()
+    return ev
