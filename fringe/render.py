@@ -2,7 +2,8 @@
 
 ``table(plan)`` is the sketch of who computes which tile and what moves where at each step;
 ``tile_map(plan)`` shows the (q chunk, kv chunk) tiles and the step that computes each;
-``timeline(records)`` draws measured or simulated per-rank compute / wait bars (matplotlib).
+``timeline(records)`` draws measured or simulated per-rank compute / wait bars (matplotlib);
+``chrome_trace(records)`` writes the same as a trace for chrome://tracing or Perfetto.
 """
 from __future__ import annotations
 
@@ -97,3 +98,32 @@ def timeline(records, *, ax=None, title: str | None = None):
     if title:
         ax.set_title(title)
     return ax
+
+
+def chrome_trace(records, path=None) -> dict:
+    """Per-rank compute and exposed-wait spans as a Chrome trace (``chrome://tracing``, Perfetto).
+
+    Args:
+        records: :class:`fringe.runtime.StepRecord` values from any ranks (e.g. gathered
+            ``fringe.last_run()`` records).
+        path: where to write the JSON; not written when None.
+
+    Returns:
+        The trace as a dict (``{"traceEvents": [...]}``); one process per rank, spans laid
+        end to end in step order, in microseconds.
+    """
+    import json
+    events, clock = [], {}
+    for rec in sorted(records, key=lambda r: (r.rank, r.step)):
+        t0 = clock.get(rec.rank, 0.0)
+        for name, dur in ((f"compute t{rec.step} ({rec.tiles} tiles)", rec.compute_s),
+                          (f"wait t{rec.step} ({rec.recv_bytes:,} B in)", rec.wait_s)):
+            events.append(dict(name=name, ph="X", pid=rec.rank, tid=0, ts=t0 * 1e6,
+                               dur=dur * 1e6, cat="wait" if name.startswith("wait") else "compute"))
+            t0 += dur
+        clock[rec.rank] = t0
+    trace = {"traceEvents": events, "displayTimeUnit": "ms"}
+    if path is not None:
+        with open(path, "w") as f:
+            json.dump(trace, f)
+    return trace

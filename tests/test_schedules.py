@@ -236,3 +236,23 @@ def test_hand_written_program_gets_pruning_and_a_backward():
     assert p.forward == ref.forward and p.backward == ref.backward
     check(list(p.backward), backward=True)
     assert reverse(list(p.forward)) == list(p.backward)
+
+
+def test_timeline_and_chrome_trace_from_a_virtual_run(tmp_path):
+    import json
+    from fringe.testing import make_qkv
+    P, S = 4, 64
+    p = fringe.plan(schedules.zigzag(), masks.causal(), seq_len=S, world_size=P, block_size=4)
+    q, k, v = make_qkv(B=1, H=2, G=1, S=S, D=4, seed=0)
+    rt = fringe.runtime.VirtualRuntime(P)
+    stack = lambda x: torch.stack([p.layout.shard(x, r) for r in range(P)])   # noqa: E731
+    rt.forward(p, stack(q), stack(k), stack(v))
+    records = [rec for st in rt.last_states["forward"].values() for rec in st.records]
+    assert len(records) == sum(len(prog.steps) for prog in p.forward)
+    trace = render.chrome_trace(records, tmp_path / "trace.json")
+    loaded = json.loads((tmp_path / "trace.json").read_text())
+    assert loaded == json.loads(json.dumps(trace))
+    spans = [e for e in trace["traceEvents"] if e["cat"] == "compute"]
+    assert {e["pid"] for e in spans} == set(range(P)) and len(spans) == len(records)
+    ax = render.timeline(records, title="zigzag")
+    assert len(ax.patches) == 2 * len(records)
