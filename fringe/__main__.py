@@ -47,7 +47,8 @@ def parser() -> argparse.ArgumentParser:
                                          "communication; prints targets beside the figures")
     bench.add_argument("--seq-len", type=int, default=8192)
     bench.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
-    bench.add_argument("--schedule", choices=("ring", "zigzag", "striped"), default="zigzag")
+    bench.add_argument("--schedule", choices=("ring", "zigzag", "striped", "balanced"),
+                       default="zigzag")
     bench.add_argument("--iters", type=int, default=3)
     bench.add_argument("--plan-size", type=int, default=1 << 20,
                        help="tokens for the planning benchmark")

@@ -42,7 +42,7 @@ from .plan import plan as make_plan
 __all__ = ["DemoConfig", "DemoResult", "StepResult", "TinyLM", "TOLERANCE", "make_batch",
            "make_mask", "run_demo"]
 
-SCHEDULES = ("ring", "zigzag", "striped")
+SCHEDULES = ("ring", "zigzag", "striped", "balanced")
 MASKS = ("document", "causal", "sliding_window")
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 IGNORE = -100

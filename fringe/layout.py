@@ -11,6 +11,8 @@ Kinds (chunk = a contiguous run of global positions):
 * ``zigzag``: the sequence is cut into 2P chunks; rank r holds chunks r and 2P-1-r,
   which balances causal work.
 * ``striped``: round robin in stripes of ``stripe`` tokens: stripe i goes to rank i % P.
+* ``balanced``: mask-aware: blocks are dealt to ranks so that the attention work of every
+  rank's queries is as equal as possible (:func:`balanced`).
 
 >>> zigzag(8, 2, block_size=2).positions(0).tolist()
 [0, 1, 6, 7]
@@ -179,3 +181,40 @@ def from_order(order: torch.Tensor, world_size: int, *, kind: str = "custom",
         raise _granularity_error(order.numel(), world_size * block_size,
                                  f"P*block={world_size}*{block_size}")
     return Layout(kind, order, world_size)
+
+
+def balanced(seq_len: int, world_size: int, *, block_size: int = DEFAULT_BLOCK_SIZE,
+             block_work: torch.Tensor) -> Layout:
+    """Deal blocks to ranks so the work of each rank's queries is as equal as possible.
+
+    A rank computes every non-empty (q-block, kv-block) pair of its own q blocks, wherever the
+    kv lives, so its work is the sum of its q blocks' work, and balancing is a partition of
+    the blocks into P groups of equal size with equal sums. Greedy: heaviest block first, to
+    the least loaded rank that still has room (LPT); each rank keeps its blocks in sequence
+    order.
+
+    Args:
+        seq_len: S.
+        world_size: P.
+        block_size: tokens per block; ``S`` must be a multiple of ``P * block_size``.
+        block_work: float/int ``[S / block_size]``: the work of each q block (e.g. its number
+            of non-empty kv blocks, from :func:`fringe.masks.classify`).
+    """
+    _check(seq_len, world_size)
+    if seq_len % (world_size * block_size):
+        raise _granularity_error(seq_len, world_size * block_size,
+                                 f"P*block={world_size}*{block_size}")
+    nb = seq_len // block_size
+    work = torch.as_tensor(block_work, dtype=torch.float64).flatten()
+    if work.numel() != nb:
+        raise ValueError(f"block_work has {work.numel()} entries; expected S/block_size={nb}")
+    cap = nb // world_size
+    load = [0.0] * world_size
+    members: list[list[int]] = [[] for _ in range(world_size)]
+    for b in torch.argsort(work, descending=True, stable=True).tolist():
+        r = min((r for r in range(world_size) if len(members[r]) < cap), key=lambda r: load[r])
+        members[r].append(b)
+        load[r] += float(work[b])
+    blocks = torch.tensor([b for m in members for b in sorted(m)], dtype=torch.int64)
+    order = (blocks[:, None] * block_size + torch.arange(block_size)).reshape(-1)
+    return Layout("balanced", order, world_size)

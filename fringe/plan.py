@@ -226,15 +226,29 @@ def plan(schedule: Schedule, mask_mod: Callable | None = None, *, seq_len: int,
         if reads and getattr(mask_mod, "bh_invariant", False):
             raise ValueError(f"{name} is declared bh_invariant but reads the {idx} index; "
                              f"wrap it with masks.as_mask(fn, bh_invariant=False)")
-    lay = schedule.make_layout(seq_len, world_size, block_size=block_size)
+    natural = None
+    if schedule.mask_aware:      # classify in sequence order once, deal blocks, permute
+        natural = _masks.classify(mask_mod, torch.arange(seq_len), torch.arange(seq_len),
+                                  block_size=block_size, B=batch_size, H=num_heads)
+        work = (natural != BlockKind.EMPTY).sum(dim=1)
+        lay = schedule.make_layout(seq_len, world_size, block_size=block_size, block_work=work)
+    else:
+        lay = schedule.make_layout(seq_len, world_size, block_size=block_size)
     if lay.seq_len != seq_len or lay.world_size != world_size:
         raise ValueError(f"schedule {schedule.name!r} built a layout for S={lay.seq_len}, "
                          f"P={lay.world_size}; expected S={seq_len}, P={world_size}")
     if lay.local_len % block_size:
         raise ValueError(f"L=S/P={lay.local_len} tokens per rank is not a multiple of "
                          f"block_size={block_size}")
-    blocks = _masks.classify(mask_mod, lay.order, lay.order, block_size=block_size,
-                             B=batch_size, H=num_heads)
+    block_order = lay.order.view(-1, block_size)
+    aligned = bool((block_order == block_order[:, :1] + torch.arange(block_size)).all()) and \
+        bool((block_order[:, 0] % block_size == 0).all())
+    if natural is not None and aligned:
+        nb = block_order[:, 0] // block_size
+        blocks = natural[nb][:, nb]
+    else:
+        blocks = _masks.classify(mask_mod, lay.order, lay.order, block_size=block_size,
+                                 B=batch_size, H=num_heads)
     tiles = _tile_kinds(blocks, world_size)
     need = tiles != BlockKind.EMPTY
     fwd = schedule.programs(world_size, need)

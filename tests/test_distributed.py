@@ -14,7 +14,8 @@ from fringe.launch import LaunchError, Workers
 from fringe.ops import reference
 from fringe.testing import make_qkv, tolerances
 
-SCHEDULES = {"ring": schedules.ring, "zigzag": schedules.zigzag, "striped": schedules.striped}
+SCHEDULES = {"ring": schedules.ring, "zigzag": schedules.zigzag, "striped": schedules.striped,
+             "balanced": schedules.balanced}
 MASKS = ["causal", "document", "sliding_window", "lambda"]
 BLOCK = 2
 

@@ -88,3 +88,16 @@ def test_fingerprint_is_equal_for_equal_layouts_only():
     a, b = layout.zigzag(32, 2, block_size=2), layout.zigzag(32, 2, block_size=2)
     assert a.fingerprint() == b.fingerprint()
     assert a.fingerprint() != layout.contiguous(32, 2, block_size=2).fingerprint()
+
+
+def test_balanced_deals_blocks_evenly_by_work():
+    work = torch.tensor([9.0, 8, 7, 6, 1, 1, 0, 0])           # 8 blocks of 2 tokens, P = 2
+    lay = layout.balanced(16, 2, block_size=2, block_work=work)
+    blocks = [sorted({int(p) // 2 for p in lay.positions(r)}) for r in range(2)]
+    assert sorted(len(b) for b in blocks) == [4, 4]
+    loads = sorted(float(work[b].sum()) for b in blocks)
+    assert loads == [16.0, 16.0]                 # contiguous halves would be 30 / 2
+
+    assert all(torch.equal(lay.positions(r), lay.positions(r).sort().values) for r in range(2))
+    with pytest.raises(ValueError, match="block_work has 3 entries; expected S/block_size=8"):
+        layout.balanced(16, 2, block_size=2, block_work=work[:3])

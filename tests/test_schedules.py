@@ -17,7 +17,8 @@ from fringe.schedules import (Compute, GradCompute, Program, Recv, ScheduleError
 from fringe.schedules.ir import buffer_name
 
 GOLDEN = Path(__file__).parent / "golden"
-SCHEDULES = {"ring": schedules.ring, "zigzag": schedules.zigzag, "striped": schedules.striped}
+SCHEDULES = {"ring": schedules.ring, "zigzag": schedules.zigzag, "striped": schedules.striped,
+             "balanced": schedules.balanced}
 
 
 def random_mask(seed: int, S: int):
@@ -256,3 +257,26 @@ def test_timeline_and_chrome_trace_from_a_virtual_run(tmp_path):
     assert {e["pid"] for e in spans} == set(range(P)) and len(spans) == len(records)
     ax = render.timeline(records, title="zigzag")
     assert len(ax.patches) == 2 * len(records)
+
+
+@settings(deadline=None, max_examples=40)
+@given(st.integers(2, 8), st.integers(4, 16), st.integers(1, 20), st.integers(0, 2**16))
+def test_balanced_layout_is_never_worse_than_the_fixed_layouts(P, m, n_docs, seed):
+    bs = 4
+    S = 2 * P * bs * m
+    g = torch.Generator().manual_seed(seed)
+    cuts = torch.randperm(S - 1, generator=g)[:n_docs - 1] + 1
+    ids = torch.zeros(S, dtype=torch.int64)
+    ids[cuts] = 1
+    mask = masks.causal() & masks.document(ids.cumsum(0))
+    bal = {name: fringe.plan(make(), mask, seq_len=S, world_size=P, block_size=bs).stats().balance
+           for name, make in SCHEDULES.items()}
+    assert bal["balanced"] <= min(bal["ring"], bal["zigzag"], bal["striped"]) + 1e-9
+
+
+def test_balanced_reuses_the_sequence_order_classification():
+    ids = torch.repeat_interleave(torch.arange(5), torch.tensor([100, 7, 90, 30, 29]))
+    mask = masks.causal() & masks.document(ids)
+    p = fringe.plan(schedules.balanced(), mask, seq_len=256, world_size=4, block_size=4)
+    again = masks.classify(mask, p.layout.order, p.layout.order, block_size=4)
+    assert torch.equal(p.blocks, again)

@@ -15,7 +15,8 @@ from fringe import masks, schedules
 from fringe.ops import reference
 from fringe.testing import make_qkv, seeds, tolerances
 
-SCHEDULES = {"ring": schedules.ring, "zigzag": schedules.zigzag, "striped": schedules.striped}
+SCHEDULES = {"ring": schedules.ring, "zigzag": schedules.zigzag, "striped": schedules.striped,
+             "balanced": schedules.balanced}
 MASKS = ["full", "causal", "sliding_window", "document", "document_padded", "prefix_lm",
          "combination", "lambda"]
 EXACT = tolerances(torch.float64)

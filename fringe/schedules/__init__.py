@@ -6,8 +6,8 @@ from .ir import (Compute as Compute, GradCompute as GradCompute, Program as Prog
                  Recv as Recv, Send as Send, Step as Step, parse_op as parse_op)
 from .passes import (Hop as Hop, KV_MODES as KV_MODES, ScheduleError as ScheduleError,
                      check as check, lower as lower, prune as prune, reverse as reverse)
-from .rings import ring as ring, striped as striped, zigzag as zigzag
+from .rings import balanced as balanced, ring as ring, striped as striped, zigzag as zigzag
 
-__all__ = ["Compute", "GradCompute", "Hop", "KV_MODES", "Program", "Recv", "Schedule",
+__all__ = ["balanced", "Compute", "GradCompute", "Hop", "KV_MODES", "Program", "Recv", "Schedule",
            "ScheduleError", "Send", "Step", "check", "lower", "parse_op", "prune", "reverse",
            "ring", "ring_hops", "striped", "zigzag"]

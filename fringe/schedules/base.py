@@ -42,18 +42,28 @@ class Schedule:
             rooted at its owner. Mutually exclusive with ``programs``.
         programs: ``programs(world_size) -> [Program]`` — hand-written forward programs
             (still pruned, checked and reversed like any other).
+        mask_aware: the layout function also takes ``block_work=`` (per-q-block work of the
+            mask in sequence order, from the plan's classification), as
+            :func:`fringe.layout.balanced` does.
     """
 
     name: str
     layout: LayoutFn
     hops: HopsFn | None = None
     programs_fn: Callable[[int], Sequence[Program]] | None = None
+    mask_aware: bool = False
 
     def __post_init__(self) -> None:
         if (self.hops is None) == (self.programs_fn is None):
             raise ValueError(f"schedule {self.name!r}: give exactly one of hops= or programs_fn=")
 
-    def make_layout(self, seq_len: int, world_size: int, *, block_size: int) -> Layout:
+    def make_layout(self, seq_len: int, world_size: int, *, block_size: int,
+                    block_work: torch.Tensor | None = None) -> Layout:
+        if self.mask_aware:
+            if block_work is None:
+                raise ValueError(f"schedule {self.name!r} balances the mask's work: give "
+                                 f"block_work= (fringe.plan does)")
+            return self.layout(seq_len, world_size, block_size=block_size, block_work=block_work)
         return self.layout(seq_len, world_size, block_size=block_size)
 
     def programs(self, world_size: int, need: torch.Tensor | None = None) -> list[Program]:

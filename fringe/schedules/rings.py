@@ -101,3 +101,25 @@ def striped(stripe: int | None = None) -> Schedule:
                                block_size=block_size)
     return Schedule("striped" if stripe is None else f"striped({stripe})", layout=make,
                     hops=ring_hops)
+
+
+def balanced() -> Schedule:
+    """Ring over a mask-aware layout: blocks dealt to ranks to equalise each rank's work.
+
+    Zigzag and striped balance causal masks; packed documents, windows and arbitrary masks
+    need the mask itself. :func:`fringe.plan` classifies the mask once in sequence order,
+    :func:`fringe.layout.balanced` deals the blocks, and the block map is permuted, not
+    recomputed. For six packed documents of uneven length:
+
+    >>> import torch
+    >>> ids = torch.repeat_interleave(torch.arange(6), torch.tensor([400, 24, 300, 100, 150, 50]))
+    >>> m = masks.causal() & masks.document(ids)
+    >>> for name in ("ring", "zigzag", "striped", "balanced"):
+    ...     p = fringe.plan(getattr(schedules, name)(), m, seq_len=1024, world_size=4, block_size=16)
+    ...     print(name, round(p.stats().balance, 2))
+    ring 1.35
+    zigzag 1.75
+    striped 1.07
+    balanced 1.0
+    """
+    return Schedule("balanced", layout=_layout.balanced, hops=ring_hops, mask_aware=True)
