@@ -47,7 +47,7 @@ def bench_plan(*, S: int = 1 << 20, n_docs: int = 1000, P: int = 8, block_size: 
     ids = packed_docs(S, n_docs, 0)
     mask = masks.causal() & masks.document(ids)
     rows = []
-    for name in ("ring", "zigzag", "striped"):
+    for name in ("ring", "zigzag", "striped", "balanced"):
         t0 = time.perf_counter()
         p = make_plan(getattr(schedules, name)(), mask, seq_len=S, world_size=P,
                       block_size=block_size)
