@@ -14,7 +14,7 @@ PUBLIC = {
                      "sliding_window"],
     "fringe.ops": ["KERNELS", "Kernel", "ReferenceKernel", "SdpaKernel", "attention", "check_qkv",
                    "get_kernel", "merge", "tile_backward", "tile_forward"],
-    "fringe.schedules": ["Compute", "GradCompute", "Hop", "KV_MODES", "Program", "Recv",
+    "fringe.schedules": ["Compute", "GradCompute", "Hop", "KV_MODES", "Program", "Recv", "balanced",
                          "Schedule", "ScheduleError", "Send", "Step", "check", "lower", "parse_op",
                          "prune", "reverse", "ring", "ring_hops", "striped", "zigzag"],
     "fringe.runtime": ["CommTimeout", "DistRuntime", "DistTransport", "Pool", "RankMismatch",
