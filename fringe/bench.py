@@ -135,8 +135,12 @@ def run(*, world_sizes=(2, 4), case: AttnCase = AttnCase(), plan_size: int = 1 <
                           "ok" if r["seconds"] < PLAN_TARGET_S else "MISS"] for r in rows],
                         headers=["schedule", "seconds", "empty blocks", "work max/mean",
                                  "target"]))
-    torch.set_num_threads(1)
-    single_fringe, single_dense = _single(case)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)                 # like one rank; restored below
+    try:
+        single_fringe, single_dense = _single(case)
+    finally:
+        torch.set_num_threads(threads)
     out.append("")
     out.append(f"attention fwd+bwd: S={case.seq_len:,}, H={case.heads}, G={case.kv_heads}, "
                f"D={case.head_dim}, float32, causal & document ({case.n_docs} docs), "

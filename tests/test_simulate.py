@@ -258,3 +258,18 @@ def test_head_dependent_mask_needs_num_heads_and_then_matches_dense(wrap):
     for a, b in zip(torch.autograd.grad(out.sum(), (q, k, v)),
                     torch.autograd.grad(ref.sum(), (q, k, v))):
         assert_close(a, b, **EXACT)
+
+
+def test_check_mask_passes_for_good_masks_and_names_what_breaks():
+    from fringe.testing import check_mask
+    n = check_mask(masks.prefix_lm(5) | masks.sliding_window(3, causal=False),
+                   world_sizes=(1, 2, 3), block_sizes=(1, 2))
+    assert n == 4 * 3 * 2
+    stripes = lambda b, h, q, kv: ((q // 3) % 2 == (kv // 3) % 2) & (kv <= q)   # noqa: E731
+    assert check_mask(stripes, world_sizes=(2,), block_sizes=(2,)) == 4
+    # a mask whose block rule disagrees with its mask_mod: check_mask must catch it
+    import dataclasses
+    liar = dataclasses.replace(masks.causal(), mod=lambda b, h, q, kv: q >= 0 * kv)
+    with pytest.raises(AssertionError, match=r"schedule=ring P=1 block_size=1 .* block \(0, 1\) "
+                                             r"classified EMPTY, dense says FULL"):
+        check_mask(liar, world_sizes=(1,), block_sizes=(1,))
