@@ -57,10 +57,11 @@ def main() -> int:
     ok = all(torch.allclose(a.double(), plan.layout.shard(b, rank), **tol)
              for a, b in ((out, ref), (ql.grad, qg.grad), (kl.grad, kg.grad), (vl.grad, vg.grad)))
     stats = fringe.last_run().summary()
-    print(f"rank {rank}/{P} {args.schedule} {device.type} {args.dtype}: max err "
-          + " ".join(f"{k}={v:.1e}" for k, v in errs.items())
-          + f" exposed comm fwd={stats['forward']['exposed']:.2f} -> {'OK' if ok else 'MISMATCH'}",
-          flush=True)
+    line = (f"rank {rank}/{P} {args.schedule} {device.type} {args.dtype}: max err "
+            + " ".join(f"{k}={v:.1e}" for k, v in errs.items())
+            + f" exposed comm fwd={stats['forward']['exposed']:.2f} -> {'OK' if ok else 'MISMATCH'}")
+    sys.stdout.write(line + "\n")          # one write per line: ranks share the pipe
+    sys.stdout.flush()
     dist.destroy_process_group()
     return 0 if ok else 1
 

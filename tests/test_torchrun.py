@@ -12,6 +12,7 @@ def test_torchrun_env_rendezvous_matches_dense():
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            str(EXAMPLE), "--schedule", "striped", "--seq-len", "256"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
-    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("rank ")]
     assert done.returncode == 0, done.stdout + done.stderr
-    assert len(lines) == 2 and all(ln.endswith("OK") for ln in lines), done.stdout
+    # ranks share one pipe: count verdicts rather than trusting line boundaries
+    assert done.stdout.count("-> OK") == 2 and "MISMATCH" not in done.stdout, done.stdout
+    assert "rank 0/2" in done.stdout and "rank 1/2" in done.stdout, done.stdout

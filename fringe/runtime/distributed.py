@@ -73,14 +73,22 @@ class DistTransport:
         for peer, name, tensor in recvs:
             ops.append(dist.P2POp(dist.irecv, tensor, self._global(peer), group=self.group))
             meta.append(("receive", name, peer))
-        if self.cuda:
-            self.stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(self.stream):
+        try:
+            if self.cuda:
+                self.stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(self.stream):
+                    reqs = dist.batch_isend_irecv(ops)
+                for op in ops:
+                    op.tensor.record_stream(self.stream)
+            else:
                 reqs = dist.batch_isend_irecv(ops)
-            for op in ops:
-                op.tensor.record_stream(self.stream)
-        else:
-            reqs = dist.batch_isend_irecv(ops)
+        except RuntimeError as e:       # a peer that already died can fail the issue itself
+            kind, name, peer = meta[0]
+            raise CommTimeout(
+                f"rank {rank}, step {step}: could not start the {kind} of {name} "
+                f"{'to' if kind == 'send' else 'from'} rank {peer} (and {len(meta) - 1} more "
+                f"transfers); the peer may have died. Backend said: "
+                f"{str(e).splitlines()[0][:200]}") from e
         return reqs, meta
 
     def wait(self, rank: int, step: int, handle) -> None:
