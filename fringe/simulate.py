@@ -52,3 +52,21 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, plan,
     if return_lse:
         return out, lay.unshard(list(lse.unsqueeze(-1).unbind(0))).squeeze(-1)
     return out
+
+
+def forward_states(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, plan) -> dict:
+    """Run the forward on the virtual mesh and return each rank's interpreter state.
+
+    Each :class:`~fringe.runtime.RankState` carries ``records`` (per-step compute and wait
+    time, for :func:`fringe.render.timeline` / :func:`fringe.render.chrome_trace`) and
+    ``pool`` (how many buffers the rank allocated).
+
+    Returns:
+        ``{rank: RankState}``.
+    """
+    check_inputs(q, k, v, plan=plan, local=False)
+    lay, P = plan.layout, plan.world_size
+    stack = lambda x: torch.stack([lay.shard(x.detach(), r) for r in range(P)])   # noqa: E731
+    rt = VirtualRuntime(P)
+    rt.forward(plan, stack(q), stack(k), stack(v))
+    return rt.last_states["forward"]

@@ -85,8 +85,6 @@ assert torch.allclose(out2, ref, atol=1e-10)
 # ## A timeline of the (virtual) run
 
 # %%
-rt = fringe.runtime.VirtualRuntime(P)
-stack = lambda x: torch.stack([p.layout.shard(x, r) for r in range(P)])  # noqa: E731
-rt.forward(p, stack(q.detach()), stack(k.detach()), stack(v.detach()))
-records = [rec for st in rt.last_states["forward"].values() for rec in st.records]
+states = fringe.simulate.forward_states(q, k, v, plan=p)
+records = [rec for st in states.values() for rec in st.records]
 ax = render.timeline(records, title="zigzag forward, virtual mesh")

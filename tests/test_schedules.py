@@ -245,10 +245,8 @@ def test_timeline_and_chrome_trace_from_a_virtual_run(tmp_path):
     P, S = 4, 64
     p = fringe.plan(schedules.zigzag(), masks.causal(), seq_len=S, world_size=P, block_size=4)
     q, k, v = make_qkv(B=1, H=2, G=1, S=S, D=4, seed=0)
-    rt = fringe.runtime.VirtualRuntime(P)
-    stack = lambda x: torch.stack([p.layout.shard(x, r) for r in range(P)])   # noqa: E731
-    rt.forward(p, stack(q), stack(k), stack(v))
-    records = [rec for st in rt.last_states["forward"].values() for rec in st.records]
+    states = fringe.simulate.forward_states(q, k, v, plan=p)
+    records = [rec for st in states.values() for rec in st.records]
     assert len(records) == sum(len(prog.steps) for prog in p.forward)
     trace = render.chrome_trace(records, tmp_path / "trace.json")
     loaded = json.loads((tmp_path / "trace.json").read_text())

@@ -197,10 +197,8 @@ def test_interpreter_reuses_buffers():
     P, S = 8, 128
     p = fringe.plan(schedules.ring(), masks.full(), seq_len=S, world_size=P, block_size=2)
     q, k, v = make_qkv(B=1, H=1, G=1, S=S, D=4, seed=0)
-    rt = fringe.runtime.VirtualRuntime(P)
-    stack = lambda x: torch.stack([p.layout.shard(x, r) for r in range(P)])   # noqa: E731
-    rt.forward(p, stack(q), stack(k), stack(v))
-    assert max(st.pool.allocated for st in rt.last_states["forward"].values()) <= 2
+    states = fringe.simulate.forward_states(q, k, v, plan=p)
+    assert max(st.pool.allocated for st in states.values()) <= 2
 
 
 def random_tree_hops(P: int, seed: int):
