@@ -49,7 +49,7 @@ class Attention(torch.autograd.Function):
     def setup_context(ctx, inputs, output):
         q, k, v, plan, runtime = inputs
         out, lse, *flat = output
-        ctx.plan, ctx.runtime, ctx.n_kept = plan, runtime, len(flat)
+        ctx.plan, ctx.runtime = plan, runtime
         ctx.save_for_backward(q, k, v, out, lse, *flat)
         ctx.mark_non_differentiable(lse, *flat)
 

@@ -31,6 +31,11 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, plan, loc
             raise ValueError(f"the plan's mask was classified for {name}={val}, but q has {size}")
 
 
+def _stack(plan, x: torch.Tensor) -> torch.Tensor:
+    """Global ``[..., S, D]`` -> rank-stacked ``[P, ..., L, D]`` in the plan's layout."""
+    return torch.stack([plan.layout.shard(x, r) for r in range(plan.world_size)])
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, plan,
               return_lse: bool = False):
     """Context-parallel attention of global tensors, simulated on one process.
@@ -44,10 +49,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, plan,
         out ``[B, H, S, D]`` (and lse), equal to dense attention under the plan's mask.
     """
     check_inputs(q, k, v, plan=plan, local=False)
-    lay, P = plan.layout, plan.world_size
-    stack = lambda x: torch.stack([lay.shard(x, r) for r in range(P)])   # noqa: E731
-    out, lse = attention_stacked(stack(q), stack(k), stack(v), plan=plan,
-                                 runtime=VirtualRuntime(P))
+    lay = plan.layout
+    out, lse = attention_stacked(_stack(plan, q), _stack(plan, k), _stack(plan, v), plan=plan,
+                                 runtime=VirtualRuntime(plan.world_size))
     out = lay.unshard(list(out.unbind(0)))
     if return_lse:
         return out, lay.unshard(list(lse.unsqueeze(-1).unbind(0))).squeeze(-1)
@@ -65,8 +69,6 @@ def forward_states(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, plan) -
         ``{rank: RankState}``.
     """
     check_inputs(q, k, v, plan=plan, local=False)
-    lay, P = plan.layout, plan.world_size
-    stack = lambda x: torch.stack([lay.shard(x.detach(), r) for r in range(P)])   # noqa: E731
-    rt = VirtualRuntime(P)
-    rt.forward(plan, stack(q), stack(k), stack(v))
+    rt = VirtualRuntime(plan.world_size)
+    rt.forward(plan, *(_stack(plan, x.detach()) for x in (q, k, v)))
     return rt.last_states["forward"]

@@ -40,13 +40,13 @@ def _h48(text: str) -> int:
     return int(hashlib.sha1(text.encode()).hexdigest()[:12], 16)
 
 
-def _describe(field: str, value: int, plan_fp: str | None = None) -> str:
+def _describe(field: str, value: int) -> str:
     if field == "dtype":
         return str(_DTYPES[value]) if 0 <= value < len(_DTYPES) else f"code {value}"
     if field == "device type":
         return "cuda" if value == 1 else "cpu" if value == 0 else f"code {value}"
     if field == "plan fingerprint":
-        return plan_fp if plan_fp else f"#{value:x}"
+        return f"#{value:x}"
     return str(value)
 
 

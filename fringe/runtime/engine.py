@@ -26,6 +26,18 @@ def kept_names(plan, rank: int) -> list[str]:
                    if isinstance(op, Compute) and op.kv != rank})
 
 
+def _rank_state(program, rank: int, k: torch.Tensor, v: torch.Tensor, *,
+                grad_dtype: torch.dtype | None, protect: set[str]) -> RankState:
+    """A rank's interpreter state holding its own kv (k and v packed as ``[2, B, G, L, D]``)."""
+    own = torch.stack([k, v])
+    grad_like = (None if grad_dtype is None else
+                 torch.empty(own.shape, dtype=grad_dtype, device=own.device))
+    st = RankState(rank, program, kv_like=own, grad_like=grad_like,
+                   protect={buffer_name("kv", rank)} | protect)
+    st.bufs[buffer_name("kv", rank)] = own
+    return st
+
+
 def _tile_args(plan, i: int, j: int, device: torch.device) -> dict:
     return dict(q_pos=plan.positions(i, device), kv_pos=plan.positions(j, device),
                 mask_mod=plan.mask_mod, score_mod=plan.score_mod, scale=plan.scale,
@@ -46,12 +58,8 @@ def forward(plan, ranks: Sequence[int], q: torch.Tensor, k: torch.Tensor, v: tor
     acc = acc_dtype(q.dtype)
     states, outs, lses = {}, {}, {}
     for n, r in enumerate(ranks):
-        own = torch.stack([k[n], v[n]])
-        keep = set(kept_names(plan, r))
-        st = RankState(r, plan.forward[r], kv_like=own, grad_like=None,
-                       protect={buffer_name("kv", r)} | keep)
-        st.bufs[buffer_name("kv", r)] = own
-        states[r] = st
+        states[r] = _rank_state(plan.forward[r], r, k[n], v[n], grad_dtype=None,
+                                protect=set(kept_names(plan, r)))
     index = {r: n for n, r in enumerate(ranks)}
 
     def compute(st: RankState, op) -> None:
@@ -87,11 +95,8 @@ def backward(plan, ranks: Sequence[int], q, k, v, out, lse, dout, kept, transpor
     states, dqs = {}, {}
     index = {r: n for n, r in enumerate(ranks)}
     for n, r in enumerate(ranks):
-        own = torch.stack([k[n], v[n]])
-        grad_like = torch.empty(own.shape, dtype=acc, device=own.device)
-        st = RankState(r, plan.backward[r], kv_like=own, grad_like=grad_like,
-                       protect={buffer_name("kv", r), buffer_name("dkv", r)})
-        st.bufs[buffer_name("kv", r)] = own
+        st = _rank_state(plan.backward[r], r, k[n], v[n], grad_dtype=acc,
+                         protect={buffer_name("dkv", r)})
         for name, buf in zip(kept_names(plan, r), kept[n] if kept else []):
             st.bufs[name] = buf
         states[r] = st

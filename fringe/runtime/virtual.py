@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import torch
 
-from .. import schedules as _schedules  # noqa: F401  (import order: IR before runtime users)
-
 
 class VirtualMesh:
     """In-memory transport for P ranks driven by one process."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import Iterable, Sequence
+from typing import Sequence
 
 import torch
 
@@ -313,17 +313,3 @@ def _check_presence(programs: Sequence[Program], *, backward: bool, kv: str) -> 
                 elif isinstance(op, Recv) and split_name(op.buf)[0] == "kv":
                     arriving.add(op.buf)
             present |= arriving
-
-
-def work_per_rank(programs: Sequence[Program], tile_work: torch.Tensor) -> list[float]:
-    """Sum of ``tile_work[q, kv]`` over each rank's computes."""
-    return [float(sum(float(tile_work[op.q, op.kv]) for _, op in p.ops()
-                      if isinstance(op, (Compute, GradCompute)))) for p in programs]
-
-
-def comm_ops(programs: Iterable[Program]):
-    """Yield ``(rank, step, op)`` for every send and receive."""
-    for p in programs:
-        for t, op in p.ops():
-            if isinstance(op, (Send, Recv)):
-                yield p.rank, t, op
