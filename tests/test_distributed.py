@@ -147,10 +147,6 @@ def test_a_rank_that_exits_early_makes_the_others_time_out():
     assert "rank 0, step 0" in tb and "kv" in tb and "rank 1" in tb
 
 
-def worker_not_initialised(rank: int, world_size: int):
-    return None
-
-
 def test_attention_without_process_group_says_what_to_do():
     plan = fringe.plan(schedules.ring(), masks.causal(), seq_len=16, world_size=2, block_size=2)
     q, k, v = make_qkv(B=1, H=1, G=1, S=8, D=4, seed=0)

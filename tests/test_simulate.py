@@ -5,6 +5,8 @@ torch.distributed in test_distributed.py.
 """
 from __future__ import annotations
 
+import zlib
+
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
@@ -97,7 +99,7 @@ def test_kept_kv_backward_matches_dense(case):
 @pytest.mark.parametrize("mask_kind", MASKS)
 def test_each_schedule_and_mask_family_once(name, mask_kind):
     """A fixed sweep so every (schedule, mask family) pair runs on every CI run."""
-    run_case(name, mask_kind, 4, 2, 2, seed=hash((name, mask_kind)) % 1000)
+    run_case(name, mask_kind, 4, 2, 2, seed=zlib.crc32(f"{name}/{mask_kind}".encode()) % 1000)
 
 
 def test_score_mod_alibi_under_zigzag():
