@@ -6,8 +6,10 @@ A *kernel* computes one dense sub-problem (q rows x one contiguous kv range, an 
 mask ``[B or 1, H or 1, Lq, Lk]``, an optional score_mod on global positions)::
 
     kernel.forward(q, k, v, *, q_pos, kv_pos, mask, score_mod, scale) -> (out, lse)
-    kernel.backward(q, k, v, out, lse, dout, *, q_pos, kv_pos, mask, score_mod, scale)
-        -> (dq, dk, dv)            # out, lse: the GLOBAL merged ones
+    kernel.backward(q, k, v, out, lse, dout, *, q_pos, kv_pos, mask, score_mod, scale,
+                    dlse=None, score_params=())
+        -> (dq, dk, dv)            # out, lse: the GLOBAL merged ones; dlse: lse's cotangent
+        -> (dq, dk, dv, dparams)   # when score_params (tensors score_mod closes over) is given
     kernel.available(device) -> (ok, reason)
 
 Kernels: ``reference`` (einsum, any dtype / mask / score_mod) and ``sdpa`` (the fused CPU op,
@@ -33,7 +35,7 @@ class Kernel(Protocol):
     def forward(self, q, k, v, *, q_pos, kv_pos, mask=None, score_mod=None, scale): ...
 
     def backward(self, q, k, v, out, lse, dout, *, q_pos, kv_pos, mask=None, score_mod=None,
-                 scale): ...
+                 scale, dlse=None, score_params=()): ...
 
 
 KERNELS: dict[str, Kernel] = {"reference": REFERENCE, "sdpa": SDPA}

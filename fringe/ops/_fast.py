@@ -110,10 +110,12 @@ class SdpaKernel:
         return self._forward(q, k, v, q_pos=q_pos, kv_pos=kv_pos, mask=mask, scale=scale)
 
     def backward(self, q, k, v, out, lse, dout, *, q_pos, kv_pos, mask=None, score_mod=None,
-                 scale):
-        if not self._usable(q, score_mod):
+                 scale, dlse=None, score_params=()):
+        if (not self._usable(q, score_mod) or score_params
+                or (dlse is not None and bool((dlse != 0).any()))):
             return REFERENCE.backward(q, k, v, out, lse, dout, q_pos=q_pos, kv_pos=kv_pos,
-                                      mask=mask, score_mod=score_mod, scale=scale)
+                                      mask=mask, score_mod=score_mod, scale=scale, dlse=dlse,
+                                      score_params=score_params)
         return self._backward(q, k, v, out, lse, dout, q_pos=q_pos, kv_pos=kv_pos, mask=mask,
                               scale=scale)
 

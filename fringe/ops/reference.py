@@ -11,6 +11,7 @@ einsums run over ``"bgrqd,bgkd->bgrqk"`` (query head ``h = g * (H/G) + r`` reads
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Callable
 
 import torch
@@ -128,13 +129,119 @@ def raw_scores(q: torch.Tensor, k: torch.Tensor, *, scale: float) -> torch.Tenso
     return s.reshape(B, H, Lq, Lk)
 
 
+# ---------------------------------------------------------------------------------------------
+# score_mod semantics: FlexAttention's (defined on scalar indices), broadcasting as the fast path
+
+#: The probe on which a score_mod's broadcast evaluation is compared with its vmap evaluation:
+#: ``(B, H, Lq, Lk)``, non-square so that a reduction over one axis cannot hide.
+PROBE_SHAPE = (2, 3, 5, 7)
+
+_BROADCAST_OK: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+class ScoreModError(ValueError):
+    """A score_mod that cannot be evaluated the way FlexAttention evaluates it (per scalar)."""
+
+
+def _vmapped(fn: Callable) -> Callable:
+    """``fn(score, b, h, q_idx, kv_idx)`` on scalars -> the same on ``[B,H,Lq,Lk]`` / 1-D indices.
+
+    Nested ``torch.func.vmap`` over (b, h, q_idx, kv_idx), as FlexAttention applies a score_mod.
+    """
+    f = torch.func.vmap(fn, in_dims=(0, None, None, None, 0))     # kv_idx
+    f = torch.func.vmap(f, in_dims=(0, None, None, 0, None))      # q_idx
+    f = torch.func.vmap(f, in_dims=(0, None, 0, None, None))      # h
+    return torch.func.vmap(f, in_dims=(0, 0, None, None, None))   # b
+
+
+def _by_vmap(s: torch.Tensor, score_mod: ScoreMod, b, h, q_pos, kv_pos) -> torch.Tensor:
+    try:
+        out = _vmapped(score_mod)(s, b, h, q_pos, kv_pos)
+    except Exception as e:  # noqa: BLE001 - re-raised with the cause named
+        raise ScoreModError(
+            f"score_mod {_name(score_mod)} fails when applied per (b, h, q_idx, kv_idx) with "
+            f"torch.func.vmap, as FlexAttention applies it ({type(e).__name__}: {e}); write it "
+            f"for scalar tensors: no .item(), no Python control flow on tensor values") from e
+    if tuple(out.shape) != tuple(s.shape):
+        raise ScoreModError(f"score_mod {_name(score_mod)} must return one score per "
+                            f"(b, h, q_idx, kv_idx) (a scalar under vmap); got shape "
+                            f"{tuple(out.shape)} for scores {tuple(s.shape)}")
+    return out
+
+
+def _name(fn) -> str:
+    return repr(getattr(fn, "__name__", fn))
+
+
+def _cycle(t: torch.Tensor, n: int) -> torch.Tensor:
+    return t[torch.arange(n, device=t.device) % t.numel()]
+
+
+def _broadcast(s: torch.Tensor, score_mod: ScoreMod, b, h, q_pos, kv_pos) -> torch.Tensor:
+    out = score_mod(s, b.view(-1, 1, 1, 1), h.view(1, -1, 1, 1), q_pos.view(1, 1, -1, 1),
+                    kv_pos.view(1, 1, 1, -1))
+    out = torch.as_tensor(out, device=s.device)
+    return out.expand(s.shape)
+
+
+def broadcast_agrees(score_mod: ScoreMod, *, B: int, H: int, q_pos: torch.Tensor,
+                     kv_pos: torch.Tensor, dtype: torch.dtype = torch.float64) -> bool:
+    """Whether broadcasting ``score_mod`` over index tensors gives what vmap gives (cached).
+
+    FlexAttention defines a score_mod on scalar indices and vmaps it. Broadcasting index
+    tensors is much faster and agrees for elementwise code, but not for reductions
+    (``.sum()``, ``torch.dot`` over captured per-index vectors) or shape-dependent code. The
+    first call per mod compares both on a small non-square probe (:data:`PROBE_SHAPE`, random
+    scores, indices cycled from the problem's own so captured tables are indexed in range) and
+    caches the verdict per mod (weakly). This is a check on one probe, not a proof: a mod that
+    agrees on the probe and differs elsewhere is evaluated by broadcasting.
+
+    Raises:
+        ScoreModError: when the mod fails under vmap too (as it would in FlexAttention).
+    """
+    try:
+        return _BROADCAST_OK[score_mod]
+    except (KeyError, TypeError):
+        pass
+    pb, ph, pq, pk = PROBE_SHAPE
+    dev = q_pos.device
+    g = torch.Generator().manual_seed(0)
+    s = torch.randn(PROBE_SHAPE, generator=g, dtype=dtype).to(dev)
+    bi = _cycle(torch.arange(max(B, 1), device=dev), pb)
+    hi = _cycle(torch.arange(max(H, 1), device=dev), ph)
+    qi = _cycle(q_pos, pq) if q_pos.numel() else torch.zeros(pq, dtype=torch.long, device=dev)
+    ki = _cycle(kv_pos, pk) if kv_pos.numel() else torch.zeros(pk, dtype=torch.long, device=dev)
+    with torch.no_grad():
+        want = _by_vmap(s, score_mod, bi, hi, qi, ki)
+        try:
+            got = _broadcast(s, score_mod, bi, hi, qi, ki)
+            ok = got.shape == want.shape and bool(
+                torch.allclose(got.to(want.dtype), want, rtol=1e-12, atol=1e-12, equal_nan=True))
+        except Exception:  # noqa: BLE001 - a mod written for scalars may reject broadcasting
+            ok = False
+    try:
+        _BROADCAST_OK[score_mod] = ok
+    except TypeError:            # not weak-referenceable: probe again next time
+        pass
+    return ok
+
+
 def apply_score_mod(s: torch.Tensor, score_mod: ScoreMod | None, q_pos: torch.Tensor,
                     kv_pos: torch.Tensor) -> torch.Tensor:
+    """``score_mod`` applied to scores ``[B, H, Lq, Lk]`` at global positions, per FlexAttention.
+
+    Broadcasting where :func:`broadcast_agrees` says it agrees with vmap for this mod, else
+    nested ``torch.func.vmap`` over scalar indices. Differentiable either way (autograd and
+    ``torch.func.vjp`` both work through vmap).
+    """
     if score_mod is None:
         return s
     B, H, Lq, Lk = s.shape
-    out = score_mod(s, *bh_index(B, H, q_pos, kv_pos))
-    return torch.as_tensor(out).expand(B, H, Lq, Lk)
+    dev = s.device
+    b, h = torch.arange(B, device=dev), torch.arange(H, device=dev)
+    if broadcast_agrees(score_mod, B=B, H=H, q_pos=q_pos, kv_pos=kv_pos):
+        return _broadcast(s, score_mod, b, h, q_pos, kv_pos)
+    return _by_vmap(s, score_mod, b, h, q_pos, kv_pos)
 
 
 def _softmax_attend(s: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -165,6 +272,110 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, q_pos: torch.Te
         s = s.masked_fill(~mask, -math.inf)
     out, lse = _softmax_attend(s, v)
     return out.to(q.dtype), lse
+
+
+def _zero_nonfinite(t: torch.Tensor) -> torch.Tensor:
+    return torch.where(torch.isfinite(t), t, torch.zeros((), dtype=t.dtype, device=t.device))
+
+
+def grad_tile(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+              lse: torch.Tensor, dout: torch.Tensor, *, q_pos: torch.Tensor, kv_pos: torch.Tensor,
+              mask: torch.Tensor | None, score_mod: ScoreMod | None, scale: float,
+              dlse: torch.Tensor | None = None, score_params: tuple[torch.Tensor, ...] = ()):
+    """One dense sub-problem's gradient given the GLOBAL ``out``/``lse`` (the reference backward).
+
+    ``p = exp(s - lse)``, ``delta = rowsum(dout * out)``, ``ds = p * (dp - (delta - dlse))``:
+    summed over all kv tiles of the q rows this is the exact gradient of a loss that uses both
+    ``out`` and ``lse`` (``dlse`` its lse cotangent, None = 0). A globally dead row (lse = -inf)
+    gets zero gradient whatever ``dlse`` is.
+
+    Non-finite inputs: a masked pair contributes exactly nothing, whatever its q row, k row or
+    ``dout`` row hold (``p`` and ``ds`` are masked, and the einsums read finite copies of q, k and
+    dout where a non-finite entry could only meet a zero; a pair that is not masked still
+    propagates NaN as dense attention does). A masked NaN in ``v`` gives NaN in ``out`` (forward)
+    exactly as in the dense reference.
+
+    Args:
+        q, k, v, out, lse, dout, q_pos, kv_pos, mask, score_mod, scale: as in the kernel.
+        dlse: cotangent of the GLOBAL lse of these rows, ``[B, H, Lq]``; None = zero.
+        score_params: tensors the score_mod closes over that require grad.
+
+    Returns:
+        ``(dq, dk, dv)`` in the inputs' dtypes, plus ``dparams`` (a tuple aligned with
+        ``score_params``, this sub-problem's contribution) when ``score_params`` is non-empty.
+    """
+    B, H, Lq, D = q.shape
+    G, Lk = k.shape[1], k.shape[2]
+    R = H // G
+    ct = compute_dtype(q.dtype)
+    score_params = tuple(score_params)
+    # Plain ops, no no_grad(): autograd already runs backward without grad, and this keeps
+    # the body transformable by torch.func when called from an autograd.Function.
+    s_raw = raw_scores(q, k, scale=scale)
+    if mask is not None:            # a masked (maybe NaN) score must not reach score_mod's vjp
+        s_raw = torch.where(mask, s_raw, torch.zeros((), dtype=ct, device=q.device))
+    s = apply_score_mod(s_raw, score_mod, q_pos, kv_pos).to(ct)
+    lse = lse.to(ct)
+    # A globally dead row (lse = -inf) is masked in every tile: p must be 0, not NaN.
+    dead = torch.isneginf(lse)
+    lse = torch.where(dead, torch.zeros_like(lse), lse)
+    p = torch.exp(s - lse.unsqueeze(-1))                               # [B, H, Lq, Lk]
+    zero = torch.zeros((), dtype=ct, device=q.device)
+    if mask is not None:
+        p = torch.where(mask, p, zero)
+    dout_c, out_c = dout.to(ct), out.to(ct)
+    dog = dout_c.reshape(B, G, R, Lq, D)
+    dp = torch.einsum("bgrqd,bgkd->bgrqk", dog, v.to(ct)).reshape(B, H, Lq, Lk)
+    delta = (dout_c * out_c).sum(-1)                                    # [B, H, Lq]
+    if dlse is not None:
+        delta = delta - torch.where(dead, torch.zeros_like(lse), dlse.to(ct))
+    ds = p * (dp - delta.unsqueeze(-1))
+    if mask is not None:
+        ds = torch.where(mask, ds, zero)
+    pg = p.reshape(B, G, R, Lq, Lk)
+    dv = torch.einsum("bgrqk,bgrqd->bgkd", pg, _zero_nonfinite(dog))
+    bad = ~torch.isfinite(dog)
+    if bool(bad.any()):             # a non-finite dout row poisons only the keys it attends to
+        live = (mask if mask is not None else torch.ones((), dtype=torch.bool, device=q.device))
+        live = live.expand(B, H, Lq, Lk).reshape(B, G, R, Lq, Lk).to(ct)
+        hit = torch.einsum("bgrqk,bgrqd->bgkd", live, bad.to(ct)) > 0
+        dv = torch.where(hit, torch.full((), math.nan, dtype=ct, device=q.device), dv)
+    dparams: tuple[torch.Tensor, ...] = ()
+    if score_mod is not None:
+        ds, dparams = _score_mod_vjp(s_raw, ds, score_mod, q_pos, kv_pos, score_params)
+        if mask is not None:
+            ds = torch.where(mask, ds, zero)
+    dsg = ds.reshape(B, G, R, Lq, Lk)
+    dq = torch.einsum("bgrqk,bgkd->bgrqd", dsg, _zero_nonfinite(k.to(ct))).reshape(B, H, Lq, D)
+    dk = torch.einsum("bgrqk,bgrqd->bgkd", dsg, _zero_nonfinite(q.to(ct)).reshape(B, G, R, Lq, D))
+    grads = (dq.mul(scale).to(q.dtype), dk.mul(scale).to(k.dtype), dv.to(v.dtype))
+    return (*grads, dparams) if score_params else grads
+
+
+def _score_mod_vjp(s_raw, ds, score_mod, q_pos, kv_pos, score_params):
+    """Pull ``ds`` (w.r.t. modified scores) back to raw scores and to ``score_params``."""
+    if not score_params:
+        _, pullback = torch.func.vjp(lambda t: apply_score_mod(t, score_mod, q_pos, kv_pos)
+                                     .to(ds.dtype), s_raw)
+        (ds,) = pullback(ds)
+        return ds, ()
+    for n, prm in enumerate(score_params):
+        if not (isinstance(prm, torch.Tensor) and prm.requires_grad):
+            raise ValueError(f"score_params[{n}] must be a tensor that requires grad (the "
+                             f"parameters the score_mod closes over), got "
+                             f"{type(prm).__name__}"
+                             + ("" if not isinstance(prm, torch.Tensor) else " without grad"))
+    with torch.enable_grad():
+        raw = s_raw.detach().requires_grad_()
+        mod = apply_score_mod(raw, score_mod, q_pos, kv_pos).to(ds.dtype)
+        if not mod.requires_grad:       # the mod ignores scores and params: nothing flows
+            return torch.zeros_like(ds), tuple(torch.zeros_like(p) for p in score_params)
+        grads = torch.autograd.grad(mod, (raw, *score_params), grad_outputs=ds,
+                                    allow_unused=True)
+    ds_raw = grads[0] if grads[0] is not None else torch.zeros_like(ds)
+    dparams = tuple(torch.zeros_like(p) if g is None else g
+                    for p, g in zip(score_params, grads[1:]))
+    return ds_raw, dparams
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
@@ -204,6 +415,10 @@ class ReferenceKernel:
     ``[B, G, Lk, D]``, an optional bool ``mask`` broadcastable to ``[B, H, Lq, Lk]`` and global
     positions for ``score_mod``. ``backward`` takes the GLOBAL merged out/lse (flash-attention
     style), so partial gradients over kv tiles sum to the exact gradient.
+
+    Non-finite inputs (see :func:`grad_tile`): a masked pair never contributes, whatever the
+    values of its q row or k row (a NaN key confines to the rows that attend to it). A masked
+    NaN *value* still gives NaN in ``out`` as in the dense reference (``0 * NaN``).
     """
 
     name = "reference"
@@ -217,39 +432,9 @@ class ReferenceKernel:
                           scale=scale)
 
     def backward(self, q, k, v, out, lse, dout, *, q_pos, kv_pos, mask=None, score_mod=None,
-                 scale):
-        B, H, Lq, D = q.shape
-        G, Lk = k.shape[1], k.shape[2]
-        R = H // G
-        ct = compute_dtype(q.dtype)
-        # Plain ops, no no_grad(): autograd already runs backward without grad, and this keeps
-        # the body transformable by torch.func when called from an autograd.Function.
-        s_raw = raw_scores(q, k, scale=scale)
-        s = apply_score_mod(s_raw, score_mod, q_pos, kv_pos)
-        if mask is not None:
-            s = s.masked_fill(~mask, -math.inf)
-        lse = lse.to(ct)
-        # A globally dead row (lse = -inf) is masked in every tile: p must be 0, not NaN.
-        lse = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
-        p = torch.exp(s - lse.unsqueeze(-1))                           # [B, H, Lq, Lk]
-        dout_c, out_c = dout.to(ct), out.to(ct)
-        pg = p.reshape(B, G, R, Lq, Lk)
-        dog = dout_c.reshape(B, G, R, Lq, D)
-        dv = torch.einsum("bgrqk,bgrqd->bgkd", pg, dog)
-        dp = torch.einsum("bgrqd,bgkd->bgrqk", dog, v.to(ct)).reshape(B, H, Lq, Lk)
-        delta = (dout_c * out_c).sum(-1, keepdim=True)                   # [B, H, Lq, 1]
-        ds = p * (dp - delta)
-        if score_mod is not None:
-            idx = bh_index(B, H, q_pos, kv_pos)
-            _, pullback = torch.func.vjp(
-                lambda t: torch.as_tensor(score_mod(t, *idx)).expand(B, H, Lq, Lk), s_raw)
-            (ds,) = pullback(ds)
-            if mask is not None:
-                ds = ds.masked_fill(~mask, 0.0)
-        dsg = ds.reshape(B, G, R, Lq, Lk)
-        dq = torch.einsum("bgrqk,bgkd->bgrqd", dsg, k.to(ct)).reshape(B, H, Lq, D) * scale
-        dk = torch.einsum("bgrqk,bgrqd->bgkd", dsg, q.to(ct).reshape(B, G, R, Lq, D)) * scale
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+                 scale, dlse=None, score_params=()):
+        return grad_tile(q, k, v, out, lse, dout, q_pos=q_pos, kv_pos=kv_pos, mask=mask,
+                         score_mod=score_mod, scale=scale, dlse=dlse, score_params=score_params)
 
 
 REFERENCE = ReferenceKernel()

@@ -187,13 +187,15 @@ def tile_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.
                   kv_pos: torch.Tensor, mask_mod: MaskMod | None = None,
                   score_mod: ScoreMod | None = None, scale: float | None = None,
                   kind: BlockKind | int = BlockKind.PARTIAL, blocks: torch.Tensor | None = None,
-                  block_size: int | None = None,
-                  kernel=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  block_size: int | None = None, kernel=None, dlse: torch.Tensor | None = None,
+                  score_params: tuple[torch.Tensor, ...] = ()) -> tuple:
     """This tile's share of the gradient, given the GLOBAL merged ``out`` and ``lse``.
 
     Flash-attention style: ``p = exp(s - lse)``, ``delta = rowsum(dout * out)``,
-    ``ds = p * (dp - delta)``; summing the results over all kv tiles of a q chunk gives the
-    exact ``dq``, and each tile's ``dk``/``dv`` is that tile's exact share from these q rows.
+    ``ds = p * (dp - (delta - dlse))``; summing the results over all kv tiles of a q chunk gives
+    the exact ``dq`` of a loss that uses ``out`` and ``lse``, and each tile's ``dk``/``dv`` is
+    that tile's exact share from these q rows. A globally dead row (lse = -inf) gets zero
+    gradient whatever ``dlse`` is.
 
     Args:
         q, k, v: as in :func:`tile_forward`.
@@ -202,19 +204,32 @@ def tile_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.
         dout: gradient of the loss w.r.t. ``out``, ``[B, H, Lq, D]``.
         q_pos, kv_pos, mask_mod, score_mod, scale, kind, blocks, block_size, kernel: as in
             :func:`tile_forward`.
+        dlse: gradient of the loss w.r.t. the GLOBAL ``lse`` of these rows, ``[B, H, Lq]``;
+            None means zero.
+        score_params: tensors the score_mod closes over that require grad (e.g. an
+            ``nn.Parameter`` bias table it indexes). Their gradients are returned, not
+            accumulated into ``.grad``.
 
     Returns:
-        ``(dq [B, H, Lq, D], dk [B, G, Lk, D], dv [B, G, Lk, D])`` in the inputs' dtype.
+        ``(dq [B, H, Lq, D], dk [B, G, Lk, D], dv [B, G, Lk, D])`` in the inputs' dtype; with
+        ``score_params``, ``(dq, dk, dv, dparams)`` where ``dparams`` is a tuple aligned with
+        ``score_params`` (each param's dtype and shape): this tile's contribution, masked pairs
+        contributing nothing.
     """
     (B, H, G, Lq, Lk, D), kind, blocks, kern, scale = _prepare(
         q, k, v, q_pos=q_pos, kv_pos=kv_pos, kind=kind, blocks=blocks, block_size=block_size,
         kernel=kernel, score_mod=score_mod, scale=scale)
     for name, t, want in (("out", out, (B, H, Lq, D)), ("dout", dout, (B, H, Lq, D)),
-                          ("lse", lse, (B, H, Lq))):
-        if tuple(t.shape) != want:
+                          ("lse", lse, (B, H, Lq)), ("dlse", dlse, (B, H, Lq))):
+        if t is not None and tuple(t.shape) != want:
             raise ValueError(f"{name} must have shape {list(want)}, got {list(t.shape)}; "
-                             f"pass the global merged out/lse for these q rows")
-    kw = dict(score_mod=score_mod, scale=scale)
+                             f"pass the global merged out/lse (and their gradients) for these "
+                             f"q rows")
+    score_params = tuple(score_params)
+    if score_params and score_mod is None:
+        raise ValueError(f"score_params given ({len(score_params)} tensors) without a score_mod;"
+                         f" they are the tensors a score_mod closes over")
+    kw = dict(score_mod=score_mod, scale=scale, dlse=dlse, score_params=score_params)
     if blocks is None:
         mask = mask_for(mask_mod, q_pos, kv_pos, B=B, H=H) if kind == BlockKind.PARTIAL else None
         return kern.backward(q, k, v, out, lse, dout, q_pos=q_pos, kv_pos=kv_pos, mask=mask, **kw)
@@ -222,16 +237,21 @@ def tile_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.
     dq = q.new_zeros(B, H, Lq, D)
     dk = torch.zeros(B, G, Lk, D, dtype=ct, device=k.device)
     dv = torch.zeros(B, G, Lk, D, dtype=ct, device=v.device)
+    dparams = [torch.zeros_like(p) for p in score_params]
     for g in _plan(blocks.cpu(), Lq=Lq, Lk=Lk, block_size=block_size):
         rows, cols = slice(g.q0, g.q1), slice(g.k0, g.k1)
         mask = _group_mask(g, mask_mod, q_pos, kv_pos, B=B, H=H, block_size=block_size)
-        gq, gk, gv = kern.backward(q[:, :, rows], k[:, :, cols], v[:, :, cols],
-                                   out[:, :, rows], lse[:, :, rows], dout[:, :, rows],
-                                   q_pos=q_pos[rows], kv_pos=kv_pos[cols], mask=mask, **kw)
-        dq[:, :, rows] = gq
-        dk[:, :, cols] += gk
-        dv[:, :, cols] += gv
-    return dq, dk.to(k.dtype), dv.to(v.dtype)
+        kw["dlse"] = None if dlse is None else dlse[:, :, rows]
+        res = kern.backward(q[:, :, rows], k[:, :, cols], v[:, :, cols],
+                            out[:, :, rows], lse[:, :, rows], dout[:, :, rows],
+                            q_pos=q_pos[rows], kv_pos=kv_pos[cols], mask=mask, **kw)
+        dq[:, :, rows] = res[0]
+        dk[:, :, cols] += res[1]
+        dv[:, :, cols] += res[2]
+        for acc, gp in zip(dparams, res[3] if score_params else ()):
+            acc += gp
+    grads = (dq, dk.to(k.dtype), dv.to(v.dtype))
+    return (*grads, tuple(dparams)) if score_params else grads
 
 
 def merge(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,

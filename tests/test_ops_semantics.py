@@ -1,0 +1,215 @@
+"""fringe.ops: exact in the corner cases (issue 7): lse cotangents, gradients for tensors a
+score_mod captures, score_mod semantics (FlexAttention's, per scalar), NaN confinement, D=0.
+
+Every check is float64 against the dense reference ``fringe.ops.reference.attention`` with
+plain autograd, with the problem split into kv tiles of different kinds (FULL, PARTIAL, and
+PARTIAL with a block map) and the GLOBAL out/lse passed to every tile's backward.
+
+Legend: B batch · H query heads · G kv heads · S sequence · L tokens · D head dim.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+from fringe.masks import BlockKind
+from fringe.ops import merge, reference, tile_backward, tile_forward
+from fringe.testing import make_qkv, tolerances
+
+TIGHT = tolerances(torch.float64)
+KERNELS = ["reference", "sdpa"]
+
+
+def doc_mask(S: int, n_docs: int):
+    """Document (& causal) mask over S tokens in n_docs equal documents; returns (mod, doc)."""
+    doc = torch.arange(S) * n_docs // S
+    return (lambda b, h, q, kv: (doc[q] == doc[kv]) & (q >= kv)), doc
+
+
+def block_map(mask_mod, q_pos, kv_pos, *, B, H, block_size):
+    """Exact BlockKind map of one tile by dense evaluation (test-only)."""
+    m = reference.mask_for(mask_mod, q_pos, kv_pos, B=B, H=H).any(0).any(0)
+    m = m.expand(q_pos.numel(), kv_pos.numel())
+    nq, nk = -(-q_pos.numel() // block_size), -(-kv_pos.numel() // block_size)
+    blocks = torch.empty(nq, nk, dtype=torch.int8)
+    for i in range(nq):
+        for j in range(nk):
+            t = m[i * block_size:(i + 1) * block_size, j * block_size:(j + 1) * block_size]
+            blocks[i, j] = int(BlockKind.FULL if t.all() else
+                               BlockKind.PARTIAL if t.any() else BlockKind.EMPTY)
+    return blocks
+
+
+def tile_kwargs(mask_mod, q_pos, kv_pos, *, B, H, how, block_size=4):
+    """kind/blocks arguments for one tile: 'full' (only when the mask is all True there),
+    'partial' (dense mask), 'blocks' (block-sparse path)."""
+    if how == "full":
+        return dict(kind=BlockKind.FULL)
+    if how == "partial":
+        return dict(kind=BlockKind.PARTIAL, mask_mod=mask_mod)
+    blocks = block_map(mask_mod, q_pos, kv_pos, B=B, H=H, block_size=block_size)
+    return dict(kind=BlockKind.PARTIAL, mask_mod=mask_mod, blocks=blocks, block_size=block_size)
+
+
+def run_tiles(q, k, v, dout, dlse, pieces, *, kernel, score_mod=None, score_params=(),
+              mask_mod=None):
+    """Forward over kv pieces (pos, how) + merge, then the sum of tile_backward over them."""
+    B, H, S = q.shape[0], q.shape[1], q.shape[2]
+    q_pos = torch.arange(S)
+    out = lse = None
+    for kv_pos, how in pieces:
+        kw = tile_kwargs(mask_mod, q_pos, kv_pos, B=B, H=H, how=how)
+        o, l = tile_forward(q, k[:, :, kv_pos], v[:, :, kv_pos], q_pos=q_pos, kv_pos=kv_pos,
+                            score_mod=score_mod, kernel=kernel, **kw)
+        out, lse = (o, l) if out is None else merge(out, lse, o, l)
+    out = out.to(q.dtype)
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    dparams = [torch.zeros_like(p) for p in score_params]
+    for kv_pos, how in pieces:
+        kw = tile_kwargs(mask_mod, q_pos, kv_pos, B=B, H=H, how=how)
+        res = tile_backward(q, k[:, :, kv_pos], v[:, :, kv_pos], out, lse, dout, q_pos=q_pos,
+                            kv_pos=kv_pos, score_mod=score_mod, kernel=kernel, dlse=dlse,
+                            score_params=score_params, **kw)
+        assert len(res) == (4 if score_params else 3)
+        dq += res[0]
+        dk[:, :, kv_pos] += res[1]
+        dv[:, :, kv_pos] += res[2]
+        for acc, g in zip(dparams, res[3] if score_params else ()):
+            acc += g
+    return out, lse, (dq, dk, dv), tuple(dparams)
+
+
+# ---------------------------------------------------------------------------------------------
+# item 7: the lse cotangent
+
+
+LOSSES = {
+    "out_and_lse": lambda out, lse, w, u: (out * w).sum() + (lse * u).sum(),
+    "z_loss": lambda out, lse, w, u: (out * w).sum() + 1e-1 * (lse ** 2).sum(),
+    "lse_only": lambda out, lse, w, u: (lse * u).sum(),
+}
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("loss", sorted(LOSSES))
+def test_lse_cotangent_summed_over_tiles_is_exact(kernel, loss):
+    B, H, G, S, D = 2, 4, 2, 24, 5
+    mod, doc = doc_mask(S, 3)
+    live = lambda b, h, q, kv: mod(b, h, q, kv) & (q % 7 != 3)       # noqa: E731 (dead rows)
+    q, k, v = make_qkv(B=B, H=H, G=G, S=S, D=D, seed=11, requires_grad=True)
+    g = torch.Generator().manual_seed(12)
+    w = torch.randn(B, H, S, D, generator=g, dtype=torch.float64)
+    u = torch.randn(B, H, S, generator=g, dtype=torch.float64)
+    out_r, lse_r = reference.attention(q, k, v, mask_mod=live)
+    lse_f = lse_r.masked_fill(torch.isneginf(lse_r), 0.0)          # dead rows: lse -inf
+    want = torch.autograd.grad(LOSSES[loss](out_r, lse_f, w, u), (q, k, v), allow_unused=True)
+    want = tuple(torch.zeros_like(t) if g is None else g for t, g in zip((q, k, v), want))
+
+    qd, kd, vd = (t.detach() for t in (q, k, v))
+    out_d, lse_d = out_r.detach().requires_grad_(), lse_r.detach().requires_grad_()
+    lse_d2 = lse_d.masked_fill(torch.isneginf(lse_d), 0.0)
+    dout, dlse = torch.autograd.grad(LOSSES[loss](out_d, lse_d2, w, u), (out_d, lse_d),
+                                     allow_unused=True)
+    dout = torch.zeros_like(out_d) if dout is None else dout
+    pos = torch.arange(S)
+    pieces = [(pos[:8], "partial"), (pos[8:17], "blocks"), (pos[17:], "partial")]
+    out, lse, got, _ = run_tiles(qd, kd, vd, dout, dlse, pieces, kernel=kernel, mask_mod=live)
+    assert_close(out, out_r.detach(), **TIGHT)
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(lse_r))
+    assert_close(got, want, **TIGHT)
+    if loss != "out_and_lse":
+        return
+    # the lse term matters: dropping it changes dq by far more than the tolerance
+    _, _, without, _ = run_tiles(qd, kd, vd, dout, None, pieces, kernel=kernel, mask_mod=live)
+    assert (without[0] - want[0]).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_dead_rows_get_zero_gradient_whatever_dlse(kernel):
+    B, H, S, D = 1, 2, 8, 3
+    q, k, v = make_qkv(B=B, H=H, G=H, S=S, D=D, seed=3)
+    dead_mod = lambda b, h, q, kv: (q % 2 == 0) & (q >= kv)           # noqa: E731
+    pos = torch.arange(S)
+    out, lse = tile_forward(q, k, v, q_pos=pos, kv_pos=pos, mask_mod=dead_mod, kernel=kernel)
+    assert torch.isneginf(lse[..., 1::2]).all()
+    dout = torch.randn(B, H, S, D, generator=torch.Generator().manual_seed(4), dtype=q.dtype)
+    dlse = torch.full((B, H, S), 5.0, dtype=q.dtype)
+    dq, dk, dv = tile_backward(q, k, v, out, lse, dout, q_pos=pos, kv_pos=pos,
+                               mask_mod=dead_mod, kernel=kernel, dlse=dlse)
+    assert torch.equal(dq[..., 1::2, :], torch.zeros_like(dq[..., 1::2, :]))
+    assert all(torch.isfinite(t).all() for t in (dq, dk, dv))
+    with pytest.raises(ValueError, match=r"dlse must have shape \[1, 2, 8\]"):
+        tile_backward(q, k, v, out, lse, dout, q_pos=pos, kv_pos=pos, kernel=kernel,
+                      dlse=dlse[..., :3])
+
+
+# ---------------------------------------------------------------------------------------------
+# item 5: gradients for tensors a score_mod captures
+
+
+def relative_bias(H: int, S: int, seed: int):
+    """attention-gym's relative-position bias: an nn.Parameter indexed inside the score_mod."""
+    g = torch.Generator().manual_seed(seed)
+    bias = torch.nn.Parameter(torch.randn(H, 2 * S - 1, generator=g, dtype=torch.float64))
+
+    def rel_bias(score, b, h, q_idx, kv_idx):
+        return score + bias[h, q_idx - kv_idx + S - 1]
+
+    return rel_bias, bias
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_score_params_gradient_summed_over_tiles_is_exact(kernel):
+    B, H, G, S, D = 2, 4, 2, 20, 4
+    mod, _ = doc_mask(S, 2)
+    score_mod, bias = relative_bias(H, S, seed=21)
+    scale_t = torch.nn.Parameter(torch.tensor(0.7, dtype=torch.float64))
+
+    def two_params(score, b, h, q_idx, kv_idx):         # a second, multiplicative param
+        return score_mod(score, b, h, q_idx, kv_idx) * scale_t
+
+    q, k, v = make_qkv(B=B, H=H, G=G, S=S, D=D, seed=22, requires_grad=True)
+    gen = torch.Generator().manual_seed(23)
+    w = torch.randn(B, H, S, D, generator=gen, dtype=torch.float64)
+    u = torch.randn(B, H, S, generator=gen, dtype=torch.float64)
+    out_r, lse_r = reference.attention(q, k, v, mask_mod=mod, score_mod=two_params)
+    params = (bias, scale_t)
+    want = torch.autograd.grad((out_r * w).sum() + (lse_r * u).sum(), (q, k, v, *params))
+
+    pos = torch.arange(S)
+    pieces = [(pos[:6], "partial"), (pos[6:13], "blocks"), (pos[13:], "partial")]
+    qd, kd, vd = (t.detach() for t in (q, k, v))
+    out, lse, got, dparams = run_tiles(qd, kd, vd, w, u, pieces, kernel=kernel, mask_mod=mod,
+                                       score_mod=two_params, score_params=params)
+    assert_close(out, out_r.detach(), **TIGHT)
+    assert_close(got, want[:3], **TIGHT)
+    assert [p.shape for p in dparams] == [p.shape for p in params]
+    assert [p.dtype for p in dparams] == [p.dtype for p in params]
+    assert_close(dparams, want[3:], **TIGHT)
+    assert bias.grad is None                       # returned, never accumulated into .grad
+    assert dparams[0].abs().sum() > 0
+
+
+def test_score_params_full_tile_and_unused_param():
+    B, H, S, D = 1, 2, 6, 3
+    score_mod, bias = relative_bias(H, S, seed=31)
+    unused = torch.nn.Parameter(torch.ones(3, dtype=torch.float64))
+    q, k, v = make_qkv(B=B, H=H, G=H, S=S, D=D, seed=32, requires_grad=True)
+    out_r, lse_r = reference.attention(q, k, v, score_mod=score_mod)
+    dout = torch.randn_like(out_r)
+    want = torch.autograd.grad(out_r, (q, k, v, bias), dout)
+    pos = torch.arange(S)
+    dq, dk, dv, (dbias, dunused) = tile_backward(
+        q.detach(), k.detach(), v.detach(), out_r.detach(), lse_r.detach(), dout, q_pos=pos,
+        kv_pos=pos, kind=BlockKind.FULL, score_mod=score_mod, score_params=(bias, unused))
+    assert_close((dq, dk, dv, dbias), want, **TIGHT)
+    assert torch.equal(dunused, torch.zeros_like(unused))
+    with pytest.raises(ValueError, match="score_params given .* without a score_mod"):
+        tile_backward(q.detach(), k.detach(), v.detach(), out_r.detach(), lse_r.detach(), dout,
+                      q_pos=pos, kv_pos=pos, score_params=(bias,))
+    with pytest.raises(ValueError, match=r"score_params\[0\] must be a tensor that requires grad"):
+        tile_backward(q.detach(), k.detach(), v.detach(), out_r.detach(), lse_r.detach(), dout,
+                      q_pos=pos, kv_pos=pos, score_mod=score_mod, score_params=(bias.detach(),))
