@@ -213,3 +213,83 @@ def test_score_params_full_tile_and_unused_param():
     with pytest.raises(ValueError, match=r"score_params\[0\] must be a tensor that requires grad"):
         tile_backward(q.detach(), k.detach(), v.detach(), out_r.detach(), lse_r.detach(), dout,
                       q_pos=pos, kv_pos=pos, score_mod=score_mod, score_params=(bias.detach(),))
+
+
+# ---------------------------------------------------------------------------------------------
+# item 4: score_mod means what it means in FlexAttention (defined per scalar, vmapped)
+
+
+def embedding_mods(S: int, H: int, seed: int):
+    """Two score_mods written for scalar indices, and the elementwise mod they equal."""
+    g = torch.Generator().manual_seed(seed)
+    emb = torch.randn(S, 3, generator=g, dtype=torch.float64)
+    per_head = torch.randn(H, 4, generator=g, dtype=torch.float64)
+
+    def dot_mod(score, b, h, q_idx, kv_idx):          # torch.dot rejects broadcast vectors
+        return score + torch.dot(emb[q_idx], emb[kv_idx])
+
+    def sum_mod(score, b, h, q_idx, kv_idx):          # broadcasting would sum over every head
+        return score + per_head[h].sum() * 0.1
+
+    gram, head_sum = emb @ emb.T, per_head.sum(-1) * 0.1
+
+    def elementwise(score, b, h, q_idx, kv_idx):
+        return score + gram[q_idx, kv_idx] + head_sum[h]
+
+    def both(score, b, h, q_idx, kv_idx):
+        return sum_mod(dot_mod(score, b, h, q_idx, kv_idx), b, h, q_idx, kv_idx)
+
+    return both, elementwise, (dot_mod, sum_mod)
+
+
+def test_score_mod_broadcast_only_where_it_agrees_with_vmap():
+    both, elementwise, (dot_mod, sum_mod) = embedding_mods(12, 3, seed=41)
+    pos = torch.arange(12)
+    kw = dict(B=2, H=3, q_pos=pos, kv_pos=pos)
+    assert reference.broadcast_agrees(elementwise, **kw)
+    assert not reference.broadcast_agrees(dot_mod, **kw)       # broadcasting raises
+    assert not reference.broadcast_agrees(sum_mod, **kw)       # broadcasting mis-evaluates
+    assert not reference.broadcast_agrees(both, **kw)
+    # the sum_mod would run silently wrong by broadcasting: the probe is what catches it
+    s = torch.zeros(2, 3, 4, 4, dtype=torch.float64)
+    b, h = torch.arange(2).view(-1, 1, 1, 1), torch.arange(3).view(1, -1, 1, 1)
+    bcast = sum_mod(s, b, h, pos[:4].view(1, 1, -1, 1), pos[:4].view(1, 1, 1, -1))
+    assert not torch.allclose(bcast.expand_as(s),
+                              reference.apply_score_mod(s, sum_mod, pos[:4], pos[:4]))
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_scalar_score_mods_tile_forward_backward_match_elementwise_twin(kernel):
+    B, H, G, S, D = 2, 3, 3, 12, 4
+    both, elementwise, _ = embedding_mods(S, H, seed=42)
+    mod, _ = doc_mask(S, 2)
+    q, k, v = make_qkv(B=B, H=H, G=G, S=S, D=D, seed=43, requires_grad=True)
+    out_r, lse_r = reference.attention(q, k, v, mask_mod=mod, score_mod=elementwise)
+    dout = torch.randn_like(out_r)
+    want = torch.autograd.grad(out_r, (q, k, v), dout)
+    pos = torch.arange(S)
+    pieces = [(pos[:5], "partial"), (pos[5:], "blocks")]
+    qd, kd, vd = (t.detach() for t in (q, k, v))
+    out, lse, got, _ = run_tiles(qd, kd, vd, dout, None, pieces, kernel=kernel, mask_mod=mod,
+                                 score_mod=both)
+    assert_close((out, lse), (out_r.detach(), lse_r.detach()), **TIGHT)
+    assert_close(got, want, **TIGHT)
+    # the dense reference itself applies mods per FlexAttention
+    assert_close(reference.attention(qd, kd, vd, mask_mod=mod, score_mod=both)[0],
+                 out_r.detach(), **TIGHT)
+
+
+def test_score_mod_that_cannot_be_vmapped_raises_as_flex_would():
+    def item_mod(score, b, h, q_idx, kv_idx):
+        return score + (1.0 if q_idx.item() > 2 else 0.0)
+
+    def bad_shape(score, b, h, q_idx, kv_idx):
+        return torch.stack([score, score])
+
+    q, k, v = make_qkv(B=1, H=2, G=2, S=6, D=3, seed=44)
+    for mod, match in ((item_mod, "fails when applied per .* with torch.func.vmap"),
+                       (bad_shape, "must return one score per")):
+        with pytest.raises(reference.ScoreModError, match=match):
+            reference.attention(q, k, v, score_mod=mod)
+        with pytest.raises(ValueError, match=match):
+            tile_forward(q, k, v, q_pos=torch.arange(6), kv_pos=torch.arange(6), score_mod=mod)
