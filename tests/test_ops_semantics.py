@@ -293,3 +293,56 @@ def test_score_mod_that_cannot_be_vmapped_raises_as_flex_would():
             reference.attention(q, k, v, score_mod=mod)
         with pytest.raises(ValueError, match=match):
             tile_forward(q, k, v, q_pos=torch.arange(6), kv_pos=torch.arange(6), score_mod=mod)
+
+
+# ---------------------------------------------------------------------------------------------
+# item 6: a NaN never crosses documents
+
+
+def ragged_docs(bounds: list[int]):
+    """Document & causal mask with documents [bounds[i], bounds[i+1]) (not block-aligned)."""
+    doc = torch.bucketize(torch.arange(bounds[-1]), torch.tensor(bounds[1:]), right=True)
+    return (lambda b, h, q, kv: (doc[q] == doc[kv]) & (q >= kv)), doc
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("layout", ["one_partial_tile", "blocks", "mixed"])
+def test_nan_in_one_documents_keys_stays_in_that_document(kernel, layout):
+    B, H, G, D = 1, 4, 2, 5
+    bounds = [0, 6, 14, 23, 32]                  # block_size 4: blocks straddle documents
+    S = bounds[-1]
+    mod, doc = ragged_docs(bounds)
+    q, k, v = make_qkv(B=B, H=H, G=G, S=S, D=D, seed=51)
+    k_nan = k.clone()
+    k_nan[:, 1, 2:5, 1] = math.nan               # doc 0, one kv head, a few keys
+    k_nan[:, 0, 4, :] = math.nan
+    other = doc != 0
+    gen = torch.Generator().manual_seed(52)
+    dout = torch.randn(B, H, S, D, generator=gen, dtype=torch.float64)
+    dout_nan = dout.clone()
+    dout_nan[:, :, ~other] = math.nan            # e.g. the gradient of out**2 on NaN rows
+
+    # oracle: masked keys never contribute, so any finite value in their place gives the
+    # other documents' exact result
+    qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
+    out_r, lse_r = reference.attention(qr, kr, vr, mask_mod=mod)
+    want = torch.autograd.grad(out_r, (qr, kr, vr), dout.masked_fill(~other[:, None], 0.0))
+    # and the dense reference's forward confines it already
+    out_d, lse_d = reference.attention(q, k_nan, v, mask_mod=mod)
+    assert torch.isnan(out_d[:, :, ~other]).any()
+    assert_close(out_d[:, :, other], out_r.detach()[:, :, other], **TIGHT)
+
+    pos = torch.arange(S)
+    pieces = {"one_partial_tile": [(pos, "partial")],
+              "blocks": [(pos, "blocks")],
+              "mixed": [(pos[:9], "blocks"), (pos[9:], "partial")]}[layout]
+    out, lse, got, _ = run_tiles(q, k_nan, v, dout_nan, None, pieces, kernel=kernel,
+                                 mask_mod=mod)
+    assert torch.isnan(out[:, :, ~other]).any()
+    assert torch.isfinite(out[:, :, other]).all() and torch.isfinite(lse[:, :, other]).all()
+    assert_close(out[:, :, other], out_r.detach()[:, :, other], **TIGHT)
+    assert_close(lse[:, :, other], lse_r.detach()[:, :, other], **TIGHT)
+    for g, w in zip(got, want):
+        rows = g[:, :, other]
+        assert torch.isfinite(rows).all()
+        assert_close(rows, w[:, :, other], **TIGHT)
