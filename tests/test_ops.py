@@ -475,6 +475,12 @@ def _qkv(qs=(1, 4, 5, 8), ks=(1, 2, 6, 8), vs=None, dtype=torch.float64):
     (dict(qs=(1, 6, 5, 8), ks=(1, 4, 6, 8)),
      r"H=6 query heads is not a multiple of G=4 kv heads"),
     (dict(dtype=torch.float32), r"dtype mismatch: q torch.float32, k torch.float64"),
+    (dict(qs=(1, 4, 5, 0), ks=(1, 2, 6, 0)), r"head dim D=0 .* needs every dimension >= 1"),
+    (dict(qs=(1, 0, 5, 8)), r"query heads H=0"),
+    (dict(ks=(1, 0, 6, 8)), r"kv heads G=0"),
+    (dict(qs=(1, 4, 0, 8)), r"query rows Lq=0"),
+    (dict(ks=(1, 2, 0, 8)), r"key/value rows Lk=0"),
+    (dict(qs=(0, 4, 5, 8), ks=(0, 2, 6, 8)), r"batch size B=0"),
 ])
 def test_bad_input_raises_clear_errors(args, match):
     qs = dict(args)
@@ -487,6 +493,19 @@ def test_bad_input_raises_clear_errors(args, match):
         reference.attention(q, k, v)
     with pytest.raises(ValueError, match=match):
         tile_forward(q, k, v, q_pos=torch.arange(q.shape[-2]), kv_pos=torch.arange(k.shape[-2]))
+
+
+def test_bad_scale_raises_clear_errors():
+    q, k, v = (t.double() for t in _qkv())
+    pos = dict(q_pos=torch.arange(5), kv_pos=torch.arange(6))
+    for scale, match in ((math.inf, "scale must be finite"), (math.nan, "scale must be finite"),
+                         ("big", "scale must be a real number")):
+        with pytest.raises(ValueError, match=match):
+            reference.attention(q, k, v, scale=scale)
+        with pytest.raises(ValueError, match=match):
+            tile_forward(q, k, v, scale=scale, **pos)
+    out, lse = reference.attention(q, k, v, scale=0.0)       # scale 0 is uniform attention
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
 
 
 def test_bad_positions_kind_blocks_and_device_raise():

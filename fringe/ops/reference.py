@@ -62,7 +62,14 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                          f"and k/v [B, G, Lk, D] must share D")
     if B != Bk:
         raise ValueError(f"batch mismatch: q has B={B} but k/v have B={Bk}")
-    if G == 0 or H % G != 0:
+    for name, n, what in (("B", B, "batch size"), ("H", H, "query heads"), ("G", G, "kv heads"),
+                          ("Lq", Lq, "query rows"), ("Lk", Lk, "key/value rows"),
+                          ("D", D, "head dim")):
+        if n == 0:
+            raise ValueError(f"{what} {name}=0 (q {tuple(q.shape)} as [B, H, Lq, D], k/v "
+                             f"{tuple(k.shape)} as [B, G, Lk, D]); attention needs every "
+                             f"dimension >= 1")
+    if H % G != 0:
         raise ValueError(f"H={H} query heads is not a multiple of G={G} kv heads; GQA needs "
                          f"H % G == 0 (each kv head serves H/G query heads)")
     if not (q.dtype == k.dtype == v.dtype):
@@ -93,7 +100,23 @@ lse_dtype = compute_dtype
 
 
 def default_scale(D: int, scale: float | None) -> float:
-    return 1.0 / math.sqrt(D) if scale is None else float(scale)
+    """The softmax scale: ``1/sqrt(D)`` when ``scale`` is None.
+
+    Raises:
+        ValueError: for ``D < 1`` or a scale that is not a finite real number.
+    """
+    if scale is None:
+        if D < 1:
+            raise ValueError(f"head dim D={D}: the default scale 1/sqrt(D) needs D >= 1")
+        return 1.0 / math.sqrt(D)
+    try:
+        value = float(scale)
+    except (TypeError, ValueError, RuntimeError):
+        raise ValueError(f"scale must be a real number (or None for 1/sqrt(D)), got "
+                         f"{scale!r}") from None
+    if not math.isfinite(value):
+        raise ValueError(f"scale must be finite (or None for 1/sqrt(D)), got {value}")
+    return value
 
 
 def mask_for(mask_mod: MaskMod | None, q_pos: torch.Tensor, kv_pos: torch.Tensor, *,
