@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from . import layout as layout, masks as masks, ops as ops, schedules as schedules
 from . import launch as launch, render as render, runtime as runtime, simulate as simulate
-from .api import RunStats as RunStats, attention as attention, last_run as last_run
+from .api import (RunStats as RunStats, attention as attention, last_run as last_run,
+                  recording as recording)
 from .layout import DEFAULT_BLOCK_SIZE as DEFAULT_BLOCK_SIZE, Layout as Layout
 from .plan import Plan as Plan, PlanStats as PlanStats, plan as plan
 from .runtime.distributed import CommTimeout as CommTimeout, RankMismatch as RankMismatch
@@ -16,4 +17,4 @@ __version__ = "0.1.0"
 
 __all__ = ["CommTimeout", "DEFAULT_BLOCK_SIZE", "Layout", "Plan", "PlanStats", "RankMismatch",
            "RunStats", "attention", "last_run", "launch", "layout", "masks", "ops", "plan",
-           "render", "runtime", "schedules", "simulate"]
+           "recording", "render", "runtime", "schedules", "simulate"]

@@ -1,27 +1,26 @@
 """The public entry point on one rank's shard: ``fringe.attention(q, k, v, plan=plan)``."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import torch
 
-from .autograd import attention_stacked
+from .autograd import apply_sinks, attention_stacked
 from .runtime.distributed import DistRuntime
-from .simulate import check_inputs
 
-_RUNTIMES: dict = {}
+_LAST: dict = {}           # group key -> the runtime of this process's last call on that group
+_RECORDERS: list = []      # open recording() blocks
 
 
-def _runtime(group, timeout_s: float | None) -> DistRuntime:
-    key = (id(group), timeout_s)
-    rt = _RUNTIMES.get(key)
-    if rt is None or rt.group is not group:
-        rt = _RUNTIMES[key] = DistRuntime(group, timeout_s=timeout_s)
-    return rt
+def _group_key(group):
+    import torch.distributed as dist
+    return tuple(dist.get_process_group_ranks(group)) if group is not None else "default"
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, plan, group=None,
-              timeout_s: float | None = None, return_lse: bool = False):
+              timeout_s: float | None = None, return_lse: bool = False,
+              sinks: torch.Tensor | None = None):
     """Context-parallel attention on this rank's shard; differentiable.
 
     Args:
@@ -30,31 +29,47 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, plan, group=
         plan: from :func:`fringe.plan`, identical on every rank.
         group: the context-parallel process group (default: the default group).
         timeout_s: how long to wait for a peer before :class:`~fringe.runtime.distributed.CommTimeout`
-            (default ``FRINGE_TIMEOUT`` or 300 s).
-        return_lse: also return the log-sum-exp ``[B, H, L]``.
+            (default ``FRINGE_TIMEOUT`` or 300 s; a finite number > 0).
+        return_lse: also return the log-sum-exp ``[B, H, L]`` (differentiable).
+        sinks: optional ``[H]`` per-head sink logits (gpt-oss style: ``exp(sink_h)`` joins
+            each row's softmax denominator once, after the merge); differentiable.
 
     Returns:
         out ``[B, H, L, D]`` for this rank's queries (and lse).
 
     Raises:
-        ValueError: shapes that do not fit the plan, before any communication.
-        RankMismatch: ranks disagree on shapes, dtype, device or plan.
+        ValueError: this or another rank got invalid input (every rank raises, naming the
+            rank), before any attention data moves.
+        RankMismatch: ranks disagree on shapes, dtype, device, plan content or sinks.
         CommTimeout: a peer stopped answering.
     """
-    rt = _runtime(group, timeout_s)
-    rt.agree(plan, q, k)              # first, so that a bad rank fails on every rank
-    check_inputs(q, k, v, plan=plan, local=True)
+    rt = DistRuntime(group, timeout_s=timeout_s)
+    rt.agree(plan, q, k, v, sinks=sinks)  # every call; folds in this rank's input validation
     out, lse = attention_stacked(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), plan=plan,
                                  runtime=rt)
-    return (out[0], lse[0]) if return_lse else out[0]
+    out, lse = out[0], lse[0]
+    if sinks is not None:
+        out, lse = apply_sinks(out, lse, sinks)
+    _LAST[_group_key(group)] = rt
+    for rec in _RECORDERS:
+        rec.runtimes.append(rt)
+    return (out, lse) if return_lse else out
 
 
 @dataclasses.dataclass(frozen=True)
 class RunStats:
-    """Per-step records of the last forward and backward on this rank."""
+    """Per-step records of a forward and backward on this rank."""
 
     forward: tuple
     backward: tuple
+
+    @classmethod
+    def of(cls, runtimes) -> RunStats:
+        recs = {}
+        for which in ("forward", "backward"):
+            recs[which] = tuple(r for rt in runtimes for st in rt.last_states.get(which, {}).values()
+                                for r in st.records)
+        return cls(recs["forward"], recs["backward"])
 
     @staticmethod
     def _sum(records, field):
@@ -77,11 +92,45 @@ class RunStats:
         return out
 
 
-def last_run(group=None, timeout_s: float | None = None) -> RunStats:
-    """Compute and exposed-communication time per step of this rank's last call."""
-    rt = _runtime(group, timeout_s)
-    recs = {}
-    for which in ("forward", "backward"):
-        states = rt.last_states.get(which, {})
-        recs[which] = tuple(r for st in states.values() for r in st.records)
-    return RunStats(recs["forward"], recs["backward"])
+def last_run(group=None) -> RunStats:
+    """Compute and exposed-communication time per step of this rank's last call on ``group``.
+
+    Raises:
+        RuntimeError: no call of :func:`attention` on this group yet.
+    """
+    rt = _LAST.get(_group_key(group))
+    if rt is None:
+        raise RuntimeError("fringe.last_run(): no fringe.attention call on this group in this "
+                           "process yet (pass the same group= as the call)")
+    return RunStats.of([rt])
+
+
+class Recording:
+    """What :func:`recording` collects: every call's runtime, in order."""
+
+    def __init__(self) -> None:
+        self.runtimes: list = []
+
+    def stats(self) -> RunStats:
+        """All recorded calls' step records (forward and backward) together."""
+        return RunStats.of(self.runtimes)
+
+    def calls(self) -> list[RunStats]:
+        """One :class:`RunStats` per recorded call."""
+        return [RunStats.of([rt]) for rt in self.runtimes]
+
+
+@contextlib.contextmanager
+def recording():
+    """Collect the step records of every :func:`attention` call in the block.
+
+    >>> with fringe.recording() as rec:              # doctest: +SKIP
+    ...     loss = model(batch); loss.backward()
+    >>> rec.stats().summary()["backward"]["exposed"]  # doctest: +SKIP
+    """
+    rec = Recording()
+    _RECORDERS.append(rec)
+    try:
+        yield rec
+    finally:
+        _RECORDERS.remove(rec)

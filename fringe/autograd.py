@@ -36,37 +36,65 @@ def _unfold(x: torch.Tensor, n: int) -> torch.Tensor:
     return x.movedim(1, 0)
 
 
+def _per_slice(plan) -> bool:
+    """Fold vmap into the batch only when that cannot change the numbers.
+
+    A mask or score_mod that reads ``b`` would see ``n*B + b`` after folding, and the
+    gradients of score_mod parameters must stay per slice; then each slice runs alone.
+    """
+    return bool(plan.reads_batch or plan.score_params)
+
+
+def _slices(x: torch.Tensor, bdim: int | None, n: int) -> list:
+    return [x] * n if bdim is None else list(x.movedim(bdim, 0).unbind(0))
+
+
 class Attention(torch.autograd.Function):
-    """``(q, k, v) -> (out, lse, *kept)`` over the driven ranks; lse and kept carry no grad."""
+    """``(q, k, v, *params) -> (out, lse, *kept)`` over the driven ranks.
+
+    ``params`` are the plan's ``score_params`` (read by the score_mod through its closure;
+    passed here so autograd routes their gradients). lse is differentiable (its cotangent
+    enters every tile's backward); the kept kv buffers are not.
+    """
 
     @staticmethod
-    def forward(q, k, v, plan, runtime):
+    def forward(q, k, v, plan, runtime, *params):
         out, lse, kept = runtime.forward(plan, q, k, v)
         flat = [t for per_rank in kept for t in per_rank]
         return (out, lse, *flat)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        q, k, v, plan, runtime = inputs
+        q, k, v, plan, runtime, *params = inputs
         out, lse, *flat = output
         ctx.plan, ctx.runtime = plan, runtime
         ctx.save_for_backward(q, k, v, out, lse, *flat)
-        ctx.mark_non_differentiable(lse, *flat)
+        ctx.mark_non_differentiable(*flat)
 
     @staticmethod
-    def backward(ctx, dout, _dlse, *_dkept):
+    def backward(ctx, dout, dlse, *_dkept):
         q, k, v, out, lse, *flat = ctx.saved_tensors
         if dout is None:
             dout = torch.zeros_like(out)
-        dq, dk, dv = AttentionBackward.apply(q, k, v, out, lse, dout, ctx.plan, ctx.runtime,
-                                             *flat)
-        return dq, dk, dv, None, None
+        if dlse is None:
+            dlse = torch.zeros_like(lse)
+        dq, dk, dv, *dparams = AttentionBackward.apply(q, k, v, out, lse, dout, dlse, ctx.plan,
+                                                       ctx.runtime, *flat)
+        return (dq, dk, dv, None, None, *dparams)
 
     @staticmethod
-    def vmap(info, in_dims, q, k, v, plan, runtime):
+    def vmap(info, in_dims, q, k, v, plan, runtime, *params):
         n = info.batch_size
+        if any(d is not None for d in in_dims[5:]):
+            raise NotImplementedError("fringe attention cannot vmap over score_mod parameters")
+        if _per_slice(plan):
+            res = [Attention.apply(*xs, plan, runtime, *params) for xs in
+                   zip(*(_slices(x, d, n) for x, d in zip((q, k, v), in_dims[:3])))]
+            outs = tuple(torch.stack(parts) for parts in zip(*res))
+            return outs, tuple(0 for _ in outs)
         qd, kd, vd = in_dims[:3]
-        res = Attention.apply(_fold(q, qd, n), _fold(k, kd, n), _fold(v, vd, n), plan, runtime)
+        res = Attention.apply(_fold(q, qd, n), _fold(k, kd, n), _fold(v, vd, n), plan, runtime,
+                              *params)
         out, lse, *flat = res
         outs = (_unfold(out, n), _unfold(lse, n), *(_unfold(t, n) for t in flat))
         return outs, tuple(0 for _ in outs)
@@ -83,13 +111,16 @@ def _split_kept(plan, runtime, flat):
 
 
 class AttentionBackward(torch.autograd.Function):
-    """The backward program as a Function of its own, so it can be vmapped."""
+    """The backward program as a Function of its own, so it can be vmapped.
+
+    Returns ``(dq, dk, dv, *dparams)``, one gradient per ``plan.score_params``.
+    """
 
     @staticmethod
-    def forward(q, k, v, out, lse, dout, plan, runtime, *flat):
+    def forward(q, k, v, out, lse, dout, dlse, plan, runtime, *flat):
         kept = _split_kept(plan, runtime, flat)
-        dq, dk, dv = runtime.backward(plan, q, k, v, out, lse, dout, kept)
-        return dq, dk, dv
+        dq, dk, dv, dparams = runtime.backward(plan, q, k, v, out, lse, dout, dlse, kept)
+        return (dq, dk, dv, *dparams)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -101,16 +132,49 @@ class AttentionBackward(torch.autograd.Function):
                                   "(gradients of gradients); take one derivative of attention")
 
     @staticmethod
-    def vmap(info, in_dims, q, k, v, out, lse, dout, plan, runtime, *flat):
+    def vmap(info, in_dims, q, k, v, out, lse, dout, dlse, plan, runtime, *flat):
         n = info.batch_size
         d = in_dims
-        args = [_fold(x, bd, n) for x, bd in zip((q, k, v, out, lse, dout), d[:6])]
-        kept = [_fold(x, bd, n) for x, bd in zip(flat, d[8:])]
-        dq, dk, dv = AttentionBackward.apply(*args, plan, runtime, *kept)
+        tensors = (q, k, v, out, lse, dout, dlse)
+        if _per_slice(plan):
+            cols = [_slices(x, bd, n) for x, bd in zip(tensors, d[:7])]
+            kcols = [_slices(x, bd, n) for x, bd in zip(flat, d[9:])]
+            res = [AttentionBackward.apply(*(c[i] for c in cols), plan, runtime,
+                                           *(c[i] for c in kcols)) for i in range(n)]
+            outs = tuple(torch.stack(parts) for parts in zip(*res))
+            return outs, tuple(0 for _ in outs)
+        args = [_fold(x, bd, n) for x, bd in zip(tensors, d[:7])]
+        kept = [_fold(x, bd, n) for x, bd in zip(flat, d[9:])]
+        dq, dk, dv, *dparams = AttentionBackward.apply(*args, plan, runtime, *kept)
         return (_unfold(dq, n), _unfold(dk, n), _unfold(dv, n)), (0, 0, 0)
 
 
 def attention_stacked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, plan, runtime):
-    """Differentiable attention over rank-stacked tensors; returns ``(out, lse)``."""
-    out, lse, *_ = Attention.apply(q, k, v, plan, runtime)
+    """Differentiable attention over rank-stacked tensors; returns ``(out, lse)``.
+
+    Both are differentiable: a loss may use lse (merging with another attention, a z-loss,
+    attention sinks), and its cotangent enters the backward exactly.
+    """
+    out, lse, *_ = Attention.apply(q, k, v, plan, runtime, *plan.score_params)
     return out, lse
+
+
+def apply_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor, *, head_dim: int = 1):
+    """Add per-head sink logits to each row's softmax denominator, once, after the merge.
+
+    gpt-oss style: ``exp(sink_h)`` joins the denominator of every row of head h, so
+    ``out' = out * sigmoid(lse - sink_h)`` and ``lse' = logaddexp(lse, sink_h)``; a row
+    with nothing to attend to (lse = -inf) gets out 0 and lse = sink_h. Differentiable in
+    out, lse and sinks (the lse cotangent flows into the attention backward).
+
+    Args:
+        out: ``[..., H, L, D]``; lse: ``[..., H, L]``; sinks: ``[H]``.
+        head_dim: where H sits in ``lse`` counting from the right, minus one (1 for
+            ``[..., H, L]``).
+    """
+    shape = [1] * lse.dim()
+    shape[lse.dim() - 1 - head_dim] = sinks.shape[0]
+    s = sinks.to(lse.dtype).view(shape)
+    w = torch.sigmoid(lse - s)
+    out = (out.to(lse.dtype) * w.unsqueeze(-1)).to(out.dtype)
+    return out, torch.logaddexp(lse, s)

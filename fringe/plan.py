@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import math
+import operator
 from typing import Callable
 
 import torch
@@ -39,6 +41,10 @@ class Plan:
         score_mod, scale, kernel: passed to the tile ops.
         batch_size, num_heads: the B and H the mask was classified for (None: the mask
             does not depend on b / h, as in FlexAttention's ``B=None, H=None``).
+        score_params: tensors the score_mod reads that require grad (found by
+            :func:`captured_params`, or given); attention returns their gradients.
+        reads_batch: the mask or the score_mod depends on ``b`` (``torch.func.vmap`` then
+            runs each vmapped slice alone instead of folding it into the batch).
     """
 
     schedule: Schedule
@@ -55,6 +61,8 @@ class Plan:
     kernel: str | None = None
     batch_size: int | None = None
     num_heads: int | None = None
+    score_params: tuple = ()
+    reads_batch: bool = False
 
     # ---- sizes ---------------------------------------------------------------------
     @property
@@ -86,20 +94,54 @@ class Plan:
         n = self.local_len // self.block_size
         return self.blocks[i * n:(i + 1) * n, j * n:(j + 1) * n]
 
-    def fingerprint(self) -> str:
-        """A short hash that is equal on ranks that built the same plan."""
-        cached = self.__dict__.get("_fingerprint")
+    def digests(self) -> dict[str, str]:
+        """One content digest per component that decides the numbers (cached; a plan is
+        immutable and its mask a snapshot). Ranks exchange these on every call.
+
+        ``layout``: the permutation; ``programs``: schedule name, forward and backward
+        programs; ``blocks``: the block classification; ``mask``: the mask's content
+        (:func:`fringe.masks.digest`: factory parameters such as document ids, window and
+        prefix sizes; for plain callables the mask evaluated over every PARTIAL block);
+        ``score_mod``: :func:`fringe.masks.fn_digest` of the score_mod (code, constants and
+        captured tensors' values; learnable tensors by shape and dtype only) and the shapes
+        of ``score_params``; ``options``: scale, kernel, kv policy, block size, B / H the
+        mask was classified for.
+        """
+        cached = self.__dict__.get("_digests")
         if cached:
             return cached
-        h = hashlib.sha1()
-        h.update(self.layout.fingerprint().encode())
-        h.update(f"{self.block_size}/{self.kv}/{self.scale}/{self.kernel}".encode())
-        h.update(self.blocks.numpy().tobytes())
+
+        def sha(*parts) -> str:
+            h = hashlib.sha1()
+            for part in parts:
+                h.update(part if isinstance(part, bytes) else str(part).encode())
+                h.update(b"\0")
+            return h.hexdigest()[:16]
+
+        progs = hashlib.sha1(self.schedule.name.encode())
         for prog in self.forward + self.backward:
-            h.update(str(prog).encode())
-        fp = f"{self.schedule.name}:{h.hexdigest()[:16]}"
-        self.__dict__["_fingerprint"] = fp
-        return fp
+            progs.update(str(prog).encode())
+        out = {
+            "layout": sha(self.layout.fingerprint(), self.layout.order.numpy().tobytes()),
+            "programs": progs.hexdigest()[:16],
+            "blocks": sha(self.blocks.numpy().tobytes(), tuple(self.blocks.shape)),
+            "mask": _masks.digest(self.mask_mod, order=self.layout.order, blocks=self.blocks,
+                                  block_size=self.block_size, B=self.batch_size,
+                                  H=self.num_heads),
+            "score_mod": sha("none" if self.score_mod is None else
+                             _masks.fn_digest(self.score_mod),
+                             [(tuple(t.shape), str(t.dtype)) for t in self.score_params]),
+            "options": sha(self.scale, _kernel_name(self.kernel), self.kv, self.block_size,
+                           self.batch_size, self.num_heads),
+        }
+        self.__dict__["_digests"] = out
+        return out
+
+    def fingerprint(self) -> str:
+        """A short hash of all :meth:`digests`, equal on ranks that built the same plan."""
+        d = self.digests()
+        return f"{self.schedule.name}:" + hashlib.sha1(
+            "/".join(f"{k}={d[k]}" for k in sorted(d)).encode()).hexdigest()[:16]
 
     # ---- reporting -----------------------------------------------------------------
     def stats(self, *, batch: int = 1, heads: int = 1, kv_heads: int | None = None,
@@ -182,17 +224,99 @@ def _tile_kinds(blocks: torch.Tensor, P: int) -> torch.Tensor:
     return tiles
 
 
+def _kernel_name(kernel) -> str:
+    if kernel is None or isinstance(kernel, str):
+        return str(kernel)
+    return f"{type(kernel).__module__}.{type(kernel).__qualname__}:{getattr(kernel, 'name', '')}"
+
+
+def _size(name: str, val, low: int = 1) -> int:
+    """An int >= low; numpy and torch integers are accepted, bools and floats are not."""
+    if isinstance(val, bool) or (isinstance(val, torch.Tensor) and val.dim() != 0):
+        raise ValueError(f"{name} must be an int >= {low}, got {val!r}")
+    try:
+        n = operator.index(val)
+    except TypeError:
+        raise ValueError(f"{name} must be an int >= {low}, got {val!r} "
+                         f"({type(val).__name__})") from None
+    if n < low:
+        raise ValueError(f"{name} must be an int >= {low}, got {n}")
+    return n
+
+
+def _document_leaves(m):
+    """The document-id tensors inside a Mask tree (to check their length against S)."""
+    if not isinstance(m, _masks.Mask):
+        return
+    rule = m.rule
+    if rule is not None and hasattr(rule, "doc_ids"):
+        yield m.name, rule.doc_ids
+    for c in m.children:
+        yield from _document_leaves(c)
+
+
+def captured_params(score_mod: Callable | None, *, seq_len: int) -> tuple[torch.Tensor, ...]:
+    """The tensors that require grad which ``score_mod`` reads, found through autograd.
+
+    The score_mod is applied to a small probe (zero scores, global positions 0..6) with
+    grad enabled; the leaves of the resulting autograd graph are exactly the learnable
+    tensors it used, wherever they live (closure, global, module attribute). A tensor the
+    score_mod reads only for positions outside the probe would be missed: pass
+    ``score_params=`` to :func:`plan` explicitly in that case.
+    """
+    if score_mod is None:
+        return ()
+    from .ops.reference import apply_score_mod
+    nq, nk = min(5, seq_len), min(7, seq_len)
+    s = torch.zeros(1, 1, nq, nk, dtype=torch.float64)     # b = h = 0: valid for any B, H
+    with torch.enable_grad():
+        out = apply_score_mod(s, score_mod, torch.arange(nq), torch.arange(nk))
+    if not isinstance(out, torch.Tensor) or out.grad_fn is None:
+        return ()
+    found: dict[int, torch.Tensor] = {}
+    seen, stack = set(), [out.grad_fn]
+    while stack:
+        fn = stack.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        var = getattr(fn, "variable", None)          # AccumulateGrad: a leaf that needs grad
+        if isinstance(var, torch.Tensor):
+            found.setdefault(id(var), var)
+        stack.extend(nxt for nxt, _ in fn.next_functions)
+    return tuple(found.values())
+
+
+def _probe_reads_b(score_mod: Callable | None) -> bool:
+    """Whether ``score_mod`` depends on ``b`` (broadcast probe; True when it cannot tell)."""
+    if score_mod is None:
+        return False
+    idx = torch.arange(2)
+    try:
+        with torch.no_grad():
+            out = score_mod(torch.zeros(1, 1, 2, 2, dtype=torch.float64), idx.view(2, 1, 1, 1),
+                            torch.zeros(1, 1, 1, 1, dtype=torch.long), idx.view(1, 1, 2, 1),
+                            idx.view(1, 1, 1, 2))
+        shape = tuple(torch.as_tensor(out).shape)
+    except Exception:       # noqa: BLE001 - a score_mod that only works per scalar: assume it does
+        return True
+    return len(shape) == 4 and shape[0] == 2
+
+
 def plan(schedule: Schedule, mask_mod: Callable | None = None, *, seq_len: int,
          world_size: int, block_size: int = DEFAULT_BLOCK_SIZE,
          score_mod: Callable | None = None, scale: float | None = None, kv: str = "resend",
          kernel: str | None = None, batch_size: int | None = None,
-         num_heads: int | None = None) -> Plan:
+         num_heads: int | None = None, layout: Layout | None = None,
+         score_params: tuple[torch.Tensor, ...] | None = None) -> Plan:
     """Lower ``schedule`` for ``mask_mod`` on ``seq_len`` tokens over ``world_size`` ranks.
 
     Args:
         schedule: e.g. ``schedules.zigzag()``.
         mask_mod: FlexAttention-style ``mask_mod(b, h, q_idx, kv_idx)`` on global
-            positions; ``None`` means full attention.
+            positions; ``None`` means full attention. The plan keeps a snapshot
+            (:func:`fringe.masks.snapshot`): refilling a tensor the mask captured (next
+            batch's document ids) does not change a plan already made.
         seq_len: S, the global sequence length.
         world_size: P, the context-parallel group size.
         block_size: mask block in tokens (classification and kernel granularity).
@@ -201,20 +325,53 @@ def plan(schedule: Schedule, mask_mod: Callable | None = None, *, seq_len: int,
         kv: ``"resend"`` (backward re-sends kv; O(L) memory) or ``"keep"``.
         kernel: tile kernel name (``None`` chooses; see :mod:`fringe.ops`).
         batch_size, num_heads: give them if the mask depends on b or h.
+        layout: plan over this existing layout instead of the schedule's own (several
+            masks over one batch, e.g. full and sliding-window layers, share the tokens'
+            sharding). Must be for ``seq_len`` and ``world_size``.
+        score_params: the learnable tensors the score_mod reads (default: found by
+            :func:`captured_params`); attention gives them gradients (this rank's share,
+            to be reduced across ranks like any data-parallel gradient).
 
     Raises:
-        ValueError: with the fix, for sizes that do not fit the layout.
+        ValueError / TypeError: with the fix, for arguments that do not fit.
     """
-    for name, val, low in (("seq_len", seq_len, 1), ("world_size", world_size, 1),
-                           ("block_size", block_size, 1)):
-        if not isinstance(val, int) or isinstance(val, bool) or val < low:
-            raise ValueError(f"{name} must be an int >= {low}, got {val!r}")
-    if kv not in KV_MODES:
-        raise ValueError(f"kv must be one of {KV_MODES}, got {kv!r}")
     if not isinstance(schedule, Schedule):
         raise TypeError(f"schedule must be a fringe.schedules.Schedule (e.g. schedules.zigzag()), "
                         f"got {type(schedule).__name__}")
+    seq_len = _size("seq_len", seq_len)
+    world_size = _size("world_size", world_size)
+    block_size = _size("block_size", block_size)
+    batch_size = None if batch_size is None else _size("batch_size", batch_size)
+    num_heads = None if num_heads is None else _size("num_heads", num_heads)
+    if kv not in KV_MODES:
+        raise ValueError(f"kv must be one of {KV_MODES}, got {kv!r}")
+    if score_mod is not None and not callable(score_mod):
+        raise TypeError(f"score_mod must be callable (score, b, h, q_idx, kv_idx) -> score, got "
+                        f"{type(score_mod).__name__}")
+    if scale is not None:
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or \
+                not math.isfinite(scale):
+            raise ValueError(f"scale must be a finite number (or None for 1/sqrt(D)), got {scale!r}")
+        scale = float(scale)
+    if kernel is not None:
+        from .ops import get_kernel
+        get_kernel(kernel)                  # unknown names raise here, not at the first tile
+    if mask_mod is not None and not callable(mask_mod):
+        raise TypeError(f"mask_mod must be callable (b, h, q_idx, kv_idx) -> bool tensor, got "
+                        f"{type(mask_mod).__name__}")
     mask_mod = mask_mod if mask_mod is not None else _masks.full()
+    mask_mod = getattr(_masks, 'snapshot', lambda m: m)(mask_mod)  # TRANSITION until masks.snapshot lands
+    for leaf, ids in _document_leaves(mask_mod):
+        if ids.numel() != seq_len:
+            raise ValueError(f"{leaf}: doc_ids has {ids.numel()} entries but seq_len={seq_len}; "
+                             f"give one document id per global position")
+    if score_params is None:
+        score_params = captured_params(score_mod, seq_len=seq_len)
+    else:
+        score_params = tuple(score_params)
+        for t in score_params:
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"score_params must be tensors, got {type(t).__name__}")
     reads_b, reads_h = _masks.reads_batch_head(mask_mod)
     name = getattr(mask_mod, "__name__", "mask_mod")
     for reads, given, arg, idx in ((reads_b, batch_size, "batch_size", "b"),
@@ -227,7 +384,12 @@ def plan(schedule: Schedule, mask_mod: Callable | None = None, *, seq_len: int,
             raise ValueError(f"{name} is declared bh_invariant but reads the {idx} index; "
                              f"wrap it with masks.as_mask(fn, bh_invariant=False)")
     natural = None
-    if schedule.mask_aware:      # classify in sequence order once, deal blocks, permute
+    if layout is not None:
+        if not isinstance(layout, Layout):
+            raise TypeError(f"layout must be a fringe.Layout (e.g. another plan's .layout), got "
+                            f"{type(layout).__name__}")
+        lay = layout
+    elif schedule.mask_aware:      # classify in sequence order once, deal blocks, permute
         natural = _masks.classify(mask_mod, torch.arange(seq_len), torch.arange(seq_len),
                                   block_size=block_size, B=batch_size, H=num_heads)
         work = (natural != BlockKind.EMPTY).sum(dim=1)
@@ -235,8 +397,10 @@ def plan(schedule: Schedule, mask_mod: Callable | None = None, *, seq_len: int,
     else:
         lay = schedule.make_layout(seq_len, world_size, block_size=block_size)
     if lay.seq_len != seq_len or lay.world_size != world_size:
-        raise ValueError(f"schedule {schedule.name!r} built a layout for S={lay.seq_len}, "
-                         f"P={lay.world_size}; expected S={seq_len}, P={world_size}")
+        src = "the given layout is" if layout is not None else \
+            f"schedule {schedule.name!r} built a layout"
+        raise ValueError(f"{src} for S={lay.seq_len}, P={lay.world_size}; expected S={seq_len}, "
+                         f"P={world_size}")
     if lay.local_len % block_size:
         raise ValueError(f"L=S/P={lay.local_len} tokens per rank is not a multiple of "
                          f"block_size={block_size}")
@@ -258,4 +422,5 @@ def plan(schedule: Schedule, mask_mod: Callable | None = None, *, seq_len: int,
     return Plan(schedule=schedule, mask_mod=mask_mod, layout=lay, block_size=block_size,
                 blocks=blocks, tiles=tiles, forward=tuple(fwd), backward=tuple(bwd), kv=kv,
                 score_mod=score_mod, scale=scale, kernel=kernel, batch_size=batch_size,
-                num_heads=num_heads)
+                num_heads=num_heads, score_params=score_params,
+                reads_batch=reads_b or _probe_reads_b(score_mod))

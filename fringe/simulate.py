@@ -10,25 +10,10 @@ from __future__ import annotations
 
 import torch
 
-from .autograd import attention_stacked
+from .autograd import apply_sinks, attention_stacked
+from .runtime.distributed import check_sinks
+from .runtime.engine import check_inputs
 from .runtime.virtual import VirtualRuntime
-
-
-def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, plan, local: bool) -> None:
-    """Shape/dtype checks shared by the virtual and distributed entry points."""
-    from .ops import check_qkv
-    check_qkv(q, k, v)
-    want = plan.local_len if local else plan.seq_len
-    where = "local (per-rank) " if local else "global "
-    if q.shape[-2] != want or k.shape[-2] != want:
-        raise ValueError(f"q has {q.shape[-2]} and k/v {k.shape[-2]} tokens, but the plan expects "
-                         f"{where}length {want} (S={plan.seq_len}, P={plan.world_size}); "
-                         f"re-plan with seq_len={q.shape[-2] * (plan.world_size if local else 1)}"
-                         f" or pass tensors of the planned length")
-    for name, val, size in (("batch_size", plan.batch_size, q.shape[0]),
-                            ("num_heads", plan.num_heads, q.shape[1])):
-        if val is not None and val != size:
-            raise ValueError(f"the plan's mask was classified for {name}={val}, but q has {size}")
 
 
 def _stack(plan, x: torch.Tensor) -> torch.Tensor:
@@ -37,25 +22,29 @@ def _stack(plan, x: torch.Tensor) -> torch.Tensor:
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, plan,
-              return_lse: bool = False):
+              return_lse: bool = False, sinks: torch.Tensor | None = None):
     """Context-parallel attention of global tensors, simulated on one process.
 
     Args:
         q: ``[B, H, S, D]``; k, v: ``[B, G, S, D]`` (global, natural token order).
         plan: from :func:`fringe.plan`.
-        return_lse: also return the log-sum-exp ``[B, H, S]``.
+        return_lse: also return the log-sum-exp ``[B, H, S]`` (differentiable).
+        sinks: optional ``[H]`` per-head sink logits, as in :func:`fringe.attention`.
 
     Returns:
         out ``[B, H, S, D]`` (and lse), equal to dense attention under the plan's mask.
     """
     check_inputs(q, k, v, plan=plan, local=False)
+    if sinks is not None:
+        check_sinks(sinks, q)
     lay = plan.layout
     out, lse = attention_stacked(_stack(plan, q), _stack(plan, k), _stack(plan, v), plan=plan,
                                  runtime=VirtualRuntime(plan.world_size))
     out = lay.unshard(list(out.unbind(0)))
-    if return_lse:
-        return out, lay.unshard(list(lse.unsqueeze(-1).unbind(0))).squeeze(-1)
-    return out
+    lse = lay.unshard(list(lse.unsqueeze(-1).unbind(0))).squeeze(-1)
+    if sinks is not None:
+        out, lse = apply_sinks(out, lse, sinks)
+    return (out, lse) if return_lse else out
 
 
 def forward_states(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, plan) -> dict:

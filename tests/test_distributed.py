@@ -109,16 +109,22 @@ def worker_mismatch(rank: int, world_size: int, what: str):
         ql, kl, vl = (torch.cat([t, t], dim=-2) for t in (ql, kl, vl))
     try:
         fringe.attention(ql, kl, vl, plan=plan, timeout_s=20)
-    except fringe.runtime.distributed.RankMismatch as e:
-        return str(e)
+    except (fringe.runtime.distributed.RankMismatch, ValueError) as e:
+        return f"{type(e).__name__}: {e}"
     return "no error"
 
 
-@pytest.mark.parametrize("what,field", [("dtype", "dtype"), ("seq_len", "L (local tokens)")])
-def test_rank_inconsistent_inputs_fail_on_every_rank(pools, what, field):
+@pytest.mark.parametrize("what,expect", [
+    ("dtype", "RankMismatch: rank 1 disagrees with rank 0 on dtype"),
+    # rank 1's own validation fails; the reason reaches every rank in the same exchange
+    ("seq_len", "ValueError: rank 1 of 3 got invalid input"),
+])
+def test_rank_inconsistent_inputs_fail_on_every_rank(pools, what, expect):
     messages = pools(3).run(worker_mismatch, what)
     for msg in messages:
-        assert f"rank 1 disagrees with rank 0 on {field}" in msg, msg
+        assert msg.startswith(expect), msg
+    if what == "seq_len":
+        assert all("the plan expects local (per-rank) length" in m for m in messages), messages
 
 
 def worker_dies(rank: int, world_size: int):
@@ -129,8 +135,8 @@ def worker_dies(rank: int, world_size: int):
     ql, kl, vl = (plan.layout.shard(t, rank) for t in (q, k, v))
     if rank == 1:
         # pass the agreement like a healthy rank, then die before sending anything
-        from fringe.api import _runtime
-        _runtime(None, 3.0).agree(plan, ql, kl)
+        from fringe.runtime.distributed import DistRuntime
+        DistRuntime(None, timeout_s=3.0).agree(plan, ql, kl, vl)
         os._exit(3)
     fringe.attention(ql, kl, vl, plan=plan, timeout_s=3.0)
     return "finished"

@@ -8,7 +8,7 @@ import pytest
 PUBLIC = {
     "fringe": ["CommTimeout", "DEFAULT_BLOCK_SIZE", "Layout", "Plan", "PlanStats", "RankMismatch",
                "RunStats", "attention", "last_run", "launch", "layout", "masks", "ops", "plan",
-               "render", "runtime", "schedules", "simulate"],
+               "recording", "render", "runtime", "schedules", "simulate"],
     "fringe.masks": ["BlockKind", "Mask", "MaskError", "MaskMod", "as_mask", "causal", "classify",
                      "document", "evaluate", "full", "prefix_lm", "reads_batch_head",
                      "sliding_window"],
@@ -18,7 +18,8 @@ PUBLIC = {
                          "Schedule", "ScheduleError", "Send", "Step", "check", "lower", "parse_op",
                          "prune", "reverse", "ring", "ring_hops", "striped", "zigzag"],
     "fringe.runtime": ["CommTimeout", "DistRuntime", "DistTransport", "Pool", "RankMismatch",
-                       "RankState", "StepRecord", "VirtualMesh", "VirtualRuntime", "execute"],
+                       "RankState", "Runtime", "StepRecord", "VirtualMesh", "VirtualRuntime",
+                       "execute"],
 }
 
 

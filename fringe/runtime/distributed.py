@@ -7,20 +7,29 @@ issued on a dedicated communication stream ordered with the compute stream by ev
 request objects carry the asynchrony. Every wait has a timeout, so a peer that died or
 never sends ends in :class:`CommTimeout` naming the step, buffer and peer, never a hang.
 
-Before the first tile of a new (plan, shapes) combination, ranks exchange a small int64
-metadata vector (shapes, dtype, device type, plan fingerprint) with one all-gather and
-fail with :class:`RankMismatch` naming the rank and the field that differs.
+Before anything else, on **every** call, ranks exchange a small int64 vector with one
+all-gather (:meth:`DistRuntime.agree`): the local shapes, dtype and device type, whether
+this rank's inputs passed validation, and one digest per plan component (layout,
+programs, block map, mask content, score_mod, options) and per extra input (sinks). A
+disagreement raises :class:`RankMismatch` on every rank naming the rank and the
+component; a rank with invalid input makes every rank raise its reason at once. On CUDA
+the vector travels over a gloo side group of the same ranks (created once, with
+``use_local_synchronization``), so the check adds no device-to-host synchronisation.
 """
 from __future__ import annotations
 
 import datetime
 import hashlib
+import math
 import os
 
 import torch
 import torch.distributed as dist
 
-DEFAULT_TIMEOUT_S = float(os.environ.get("FRINGE_TIMEOUT", "300"))
+from .engine import Runtime
+
+#: Used when neither ``timeout_s=`` nor ``FRINGE_TIMEOUT`` is given.
+DEFAULT_TIMEOUT_S = 300.0
 
 
 class CommTimeout(RuntimeError):
@@ -28,12 +37,40 @@ class CommTimeout(RuntimeError):
 
 
 class RankMismatch(ValueError):
-    """Ranks disagree on shapes, dtype, device or plan before any tile is computed."""
+    """Ranks disagree on shapes, dtype, device, plan or inputs before any tile is computed."""
+
+
+def resolve_timeout(timeout_s=None) -> float:
+    """The timeout in seconds: ``timeout_s``, else ``FRINGE_TIMEOUT``, else 300.
+
+    Raises:
+        ValueError: for anything but a finite number of seconds > 0.
+    """
+    src = "timeout_s"
+    if timeout_s is None:
+        env = os.environ.get("FRINGE_TIMEOUT")
+        if env is None:
+            return DEFAULT_TIMEOUT_S
+        src = "the FRINGE_TIMEOUT environment variable"
+        try:
+            timeout_s = float(env)
+        except ValueError:
+            raise ValueError(f"{src} must be a number of seconds > 0, got {env!r}") from None
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)):
+        raise ValueError(f"{src} must be a number of seconds > 0, got {timeout_s!r}")
+    if not math.isfinite(timeout_s) or timeout_s <= 0:
+        raise ValueError(f"{src} must be a finite number of seconds > 0, got {timeout_s!r} "
+                         f"(a peer that never answers must end in an error, not a hang)")
+    return float(timeout_s)
 
 
 _DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16]
-_FIELDS = ["world size", "B (batch)", "H (query heads)", "G (kv heads)", "L (local tokens)",
-           "D (head dim)", "dtype", "device type", "plan fingerprint"]
+_SHAPE_FIELDS = ["world size", "B (batch)", "H (query heads)", "G (kv heads)",
+                 "L (local tokens)", "D (head dim)", "dtype", "device type", "input check"]
+_PLAN_FIELDS = ["layout", "programs", "blocks", "mask", "score_mod", "options"]
+_EXTRA_FIELDS = ["sinks"]
+_FIELDS = _SHAPE_FIELDS + [f"plan {f}" for f in _PLAN_FIELDS] + _EXTRA_FIELDS
+_DIGESTS = set(_FIELDS[len(_SHAPE_FIELDS):])
 
 
 def _h48(text: str) -> int:
@@ -45,9 +82,23 @@ def _describe(field: str, value: int) -> str:
         return str(_DTYPES[value]) if 0 <= value < len(_DTYPES) else f"code {value}"
     if field == "device type":
         return "cuda" if value == 1 else "cpu" if value == 0 else f"code {value}"
-    if field == "plan fingerprint":
-        return f"#{value:x}"
+    if field == "input check":
+        return "valid input" if value == 0 else "invalid input"
+    if field in _DIGESTS:
+        return f"digest #{value:012x}"
     return str(value)
+
+
+_SIDE_GROUPS: dict = {}
+
+
+def _side_group(group):
+    """A gloo group over the same ranks as ``group`` (for CPU-side agreement on CUDA)."""
+    ranks = tuple(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
+    if ranks not in _SIDE_GROUPS:
+        _SIDE_GROUPS[ranks] = dist.new_group(list(ranks), backend="gloo",
+                                             use_local_synchronization=True)
+    return _SIDE_GROUPS[ranks]
 
 
 class DistTransport:
@@ -109,8 +160,11 @@ class DistTransport:
             torch.cuda.current_stream().wait_stream(self.stream)
 
 
-class DistRuntime:
-    """Drives this process's rank of a plan over torch.distributed."""
+class DistRuntime(Runtime):
+    """Drives this process's rank of a plan over torch.distributed.
+
+    Cheap to build (no communication): :func:`fringe.attention` makes one per call.
+    """
 
     def __init__(self, group=None, *, timeout_s: float | None = None) -> None:
         if not dist.is_available() or not dist.is_initialized():
@@ -120,35 +174,65 @@ class DistRuntime:
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
-        self.ranks = [self.rank]
-        self.timeout_s = DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s
-        self.last_states: dict = {}
-        self._agreed: set = set()
+        self.timeout_s = resolve_timeout(timeout_s)
+        super().__init__([self.rank], self._transport)
 
-    def agree(self, plan, q: torch.Tensor, k: torch.Tensor) -> None:
-        """Check once per (plan, shapes) that all ranks agree; raise on every rank if not."""
-        B, H, L, D = q.shape if q.dim() == 4 else (-1, -1, -1, -1)   # malformed: still agree
-        G = k.shape[1] if k.dim() == 4 else -1
-        dtype = _DTYPES.index(q.dtype) if q.dtype in _DTYPES else 99
-        fp = plan.fingerprint()
-        mine = [plan.world_size, B, H, G, L, D, dtype, int(q.is_cuda), _h48(fp)]
-        key = tuple(mine)
-        if key in self._agreed:
-            return
-        dev = q.device if q.is_cuda else torch.device("cpu")
-        local = torch.tensor(mine, dtype=torch.int64, device=dev)
+    def agree(self, plan, q, k, v, *, sinks=None) -> None:
+        """All ranks agree on shapes, dtype, device, plan and inputs; raise on every rank if not.
+
+        Runs on every call (one all-gather of a short int64 vector, never cached). This
+        rank's local validation travels in the same exchange, so a rank with bad input
+        makes every rank raise that rank's reason at once instead of leaving its peers to
+        wait for a timeout.
+
+        Raises:
+            RankMismatch: ranks differ (the message names the rank and the component).
+            ValueError: some rank's inputs are invalid (the message names the rank).
+            CommTimeout: a peer never joined the exchange.
+        """
+        from .engine import check_inputs
+        problem = ""
+        try:
+            check_inputs(q, k, v, plan=plan, local=True)
+            if plan.world_size != self.world_size:
+                raise ValueError(f"the plan is for world_size={plan.world_size} but the process "
+                                 f"group has {self.world_size} ranks; plan with "
+                                 f"world_size=dist.get_world_size(group)")
+            if sinks is not None:
+                check_sinks(sinks, q)
+        except (ValueError, TypeError) as e:
+            problem = f"{type(e).__name__}: {e}"
+        shape4 = isinstance(q, torch.Tensor) and q.dim() == 4
+        B, H, L, D = q.shape if shape4 else (-1, -1, -1, -1)
+        G = k.shape[1] if isinstance(k, torch.Tensor) and k.dim() == 4 else -1
+        dtype = q.dtype if isinstance(q, torch.Tensor) else None
+        code = _DTYPES.index(dtype) if dtype in _DTYPES else 99
+        cuda = isinstance(q, torch.Tensor) and q.is_cuda
+        digests = plan.digests()
+        sink_desc = "none" if sinks is None else \
+            f"{tuple(getattr(sinks, 'shape', ()))}/{getattr(sinks, 'dtype', type(sinks).__name__)}"
+        mine = ([plan.world_size, B, H, G, L, D, code, int(cuda), int(bool(problem))]
+                + [_h48(digests[f]) for f in _PLAN_FIELDS] + [_h48(sink_desc)])
+        group = _side_group(self.group) if cuda else self.group
+        local = torch.tensor(mine, dtype=torch.int64)
         everyone = [torch.empty_like(local) for _ in range(self.world_size)]
-        work = dist.all_gather(everyone, local, group=self.group, async_op=True)
+        work = dist.all_gather(everyone, local, group=group, async_op=True)
         try:
             work.wait(timeout=datetime.timedelta(seconds=self.timeout_s))
         except RuntimeError as e:
             raise CommTimeout(f"rank {self.rank}: the agreement exchange before attention did not "
                               f"complete within {self.timeout_s:g}s; is every rank calling "
                               f"fringe.attention? ({str(e).splitlines()[0][:200]})") from e
-        rows = torch.stack(everyone).cpu().tolist()
-        if plan.world_size != self.world_size:
-            raise RankMismatch(f"rank {self.rank}: the plan is for world_size={plan.world_size} "
-                               f"but the process group has {self.world_size} ranks")
+        rows = torch.stack(everyone).tolist()
+        bad = [r for r, row in enumerate(rows) if row[len(_SHAPE_FIELDS) - 1]]
+        if bad:                 # every rank sees the flags, so every rank joins this exchange
+            msgs = [None] * self.world_size
+            dist.all_gather_object(msgs, problem, group=group)
+            r = bad[0]
+            others = f" (also invalid on ranks {bad[1:]})" if len(bad) > 1 else ""
+            raise ValueError(f"rank {r} of {self.world_size} got invalid input for "
+                             f"fringe.attention{others}, seen from rank {self.rank} before any "
+                             f"attention data moved: {msgs[r]}")
         for r, row in enumerate(rows):
             for field, a, b in zip(_FIELDS, rows[0], row):
                 if a != b:
@@ -156,22 +240,23 @@ class DistRuntime:
                         f"rank {r} disagrees with rank 0 on {field}: rank 0 has "
                         f"{_describe(field, a)}, rank {r} has {_describe(field, b)} (seen from "
                         f"rank {self.rank}, before any communication of attention data); every "
-                        f"rank must call fringe.attention with the same plan and local shapes")
-        self._agreed.add(key)
+                        f"rank must call fringe.attention with the same plan (same mask content, "
+                        f"score_mod, options) and the same local shapes")
 
     def _transport(self, device: torch.device) -> DistTransport:
         return DistTransport(self.group, timeout_s=self.timeout_s, device=device)
 
-    def forward(self, plan, q, k, v):
-        from . import engine
-        out, lse, kept, states = engine.forward(plan, self.ranks, q, k, v,
-                                                self._transport(q.device))
-        self.last_states["forward"] = states
-        return out, lse, kept
 
-    def backward(self, plan, q, k, v, out, lse, dout, kept):
-        from . import engine
-        dq, dk, dv, states = engine.backward(plan, self.ranks, q, k, v, out, lse, dout, kept,
-                                             self._transport(q.device))
-        self.last_states["backward"] = states
-        return dq, dk, dv
+def check_sinks(sinks, q) -> None:
+    """``sinks`` must be a floating ``[H]`` tensor on q's device."""
+    if not isinstance(sinks, torch.Tensor):
+        raise TypeError(f"sinks must be a tensor of per-head sink logits [H], got "
+                        f"{type(sinks).__name__}")
+    H = q.shape[1] if isinstance(q, torch.Tensor) and q.dim() == 4 else None
+    if sinks.dim() != 1 or (H is not None and sinks.shape[0] != H):
+        raise ValueError(f"sinks must have shape [H]=[{H}] (one logit per query head), got "
+                         f"{tuple(sinks.shape)}")
+    if not sinks.dtype.is_floating_point:
+        raise ValueError(f"sinks must be floating point, got {sinks.dtype}")
+    if isinstance(q, torch.Tensor) and sinks.device != q.device:
+        raise ValueError(f"sinks are on {sinks.device} but q is on {q.device}; move them")

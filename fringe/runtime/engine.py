@@ -13,6 +13,35 @@ from ..schedules.ir import Compute, GradCompute, buffer_name
 from .interpreter import RankState, Transport, execute
 
 
+def check_inputs(q, k, v, *, plan, local: bool) -> None:
+    """Shape/dtype checks shared by the virtual and distributed entry points.
+
+    Raises:
+        TypeError: ``plan`` is not a :class:`fringe.Plan`, or q/k/v are not tensors.
+        ValueError: shapes that do not fit the plan, with the fix.
+    """
+    from ..ops import check_qkv
+    from ..plan import Plan
+    if not isinstance(plan, Plan):
+        raise TypeError(f"plan must be a fringe.Plan from fringe.plan(schedule, mask_mod, ...), "
+                        f"got {type(plan).__name__}")
+    check_qkv(q, k, v)
+    want = plan.local_len if local else plan.seq_len
+    where = "local (per-rank) " if local else "global "
+    if q.shape[-2] != want or k.shape[-2] != want:
+        raise ValueError(f"q has {q.shape[-2]} and k/v {k.shape[-2]} tokens, but the plan expects "
+                         f"{where}length {want} (S={plan.seq_len}, P={plan.world_size}); "
+                         f"re-plan with seq_len={q.shape[-2] * (plan.world_size if local else 1)}"
+                         f" or pass tensors of the planned length")
+    for name, val, size in (("batch_size", plan.batch_size, q.shape[0]),
+                            ("num_heads", plan.num_heads, q.shape[1])):
+        if val is not None and val != size:
+            raise ValueError(f"the plan's mask was classified for {name}={val}, but q has {size}")
+    for t in plan.score_params:
+        if t.device != q.device:
+            raise ValueError(f"a score_mod parameter is on {t.device} but q is on {q.device}")
+
+
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
     """Accumulation dtype for out/lse/gradients: float64 stays, everything else float32."""
     return torch.float64 if dtype == torch.float64 else torch.float32
@@ -87,12 +116,23 @@ def forward(plan, ranks: Sequence[int], q: torch.Tensor, k: torch.Tensor, v: tor
     return torch.stack(out), torch.stack(lse), kept, states
 
 
-def backward(plan, ranks: Sequence[int], q, k, v, out, lse, dout, kept, transport: Transport):
-    """Run the backward programs of ``ranks``; returns ``(dq, dk, dv, states)`` stacked."""
+def backward(plan, ranks: Sequence[int], q, k, v, out, lse, dout, dlse, kept,
+             transport: Transport):
+    """Run the backward programs of ``ranks``.
+
+    ``dlse`` (``[R, B, H, L]`` or None) is the cotangent of the merged lse.
+
+    Returns:
+        ``(dq, dk, dv, dparams, states)``: gradients stacked over ``ranks``, and the
+        gradients of ``plan.score_params`` summed over the tiles these ranks computed
+        (this process's share; under torch.distributed each rank returns its own part).
+    """
     from ..ops import tile_backward
 
     acc = acc_dtype(q.dtype)
     states, dqs = {}, {}
+    params = tuple(plan.score_params)
+    dparams = [torch.zeros(p.shape, dtype=acc, device=p.device) for p in params]
     index = {r: n for n, r in enumerate(ranks)}
     for n, r in enumerate(ranks):
         st = _rank_state(plan.backward[r], r, k[n], v[n], grad_dtype=acc,
@@ -107,10 +147,15 @@ def backward(plan, ranks: Sequence[int], q, k, v, out, lse, dout, kept, transpor
             raise RuntimeError(f"rank {st.rank}: backward program contains {op}")
         n = index[st.rank]
         kv = st.bufs[buffer_name("kv", op.kv)]
-        dq, dk, dv = tile_backward(q[n], kv[0], kv[1], out[n], lse[n], dout[n],
-                                   **_tile_args(plan, op.q, op.kv, q.device))
+        res = tile_backward(q[n], kv[0], kv[1], out[n], lse[n], dout[n],
+                            dlse=None if dlse is None else dlse[n], score_params=params,
+                            **_tile_args(plan, op.q, op.kv, q.device))
+        dq, dk, dv = res[:3]
         dqs[st.rank].add_(dq.to(acc))
         st.accumulate(buffer_name("dkv", op.kv), torch.stack([dk, dv]).to(acc))
+        if params:
+            for acc_p, g in zip(dparams, res[3]):
+                acc_p.add_(g.to(acc))
 
     execute({r: plan.backward[r] for r in ranks}, states, transport, compute)
     dq, dk, dv = [], [], []
@@ -123,4 +168,31 @@ def backward(plan, ranks: Sequence[int], q, k, v, out, lse, dout, kept, transpor
         else:
             dk.append(g[0].to(k.dtype))
             dv.append(g[1].to(v.dtype))
-    return torch.stack(dq), torch.stack(dk), torch.stack(dv), states
+    dparams = tuple(g.to(p.dtype) for g, p in zip(dparams, params))
+    return torch.stack(dq), torch.stack(dk), torch.stack(dv), dparams, states
+
+
+class Runtime:
+    """Runs plans for the ranks this process drives over transports from ``make_transport``.
+
+    The virtual mesh (all P ranks, an in-memory transport) and torch.distributed (this
+    process's rank, p2p over a process group) are both this class; only the ranks and the
+    transport factory differ. ``last_states`` holds each direction's per-rank interpreter
+    states (step records, pools) of the last run.
+    """
+
+    def __init__(self, ranks: Sequence[int], make_transport) -> None:
+        self.ranks = list(ranks)
+        self.make_transport = make_transport
+        self.last_states: dict = {}
+
+    def forward(self, plan, q, k, v):
+        out, lse, kept, states = forward(plan, self.ranks, q, k, v, self.make_transport(q.device))
+        self.last_states["forward"] = states
+        return out, lse, kept
+
+    def backward(self, plan, q, k, v, out, lse, dout, dlse, kept):
+        dq, dk, dv, dparams, states = backward(plan, self.ranks, q, k, v, out, lse, dout, dlse,
+                                               kept, self.make_transport(q.device))
+        self.last_states["backward"] = states
+        return dq, dk, dv, dparams

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from .engine import Runtime
+
 
 class VirtualMesh:
     """In-memory transport for P ranks driven by one process."""
@@ -38,24 +40,9 @@ class VirtualMesh:
             out.copy_(src)
 
 
-class VirtualRuntime:
+class VirtualRuntime(Runtime):
     """Drives every rank of a plan in this process over a :class:`VirtualMesh`."""
 
     def __init__(self, world_size: int) -> None:
+        super().__init__(range(world_size), lambda device: VirtualMesh(world_size))
         self.world_size = world_size
-        self.ranks = list(range(world_size))
-        self.last_states: dict = {}
-
-    def forward(self, plan, q, k, v):
-        from . import engine
-        out, lse, kept, states = engine.forward(plan, self.ranks, q, k, v,
-                                                VirtualMesh(self.world_size))
-        self.last_states["forward"] = states
-        return out, lse, kept
-
-    def backward(self, plan, q, k, v, out, lse, dout, kept):
-        from . import engine
-        dq, dk, dv, states = engine.backward(plan, self.ranks, q, k, v, out, lse, dout, kept,
-                                             VirtualMesh(self.world_size))
-        self.last_states["backward"] = states
-        return dq, dk, dv
