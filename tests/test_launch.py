@@ -1,0 +1,252 @@
+"""The launcher leaves nothing behind: workers die with their parent (SIGTERM, SIGKILL), temp
+dirs go on every path that can run cleanup and stale ones are swept at the next launch, a
+failed start leaks nothing, and a pool broken by a timeout or a dead rank says so and restarts.
+
+No clocks are asserted: where a process must die we poll with a generous deadline. Process
+spawns are few (each costs seconds of torch import): two parents of two workers each, run
+side by side, one failed single-rank start, and one pool started twice.
+"""
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import select
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+
+import pytest
+
+from fringe import launch
+from fringe.launch import LaunchError, Workers
+
+DEADLINE_S = 120.0       # generous: the box is 2 shared cores and torch imports take seconds
+
+PARENT = textwrap.dedent("""
+    import json, os, sys, time
+    from fringe.launch import Workers
+
+    def hold(rank, world_size):
+        time.sleep(600)
+
+    if __name__ == "__main__":
+        w = Workers(2, timeout_s=600)
+        w.start()
+        print(json.dumps({"pids": w.pids, "dir": w.directory}), flush=True)
+        w.run(hold)           # blocked here, as a launcher is while its ranks work
+""")
+
+
+def _gone(pid: int) -> bool:
+    """True once ``pid`` is no longer a running process (exited, or a zombie not yet reaped
+    by whoever inherited it)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except (OSError, IndexError):
+        return False
+
+
+def _wait_gone(pids: list[int], deadline_s: float = DEADLINE_S) -> list[int]:
+    """Poll until every pid is gone or the deadline passes; returns those still alive."""
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        alive = [p for p in pids if not _gone(p)]
+        if not alive:
+            return []
+        time.sleep(0.2)
+    return [p for p in pids if not _gone(p)]
+
+
+def _read_first_line(proc: subprocess.Popen) -> dict:
+    end = time.monotonic() + DEADLINE_S
+    while time.monotonic() < end:
+        ready, _, _ = select.select([proc.stdout], [], [], 0.5)
+        if ready:
+            line = proc.stdout.readline()
+            if line:
+                return json.loads(line)
+        if proc.poll() is not None:
+            break
+    proc.kill()
+    _, err = proc.communicate(timeout=30)
+    raise AssertionError(f"the parent script did not report its workers: {err}")
+
+
+@pytest.fixture(scope="module")
+def parents(tmp_path_factory):
+    """Two launcher processes (one to SIGTERM, one to SIGKILL), each holding 2 workers that
+    are busy in a call; started side by side to pay the spawn cost once."""
+    root = tmp_path_factory.mktemp("launch")
+    script = root / "parent.py"
+    script.write_text(PARENT)
+    procs, infos = {}, {}
+    for name in ("term", "kill"):
+        tmp = root / name
+        tmp.mkdir()
+        env = dict(os.environ, TMPDIR=str(tmp), PYTHONUNBUFFERED="1")
+        procs[name] = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE,
+                                       stderr=subprocess.PIPE, text=True, env=env, cwd=root)
+    try:
+        for name, proc in procs.items():
+            infos[name] = dict(_read_first_line(proc), proc=proc, tmp=root / name)
+        yield infos
+    finally:
+        for name, proc in procs.items():         # only if a test failed half-way
+            if proc.poll() is None:
+                proc.kill()
+            proc.communicate(timeout=30)
+            for pid in infos.get(name, {}).get("pids", []):
+                if not _gone(pid):
+                    os.kill(pid, signal.SIGKILL)
+
+
+def test_sigterm_to_the_launcher_stops_its_workers_and_removes_its_dir(parents):
+    info = parents["term"]
+    proc = info["proc"]
+    assert os.path.isdir(info["dir"]) and os.path.basename(info["dir"]).startswith(
+        f"fringe-launch-{proc.pid}-")
+    assert not any(_gone(pid) for pid in info["pids"]), "workers should be running"
+    proc.send_signal(signal.SIGTERM)
+    proc.communicate(timeout=DEADLINE_S)
+    assert proc.returncode == -signal.SIGTERM      # it still dies of the signal (shell: 143)
+    assert not os.path.exists(info["dir"])         # the handler removed it before dying
+    assert _wait_gone(info["pids"]) == []
+
+
+def test_sigkill_to_the_launcher_stops_its_workers_and_the_next_launch_sweeps(parents):
+    info = parents["kill"]
+    proc = info["proc"]
+    assert not any(_gone(pid) for pid in info["pids"]), "workers should be running"
+    proc.send_signal(signal.SIGKILL)
+    proc.communicate(timeout=DEADLINE_S)
+    assert proc.returncode == -signal.SIGKILL
+    # nothing ran in the parent: the workers saw their lifeline close and exited by themselves
+    assert _wait_gone(info["pids"]) == []
+    assert os.path.isdir(info["dir"])              # ... and the directory is still there
+    live = info["tmp"] / f"fringe-launch-{os.getpid()}-live"      # a live owner's: kept
+    live.mkdir()
+    swept = launch.sweep_stale_dirs(str(info["tmp"]))
+    assert [os.path.realpath(d) for d in swept] == [os.path.realpath(info["dir"])]
+    assert not os.path.exists(info["dir"]) and live.is_dir()
+
+
+def _dead_pid() -> int:
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()                                   # reaped: its pid names no process now
+    return child.pid
+
+
+def test_a_failing_start_leaks_nothing_and_sweeps_stale_dirs_first(tmp_path, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    stale = tmp_path / f"fringe-launch-{_dead_pid()}-stale"
+    stale.mkdir()
+    (stale / "store").write_text("left by a launcher that was SIGKILLed")
+    w = Workers(1, backend="not-a-backend", timeout_s=60)
+    with pytest.raises(LaunchError) as info:
+        w.start()
+    assert info.value.rank == 0 and "not-a-backend" in info.value.remote_traceback
+    assert "joining the process group" in str(info.value)
+    assert os.listdir(tmp_path) == []              # its own dir removed, the stale one swept
+    assert w.pids == [] and w.directory is None
+    assert not [p for p in multiprocessing.active_children() if p.name.startswith("fringe-rank")]
+
+
+def ranks_and_pids(rank: int, world_size: int):
+    return rank, os.getpid()
+
+
+def comm_timeout_on_rank_1(rank: int, world_size: int):
+    if rank == 1:
+        from fringe.runtime.distributed import CommTimeout
+        raise CommTimeout("rank 1, step 0: recv of kv from rank 0 did not complete within 3s")
+    return rank
+
+
+def rank_1_dies(rank: int, world_size: int):
+    if rank == 1:
+        os._exit(3)
+    return rank
+
+
+def value_error_on_rank_1(rank: int, world_size: int):
+    if rank == 1:
+        raise ValueError("bad input on rank 1")
+    return rank
+
+
+def test_a_broken_pool_names_its_cause_and_restarts(tmp_path, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    w = Workers(2, timeout_s=60)
+    with pytest.raises(RuntimeError, match="not started"):
+        w.run(ranks_and_pids)
+    w.start()
+    try:
+        with pytest.raises(RuntimeError, match="already started"):
+            w.start()
+        with pytest.raises(TypeError, match="module-level function"):
+            w.run(lambda rank, world_size: rank)
+        first = w.pids
+        assert [r for r, _ in w.run(ranks_and_pids)] == [0, 1]
+        # an ordinary exception on one rank leaves the pool usable
+        with pytest.raises(LaunchError, match="rank 1 failed with ValueError"):
+            w.run(value_error_on_rank_1)
+        assert w.broken is None and [pid for _, pid in w.run(ranks_and_pids)] == first
+
+        with pytest.raises(LaunchError) as info:
+            w.run(comm_timeout_on_rank_1)
+        assert info.value.kind == "CommTimeout" and info.value.rank == 1
+        with pytest.raises(LaunchError, match="this Workers pool is broken since") as info:
+            w.run(ranks_and_pids)
+        msg = str(info.value)
+        assert info.value.kind == "broken"
+        assert "comm_timeout_on_rank_1" in msg and "CommTimeout: rank 1, step 0" in msg
+        assert "call close()" in msg
+        assert _wait_gone(first) == [] and os.listdir(tmp_path) == []
+
+        w.close()
+        w.start()                                  # restartable: a fresh group, new processes
+        second = w.pids
+        assert set(second).isdisjoint(first)
+        assert w.run(ranks_and_pids) == [(0, second[0]), (1, second[1])]
+        with pytest.raises(LaunchError) as info:
+            w.run(rank_1_dies)
+        assert info.value.kind == "ProcessDied" and info.value.rank == 1
+        with pytest.raises(LaunchError, match="broken since") as info:
+            w.run(ranks_and_pids)
+        assert "rank_1_dies" in str(info.value) and "rank 1 exited with code 3" in str(info.value)
+        assert _wait_gone(second) == [] and os.listdir(tmp_path) == []
+    finally:
+        w.close()
+    assert w.broken is None and w.pids == [] and os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("kwargs,error,match", [
+    (dict(world_size=0), ValueError, "world_size must be a positive integer"),
+    (dict(world_size=1.5), TypeError, "world_size must be a positive integer"),
+    (dict(world_size=True), TypeError, "world_size must be a positive integer"),
+    (dict(world_size=2, timeout_s=0), ValueError, "timeout_s must be a positive, finite"),
+    (dict(world_size=2, timeout_s=-1), ValueError, "timeout_s must be a positive, finite"),
+    (dict(world_size=2, timeout_s=float("inf")), ValueError, "timeout_s must be a positive"),
+    (dict(world_size=2, timeout_s=float("nan")), ValueError, "timeout_s must be a positive"),
+    (dict(world_size=2, threads=0), ValueError, "threads must be a positive integer"),
+    (dict(world_size=2, backend=""), TypeError, "backend must be"),
+])
+def test_workers_validate_their_arguments(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        Workers(**kwargs)
+
+
+def test_numpy_integer_world_size_is_accepted():
+    import numpy as np
+    assert Workers(np.int64(3)).world_size == 3
