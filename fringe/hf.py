@@ -1,0 +1,349 @@
+"""Hugging Face transformers: ``attn_implementation="fringe"`` runs context-parallel attention.
+
+Ten lines (see ``examples/hf_train.py`` for the whole loop)::
+
+    import fringe, fringe.hf
+    from fringe import masks, packing, schedules
+    fringe.hf.register()                                         # once per process
+    model = LlamaForCausalLM(config)                             # config._attn_implementation="fringe"
+    doc_ids = packing.doc_ids_from_cu_seqlens(cu_seqlens)        # this batch's documents
+    plans = fringe.hf.plans(model, schedules.zigzag(), packing.document_mask(doc_ids),
+                            seq_len=S, world_size=P)              # one plan per layer kind, one layout
+    shard = packing.shard_batch(input_ids, labels, plan=plans.plans, rank=rank, cu_seqlens=cu_seqlens)
+    out = model(**fringe.hf.model_inputs(shard, plans), use_cache=False)
+    out.loss.backward()          # this rank's share: sum the CP ranks' gradients (all_reduce SUM)
+
+How the pieces meet transformers (read from its ``integrations/sdpa_attention.py``,
+``modeling_utils.AttentionInterface`` and ``masking_utils``):
+
+* A model's attention module calls ``ALL_ATTENTION_FUNCTIONS[impl](module, q, k, v,
+  attention_mask, dropout=, scaling=, [sliding_window=, softcap=, s_aux=], **kwargs)``
+  with q ``[B, H, L, D]``, k / v ``[B, G, L, D]``, and every extra keyword the model's
+  ``forward`` was called with. The plans travel that way, as ``fringe=`` (:data:`KWARG`):
+  per forward, so activation checkpointing's recomputation in the backward sees them too
+  (a context manager would have exited by then).
+* Each call's ``scaling``, ``sliding_window``, ``is_causal`` (keyword or ``module.is_causal``)
+  and ``softcap`` must match what the chosen plan was made for, or the call raises. Gemma
+  scales by ``query_pre_attn_scalar**-0.5``, not ``D**-0.5``; ignoring that would be a wrong
+  loss, not an error. Dropout > 0 raises. gpt-oss passes its sinks as ``s_aux``.
+* transformers gives a custom attention function no 2-D padding mask. The registered mask
+  function (``AttentionMaskInterface``) raises if a user passes a padding mask that fringe
+  would otherwise never see, and returns None: the plan's mask is the mask.
+
+Legend: B batch · H query heads · G kv heads · S global sequence · L = S/P · D head dim.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable
+
+import torch
+
+from . import masks as _masks
+from .api import attention as _cp_attention
+from .plan import Plan, plan as _plan
+
+__all__ = ["KWARG", "NAME", "LayerPlan", "Plans", "attention_forward", "layer_kinds",
+           "mask_function", "model_inputs", "plans", "register"]
+
+#: The ``attn_implementation`` name :func:`register` uses by default.
+NAME = "fringe"
+#: The model keyword that carries the per-batch :class:`Plans` to the attention function.
+KWARG = "fringe"
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class LayerPlan:
+    """A plan and what it was made for, in transformers' terms.
+
+    Attributes:
+        plan: the :class:`fringe.Plan` (its ``scale`` is the softmax scale; None = ``D**-0.5``).
+        causal: the plan's mask includes causal masking.
+        sliding_window: transformers' ``sliding_window`` (``q - kv < w``), or None.
+        softcap: the plan's score_mod is ``softcap * tanh(score / softcap)``, or None.
+    """
+
+    plan: Plan
+    causal: bool = True
+    sliding_window: int | None = None
+    softcap: float | None = None
+
+    def key(self) -> tuple:
+        return (bool(self.causal), self.sliding_window, self.softcap)
+
+    def describe(self) -> str:
+        return (f"causal={self.causal}, sliding_window={self.sliding_window}, "
+                f"softcap={self.softcap}, scale={self.plan.scale}")
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Plans:
+    """The plans of one batch, one per kind of attention layer, over one layout.
+
+    Attributes:
+        layers: the :class:`LayerPlan` of each layer kind (distinct ``key()``).
+        layout_fingerprint: the layout every plan shards tokens by (checked at construction).
+        group: the CP process group (None: the default group).
+        timeout_s: passed to :func:`fringe.attention`.
+        batch_fingerprint: the layout fingerprint of the batch the model runs on
+            (:func:`model_inputs` sets it from the :class:`~fringe.packing.Shard`); every
+            attention call checks it against its plan's.
+    """
+
+    layers: tuple[LayerPlan, ...]
+    group: Any = None
+    timeout_s: float | None = None
+    batch_fingerprint: str | None = None
+    layout_fingerprint: str = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
+        if not self.layers:
+            raise ValueError("Plans needs at least one LayerPlan")
+        fps = {lp.plan.layout.fingerprint() for lp in self.layers}
+        if len(fps) != 1:
+            raise ValueError(f"the layer plans shard tokens by different layouts {sorted(fps)}; plan "
+                             f"every layer kind over one layout (fringe.plan(..., layout=...))")
+        keys = [lp.key() for lp in self.layers]
+        if len(set(keys)) != len(keys):
+            raise ValueError(f"two layer plans are for the same (causal, sliding_window, softcap): {keys}")
+        object.__setattr__(self, "layout_fingerprint", fps.pop())
+
+    @property
+    def plans(self) -> list[Plan]:
+        """The plans (e.g. for :func:`fringe.packing.shard_batch`)."""
+        return [lp.plan for lp in self.layers]
+
+    @property
+    def layout(self):
+        return self.layers[0].plan.layout
+
+    def find(self, *, causal: bool, sliding_window: int | None, softcap: float | None) -> LayerPlan:
+        """The layer plan made for exactly these; raises naming the available ones."""
+        want = (bool(causal), sliding_window, softcap)
+        for lp in self.layers:
+            if lp.key() == want:
+                return lp
+        have = "; ".join(lp.describe() for lp in self.layers)
+        raise ValueError(f"fringe: this attention layer runs with causal={causal}, "
+                         f"sliding_window={sliding_window}, softcap={softcap}, but no plan was made "
+                         f"for that (plans: {have}); build the plans with fringe.hf.plans(model, ...) "
+                         f"so every layer kind of the model gets its own")
+
+
+# --------------------------------------------------------------------------------------
+# what a model's attention layers ask for
+# --------------------------------------------------------------------------------------
+
+
+def _softcap_mod(cap: float) -> Callable:
+    def softcap_score_mod(score, b, h, q_idx, kv_idx):
+        return cap * torch.tanh(score / cap)
+    softcap_score_mod.__name__ = f"softcap({cap:g})"
+    return softcap_score_mod
+
+
+def layer_kinds(model) -> list[dict]:
+    """The distinct attention-layer kinds of a transformers model, read from its modules.
+
+    An attention module is one with ``scaling`` and ``layer_idx`` attributes (every model
+    that uses ``AttentionInterface``). Its kind is what it passes to the attention function:
+    ``scaling``, ``is_causal``, ``sliding_window`` (``module.sliding_window``, or
+    ``config.sliding_window`` for models such as Mistral that pass the config's) and
+    ``softcap`` (``module.attn_logit_softcapping``).
+
+    Returns:
+        one dict per kind: ``causal``, ``sliding_window``, ``softcap``, ``scaling``, ``layers``.
+    """
+    kinds: dict[tuple, dict] = {}
+    for mod in model.modules():
+        if not (hasattr(mod, "scaling") and hasattr(mod, "layer_idx")):
+            continue
+        cfg = getattr(mod, "config", None)
+        if hasattr(mod, "sliding_window"):
+            window = mod.sliding_window
+        else:
+            window = getattr(cfg, "sliding_window", None)
+            types = getattr(cfg, "layer_types", None)
+            if types is not None and types[mod.layer_idx] != "sliding_attention":
+                window = None
+        kind = dict(causal=bool(getattr(mod, "is_causal", True)), sliding_window=window,
+                    softcap=getattr(mod, "attn_logit_softcapping", None), scaling=float(mod.scaling))
+        key = tuple(kind.values())
+        kinds.setdefault(key, dict(kind, layers=[]))["layers"].append(mod.layer_idx)
+    if not kinds:
+        raise ValueError(f"{type(model).__name__} has no attention module with `scaling` and "
+                         f"`layer_idx`; is it a transformers model that uses AttentionInterface?")
+    return list(kinds.values())
+
+
+def plans(model, schedule, mask=None, *, seq_len: int, world_size: int, group=None,
+          timeout_s: float | None = None, layout=None, **plan_kwargs) -> Plans:
+    """Plan ``mask`` for every attention-layer kind of ``model``, over one layout.
+
+    Each kind's mask is ``mask & causal() & sliding_window(w)`` as the layer declares, with
+    the layer's own ``scaling`` and softcap (as a score_mod). The first kind (the layers
+    without a window come first) chooses the layout, unless ``layout`` is given; the others
+    are planned over it, each keeping its own pruning.
+
+    Args:
+        model: a transformers model (or anything :func:`layer_kinds` reads).
+        schedule: e.g. ``schedules.zigzag()``.
+        mask: the batch's mask on global positions (e.g. ``packing.document_mask(doc_ids)``),
+            without causal / window (added per layer); None: full.
+        seq_len, world_size: S and P.
+        group, timeout_s: for :func:`fringe.attention`.
+        layout: a :class:`fringe.Layout` to plan over (default: from the first kind's plan).
+        **plan_kwargs: passed to :func:`fringe.plan` (``block_size``, ``batch_size``, ``kv``,
+            ``kernel``...).
+
+    Returns:
+        :class:`Plans`.
+    """
+    kinds = sorted(layer_kinds(model), key=lambda k: (k["sliding_window"] is not None,
+                                                       k["sliding_window"] or 0))
+    base = _masks.full() if mask is None else _masks.as_mask(mask)
+    layers = []
+    for kind in kinds:
+        m = base
+        w = kind["sliding_window"]
+        if w is not None:
+            m = m & _masks.sliding_window(int(w), causal=kind["causal"])
+        elif kind["causal"]:
+            m = m & _masks.causal()
+        score_mod = _softcap_mod(kind["softcap"]) if kind["softcap"] is not None else None
+        kw = dict(plan_kwargs)
+        if layout is not None:
+            kw["layout"] = layout
+        p = _plan(schedule, m, seq_len=seq_len, world_size=world_size, scale=kind["scaling"],
+                  score_mod=score_mod, **kw)
+        layout = p.layout
+        layers.append(LayerPlan(p, causal=kind["causal"], sliding_window=w, softcap=kind["softcap"]))
+    return Plans(tuple(layers), group=group, timeout_s=timeout_s)
+
+
+def model_inputs(shard, plans: Plans) -> dict:
+    """Keyword arguments for the model: the shard's inputs plus ``fringe=`` (:data:`KWARG`).
+
+    Raises:
+        ValueError: the shard's tokens follow another layout than the plans'.
+    """
+    if shard.layout_fingerprint != plans.layout_fingerprint:
+        raise ValueError(f"the batch was sharded by layout {shard.layout_fingerprint} but the plans "
+                         f"are for layout {plans.layout_fingerprint}; shard the batch with these plans "
+                         f"(packing.shard_batch(..., plan=plans.plans))")
+    out = shard.model_inputs()
+    out[KWARG] = dataclasses.replace(plans, batch_fingerprint=shard.layout_fingerprint)
+    return out
+
+
+# --------------------------------------------------------------------------------------
+# the functions transformers calls
+# --------------------------------------------------------------------------------------
+
+_MISSING = object()
+
+
+def attention_forward(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      attention_mask: torch.Tensor | None, dropout: float = 0.0,
+                      scaling: float | None = None, is_causal: bool | None = None,
+                      **kwargs) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function signature, running :func:`fringe.attention`.
+
+    Args:
+        module: the attention module (for ``is_causal`` / ``sliding_window`` defaults).
+        query: ``[B, H, L, D]`` this rank's queries (layout order); key, value ``[B, G, L, D]``.
+        attention_mask: must be None (the plan carries the mask).
+        dropout: must be 0.
+        scaling: the softmax scale the layer wants (None: ``D**-0.5``).
+        is_causal: None: ``module.is_causal``.
+        **kwargs: ``fringe`` (:class:`Plans`, required), ``sliding_window``, ``softcap``,
+            ``s_aux`` (sinks ``[H]``), and whatever else the model passes (ignored).
+
+    Returns:
+        ``(out [B, L, H, D], None)``.
+
+    Raises:
+        ValueError: no plans, a mask / dropout / output_attentions / position_bias request,
+            or a plan not made for this layer's scaling, window, causality, softcap or layout.
+    """
+    ctx = kwargs.get(KWARG)
+    if not isinstance(ctx, Plans):
+        raise ValueError(f"attn_implementation={NAME!r} needs this batch's plans: call the model with "
+                         f"{KWARG}=fringe.hf.plans(model, ...) (or **fringe.hf.model_inputs(shard, plans)); "
+                         f"got {KWARG}={type(ctx).__name__ if ctx is not None else None}")
+    if attention_mask is not None:
+        raise ValueError(f"fringe got an attention_mask of shape {tuple(attention_mask.shape)}; the plan's "
+                         f"mask_mod is the mask under fringe, so put padding / documents there and pass "
+                         f"attention_mask=None")
+    if dropout:
+        raise ValueError(f"attention dropout={dropout} is not supported by fringe; set the config's "
+                         f"attention_dropout=0.0")
+    if kwargs.get("output_attentions"):
+        raise ValueError("fringe never materialises attention weights; pass output_attentions=False")
+    if kwargs.get("position_bias") is not None:
+        raise ValueError("fringe does not take a position_bias tensor; express it as a score_mod in the plan")
+    if is_causal is None:
+        is_causal = getattr(module, "is_causal", True)
+    window = kwargs.get("sliding_window", _MISSING)
+    if window is _MISSING:
+        window = getattr(module, "sliding_window", None)
+    softcap = kwargs.get("softcap")
+    lp = ctx.find(causal=bool(is_causal), sliding_window=window, softcap=softcap)
+    D = query.shape[-1]
+    want = lp.plan.scale if lp.plan.scale is not None else D ** -0.5
+    got = scaling if scaling is not None else D ** -0.5
+    if not math.isclose(float(want), float(got), rel_tol=1e-12, abs_tol=0.0):
+        raise ValueError(f"fringe: layer {getattr(module, 'layer_idx', '?')} scales scores by {got!r} but "
+                         f"its plan was made with scale={lp.plan.scale!r} (= {want!r}); plan with "
+                         f"scale=module.scaling (fringe.hf.plans does)")
+    fp = lp.plan.layout.fingerprint()
+    if ctx.batch_fingerprint is not None and fp != ctx.batch_fingerprint:
+        raise ValueError(f"fringe: the plan for this layer shards tokens by layout {fp} but the batch was "
+                         f"sharded by {ctx.batch_fingerprint}; plan every layer over the batch's layout")
+    if query.shape[2] != key.shape[2]:
+        raise ValueError(f"fringe: {query.shape[2]} queries but {key.shape[2]} keys on this rank; a KV "
+                         f"cache is not supported under context parallelism (pass use_cache=False)")
+    sinks = kwargs.get("s_aux")
+    extra = {} if sinks is None else dict(sinks=sinks)
+    out = _cp_attention(query, key, value, plan=lp.plan, group=ctx.group, timeout_s=ctx.timeout_s,
+                        **extra)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def mask_function(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0,
+                  kv_offset: int = 0, mask_function=None, attention_mask=None, **kwargs):
+    """transformers' mask-interface signature: no mask (the plan's mask_mod is the mask).
+
+    Raises:
+        ValueError: a 2-D padding ``attention_mask`` with a zero in it (fringe would never see
+            it), or a KV cache offset.
+    """
+    if attention_mask is not None and not bool(attention_mask.all()):
+        raise ValueError("fringe: the model got a 2-D attention_mask that pads tokens out; fringe never "
+                         "sees that mask (transformers hands custom attention functions no padding "
+                         "mask), so it would be ignored. Put padding in the plan's mask instead (e.g. a "
+                         "document of its own, labels -100) and pass attention_mask=None")
+    if kv_length != q_length or q_offset or kv_offset:
+        raise ValueError(f"fringe: {q_length} queries at offset {q_offset} against {kv_length} keys: a "
+                         f"KV cache is not supported under context parallelism (pass use_cache=False)")
+    return None
+
+
+def register(name: str = NAME) -> str:
+    """Register :func:`attention_forward` and :func:`mask_function` under ``name``.
+
+    Idempotent. Then ``Model(config)`` with ``config._attn_implementation = name`` (or
+    ``attn_implementation=name`` in ``from_pretrained`` / ``set_attn_implementation``).
+
+    Returns:
+        ``name``.
+    """
+    try:
+        from transformers import AttentionInterface
+        from transformers.masking_utils import AttentionMaskInterface
+    except ImportError as e:      # pragma: no cover - the extra is missing
+        raise ImportError("fringe.hf needs transformers: pip install 'fringe[hf]'") from e
+    AttentionInterface.register(name, attention_forward)
+    AttentionMaskInterface.register(name, mask_function)
+    return name

@@ -1,0 +1,445 @@
+"""Packed batches: document ids from ``cu_seqlens`` / ``position_ids``, and this rank's shard.
+
+Two conventions describe where the documents of a packed row start:
+
+* ``cu_seqlens`` (flash-attn varlen): cumulative lengths ``[0, n0, n0+n1, ..., S]``.
+* ``position_ids`` (transformers): positions restart per document; a new document starts
+  wherever consecutive position ids do not step by exactly 1 (what transformers'
+  ``find_packed_sequence_indices`` detects, so the masks agree).
+
+Both become ``doc_ids`` (``[S]``, or ``[B, S]`` when rows differ), and :func:`document_mask`
+turns those into a mask_mod. :func:`shard_batch` takes the **global** packed batch and a plan
+(or several plans over one layout) and returns this rank's :class:`Shard`: local input ids,
+labels **shifted before sharding** (shifting after sharding silently drops the target of the
+last token on every rank), global RoPE positions and the layout's fingerprint.
+
+>>> doc_ids_from_cu_seqlens(torch.tensor([0, 3, 5, 8])).tolist()
+[0, 0, 0, 1, 1, 2, 2, 2]
+>>> doc_ids_from_position_ids(torch.tensor([0, 1, 2, 0, 1, 0, 1, 2])).tolist()
+[0, 0, 0, 1, 1, 2, 2, 2]
+>>> shift_labels(torch.tensor([[5, 6, 7, 8, 9]]), torch.tensor([0, 0, 0, 1, 1])).tolist()
+[[6, 7, -100, 9, -100]]
+
+Legend: B batch · S global sequence · L = S / P tokens on one rank · P world size.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Mapping, Sequence
+
+import torch
+
+from . import masks as _masks
+
+__all__ = ["IGNORE_INDEX", "Shard", "doc_ids_from_cu_seqlens", "doc_ids_from_position_ids",
+           "document_mask", "global_token_count", "loss_sum", "positions_in_document",
+           "shard_batch", "shift_labels", "token_weighted_loss"]
+
+#: The label that cross-entropy ignores (torch's and transformers' default ``ignore_index``).
+IGNORE_INDEX = -100
+
+
+def _int_tensor(x, name: str) -> torch.Tensor:
+    t = torch.as_tensor(x)
+    if t.dtype.is_floating_point or t.dtype == torch.bool or t.is_complex():
+        raise ValueError(f"{name} must hold integers, got dtype={t.dtype}")
+    return t.to(torch.int64)
+
+
+# --------------------------------------------------------------------------------------
+# document ids
+# --------------------------------------------------------------------------------------
+
+
+def _one_cu(cu: torch.Tensor, seq_len: int, name: str) -> torch.Tensor:
+    if cu.dim() != 1 or cu.numel() < 2:
+        raise ValueError(f"{name} must be 1-D [num_docs + 1] (e.g. [0, 3, 8] for documents of 3 "
+                         f"and 5 tokens), got shape {tuple(cu.shape)}")
+    if int(cu[0]) != 0:
+        raise ValueError(f"{name} must start at 0 (cumulative document lengths), got {cu[0].item()}; "
+                         f"prepend 0")
+    lengths = cu[1:] - cu[:-1]
+    if bool((lengths < 0).any()):
+        i = int((lengths < 0).nonzero()[0])
+        raise ValueError(f"{name} must be non-decreasing (document lengths >= 0), but entry {i + 1} "
+                         f"({cu[i + 1].item()}) < entry {i} ({cu[i].item()}): document {i} has "
+                         f"length {lengths[i].item()}")
+    if int(cu[-1]) != seq_len:
+        raise ValueError(f"{name} must end at the sequence length S={seq_len}, got {cu[-1].item()}; "
+                         f"the last entry is the total number of tokens (pad the batch and append "
+                         f"the padding as its own document)")
+    return torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
+
+
+def doc_ids_from_cu_seqlens(cu_seqlens, *, seq_len: int | None = None,
+                            batch_size: int | None = None) -> torch.Tensor:
+    """Document ids from cumulative sequence lengths (flash-attn's varlen convention).
+
+    Empty documents (repeated entries) are allowed and get no tokens.
+
+    Args:
+        cu_seqlens: ``[n+1]`` int, ``0 = c_0 <= c_1 <= ... <= c_n = S``; or a list of B such
+            tensors (one per row, each ending at S); or one tensor over a flattened batch of
+            ``batch_size`` rows ending at ``B*S`` (flash-attn's varlen layout), in which case
+            every row boundary must be a document boundary.
+        seq_len: S; defaults to the last entry (or that over ``batch_size`` for a flattened batch).
+        batch_size: B, for a flattened ``cu_seqlens`` over ``B*S`` tokens.
+
+    Returns:
+        int64 ``[S]`` doc ids (ids count up from 0), or ``[B, S]`` for per-row boundaries.
+
+    Raises:
+        ValueError: not starting at 0, decreasing, not ending at S, or a document crossing rows.
+    """
+    if isinstance(cu_seqlens, (list, tuple)) and cu_seqlens and not isinstance(cu_seqlens[0], int):
+        rows = [_int_tensor(c, f"cu_seqlens[{b}]") for b, c in enumerate(cu_seqlens)]
+        S = int(rows[0][-1]) if seq_len is None else seq_len
+        return torch.stack([_one_cu(c, S, f"cu_seqlens[{b}]") for b, c in enumerate(rows)])
+    cu = _int_tensor(cu_seqlens, "cu_seqlens")
+    if batch_size is None:
+        S = int(cu[-1]) if seq_len is None and cu.numel() else seq_len
+        return _one_cu(cu, S if S is not None else 0, "cu_seqlens")
+    total = int(cu[-1]) if cu.numel() else 0
+    if total % batch_size:
+        raise ValueError(f"cu_seqlens ends at {total} tokens, which is not batch_size={batch_size} "
+                         f"rows of equal length")
+    S = total // batch_size if seq_len is None else seq_len
+    ids = _one_cu(cu, batch_size * S, "cu_seqlens").view(batch_size, S)
+    for b in range(1, batch_size):
+        if int(ids[b, 0]) == int(ids[b - 1, -1]):
+            raise ValueError(f"cu_seqlens: document {int(ids[b, 0])} crosses from row {b - 1} into "
+                             f"row {b} (at token {b * S}); add {b * S} to cu_seqlens")
+    return ids - ids[:, :1]
+
+
+def doc_ids_from_position_ids(position_ids) -> torch.Tensor:
+    """Document ids from position ids that restart per document (transformers' packing).
+
+    A new document starts wherever consecutive position ids do not step by exactly 1, as in
+    transformers' ``find_packed_sequence_indices``.
+
+    Args:
+        position_ids: int ``[S]``, ``[1, S]`` or ``[B, S]``, non-negative.
+
+    Returns:
+        int64 ``[S]`` (for ``[S]`` / ``[1, S]``, or ``[B, S]`` whose rows agree) or ``[B, S]``.
+
+    Raises:
+        ValueError: wrong rank, negative or non-integer positions.
+    """
+    pos = _int_tensor(position_ids, "position_ids")
+    if pos.dim() not in (1, 2) or pos.shape[-1] < 1:
+        raise ValueError(f"position_ids must be [S] or [B, S] with S >= 1, got shape {tuple(pos.shape)}")
+    if bool((pos < 0).any()):
+        raise ValueError(f"position_ids must be >= 0 (positions within each document), got "
+                         f"min {pos.min().item()}")
+    two_d = pos.dim() == 2
+    pos = pos.view(-1, pos.shape[-1])
+    new_doc = torch.ones_like(pos, dtype=torch.bool)
+    new_doc[:, 1:] = (pos[:, 1:] - pos[:, :-1]) != 1
+    ids = new_doc.cumsum(dim=1) - 1
+    if not two_d or bool((ids == ids[:1]).all()):
+        return ids[0]
+    return ids
+
+
+def positions_in_document(doc_ids: torch.Tensor) -> torch.Tensor:
+    """Each token's position within its document (RoPE positions that restart per document).
+
+    Args:
+        doc_ids: int ``[S]`` or ``[B, S]``; a document is a run of equal ids.
+
+    Returns:
+        int64, same shape.
+    """
+    ids = _int_tensor(doc_ids, "doc_ids")
+    flat = ids.view(-1, ids.shape[-1])
+    S = flat.shape[-1]
+    start = torch.ones_like(flat, dtype=torch.bool)
+    start[:, 1:] = flat[:, 1:] != flat[:, :-1]
+    idx = torch.arange(S).expand_as(flat)
+    first = torch.where(start, idx, torch.zeros_like(idx)).cummax(dim=1).values
+    return (idx - first).view(ids.shape)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _RowDocuments:
+    """Block rule for ``doc_ids[b, q] == doc_ids[b, kv]``: the union over rows of each row's
+    exact :func:`fringe.masks.document` rule (FULL only if FULL in every row, EMPTY only if
+    EMPTY in every row, PARTIAL if any row is PARTIAL or rows differ; undecided pairs are
+    resolved densely by :func:`fringe.masks.classify`).
+
+    Attributes:
+        row_doc_ids: int64 ``[B, S]`` (a dataclass field, so that plan digests hash it; not
+            named ``doc_ids``, which plan() reads as one id per position).
+    """
+
+    row_doc_ids: torch.Tensor
+
+    def prepare(self, qb, kb):
+        rows = [_masks.document(row).rule.prepare(qb, kb) for row in self.row_doc_ids]
+        E, P, F = (int(k) for k in _masks.BlockKind)
+
+        def codes(r0: int, r1: int) -> torch.Tensor:
+            cs = torch.stack([r(r0, r1) for r in rows])          # [B, rows, nKb]
+            all_e, all_f = (cs == E).all(0), (cs == F).all(0)
+            known = (cs == E) | (cs == F) | (cs == P)
+            any_p = (cs == P).any(0) | ((cs == E).any(0) & (cs == F).any(0))
+            out = torch.where(all_e, E, torch.where(all_f, F, P)).to(torch.int8)
+            undecided = ~known.all(0) & ~any_p
+            return torch.where(undecided, cs.max(0).values, out)   # the UNKNOWN code is the largest
+        return codes
+
+
+def document_mask(doc_ids: torch.Tensor) -> _masks.Mask:
+    """The mask_mod for packed documents: a token attends only within its document.
+
+    Args:
+        doc_ids: int ``[S]`` (every row of the batch has the same boundaries) or ``[B, S]``
+            (per row). A ``[B, S]`` mask reads ``b``: plan it with ``batch_size=B``.
+
+    Returns:
+        ``masks.document(doc_ids)`` for ``[S]`` (or ``[B, S]`` with equal rows); for rows
+        that differ, a mask with ``doc_ids[b, q] == doc_ids[b, kv]`` whose block
+        classification is exact from per-row summaries (no S² evaluation).
+    """
+    ids = _int_tensor(doc_ids, "doc_ids")
+    if ids.dim() == 2 and bool((ids == ids[:1]).all()):
+        ids = ids[0]
+    if ids.dim() == 1:
+        return _masks.document(ids)
+    if ids.dim() != 2:
+        raise ValueError(f"doc_ids must be [S] or [B, S], got shape {tuple(ids.shape)}")
+    ids = ids.detach().clone()
+
+    def row_document_mod(b, h, q_idx, kv_idx):
+        t = ids.to(q_idx.device)
+        return t[b, q_idx] == t[b, kv_idx]
+
+    n = int(ids.max()) + 1 if ids.numel() else 0
+    name = f"document({ids.shape[0]} rows, <= {n} docs)"
+    row_document_mod.__name__ = name
+    return _masks.Mask(mod=row_document_mod, name=name, bh_invariant=False, rule=_RowDocuments(ids))
+
+
+# --------------------------------------------------------------------------------------
+# labels, loss
+# --------------------------------------------------------------------------------------
+
+
+def shift_labels(labels: torch.Tensor, doc_ids: torch.Tensor | None = None, *,
+                 ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+    """Next-token targets on the GLOBAL sequence: ``out[:, i] = labels[:, i+1]``.
+
+    A target that crosses a document boundary (token i is the last of its document) and the
+    last position become ``ignore_index``. Shift BEFORE sharding: a rank's last token's
+    target lives on another rank (or, under zigzag, in another chunk).
+
+    Args:
+        labels: int ``[B, S]`` (or ``[S]``), ``ignore_index`` where there is no target.
+        doc_ids: ``[S]`` or ``[B, S]`` document ids (None: one document).
+        ignore_index: the ignored label.
+
+    Returns:
+        int64, the shape of ``labels``.
+    """
+    lab = _int_tensor(labels, "labels")
+    one = lab.dim() == 1
+    lab2 = lab.view(1, -1) if one else lab
+    if lab2.dim() != 2:
+        raise ValueError(f"labels must be [B, S] or [S], got shape {tuple(lab.shape)}")
+    out = torch.full_like(lab2, ignore_index)
+    out[:, :-1] = lab2[:, 1:]
+    if doc_ids is not None:
+        ids = _int_tensor(doc_ids, "doc_ids").to(lab2.device)
+        if ids.shape[-1] != lab2.shape[-1]:
+            raise ValueError(f"doc_ids has {ids.shape[-1]} tokens but labels have {lab2.shape[-1]}")
+        ids = ids.view(-1, ids.shape[-1]).expand(lab2.shape[0], -1)
+        cross = ids[:, 1:] != ids[:, :-1]
+        out[:, :-1] = torch.where(cross, torch.full_like(out[:, :-1], ignore_index), out[:, :-1])
+    return out.view(lab.shape)
+
+
+def loss_sum(logits: torch.Tensor, targets: torch.Tensor, *,
+             ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+    """Sum of token cross-entropies (fp32), ignored targets contribute 0.
+
+    Args:
+        logits: ``[..., V]``; targets: int ``[...]``.
+    """
+    return torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
+                                             targets.reshape(-1).to(logits.device),
+                                             ignore_index=ignore_index, reduction="sum")
+
+
+def global_token_count(local_targets: torch.Tensor, *, group=None,
+                       ignore_index: int = IGNORE_INDEX) -> int:
+    """Non-ignored targets over every rank of ``group`` (one all-reduce).
+
+    :func:`shard_batch` already knows the count from the global batch (``Shard.num_items``);
+    use this when each rank only ever sees its own shard.
+    """
+    import torch.distributed as dist
+    n = (local_targets != ignore_index).sum().to(torch.float64).reshape(1)
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(n, group=group)
+    return int(n.item())
+
+
+def token_weighted_loss(logits: torch.Tensor, targets: torch.Tensor, *, num_items: int,
+                        ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+    """This rank's share of the global mean loss under context parallelism.
+
+    ``loss_r = sum of rank r's token losses / N``, where ``N`` is the number of non-ignored
+    targets in the GLOBAL batch (all CP ranks together). Why: ranks hold different numbers
+    of real targets (document boundaries, padding), so the mean of per-rank means is not the
+    mean over tokens; the shares ``loss_r`` add up to exactly the one-process loss.
+
+    The condition that makes it right: the CP ranks' gradients must then be **summed**
+    (``all_reduce(SUM)``), not averaged as DDP does — every rank's gradient is already its
+    share of the global one. (With DDP over a data-parallel dimension as well, divide by the
+    global count over data-parallel ranks too, or multiply by the DP size to undo DDP's mean.)
+    The reported loss is ``all_reduce(SUM)`` of the shares.
+
+    Args:
+        logits: ``[B, L, V]`` this rank's logits; targets: ``[B, L]`` this rank's
+            pre-shifted targets (``Shard.shift_labels``).
+        num_items: N, e.g. ``Shard.num_items`` or :func:`global_token_count`.
+    """
+    if num_items < 1:
+        raise ValueError(f"num_items={num_items}: the global batch has no target to learn from "
+                         f"(every label is {ignore_index})")
+    return loss_sum(logits, targets, ignore_index=ignore_index) / num_items
+
+
+# --------------------------------------------------------------------------------------
+# the batch helper
+# --------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Shard:
+    """This rank's part of a packed global batch.
+
+    Attributes:
+        input_ids: int64 ``[B, L]``, tokens ``plan.layout.positions(rank)`` of each row.
+        shift_labels: int64 ``[B, L]`` next-token targets, shifted on the global sequence
+            before sharding (``IGNORE_INDEX`` across document boundaries and at the end).
+        position_ids: int64 ``[B, L]`` global RoPE positions of the local tokens (within
+            their document when the batch restarts positions per document).
+        doc_ids: int64 ``[S]`` or ``[B, S]`` global document ids (what the plans' masks use).
+        num_items: non-ignored targets in the global batch (the loss denominator).
+        layout_fingerprint: ``plan.layout.fingerprint()`` of the layout the tokens follow.
+        rank: this rank.
+    """
+
+    input_ids: torch.Tensor
+    shift_labels: torch.Tensor | None
+    position_ids: torch.Tensor
+    doc_ids: torch.Tensor
+    num_items: int
+    layout_fingerprint: str
+    rank: int
+
+    def model_inputs(self) -> dict:
+        """Keyword arguments for a transformers causal LM: ``input_ids``, ``position_ids`` and,
+        with labels, ``labels`` / ``shift_labels`` (the model's loss would otherwise shift
+        again) and ``num_items_in_batch`` (so its loss is the token-weighted share)."""
+        out = dict(input_ids=self.input_ids, position_ids=self.position_ids)
+        if self.shift_labels is not None:
+            out.update(labels=self.shift_labels, shift_labels=self.shift_labels,
+                       num_items_in_batch=self.num_items)
+        return out
+
+
+def _layout_of(plan):
+    plans = list(plan.values()) if isinstance(plan, Mapping) else (
+        list(plan) if isinstance(plan, Sequence) else [plan])
+    if not plans:
+        raise ValueError("shard_batch: give a plan (or plans over one layout), got none")
+    lays = [getattr(p, "layout", None) for p in plans]
+    if any(lay is None for lay in lays):
+        raise TypeError("shard_batch: plan must be a fringe.Plan (or a list / dict of them)")
+    fps = [lay.fingerprint() for lay in lays]
+    if len(set(fps)) != 1:
+        raise ValueError(f"shard_batch: the plans shard tokens by different layouts {sorted(set(fps))}; "
+                         f"plan every mask of a batch over one layout "
+                         f"(fringe.plan(..., layout=first_plan.layout))")
+    return lays[0]
+
+
+def shard_batch(input_ids: torch.Tensor, labels: torch.Tensor | None = None, *, plan, rank: int,
+                cu_seqlens=None, position_ids=None, restart_positions: bool = True,
+                ignore_index: int = IGNORE_INDEX) -> Shard:
+    """This rank's shard of a packed global batch.
+
+    Give the document boundaries as ``cu_seqlens`` or as ``position_ids`` (not both; neither
+    means one document per row). Labels are shifted on the global sequence FIRST
+    (:func:`shift_labels`), then sharded.
+
+    Args:
+        input_ids: int ``[B, S]`` (or ``[S]``) the global packed batch, same on every rank.
+        labels: int ``[B, S]`` unshifted labels (usually ``input_ids``; ``ignore_index`` to
+            mask a token as a target), or None.
+        plan: the :class:`fringe.Plan` (or a list / dict of plans sharing one layout, e.g.
+            one per attention-mask kind of the model) the tokens are sharded for.
+        rank: this rank.
+        cu_seqlens: see :func:`doc_ids_from_cu_seqlens`.
+        position_ids: ``[S]`` / ``[B, S]`` positions restarting per document; they are also
+            the RoPE positions (sharded as given).
+        restart_positions: with ``cu_seqlens`` (or neither): RoPE positions restart at 0 per
+            document (True, the varlen convention) or count over the whole row (False).
+        ignore_index: the ignored label.
+
+    Returns:
+        a :class:`Shard`.
+
+    Raises:
+        ValueError: both or invalid boundaries, sizes that do not match the plan, plans
+            over different layouts.
+    """
+    lay = _layout_of(plan)
+    ids = _int_tensor(input_ids, "input_ids")
+    if ids.dim() == 1:
+        ids = ids.view(1, -1)
+    if ids.dim() != 2:
+        raise ValueError(f"input_ids must be [B, S] or [S], got shape {tuple(ids.shape)}")
+    B, S = ids.shape
+    if S != lay.seq_len:
+        raise ValueError(f"input_ids has S={S} tokens per row but the plan's layout is for "
+                         f"S={lay.seq_len}; plan for this batch's length")
+    if cu_seqlens is not None and position_ids is not None:
+        raise ValueError("give the document boundaries once: cu_seqlens or position_ids, not both")
+    if position_ids is not None:
+        pos = _int_tensor(position_ids, "position_ids")
+        if pos.shape[-1] != S:
+            raise ValueError(f"position_ids has {pos.shape[-1]} tokens per row, input_ids {S}")
+        doc = doc_ids_from_position_ids(pos)
+        rope = pos.view(-1, S).expand(B, S)
+    else:
+        if cu_seqlens is not None:
+            flat = not isinstance(cu_seqlens, (list, tuple)) and B > 1 and \
+                int(torch.as_tensor(cu_seqlens)[-1]) == B * S
+            doc = doc_ids_from_cu_seqlens(cu_seqlens, seq_len=S, batch_size=B if flat else None)
+        else:
+            doc = torch.zeros(S, dtype=torch.int64)
+        if doc.dim() == 2 and doc.shape[0] != B:
+            raise ValueError(f"cu_seqlens describe {doc.shape[0]} rows, input_ids has B={B}")
+        if doc.dim() == 2 and bool((doc == doc[:1]).all()):
+            doc = doc[0]
+        rope = (positions_in_document(doc) if restart_positions else torch.arange(S))
+        rope = rope.view(-1, S).expand(B, S)
+    if doc.dim() == 2 and doc.shape[0] != B:
+        raise ValueError(f"position_ids describe {doc.shape[0]} rows, input_ids has B={B}")
+    tgt, num = None, 0
+    if labels is not None:
+        lab = _int_tensor(labels, "labels")
+        lab = lab.view(1, -1) if lab.dim() == 1 else lab
+        if tuple(lab.shape) != (B, S):
+            raise ValueError(f"labels must have the shape of input_ids {(B, S)}, got {tuple(lab.shape)}")
+        shifted = shift_labels(lab, doc, ignore_index=ignore_index)
+        num = int((shifted != ignore_index).sum())
+        tgt = lay.shard(shifted, rank, dim=1)
+    return Shard(input_ids=lay.shard(ids, rank, dim=1), shift_labels=tgt,
+                 position_ids=lay.shard(rope.contiguous(), rank, dim=1), doc_ids=doc,
+                 num_items=num, layout_fingerprint=lay.fingerprint(), rank=rank)
