@@ -35,7 +35,7 @@ def setup() -> None:
     torch_spec = os.environ.get("FRINGE_TORCH", "torch==2.13.0")
     if torch_spec != "skip":
         _run(PY, "-m", "pip", "install", "-q", torch_spec)
-    _run(PY, "-m", "pip", "install", "-q", "-e", f"{ROOT}[test,plots,notebooks]")
+    _run(PY, "-m", "pip", "install", "-q", "-e", f"{ROOT}[test,plots,notebooks,hf]")
     STAMP.touch()
 
 
