@@ -5,6 +5,8 @@
   more than the stated tolerance (see :mod:`fringe.demo`).
 * ``show``: prints a plan's step × rank grid and its per-rank work and traffic.
 * ``bench``: measures planning, attention speed and exposed communication (:mod:`fringe.bench`).
+* ``simulate``: predicts every schedule at scale with the cost model
+  (:mod:`fringe.runtime.costmodel`); ``--png`` writes the timeline.
 """
 from __future__ import annotations
 
@@ -56,6 +58,28 @@ def parser() -> argparse.ArgumentParser:
     show = sub.add_parser("show", help="print a plan's step x rank grid and per-rank stats")
     _common(show, seq_len=1024)
     show.add_argument("--backward", action="store_true", help="show the backward programs too")
+    show.add_argument("--png", metavar="FILE", help="also write the tile map to FILE and the "
+                                                    "cost model's timeline to FILE's stem + "
+                                                    "'.timeline.png' (matplotlib)")
+
+    sim = sub.add_parser("simulate", help="predict step time, balance, exposed communication, "
+                                          "bytes and memory per rank with the cost model")
+    sim.add_argument("--world-size", type=int, default=1024, help="P, context-parallel ranks")
+    sim.add_argument("--seq-len", type=int, default=1 << 20, help="S, global tokens")
+    sim.add_argument("--mask", default="document:1000",
+                     help="causal, full, document:N (causal within N packed documents) or "
+                          "window:W (causal sliding window of W tokens)")
+    sim.add_argument("--schedules", nargs="+", default=["ring", "zigzag", "striped", "balanced"])
+    sim.add_argument("--hardware", default="h100-ib",
+                     help="a preset (h100-nvlink, h100-ib, cpu) or 'this' (calibrate here)")
+    sim.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE)
+    sim.add_argument("--heads", type=int, default=32, help="H, query heads")
+    sim.add_argument("--kv-heads", type=int, default=8, help="G, kv heads")
+    sim.add_argument("--head-dim", type=int, default=128, help="D")
+    sim.add_argument("--dtype", choices=("bfloat16", "float16", "float32", "float64"),
+                     default="bfloat16")
+    sim.add_argument("--png", metavar="FILE", help="write the timeline to FILE (with several "
+                                                   "schedules, one FILE-stem.<schedule>.png each)")
     return ap
 
 
@@ -93,13 +117,29 @@ def _show(args) -> int:
     if args.backward:
         print(render.table(p, backward=True))
     print(p.stats().table())
+    if args.png:
+        from .runtime import costmodel
+        if not args.png.lower().endswith(".png"):
+            raise ValueError(f"--png {args.png!r}: give a file name ending in .png")
+        stem = args.png[:-4]
+        render.tile_map_figure(p).savefig(args.png, dpi=120)
+        pred = costmodel.simulate(p, "cpu", costmodel.Shape(heads=8, kv_heads=8, head_dim=64,
+                                                            dtype="float32"))
+        render.timeline_figure(pred).savefig(f"{stem}.timeline.png", dpi=120)
+        print(f"wrote {args.png} (tile map) and {stem}.timeline.png (timeline, cost model, cpu)")
     return 0
+
+
+def _simulate(args) -> int:
+    from .runtime import costmodel
+    return costmodel.cli(args)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
-        return {"demo": _demo, "show": _show, "bench": _bench}[args.command](args)
+        return {"demo": _demo, "show": _show, "bench": _bench,
+                "simulate": _simulate}[args.command](args)
     except ValueError as e:             # bad sizes or names: the message says how to fix them
         print(f"error: {e}", file=sys.stderr)
         return 2

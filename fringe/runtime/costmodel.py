@@ -1,0 +1,808 @@
+"""The cost model: run a plan's programs symbolically and predict where the time goes.
+
+No tensors are made. Each tile costs what a work model says, each transfer latency plus
+bytes over bandwidth, and overlap follows the interpreter's real order (see
+:mod:`fringe.runtime.interpreter`): at every step a rank *issues* its transfers, *computes*
+its tiles, then *waits*; a step ends when both its compute and its transfers are done, and a
+transfer cannot start before both ends have issued it. The result carries the same
+:class:`~fringe.runtime.interpreter.StepRecord` values a measured run leaves behind, so the
+reports and figures of :mod:`fringe.render` work for both.
+
+Work model, per tile: the tile's block map is split into dense sub-problems exactly as
+:func:`fringe.ops.tile.tile_forward` does (its ``_plan`` grouping of q-block rows), and each
+sub-problem costs ``call_s + pairs * unit``, where ``unit`` is the seconds per (q, kv) pair
+for the sub-problem's kind: FULL (no mask), masked (a PARTIAL block inside), or causal
+(a causal-aligned diagonal run with ``is_causal``, when the tile grouping marks one). A
+per-tile overhead (merging the partial output, accumulating dq) scales with the q rows.
+
+>>> import fringe
+>>> from fringe import masks, schedules
+>>> from fringe.runtime import costmodel
+>>> p = fringe.plan(schedules.zigzag(), masks.causal(), seq_len=4096, world_size=4)
+>>> pred = costmodel.simulate(p, hardware="h100-nvlink")
+>>> pred.forward_s < pred.backward_s, round(pred.balance, 2)
+(True, 1.0)
+
+Legend: B batch · H query heads · G kv heads · S sequence · L tokens per rank · D head dim ·
+P ranks.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+import time
+from typing import Sequence
+
+import torch
+
+try:
+    import numpy as np
+except ImportError as e:                      # numpy is in the test / plots extras
+    raise ImportError("fringe.runtime.costmodel needs numpy: pip install numpy "
+                      "(or pip install 'fringe[test]')") from e
+
+from ..masks import BlockKind
+from .interpreter import StepRecord
+
+__all__ = ["HARDWARE", "Hardware", "Prediction", "Shape", "calibrate", "get_hardware",
+           "mask_from_spec", "simulate", "tile_costs", "tile_work", "validate"]
+
+_FULL, _PARTIAL, _EMPTY = int(BlockKind.FULL), int(BlockKind.PARTIAL), int(BlockKind.EMPTY)
+
+#: FLOPs per (q, kv) pair, per head and per unit of D: QKᵀ and PV in the forward (2 + 2),
+#: and 2.5x that in the backward (the convention of :class:`fringe.plan.PlanStats`).
+FWD_FLOPS_PER_PAIR = 4
+BWD_FLOPS_PER_PAIR = 10
+
+
+@dataclasses.dataclass(frozen=True)
+class Hardware:
+    """What one rank can compute and move, as data (with where the numbers come from).
+
+    Attributes:
+        name: preset name.
+        source: where the numbers come from (datasheet, paper, or a measurement).
+        fwd_flops: sustained attention FLOP/s of the kernel on FULL sub-problems, forward.
+        bwd_flops: the same for the backward.
+        call_s: fixed seconds per kernel call (sub-problem), forward.
+        bwd_call_s: fixed seconds per kernel call, backward.
+        masked: cost of a pair in a masked sub-problem, relative to a FULL pair.
+        causal: cost of a pair in a causal-aligned sub-problem run with ``is_causal``.
+        row_s: seconds per (q row · head · D) element per tile (merging out/lse, adding dq).
+        latency_s: seconds to start a transfer between two ranks of one node.
+        bandwidth: bytes/s one way between two ranks of one node.
+        node_size: ranks per node; 0 means all ranks share one node.
+        inter_latency_s: latency between nodes.
+        inter_bandwidth: bytes/s one way per rank between nodes.
+        memory_bytes: memory per rank (None: not stated), to flag plans that do not fit.
+    """
+
+    name: str
+    source: str
+    fwd_flops: float
+    bwd_flops: float
+    call_s: float
+    bwd_call_s: float
+    masked: float = 1.0
+    causal: float = 0.6
+    row_s: float = 0.0
+    latency_s: float = 10e-6
+    bandwidth: float = 100e9
+    node_size: int = 0
+    inter_latency_s: float = 20e-6
+    inter_bandwidth: float = 50e9
+    memory_bytes: float | None = None
+
+    def __post_init__(self) -> None:
+        for f in ("fwd_flops", "bwd_flops", "bandwidth", "inter_bandwidth"):
+            if not getattr(self, f) > 0:
+                raise ValueError(f"Hardware {self.name!r}: {f} must be > 0, got {getattr(self, f)}")
+        for f in ("call_s", "bwd_call_s", "row_s", "latency_s", "inter_latency_s"):
+            if getattr(self, f) < 0:
+                raise ValueError(f"Hardware {self.name!r}: {f} must be >= 0, got {getattr(self, f)}")
+        if self.node_size < 0:
+            raise ValueError(f"Hardware {self.name!r}: node_size must be >= 0 (0 = one node)")
+
+    def link(self, src: np.ndarray, dst: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(latency, bandwidth) arrays for transfers ``src[i] -> dst[i]``."""
+        if not self.node_size:
+            return (np.full(len(src), self.latency_s), np.full(len(src), self.bandwidth))
+        same = (src // self.node_size) == (dst // self.node_size)
+        return (np.where(same, self.latency_s, self.inter_latency_s),
+                np.where(same, self.bandwidth, self.inter_bandwidth))
+
+
+# Sources. H100 SXM: NVIDIA H100 datasheet (NVLink 4: 900 GB/s bidirectional per GPU, so 450 GB/s
+# one way; 80 GB HBM3); NCCL point-to-point reaches ~80% of it. Attention throughput:
+# FlashAttention-3 (Shah et al. 2024, arXiv:2407.08608, figs. 5-7): BF16 forward ~600 TFLOP/s
+# at head dim 128 and long sequences, backward ~450 TFLOP/s; a kernel launch + tail ~5 us.
+# Masked blocks (FlexAttention's mask_mod on partial blocks) ~1.3x a full block (attention-gym
+# FlexAttention blog, "block sparsity" benchmarks). InfiniBand: NDR 400 Gb/s per GPU (one
+# ConnectX-7 per GPU in DGX H100) = 50 GB/s one way, ~45 GB/s achieved by NCCL, ~20 us.
+_H100 = dict(fwd_flops=600e12, bwd_flops=450e12, call_s=5e-6, bwd_call_s=8e-6, masked=1.3,
+             causal=0.55, row_s=1e-14, latency_s=10e-6, bandwidth=360e9, memory_bytes=80e9)
+
+#: Measured here on 2025-style shared 2-core x86 CPU (torch 2.13, 1 thread per rank, float32,
+#: fused CPU SDPA via fringe.ops) by :func:`calibrate`; re-measure with
+#: ``costmodel.calibrate()`` or ``--hardware this`` on another machine.
+_CPU = dict(fwd_flops=3.4e10, bwd_flops=2.6e10, call_s=2.0e-4, bwd_call_s=4.0e-4, masked=1.35,
+            causal=0.6, row_s=1.0e-9, latency_s=1.0e-4, bandwidth=1.5e9, memory_bytes=None)
+
+HARDWARE: dict[str, Hardware] = {
+    "h100-nvlink": Hardware("h100-nvlink", "one DGX H100 node (8 GPUs, NVLink 4); H100 datasheet, "
+                            "FlashAttention-3 paper", node_size=8, inter_latency_s=10e-6,
+                            inter_bandwidth=360e9, **_H100),
+    "h100-ib": Hardware("h100-ib", "DGX H100 nodes of 8 over InfiniBand NDR 400 Gb/s per GPU; "
+                        "H100 datasheet, FlashAttention-3 paper, ConnectX-7 spec",
+                        node_size=8, inter_latency_s=20e-6, inter_bandwidth=45e9, **_H100),
+    "cpu": Hardware("cpu", "this repository's 2-core CPU runner, gloo over shared memory; "
+                    "measured by costmodel.calibrate() (re-run it for your machine)", **_CPU),
+}
+
+
+def get_hardware(hardware: str | Hardware) -> Hardware:
+    """A preset by name (``"this"`` calibrates now), or a :class:`Hardware` as is.
+
+    Raises:
+        ValueError: for an unknown name, listing the presets.
+    """
+    if isinstance(hardware, Hardware):
+        return hardware
+    if hardware == "this":
+        return calibrate()
+    try:
+        return HARDWARE[hardware]
+    except KeyError:
+        raise ValueError(f"unknown hardware {hardware!r}; choose one of "
+                         f"{sorted(HARDWARE) + ['this']} or pass a costmodel.Hardware") from None
+
+
+_DTYPES = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2}
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """The tensors a plan runs on: ``q [B, H, L, D]``, ``k, v [B, G, L, D]``.
+
+    The default is one Llama-3-8B-like attention layer: H=32, G=8, D=128, bfloat16.
+    """
+
+    batch: int = 1
+    heads: int = 32
+    kv_heads: int = 8
+    head_dim: int = 128
+    dtype: str = "bfloat16"
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype {self.dtype!r} is not one of {sorted(_DTYPES)}")
+        for f in ("batch", "heads", "kv_heads", "head_dim"):
+            if getattr(self, f) < 1:
+                raise ValueError(f"Shape.{f} must be >= 1, got {getattr(self, f)}")
+        if self.heads % self.kv_heads:
+            raise ValueError(f"heads={self.heads} must be a multiple of kv_heads={self.kv_heads}")
+
+    @property
+    def itemsize(self) -> int:
+        return _DTYPES[self.dtype]
+
+    @property
+    def acc_itemsize(self) -> int:
+        """Accumulators (out/lse, dq, dkv) are float32, float64 for float64."""
+        return 8 if self.dtype == "float64" else 4
+
+    def buffer_bytes(self, kind: str, L: int) -> int:
+        """Bytes of one buffer of ``kind`` (kv, dkv, q, dq, out) holding ``L`` tokens."""
+        B, H, G, D = self.batch, self.heads, self.kv_heads, self.head_dim
+        if kind == "kv":
+            return 2 * B * G * L * D * self.itemsize
+        if kind == "dkv":
+            return 2 * B * G * L * D * self.acc_itemsize
+        if kind == "q":
+            return B * H * L * D * self.itemsize
+        if kind == "dq":
+            return B * H * L * D * self.acc_itemsize
+        return B * H * L * (D + 1) * self.acc_itemsize      # a partial out + lse
+
+
+def _grouping():
+    """The tile grouping of :mod:`fringe.ops.tile` (imported, so the model follows it)."""
+    from ..ops import tile
+    fn = getattr(tile, "_plan", None)
+    if fn is None:
+        raise RuntimeError("fringe.ops.tile no longer has _plan (its grouping of q-block rows "
+                           "into sub-problems); update fringe.runtime.costmodel._grouping")
+    return fn
+
+
+def _maps_work(maps: torch.Tensor, *, L: int, block_size: int, masked_ok: bool) -> np.ndarray:
+    """``[N, 4]`` (calls, full pairs, masked pairs, causal pairs) of N block maps ``[N, n, n]``.
+
+    The maps are stacked into one column with an all-EMPTY row between them (an empty q-block
+    row always ends a group), so one call of the tile grouping splits them all exactly as it
+    would one by one; a group is FULL when every block it covers is FULL (no mask).
+    """
+    N, n, _ = maps.shape
+    sep = torch.full((N, 1, n), _EMPTY, dtype=maps.dtype)
+    tall = torch.cat([maps, sep], dim=1).reshape(N * (n + 1), n)
+    groups = _grouping()(tall, Lq=tall.shape[0] * block_size, Lk=L, block_size=block_size)
+    if not groups:
+        return np.zeros((N, 4))
+    q0 = np.array([g.q0 for g in groups]) // block_size
+    q1 = np.array([g.q1 for g in groups])
+    k0 = np.array([g.k0 for g in groups])
+    k1 = np.array([g.k1 for g in groups])
+    pairs = ((q1 - q0 * block_size) * (k1 - k0)).astype(np.float64)
+    qb1, kb0, kb1 = -(-q1 // block_size), k0 // block_size, -(-k1 // block_size)
+    # blocks that are not FULL inside each group's rectangle, from a summed-area table
+    bad = np.zeros((tall.shape[0] + 1, n + 1), dtype=np.int64)
+    bad[1:, 1:] = (tall != _FULL).to(torch.int64).numpy().cumsum(0).cumsum(1)
+    nonfull = bad[qb1, kb1] - bad[q0, kb1] - bad[qb1, kb0] + bad[q0, kb0]
+    causal = np.array([bool(getattr(g, "causal", False)) for g in groups])
+    is_full = (nonfull == 0) | (not masked_ok)
+    which = q0 // (n + 1)
+    out = np.zeros((N, 4))
+    np.add.at(out[:, 0], which, 1.0)
+    np.add.at(out[:, 1], which, np.where(~causal & is_full, pairs, 0.0))
+    np.add.at(out[:, 2], which, np.where(~causal & ~is_full, pairs, 0.0))
+    np.add.at(out[:, 3], which, np.where(causal, pairs, 0.0))
+    return out
+
+
+def tile_work(plan) -> np.ndarray:
+    """Per tile: ``[P, P, 4]`` (calls, full, masked, causal pairs); zero for EMPTY tiles.
+
+    Tiles with the same block map share one evaluation, so this costs the number of
+    *distinct* maps, all grouped in one call of the tile grouping.
+    """
+    P, L, bs = plan.world_size, plan.local_len, plan.block_size
+    n = L // bs
+    masked_ok = plan.mask_mod is not None
+    tiles = plan.tiles.to(torch.int64).numpy()
+    work = np.zeros((P, P, 4), dtype=np.float64)
+    full_tiles = tiles == _FULL
+    if full_tiles.any():
+        work[full_tiles] = _maps_work(torch.full((1, n, n), _FULL, dtype=torch.int8), L=L,
+                                      block_size=bs, masked_ok=masked_ok)[0]
+    part = np.argwhere(tiles == _PARTIAL)
+    if len(part):
+        grid = plan.blocks.view(P, n, P, n)
+        maps = grid[torch.as_tensor(part[:, 0]), :, torch.as_tensor(part[:, 1]), :]  # [N, n, n]
+        flat = maps.reshape(len(part), n * n).to(torch.int64)
+        pad = (-flat.shape[1]) % 32
+        if pad:
+            flat = torch.nn.functional.pad(flat, (0, pad))
+        shifts = 2 * torch.arange(32, dtype=torch.int64)
+        words = (flat.view(len(part), -1, 32) << shifts).sum(-1)     # exact: 2 bits a code
+        if words.shape[1] == 1:
+            uniq, inv = torch.unique(words[:, 0], return_inverse=True)
+        else:
+            uniq, inv = torch.unique(words, dim=0, return_inverse=True)
+        firsts = torch.zeros(len(uniq), dtype=torch.int64).scatter_(0, inv, torch.arange(len(part)))
+        per_map = _maps_work(maps[firsts].contiguous(), L=L, block_size=bs, masked_ok=masked_ok)
+        work[part[:, 0], part[:, 1]] = per_map[inv.numpy()]
+    return work
+
+
+def tile_costs(plan, hardware: str | Hardware = "cpu", shape: Shape = Shape(), *,
+               backward: bool = False) -> np.ndarray:
+    """Seconds each tile (q of rank i, kv of rank j) takes, ``[P, P]``; 0 for EMPTY tiles."""
+    hw = get_hardware(hardware)
+    return _costs(tile_work(plan), plan.local_len, hw, shape, backward)
+
+
+def _costs(work: np.ndarray, L: int, hw: Hardware, shape: Shape, backward: bool) -> np.ndarray:
+    BH_D = shape.batch * shape.heads * shape.head_dim
+    if backward:
+        unit, call = BWD_FLOPS_PER_PAIR * BH_D / hw.bwd_flops, hw.bwd_call_s
+    else:
+        unit, call = FWD_FLOPS_PER_PAIR * BH_D / hw.fwd_flops, hw.call_s
+    calls, full, masked, causal = (work[..., i] for i in range(4))
+    cost = calls * call + unit * (full + hw.masked * masked + hw.causal * causal)
+    return np.where(calls > 0, cost + hw.row_s * L * BH_D, 0.0)
+
+
+_BUF = re.compile(r"^([a-z_]*?)(\d+)$")
+
+
+def _buf_kind(buf) -> str:
+    m = _BUF.match(str(getattr(buf, "name", buf)))
+    return m.group(1) if m else str(buf)
+
+
+@dataclasses.dataclass
+class _Flat:
+    """One direction's programs as flat arrays (one pass over the ops)."""
+
+    steps: np.ndarray            # sorted distinct global step indices
+    active: np.ndarray           # [P, T] bool: rank has a step at that index
+    tiles: np.ndarray            # [P, T] tiles computed
+    compute: np.ndarray          # [P, T] seconds
+    sends: tuple                 # (rank, step position, peer, bytes) arrays
+    live_peak: np.ndarray        # [P] peak bytes of received buffers alive at once
+
+
+def _flatten(programs: Sequence, cost: np.ndarray, L: int, shape: Shape) -> _Flat:
+    from ..schedules.ir import Compute, GradCompute, Recv, Send
+    P = len(programs)
+    cr, ct, cq, ck = [], [], [], []
+    sr, st, sp, sb = [], [], [], []
+    rr, rt, rb = [], [], []
+    ar, at = [], []
+    touch_r, touch_t, touch_b = [], [], []
+    names: dict[str, int] = {}
+    comp_types = (Compute, GradCompute)
+    for prog in programs:
+        r = prog.rank
+        for step in prog.steps:
+            t = step.index
+            ar.append(r)
+            at.append(t)
+            for op in step.ops:
+                cls = type(op)
+                if cls in comp_types or isinstance(op, comp_types):
+                    cr.append(r)
+                    ct.append(t)
+                    cq.append(op.q)
+                    ck.append(op.kv)
+                    touch_r.append(r)
+                    touch_t.append(t)
+                    touch_b.append(names.setdefault(f"kv{op.kv}", len(names)))
+                elif cls is Send or isinstance(op, Send):
+                    name = str(getattr(op.buf, "name", op.buf))
+                    sr.append(r)
+                    st.append(t)
+                    sp.append(op.peer)
+                    sb.append(names.setdefault(name, len(names)))
+                    touch_r.append(r)
+                    touch_t.append(t)
+                    touch_b.append(sb[-1])
+                elif cls is Recv or isinstance(op, Recv):
+                    name = str(getattr(op.buf, "name", op.buf))
+                    rr.append(r)
+                    rt.append(t)
+                    rb.append(names.setdefault(name, len(names)))
+    steps = np.unique(np.asarray(at, dtype=np.int64))
+    T = len(steps)
+    lut = np.zeros(int(steps.max()) + 1 if T else 1, dtype=np.int64)
+    lut[steps] = np.arange(T)
+    active = np.zeros((P, T), dtype=bool)
+    active[np.asarray(ar, dtype=np.int64), lut[np.asarray(at, dtype=np.int64)]] = True
+    cr_, ct_ = np.asarray(cr, dtype=np.int64), lut[np.asarray(ct, dtype=np.int64)]
+    tile_cost = cost[np.asarray(cq, dtype=np.int64), np.asarray(ck, dtype=np.int64)] if cr else 0.0
+    compute = np.zeros((P, T))
+    np.add.at(compute, (cr_, ct_), tile_cost)
+    tiles = np.zeros((P, T), dtype=np.int64)
+    np.add.at(tiles, (cr_, ct_), 1)
+    size_of = np.array([shape.buffer_bytes(_buf_kind(nm), L) for nm in names], dtype=np.int64) \
+        if names else np.zeros(0, dtype=np.int64)
+    s_b = np.asarray(sb, dtype=np.int64)
+    sends = (np.asarray(sr, dtype=np.int64), lut[np.asarray(st, dtype=np.int64)],
+             np.asarray(sp, dtype=np.int64), size_of[s_b] if len(s_b) else np.zeros(0))
+    live_peak = _live_peak(P, T, lut, (rr, rt, rb), (touch_r, touch_t, touch_b), size_of)
+    return _Flat(steps, active, tiles, compute, sends, live_peak)
+
+
+def _live_peak(P, T, lut, recvs, touches, size_of) -> np.ndarray:
+    """Peak bytes of received buffers alive at once on each rank (received → last use)."""
+    peak = np.zeros(P, dtype=np.int64)
+    if not recvs[0]:
+        return peak
+    NB = max(len(size_of), 1)
+    r, t, b = (np.asarray(x, dtype=np.int64) for x in recvs)
+    key_r = r * NB + b
+    tr, tt, tb = (np.asarray(x, dtype=np.int64) for x in touches)
+    last = np.full(P * NB, -1, dtype=np.int64)
+    if len(tr):
+        np.maximum.at(last, tr * NB + tb, lut[tt])
+    start = lut[t]
+    end = np.maximum(last[key_r], start)            # a buffer no op touches lives one step
+    delta = np.zeros((P, T + 1), dtype=np.int64)
+    np.add.at(delta, (r, start), size_of[b])
+    np.add.at(delta, (r, end + 1), -size_of[b])
+    return np.cumsum(delta, axis=1).max(axis=1)
+
+
+def _run(flat: _Flat, hw: Hardware, P: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Event simulation: ``(issue, wait, sent, recv)``, each ``[P, T]``."""
+    T = len(flat.steps)
+    issue = np.zeros((P, T))
+    wait = np.zeros((P, T))
+    sent = np.zeros((P, T))
+    recv = np.zeros((P, T))
+    src, spos, dst, nbytes = flat.sends
+    order = np.argsort(spos, kind="stable")
+    src, spos, dst, nbytes = src[order], spos[order], dst[order], nbytes[order].astype(np.float64)
+    lat, bw = hw.link(src, dst)
+    bounds = np.searchsorted(spos, np.arange(T + 1))
+    np.add.at(sent, (src, spos), nbytes)
+    np.add.at(recv, (dst, spos), nbytes)
+    clock = np.zeros(P)
+    for i in range(T):
+        act = flat.active[:, i]
+        issue[:, i] = clock
+        done = clock + flat.compute[:, i]
+        a, b = bounds[i], bounds[i + 1]
+        if b > a:
+            s, d = src[a:b], dst[a:b]
+            start = np.maximum(clock[s], clock[d])
+            load = np.maximum(sent[s, i], recv[d, i])     # the busier end shares its link
+            fin = start + lat[a:b] + load / bw[a:b]
+            np.maximum.at(done, s, fin)
+            np.maximum.at(done, d, fin)
+        wait[:, i] = np.where(act, done - clock - flat.compute[:, i], 0.0)
+        clock = np.where(act, done, clock)
+    return issue, wait, sent, recv
+
+
+@dataclasses.dataclass
+class Prediction:
+    """What the cost model predicts for one plan on one machine.
+
+    Attributes:
+        name: a label (the plan's schedule name).
+        hardware: the machine model used.
+        shape: the tensor shapes assumed.
+        steps: ``{"forward": [T], "backward": [T]}`` global step indices.
+        compute, wait, sent, recv, tiles: ``{"forward"/"backward": [P, T]}`` arrays
+            (seconds, seconds, bytes, bytes, count) per rank and step.
+        active: ``{...: [P, T]}`` whether the rank has that step.
+        memory: ``[P]`` predicted peak bytes per rank (resident tensors + received buffers
+            alive at once, forward or backward, whichever is larger).
+    """
+
+    name: str
+    hardware: Hardware
+    shape: Shape
+    world_size: int
+    seq_len: int
+    steps: dict
+    compute: dict
+    wait: dict
+    sent: dict
+    recv: dict
+    tiles: dict
+    active: dict
+    memory: np.ndarray
+
+    def span(self, which: str = "forward") -> float:
+        """Seconds from the first issue to the last rank's end (the step's makespan)."""
+        return float((self.compute[which] + self.wait[which]).sum(axis=1).max(initial=0.0))
+
+    @property
+    def forward_s(self) -> float:
+        return self.span("forward")
+
+    @property
+    def backward_s(self) -> float:
+        return self.span("backward")
+
+    @property
+    def step_s(self) -> float:
+        """Forward plus backward of one attention layer."""
+        return self.forward_s + self.backward_s
+
+    @property
+    def balance(self) -> float:
+        """max / mean compute seconds per rank (forward + backward)."""
+        c = self.compute["forward"].sum(1) + self.compute["backward"].sum(1)
+        return float(c.max() / c.mean()) if c.mean() > 0 else 1.0
+
+    def exposed(self, which: str | None = None) -> float:
+        """Waiting / (compute + waiting), summed over ranks (as ``RunStats`` reports it)."""
+        whichs = (which,) if which else ("forward", "backward")
+        w = sum(float(self.wait[x].sum()) for x in whichs)
+        c = sum(float(self.compute[x].sum()) for x in whichs)
+        return w / (w + c) if w + c else 0.0
+
+    def bytes_per_rank(self) -> float:
+        """Largest bytes one rank sends (forward + backward)."""
+        return float((self.sent["forward"].sum(1) + self.sent["backward"].sum(1)).max())
+
+    def records(self, which: str = "forward") -> list[StepRecord]:
+        """The prediction as the per-step records a measured run leaves (one per rank·step)."""
+        act = self.active[which]
+        out = []
+        for r, i in zip(*np.nonzero(act)):
+            out.append(StepRecord(int(r), int(self.steps[which][i]),
+                                  float(self.compute[which][r, i]), float(self.wait[which][r, i]),
+                                  int(self.tiles[which][r, i]), int(self.sent[which][r, i]),
+                                  int(self.recv[which][r, i])))
+        return out
+
+    def row(self) -> dict:
+        """One summary row (what ``python -m fringe simulate`` prints)."""
+        mem = float(self.memory.max())
+        return {"schedule": self.name, "step ms": self.step_s * 1e3,
+                "fwd ms": self.forward_s * 1e3, "bwd ms": self.backward_s * 1e3,
+                "balance": self.balance, "exposed comm": self.exposed(),
+                "sent MB/rank": self.bytes_per_rank() / 1e6, "memory MB/rank": mem / 1e6}
+
+
+def simulate(plan, hardware: str | Hardware = "cpu", shape: Shape = Shape(), *,
+             name: str | None = None) -> Prediction:
+    """Predict a plan's forward and backward on ``hardware`` for tensors of ``shape``.
+
+    Args:
+        plan: from :func:`fringe.plan`.
+        hardware: a preset name (see :data:`HARDWARE`; ``"this"`` calibrates now) or a
+            :class:`Hardware`.
+        shape: batch, heads, kv heads, head dim and dtype of q/k/v.
+        name: label for reports (default: the schedule's name).
+
+    Returns:
+        A :class:`Prediction`; ``.records("forward")`` are :class:`StepRecord` values.
+    """
+    hw = get_hardware(hardware)
+    P, L = plan.world_size, plan.local_len
+    work = tile_work(plan)
+    out = dict(steps={}, compute={}, wait={}, sent={}, recv={}, tiles={}, active={})
+    peak = np.zeros(P, dtype=np.int64)
+    for which, progs in (("forward", plan.forward), ("backward", plan.backward)):
+        cost = _costs(work, L, hw, shape, which == "backward")
+        flat = _flatten(progs, cost, L, shape)
+        _, wait, sent, recv = _run(flat, hw, P)
+        out["steps"][which] = flat.steps
+        out["compute"][which] = flat.compute
+        out["wait"][which] = wait
+        out["sent"][which] = sent
+        out["recv"][which] = recv
+        out["tiles"][which] = flat.tiles
+        out["active"][which] = flat.active
+        peak = np.maximum(peak, flat.live_peak)
+    # resident per rank: q, k, v, out (+lse), and in the backward dout, dq, dk, dv as well
+    resident = (2 * shape.buffer_bytes("q", L) + shape.buffer_bytes("kv", L)
+                + shape.buffer_bytes("out", L) + shape.buffer_bytes("dq", L)
+                + shape.buffer_bytes("dkv", L))
+    return Prediction(name or plan.schedule.name, hw, shape, P, plan.seq_len,
+                      memory=peak + resident, **out)
+
+
+# ---- command line --------------------------------------------------------------------------------
+
+#: Schedules ``simulate`` knows by name (those present in :mod:`fringe.schedules`).
+KNOWN_SCHEDULES = ("ring", "zigzag", "striped", "balanced", "allgather", "all_gather")
+
+
+def mask_from_spec(spec: str, seq_len: int):
+    """``causal``, ``full``, ``document:N`` (causal within N packed documents, lengths drawn
+    with seed 0 as in ``fringe.bench``) or ``window:W`` (causal sliding window of W tokens).
+
+    Raises:
+        ValueError: for anything else, saying what is accepted.
+    """
+    from .. import masks
+    from ..bench import packed_docs
+    kind, _, arg = spec.partition(":")
+    if kind in ("causal", "full") and not arg:
+        return masks.causal() if kind == "causal" else None
+    if kind in ("document", "window") and arg.isdigit() and int(arg) > 0:
+        n = int(arg)
+        if kind == "document":
+            if n > seq_len:
+                raise ValueError(f"--mask document:{n}: more documents than tokens (S={seq_len})")
+            return masks.causal() & masks.document(packed_docs(seq_len, n, 0))
+        return masks.sliding_window(n)
+    raise ValueError(f"--mask {spec!r} is not understood; use causal, full, document:N "
+                     f"(N packed documents, e.g. document:1000) or window:W (e.g. window:4096)")
+
+
+def cli(args) -> int:
+    """``python -m fringe simulate``: one row per schedule, optionally the timeline as PNG."""
+    from tabulate import tabulate
+
+    from .. import schedules as _schedules
+    from ..plan import plan as make_plan
+    known = [n for n in KNOWN_SCHEDULES if callable(getattr(_schedules, n, None))]
+    for name, value in (("--world-size", args.world_size), ("--seq-len", args.seq_len),
+                        ("--block-size", args.block_size), ("--heads", args.heads),
+                        ("--kv-heads", args.kv_heads), ("--head-dim", args.head_dim)):
+        if value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value}")
+    bad = [n for n in args.schedules if n not in known]
+    if bad:
+        raise ValueError(f"unknown schedule(s) {bad}; choose from {known}")
+    if args.png and not args.png.lower().endswith(".png"):
+        raise ValueError(f"--png {args.png!r}: give a file name ending in .png")
+    shape = Shape(heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
+                  dtype=args.dtype)
+    hw = get_hardware(args.hardware)
+    mask = mask_from_spec(args.mask, args.seq_len)
+    rows, preds = [], []
+    for name in args.schedules:
+        t0 = time.process_time()
+        p = make_plan(getattr(_schedules, name)(), mask, seq_len=args.seq_len,
+                      world_size=args.world_size, block_size=args.block_size)
+        t1 = time.process_time()
+        pred = simulate(p, hw, shape, name=name)
+        t2 = time.process_time()
+        preds.append(pred)
+        row = pred.row()
+        row.update({"plan s": t1 - t0, "simulate s": t2 - t1})
+        rows.append(row)
+    print(f"cost model · {hw.name} ({hw.source}) · P={args.world_size:,} S={args.seq_len:,} "
+          f"mask={args.mask} · B={shape.batch} H={shape.heads} G={shape.kv_heads} "
+          f"D={shape.head_dim} {shape.dtype} · one attention layer, forward + backward")
+    print(tabulate([list(r.values()) for r in rows], headers=list(rows[0]), floatfmt=".3g"))
+    print("balance: max/mean compute per rank; exposed comm: waiting / (compute + waiting); "
+          "memory: resident q, k, v, out, grads + received buffers alive at once; "
+          "plan s / simulate s: CPU seconds of this process")
+    if args.png:
+        from .. import render
+        stem = args.png[:-4]
+        for pred in preds:
+            path = args.png if len(preds) == 1 else f"{stem}.{pred.name}.png"
+            render.timeline_figure(pred).savefig(path, dpi=120)
+            print(f"wrote {path}")
+    return 0
+
+
+# ---- calibration ---------------------------------------------------------------------------------
+
+def _best(fn, repeats: int, clock=time.perf_counter) -> float:
+    """Fastest of ``repeats`` calls after a warm-up, on ``clock``."""
+    fn()
+    best = math.inf
+    for _ in range(repeats):
+        t0 = clock()
+        fn()
+        best = min(best, clock() - t0)
+    return best
+
+
+def calibrate(*, heads: int = 8, head_dim: int = 64, dtype: torch.dtype = torch.float32,
+              threads: int = 1, comm: bool = True, repeats: int = 3) -> Hardware:
+    """Measure this machine: the fused CPU attention kernel (via fringe's tile ops) and gloo.
+
+    Times FULL and masked sub-problems of two sizes, forward and backward, with ``threads``
+    torch threads (ranks on a CPU run with one each; with one thread the CPU time of this
+    thread is used, so that other processes on a shared machine do not inflate it), and,
+    with ``comm``, round trips of a tiny and a 4 MB tensor between two spawned gloo ranks
+    (a few seconds: process start-up).
+
+    Returns:
+        A :class:`Hardware` named ``"this"`` whose source says what was measured.
+    """
+    from ..ops import merge, tile_backward, tile_forward
+    # one thread: this thread's CPU time is the kernel's time even on a machine other
+    # processes share (wall-clock would count their time slices too)
+    cpu = time.thread_time if threads == 1 else time.perf_counter
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        g = torch.Generator().manual_seed(0)
+        H, D = heads, head_dim
+
+        def case(L: int, masked: bool):
+            q, k, v, do = (torch.randn(1, H, L, D, generator=g, dtype=dtype) for _ in range(4))
+            pos = torch.arange(L)
+            kw = dict(q_pos=pos, kv_pos=pos, kind=BlockKind.FULL)
+            if masked:                       # every block PARTIAL: one masked sub-problem
+                kw = dict(q_pos=pos, kv_pos=pos, mask_mod=lambda b, h, qi, ki: (qi + ki) % 7 != 0,
+                          kind=BlockKind.PARTIAL)
+            out, lse = tile_forward(q, k, v, **kw)
+            fwd = _best(lambda: tile_forward(q, k, v, **kw), repeats, cpu)
+            bwd = _best(lambda: tile_backward(q, k, v, out, lse, do, **kw), repeats, cpu)
+            return fwd, bwd
+
+        small, big = 256, 1024
+        (f0, b0), (f1, b1) = case(small, False), case(big, False)
+        fm, _ = case(big, True)
+        pairs0, pairs1 = small * small, big * big
+        f_unit = max((f1 - f0) / (pairs1 - pairs0), 1e-15)
+        b_unit = max((b1 - b0) / (pairs1 - pairs0), 1e-15)
+        f_call = max(f0 - f_unit * pairs0, 0.0)
+        b_call = max(b0 - b_unit * pairs0, 0.0)
+        masked = max((fm - f_call) / (f_unit * pairs1), 1.0)
+        o = torch.randn(1, H, big, D, generator=g)
+        lse_ = torch.randn(1, H, big, generator=g)
+        row = _best(lambda: merge(o, lse_, o, lse_), repeats, cpu) / (H * big * D)
+        per = H * D
+        fields = dict(fwd_flops=FWD_FLOPS_PER_PAIR * per / f_unit,
+                      bwd_flops=BWD_FLOPS_PER_PAIR * per / b_unit, call_s=f_call,
+                      bwd_call_s=b_call, masked=masked, causal=_CPU["causal"], row_s=row)
+    finally:
+        torch.set_num_threads(old)
+    lat, bw = _CPU["latency_s"], _CPU["bandwidth"]
+    if comm:
+        from ..launch import run
+        res = run(_gloo_probe, world_size=2, timeout_s=60)
+        lat, bw = max(r[0] for r in res), min(r[1] for r in res)
+    src = (f"calibrated here: fused CPU SDPA through fringe.ops, {threads} thread(s), "
+           f"{str(dtype).replace('torch.', '')}, H={H} D={D}; "
+           f"{'gloo round trips between 2 spawned ranks' if comm else 'gloo from the cpu preset'}")
+    return Hardware("this", src, latency_s=lat, bandwidth=bw, memory_bytes=None, **fields)
+
+
+def _gloo_probe(rank: int, world_size: int, size: int = 1 << 20, reps: int = 5):
+    """(latency s, bandwidth B/s) of gloo between ranks 0 and 1 (halved round trips)."""
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    peer = 1 - rank
+
+    def round_trip(x):
+        if rank == 0:
+            dist.send(x, peer)
+            dist.recv(x, peer)
+        else:
+            dist.recv(x, peer)
+            dist.send(x, peer)
+    tiny, big = torch.zeros(1), torch.zeros(size)
+    lat = _best(lambda: round_trip(tiny), reps) / 2
+    t = _best(lambda: round_trip(big), reps) / 2
+    return lat, big.numel() * 4 / max(t - lat, 1e-9)
+
+
+# ---- validation against measured runs ----------------------------------------------------------
+
+def _validation_plan(schedule: str, mask: str, seq_len: int, world_size: int, block_size: int,
+                     n_docs: int):
+    from .. import masks, schedules
+    from ..bench import packed_docs
+    from ..plan import plan as make_plan
+    m = masks.causal()
+    if mask == "document":
+        m = m & masks.document(packed_docs(seq_len, n_docs, 1))
+    elif mask != "causal":
+        raise ValueError(f"validation mask must be 'causal' or 'document', got {mask!r}")
+    return make_plan(getattr(schedules, schedule)(), m, seq_len=seq_len, world_size=world_size,
+                     block_size=block_size)
+
+
+def _measure_worker(rank: int, world_size: int, cases: list, shape: Shape, iters: int):
+    """Per case: the median over ``iters`` of this rank's (fwd, bwd) interpreter seconds."""
+    import statistics
+
+    import fringe
+    torch.set_num_threads(1)
+    out = []
+    dt = getattr(torch, shape.dtype)
+    for schedule, mask, S, block_size, n_docs in cases:
+        p = _validation_plan(schedule, mask, S, world_size, block_size, n_docs)
+        g = torch.Generator().manual_seed(0)
+        q = torch.randn(shape.batch, shape.heads, S, shape.head_dim, generator=g, dtype=dt)
+        k, v = (torch.randn(shape.batch, shape.kv_heads, S, shape.head_dim, generator=g, dtype=dt)
+                for _ in range(2))
+        q, k, v = (p.layout.shard(t, rank).requires_grad_() for t in (q, k, v))
+        fwd, bwd = [], []
+        for it in range(iters + 1):
+            fringe.attention(q, k, v, plan=p).sum().backward()
+            s = fringe.last_run().summary()
+            if it:                                              # the first call warms up
+                fwd.append(s["forward"]["compute_s"] + s["forward"]["wait_s"])
+                bwd.append(s["backward"]["compute_s"] + s["backward"]["wait_s"])
+        out.append((statistics.median(fwd), statistics.median(bwd)))
+    return out
+
+
+def validate(*, world_size: int = 2, seq_len: int = 8192, block_size: int = 128,
+             schedules: Sequence[str] = ("ring", "zigzag", "striped", "balanced"),
+             masks: Sequence[str] = ("causal", "document"), n_docs: int = 16,
+             shape: Shape = Shape(heads=8, kv_heads=8, head_dim=64, dtype="float32"),
+             hardware: str | Hardware = "cpu", iters: int = 3) -> list[dict]:
+    """Predicted vs measured forward + backward on spawned gloo ranks (one thread each).
+
+    Measured: each rank's interpreter time (compute + waits, from ``fringe.last_run()``),
+    median over ``iters`` calls after a warm-up, slowest rank. Predicted: the same spans from
+    :func:`simulate`. Use ``world_size`` at most the number of free cores.
+
+    Returns:
+        One dict per (schedule, mask): predicted and measured seconds and the relative error.
+    """
+    from ..launch import Workers
+    hw = get_hardware(hardware)
+    cases = [(s, m, seq_len, block_size, n_docs) for s in schedules for m in masks]
+    with Workers(world_size, timeout_s=600, threads=1) as w:
+        res = w.run(_measure_worker, cases, shape, iters)
+    rows = []
+    for c, case in enumerate(cases):
+        pred = simulate(_validation_plan(*case[:2], seq_len, world_size, block_size, n_docs), hw,
+                        shape)
+        mf = max(r[c][0] for r in res)
+        mb = max(r[c][1] for r in res)
+        rows.append(dict(schedule=case[0], mask=case[1], predicted_s=pred.step_s,
+                         measured_s=mf + mb, predicted_fwd_s=pred.forward_s, measured_fwd_s=mf,
+                         predicted_bwd_s=pred.backward_s, measured_bwd_s=mb,
+                         error=pred.step_s / (mf + mb) - 1))
+    return rows
