@@ -12,9 +12,13 @@ from hypothesis import given, settings, strategies as st
 import fringe
 from fringe import masks, render, schedules
 from fringe.runtime import RankState, VirtualMesh, execute
+from fringe.runtime.engine import kept_names
+from fringe.runtime.interpreter import last_uses
 from fringe.schedules import (Compute, GradCompute, Program, Recv, ScheduleError, Send, Step,
                               check, parse_op, reverse)
-from fringe.schedules.ir import buffer_name
+from fringe.schedules.ir import (Buffer, Family, buffer_name, format_programs, parse_programs,
+                                 steps_of)
+from fringe.schedules.passes import Hop, HopTable
 
 GOLDEN = Path(__file__).parent / "golden"
 SCHEDULES = {"ring": schedules.ring, "zigzag": schedules.zigzag, "striped": schedules.striped,
@@ -86,10 +90,52 @@ def test_text_form_round_trips(args):
     p = build(name, seed, P, kv=kv)
     for prog in p.forward + p.backward:
         assert Program.parse(str(prog)) == prog
+        assert Program.parse(prog.ascii()) == prog
+        assert prog.ascii().isascii()
         for step in prog.steps:
-            assert Step.parse(str(step)) == step
+            assert Step.parse(str(step)) == step == Step.parse(step.ascii())
             for op in step.ops:
-                assert parse_op(str(op)) == op
+                assert parse_op(str(op)) == op == parse_op(op.ascii())
+    for progs in (p.forward, p.backward):
+        assert parse_programs(format_programs(progs)) == list(progs)
+        assert parse_programs(format_programs(progs, ascii=False)) == list(progs)
+
+
+@settings(deadline=None, max_examples=60)
+@given(plans)
+def test_reverse_is_the_adjoint_of_every_op_plus_kv_rematerialisation(args):
+    name, seed, P, kv = args
+    p = build(name, seed, P, kv=kv)
+    T = steps_of(p.forward)
+    adjoints = collections.Counter((prog.rank, T - t, op.adjoint()) for prog in p.forward
+                                   for t, op in prog.ops())
+    backward = collections.Counter((prog.rank, t, op) for prog in p.backward for t, op in prog.ops())
+    extra = backward - adjoints
+    assert adjoints - backward == collections.Counter()          # every adjoint is there
+    # what is left re-materialises kv (none with kv="keep"), and no kv moves in step T
+    assert all(isinstance(op, (Send, Recv)) and op.buf.family is Family.KV and t < T
+               for (_, t, op) in extra)
+    assert (kv == "keep") <= (not extra)
+    for prog in p.forward + p.backward:
+        for _, op in prog.ops():
+            assert op.adjoint().adjoint() == op
+
+
+@settings(deadline=None, max_examples=30)
+@given(plans)
+def test_ops_answer_buffer_use_as_the_runtime_worked_it_out(args):
+    name, seed, P, kv = args
+    p = build(name, seed, P, kv=kv)
+    for progs in (p.forward, p.backward):
+        for prog in progs:
+            mine = prog.last_uses()
+            theirs = last_uses(prog)
+            assert {b: t for b, t in mine.items() if b.family in (Family.KV, Family.DKV)} == theirs
+    for r in range(P):
+        want = [buffer_name("kv", j) for j in sorted({op.kv for _, op in p.forward[r].ops()
+                                                       if isinstance(op, Compute) and op.kv != r})]
+        assert p.forward[r].remote_reads(Family.KV) == sorted(want)
+        assert kept_names(p, r) == (sorted(want) if kv == "keep" else [])
 
 
 def _probe_run(p, *, seed: int):
@@ -132,7 +178,7 @@ def _probe_run(p, *, seed: int):
     x_aty = sum(float((x[j] * bst[j].bufs[buffer_name("dkv", j)]).sum())
                 for j in range(P) if buffer_name("dkv", j) in bst[j].bufs)
     leftovers = {(r, n) for r in range(P) for n in bst[r].bufs
-                 if n.startswith("dkv") and n != buffer_name("dkv", r)}
+                 if n.family is Family.DKV and n != buffer_name("dkv", r)}
     return ax_y, x_aty, seen_fwd, seen_bwd, x, leftovers
 
 
@@ -163,7 +209,7 @@ def test_causal_work_balance(P):
     assert stats["striped"].balance <= 1.05
     # pruning: the last rank's kv never leaves it under causal ring
     ring = fringe.plan(schedules.ring(), masks.causal(), seq_len=S, world_size=P, block_size=bs)
-    assert not any(isinstance(op, Send) and op.buf == f"kv{P - 1}"
+    assert not any(isinstance(op, Send) and op.buf == Buffer.of("kv", P - 1)
                    for _, op in ring.forward[P - 1].ops())
     assert ring.stats().rows[P - 1]["fwd_sent"] == 0
 
@@ -177,15 +223,26 @@ def test_document_mask_prunes_tiles_and_sends():
     assert not any(isinstance(op, (Send, Recv)) for prog in p.forward for _, op in prog.ops())
 
 
+def _golden_text(p) -> str:
+    head = f"{p.schedule.name} causal S={p.seq_len} P={p.world_size} block={p.block_size}"
+    return (f"# {head} forward\n" + format_programs(p.forward) +
+            f"# {head} backward kv={p.kv}\n" + format_programs(p.backward))
+
+
 @pytest.mark.parametrize("name", sorted(SCHEDULES))
-def test_golden_grids(name):
+def test_golden_programs(name):
+    """Goldens hold the plain-ASCII program text (forward, then backward), not a rendered grid."""
     p = fringe.plan(SCHEDULES[name](), masks.causal(), seq_len=64, world_size=4, block_size=4)
-    text = render.table(p) + "\n\n" + render.table(p, backward=True) + "\n"
+    text = _golden_text(p)
     path = GOLDEN / f"{name}_p4_causal.txt"
     if os.environ.get("FRINGE_REGOLD"):
         path.parent.mkdir(exist_ok=True)
         path.write_text(text)
-    assert text == path.read_text(), "regenerate with FRINGE_REGOLD=1 if the change is intended"
+    golden = path.read_text()
+    assert golden.isascii()
+    fwd, bwd = golden.split("\n# ", 1)
+    assert parse_programs(fwd) == list(p.forward) and parse_programs("# " + bwd) == list(p.backward)
+    assert text == golden, "regenerate with FRINGE_REGOLD=1 if the change is intended"
 
 
 def test_schedule_module_docstrings_show_their_grid():
@@ -218,6 +275,75 @@ def test_custom_program_with_unmatched_receive_names_rank_and_step():
     with pytest.raises(ScheduleError, match=r"rank 1, step 0: 'R kv0←r0' has no matching send "
                                             r"on rank 0"):
         fringe.plan(sched, masks.full(), seq_len=8, world_size=2, block_size=2)
+
+
+def test_check_marks_the_offending_step_in_the_rank_program():
+    progs = [Program(0, (Step(0, (Compute(0, 0), Send("kv0", 1))),)),
+             Program(1, (Step(0, (Compute(1, 1),)), Step(1, (Compute(1, 0),)),
+                         Step(2, (Compute(1, 1),))))]
+    with pytest.raises(ScheduleError) as err:
+        check(progs)
+    lines = str(err.value).splitlines()
+    assert lines[0] == "rank 0, step 0: 'S kv0→r1' has no matching receive on rank 1 in the same step"
+    assert lines[1:] == ["r0:", "  t0: C q0·kv0 | S kv0→r1    <-- ERROR HERE"]
+    progs[0] = Program(0, (Step(0, (Compute(0, 0),)),))
+    with pytest.raises(ScheduleError) as err:
+        check(progs)
+    lines = str(err.value).splitlines()
+    assert lines[0] == "rank 1, step 1: 'C q1·kv0' needs kv0, which is not on rank 1 yet"
+    assert [ln for ln in lines if "<-- ERROR HERE" in ln] == ["  t1: C q1·kv0    <-- ERROR HERE"]
+    assert lines[1:] == ["r1:", "  t0: C q1·kv1", "  t1: C q1·kv0    <-- ERROR HERE", "  t2: C q1·kv1"]
+
+
+def test_buffer_ids_are_typed_values_that_print_as_names():
+    b = Buffer("dkv12")
+    assert (b.family, b.chunk) == (Family.DKV, 12) and b.family.is_gradient
+    assert b == "dkv12" and str(b) == "dkv12" and Buffer.of("dkv", 12) is b is buffer_name("dkv", 12)
+    assert b.cotangent == Buffer.of(Family.KV, 12) and not b.cotangent.family.is_gradient
+    assert Send("kv3", 1).buf.family is Family.KV and Send("kv3", 1) == Send(Buffer("kv3"), 1)
+    for fam in Family:
+        assert Buffer.of(fam, 0).family is fam
+    with pytest.raises(ValueError, match=r"buffer name 'kvx' is not one of q<chunk>, kv<chunk>"):
+        Buffer("kvx")
+    with pytest.raises(ValueError, match="has no adjoint"):
+        Buffer("acc0").cotangent
+    with pytest.raises(AttributeError):
+        b.chunk = 3
+
+
+def test_ops_declare_reads_writes_and_adjoint():
+    assert Compute(3, 5).reads() == ("q3", "kv5") and Compute(3, 5).writes() == ("out3",)
+    assert GradCompute(3, 5).reads() == ("q3", "kv5", "out3", "dout3")
+    assert GradCompute(3, 5).writes() == ("dq3", "dkv5")
+    assert Send("kv5", 2).reads() == ("kv5",) and Send("kv5", 2).writes() == ()
+    assert Recv("kv5", 0).writes() == ("kv5",) and Recv("kv5", 0).reads() == ()
+    assert Compute(3, 5).adjoint() == GradCompute(3, 5)
+    assert Send("kv5", 2).adjoint() == Recv("dkv5", 2)
+    assert Recv("kv5", 0).adjoint() == Send("dkv5", 0)
+    assert [parse_op(t) for t in ("C q3.kv5", "G q3.kv5", "S kv5->r2", "R kv5<-r0")] == [
+        Compute(3, 5), GradCompute(3, 5), Send("kv5", 2), Recv("kv5", 0)]
+    with pytest.raises(ValueError, match="a send uses '->'"):
+        parse_op("S kv5<-r2")
+
+
+def test_hop_table_is_a_mapping_of_hops():
+    table = schedules.ring_hops(4)
+    assert table[1] == [Hop(0, 1, 2), Hop(1, 2, 3), Hop(2, 3, 0)] and sorted(table) == [0, 1, 2, 3]
+    as_dict = {j: table[j] for j in table}
+    assert schedules.lower(4, as_dict) == schedules.lower(4, table)
+    assert HopTable.of(as_dict)[3] == table[3]
+    need = torch.ones(4, 4, dtype=torch.bool).tril()
+    assert schedules.lower(4, table, need=need) == schedules.prune(schedules.lower(4, table), need)
+
+
+@pytest.mark.parametrize("hops, message", [
+    ({0: [Hop(0, 0, 1), Hop(1, 2, 3)]}, r"kv0 is sent from rank 2 at step 1 before it is there"),
+    ({0: [Hop(0, 0, 1), Hop(1, 1, 0)]}, r"kv0 reaches rank 0 twice \(again at step 1\)"),
+    ({1: [Hop(0, 1, 7)]}, r"hop Hop\(step=0, src=1, dst=7\) of kv1 names rank 7, outside \[0, 4\)"),
+])
+def test_lower_rejects_hops_that_are_not_a_tree(hops, message):
+    with pytest.raises(ScheduleError, match=message):
+        schedules.lower(4, hops)
 
 
 def test_custom_program_missing_a_tile_is_rejected():

@@ -2,10 +2,13 @@
 from __future__ import annotations
 
 from .base import Schedule as Schedule, ring_hops as ring_hops
-from .ir import (Compute as Compute, GradCompute as GradCompute, Program as Program,
-                 Recv as Recv, Send as Send, Step as Step, parse_op as parse_op)
-from .passes import (Hop as Hop, KV_MODES as KV_MODES, ScheduleError as ScheduleError,
-                     check as check, lower as lower, prune as prune, reverse as reverse)
+from .ir import (Buffer as Buffer, Compute as Compute, Family as Family, GradCompute as GradCompute,
+                 Program as Program, Recv as Recv, Send as Send, Step as Step,
+                 format_programs as format_programs, parse_op as parse_op,
+                 parse_programs as parse_programs)
+from .passes import (Hop as Hop, HopTable as HopTable, KV_MODES as KV_MODES,
+                     ScheduleError as ScheduleError, check as check, lower as lower, prune as prune,
+                     reverse as reverse)
 from .rings import balanced as balanced, ring as ring, striped as striped, zigzag as zigzag
 
 __all__ = ["balanced", "Compute", "GradCompute", "Hop", "KV_MODES", "Program", "Recv", "Schedule",

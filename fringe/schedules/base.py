@@ -13,22 +13,28 @@ it by the mask's tile classification; the backward comes from
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
+import numpy as np
 import torch
 
 from ..layout import Layout
 from .ir import Program
-from .passes import Hop, check, lower, prune
+from .passes import Hop, HopTable, check, lower, prune
 
 LayoutFn = Callable[..., Layout]          # (seq_len, world_size, *, block_size) -> Layout
-HopsFn = Callable[[int], dict[int, Sequence[Hop]]]
+HopsFn = Callable[[int], Mapping[int, Sequence[Hop]]]
 
 
-def ring_hops(world_size: int) -> dict[int, list[Hop]]:
-    """The ring: kv chunk j moves j → j+1 → ... (mod P), one hop per step."""
+def ring_hops(world_size: int) -> HopTable:
+    """The ring: kv chunk j moves j → j+1 → ... (mod P), one hop per step.
+
+    A :class:`HopTable` (a compact ``{chunk: [Hop, ...]}``): ``ring_hops(4)[1]`` is
+    ``[Hop(0, 1, 2), Hop(1, 2, 3), Hop(2, 3, 0)]``.
+    """
     P = world_size
-    return {j: [Hop(s, (j + s) % P, (j + s + 1) % P) for s in range(P - 1)] for j in range(P)}
+    j, s = np.divmod(np.arange(P * max(P - 1, 0), dtype=np.int64), max(P - 1, 1))
+    return HopTable(j, s, (j + s) % P, (j + s + 1) % P)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,8 +44,8 @@ class Schedule:
     Args:
         name: display name.
         layout: ``layout(seq_len, world_size, block_size=...) -> Layout``.
-        hops: ``hops(world_size) -> {kv_chunk: [Hop, ...]}``; each chunk's hops form a tree
-            rooted at its owner. Mutually exclusive with ``programs``.
+        hops: ``hops(world_size) -> {kv_chunk: [Hop, ...]}`` (or a :class:`HopTable`); each
+            chunk's hops form a tree rooted at its owner. Mutually exclusive with ``programs``.
         programs: ``programs(world_size) -> [Program]`` — hand-written forward programs
             (still pruned, checked and reversed like any other).
         mask_aware: the layout function also takes ``block_work=`` (per-q-block work of the
@@ -68,13 +74,12 @@ class Schedule:
 
     def programs(self, world_size: int, need: torch.Tensor | None = None) -> list[Program]:
         """Forward programs for P ranks, pruned by ``need`` (bool [P, P]) when given."""
-        if self.hops is not None:
-            progs = lower(world_size, self.hops(world_size))
-        else:
-            progs = list(self.programs_fn(world_size))
-            if len(progs) != world_size:
-                raise ValueError(f"schedule {self.name!r} gave {len(progs)} programs for "
-                                 f"world_size={world_size}")
+        if self.hops is not None:       # lowered and pruned in one pass over the hop arrays
+            return lower(world_size, self.hops(world_size), need=need)
+        progs = list(self.programs_fn(world_size))
+        if len(progs) != world_size:
+            raise ValueError(f"schedule {self.name!r} gave {len(progs)} programs for "
+                             f"world_size={world_size}")
         check(progs)          # before pruning, so errors name the steps as written
         return prune(progs, need) if need is not None else progs
 

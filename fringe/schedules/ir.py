@@ -1,19 +1,32 @@
 """The schedule IR: small immutable ops grouped into steps, one program per rank.
 
-Buffers are named by what they hold and the chunk (owning rank) they come from:
-``q3`` (rank 3's queries), ``kv5`` (rank 5's keys and values, packed ``[2, B, G, L, D]``),
-``dkv5`` (the gradient of ``kv5``, which travels back to rank 5).
+Buffers are typed ids (:class:`Buffer`): a *family* (what the buffer holds) and a *chunk*
+(the rank that owns the data). They print as, and parse from, short names:
 
-Ops and their compact text forms (``parse(str(op)) == op``):
+=========  ==========================================================================
+name       family
+=========  ==========================================================================
+``q3``     ``Family.Q``: rank 3's queries ``[B, H, L, D]``
+``kv5``    ``Family.KV``: rank 5's keys and values, packed ``[2, B, G, L, D]``
+``out3``   ``Family.OUT``: the (out, lse) of q3's rows, partial or merged
+``dq3``    ``Family.DQ``: the gradient of ``q3``
+``dkv5``   ``Family.DKV``: the gradient of ``kv5``, which travels back to rank 5
+``dout3``  ``Family.DOUT``: the cotangent of ``out3``
+``acc0``   ``Family.ACC``: an accumulator for parameter gradients (e.g. a score_mod's)
+=========  ==========================================================================
 
-============================  ===============  ==========================================
-op                            text             meaning
-============================  ===============  ==========================================
-``Compute(q=3, kv=5)``        ``C q3·kv5``     tile forward: out/lse of q3 against kv5
-``GradCompute(q=3, kv=5)``    ``G q3·kv5``     its VJP: dq3 += ..., dkv5 += ...
-``Send("kv5", peer=2)``       ``S kv5→r2``     send buffer kv5 to rank 2
-``Recv("kv5", peer=0)``       ``R kv5←r0``     receive buffer kv5 from rank 0
-============================  ===============  ==========================================
+Ops, what they read and write, their adjoint, and their text forms (``parse_op(str(op)) ==
+parse_op(op.ascii()) == op``; the pretty form is for display, the ASCII one for goldens):
+
+==========================  ============  ==============  ===================  ==================
+op                          pretty        ASCII           reads -> writes      adjoint
+==========================  ============  ==============  ===================  ==================
+``Compute(q=3, kv=5)``      ``C q3·kv5``  ``C q3.kv5``    q3, kv5 -> out3      ``G q3·kv5``
+``GradCompute(q=3, kv=5)``  ``G q3·kv5``  ``G q3.kv5``    q3, kv5, out3,       ``C q3·kv5``
+                                                          dout3 -> dq3, dkv5
+``Send("kv5", peer=2)``     ``S kv5→r2``  ``S kv5->r2``   kv5 ->               ``R dkv5←r2``
+``Recv("kv5", peer=0)``     ``R kv5←r0``  ``R kv5<-r0``   -> kv5               ``S dkv5→r0``
+==========================  ============  ==============  ===================  ==================
 
 Semantics of one step on one rank: its communication is *issued* first, its tiles are
 computed on buffers that were present at the start of the step (so compute overlaps the
@@ -22,98 +35,296 @@ received in step t is usable from step t+1. A received gradient buffer (``dkv*``
 accumulated into the local one. Every ``Send`` at step t on rank a has a matching ``Recv``
 of the same buffer from a at step t on its peer (checked by :func:`fringe.schedules.check`).
 Steps with nothing to do are absent; step indices are global rounds.
+
+>>> p = Program.parse("r1:\\n  t0: R kv0<-r0 | C q1.kv1\\n  t1: C q1.kv0")
+>>> print(p)
+r1:
+  t0: R kv0←r0 | C q1·kv1
+  t1: C q1·kv0
+>>> [str(b) for b in p.steps[0].ops[0].writes()], p.steps[0].ops[0].adjoint().ascii()
+(['kv0'], 'S dkv0->r0')
 """
 from __future__ import annotations
 
 import dataclasses
+import enum
 import re
-from typing import Union
-
-_NAME = re.compile(r"^(d?kv|d?q)(\d+)$")
+from typing import Iterable, Iterator, Sequence, Union
 
 
-def buffer_name(kind: str, chunk: int) -> str:
-    """``buffer_name("kv", 5) == "kv5"``."""
-    return f"{kind}{chunk}"
+class Family(str, enum.Enum):
+    """What a buffer holds; the prefix of its name."""
+
+    Q = "q"
+    KV = "kv"
+    OUT = "out"
+    DQ = "dq"
+    DKV = "dkv"
+    DOUT = "dout"
+    ACC = "acc"
+
+    @property
+    def is_gradient(self) -> bool:
+        """True for families that hold cotangents (they accumulate when received)."""
+        return self in _GRADIENT
+
+    @property
+    def cotangent(self) -> Family:
+        """The family of this one's adjoint (``kv`` <-> ``dkv``, ``q`` <-> ``dq``, ``out`` <-> ``dout``).
+
+        Raises:
+            ValueError: for ``acc``, whose primal (a parameter) is not a buffer of the IR.
+        """
+        if self not in _COTANGENT:
+            raise ValueError(f"buffer family {self.value!r} has no adjoint in the IR; only "
+                             f"{sorted(f.value for f in _COTANGENT)} move in a differentiated program")
+        return _COTANGENT[self]
+
+
+_GRADIENT = frozenset({Family.DQ, Family.DKV, Family.DOUT, Family.ACC})
+_COTANGENT = {Family.Q: Family.DQ, Family.KV: Family.DKV, Family.OUT: Family.DOUT,
+              Family.DQ: Family.Q, Family.DKV: Family.KV, Family.DOUT: Family.OUT}
+_BY_PREFIX = {f.value: f for f in Family}
+_NAME = re.compile(r"^(dout|dkv|dq|out|kv|q|acc)(\d+)$")
+_INTERNED: dict[str, Buffer] = {}
+_FIELDS: dict[str, tuple[Family, int]] = {}
+_COT_CACHE: dict[str, Buffer] = {}
+
+
+class Buffer(str):
+    """A typed buffer id: ``family`` and ``chunk``, equal to (and printed as) its name.
+
+    It is a ``str`` so that names and ids are interchangeable (``Buffer.of("kv", 5) ==
+    "kv5"``), which keeps the runtime's buffer tables keyed by name; the family is a field,
+    never re-parsed from the name. Ids are interned, immutable values.
+
+    >>> b = Buffer("dkv5"); (b.family, b.chunk, b.family.cotangent, b == "dkv5")
+    (<Family.DKV: 'dkv'>, 5, <Family.KV: 'kv'>, True)
+    """
+
+    __slots__ = ()
+
+    def __new__(cls, name: str) -> Buffer:
+        if type(name) is cls:
+            return name
+        hit = _INTERNED.get(name)
+        if hit is not None:
+            return hit
+        m = _NAME.match(name) if isinstance(name, str) else None
+        if not m:
+            raise ValueError(f"buffer name {name!r} is not one of "
+                             f"{', '.join(f.value + '<chunk>' for f in Family)} (e.g. 'kv5')")
+        self = str.__new__(cls, name)
+        _FIELDS[name] = (_BY_PREFIX[m.group(1)], int(m.group(2)))
+        _INTERNED[name] = self
+        return self
+
+    @classmethod
+    def of(cls, family: Family | str, chunk: int) -> Buffer:
+        """``Buffer.of("kv", 5)`` is ``Buffer("kv5")``."""
+        fam = family if isinstance(family, Family) else _BY_PREFIX.get(family)
+        if fam is None:
+            raise ValueError(f"unknown buffer family {family!r}; expected one of "
+                             f"{[f.value for f in Family]}")
+        if not isinstance(chunk, int) or chunk < 0:
+            raise ValueError(f"buffer chunk must be an int >= 0, got {chunk!r}")
+        return cls(f"{fam.value}{chunk}")
+
+    @property
+    def family(self) -> Family:
+        """What the buffer holds."""
+        return _FIELDS[self][0]
+
+    @property
+    def chunk(self) -> int:
+        """The rank that owns the data."""
+        return _FIELDS[self][1]
+
+    @property
+    def cotangent(self) -> Buffer:
+        """The adjoint buffer of the same chunk: ``Buffer("kv5").cotangent == "dkv5"``."""
+        hit = _COT_CACHE.get(self)
+        if hit is None:
+            family, chunk = _FIELDS[self]
+            hit = _COT_CACHE[self] = Buffer.of(family.cotangent, chunk)
+        return hit
+
+    def __repr__(self) -> str:
+        return f"Buffer({str.__repr__(self)})"
+
+    def __reduce__(self):
+        return (Buffer, (str(self),))
+
+
+def _buf(family: Family, chunk: int) -> Buffer:
+    """Interned ``Buffer`` for (family, chunk), fast path for the passes."""
+    name = _PREFIX[family] + str(chunk)
+    hit = _INTERNED.get(name)
+    return hit if hit is not None else Buffer(name)
+
+
+_PREFIX = {f: f.value for f in Family}
+_Q, _KV, _OUT, _DQ, _DKV, _DOUT = (Family.Q, Family.KV, Family.OUT, Family.DQ, Family.DKV,
+                                   Family.DOUT)
+
+
+def buffer_name(kind: str, chunk: int) -> Buffer:
+    """``buffer_name("kv", 5) == "kv5"`` (a :class:`Buffer`, which is a ``str``)."""
+    return Buffer.of(kind, chunk)
 
 
 def split_name(name: str) -> tuple[str, int]:
     """``split_name("dkv5") == ("dkv", 5)``; raises on names outside the IR."""
-    m = _NAME.match(name)
-    if not m:
-        raise ValueError(f"buffer name {name!r} is not one of q<i>, kv<j>, dq<i>, dkv<j>")
-    return m.group(1), int(m.group(2))
+    b = Buffer(name)
+    return b.family.value, b.chunk
 
 
-@dataclasses.dataclass(frozen=True)
-class Compute:
-    """Tile forward of q chunk ``q`` against kv chunk ``kv``."""
+class _Op:
+    """What every op answers: the buffers it reads and writes, and its adjoint."""
+
+    __slots__ = ()
+
+    def reads(self) -> tuple[Buffer, ...]:
+        raise NotImplementedError
+
+    def writes(self) -> tuple[Buffer, ...]:
+        raise NotImplementedError
+
+    def adjoint(self) -> Op:
+        raise NotImplementedError
+
+    def ascii(self) -> str:
+        """The plain-ASCII text form (``parse_op`` reads it back)."""
+        raise NotImplementedError
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Compute(_Op):
+    """Tile forward of q chunk ``q`` against kv chunk ``kv``: merges into ``out{q}``."""
 
     q: int
     kv: int
+
+    def reads(self) -> tuple[Buffer, ...]:
+        return _buf(_Q, self.q), _buf(_KV, self.kv)
+
+    def writes(self) -> tuple[Buffer, ...]:
+        return (_buf(_OUT, self.q),)
+
+    def adjoint(self) -> GradCompute:
+        return GradCompute(self.q, self.kv)
 
     def __str__(self) -> str:
         return f"C q{self.q}·kv{self.kv}"
 
+    def ascii(self) -> str:
+        return f"C q{self.q}.kv{self.kv}"
 
-@dataclasses.dataclass(frozen=True)
-class GradCompute:
-    """The VJP of ``Compute(q, kv)``: accumulates dq and the travelling dkv."""
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class GradCompute(_Op):
+    """The VJP of ``Compute(q, kv)``: accumulates ``dq{q}`` and the travelling ``dkv{kv}``."""
 
     q: int
     kv: int
 
+    def reads(self) -> tuple[Buffer, ...]:
+        return _buf(_Q, self.q), _buf(_KV, self.kv), _buf(_OUT, self.q), _buf(_DOUT, self.q)
+
+    def writes(self) -> tuple[Buffer, ...]:
+        return _buf(_DQ, self.q), _buf(_DKV, self.kv)
+
+    def adjoint(self) -> Compute:
+        return Compute(self.q, self.kv)
+
     def __str__(self) -> str:
         return f"G q{self.q}·kv{self.kv}"
 
+    def ascii(self) -> str:
+        return f"G q{self.q}.kv{self.kv}"
 
-@dataclasses.dataclass(frozen=True)
-class Send:
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Send(_Op):
     """Send buffer ``buf`` to rank ``peer``."""
 
-    buf: str
+    buf: Buffer
     peer: int
 
     def __post_init__(self) -> None:
-        split_name(self.buf)
+        if type(self.buf) is not Buffer:
+            object.__setattr__(self, "buf", Buffer(self.buf))
+
+    def reads(self) -> tuple[Buffer, ...]:
+        return (self.buf,)
+
+    def writes(self) -> tuple[Buffer, ...]:
+        return ()
+
+    def adjoint(self) -> Recv:
+        """The cotangent comes back: ``S kv5→r2`` becomes ``R dkv5←r2`` (accumulating)."""
+        return Recv(self.buf.cotangent, self.peer)
 
     def __str__(self) -> str:
         return f"S {self.buf}→r{self.peer}"
 
+    def ascii(self) -> str:
+        return f"S {self.buf}->r{self.peer}"
 
-@dataclasses.dataclass(frozen=True)
-class Recv:
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Recv(_Op):
     """Receive buffer ``buf`` from rank ``peer`` (gradient buffers accumulate)."""
 
-    buf: str
+    buf: Buffer
     peer: int
 
     def __post_init__(self) -> None:
-        split_name(self.buf)
+        if type(self.buf) is not Buffer:
+            object.__setattr__(self, "buf", Buffer(self.buf))
+
+    def reads(self) -> tuple[Buffer, ...]:
+        return ()
+
+    def writes(self) -> tuple[Buffer, ...]:
+        return (self.buf,)
+
+    def adjoint(self) -> Send:
+        """The cotangent goes back: ``R kv5←r0`` becomes ``S dkv5→r0``."""
+        return Send(self.buf.cotangent, self.peer)
 
     def __str__(self) -> str:
         return f"R {self.buf}←r{self.peer}"
+
+    def ascii(self) -> str:
+        return f"R {self.buf}<-r{self.peer}"
 
 
 Op = Union[Compute, GradCompute, Send, Recv]
 Comm = Union[Send, Recv]
 
-_OP = re.compile(r"^\s*(?:([CG])\s+q(\d+)\s*·\s*kv(\d+)|([SR])\s+(\w+)\s*([→←])\s*r(\d+))\s*$")
+_OP = re.compile(r"^\s*(?:([CG])\s+q(\d+)\s*(?:·|\.)\s*kv(\d+)"
+                 r"|([SR])\s+(\w+)\s*(→|->|←|<-)\s*r(\d+))\s*$")
+_ARROW = {"→": "S", "->": "S", "←": "R", "<-": "R"}
 
 
 def parse_op(text: str) -> Op:
-    """Parse the text form of one op: ``parse_op("S kv5→r2") == Send("kv5", 2)``."""
+    """Parse the pretty or ASCII form of one op: ``parse_op("S kv5->r2") == Send("kv5", 2)``."""
     m = _OP.match(text)
     if not m:
-        raise ValueError(f"cannot parse op {text!r}; expected e.g. 'C q3·kv5', 'G q3·kv5', "
-                         f"'S kv5→r2' or 'R kv5←r0'")
+        raise ValueError(f"cannot parse op {text!r}; expected e.g. 'C q3.kv5', 'G q3.kv5', "
+                         f"'S kv5->r2' or 'R kv5<-r0' (or the pretty forms with ·, →, ←)")
     if m.group(1):
         cls = Compute if m.group(1) == "C" else GradCompute
         return cls(int(m.group(2)), int(m.group(3)))
     kind, buf, arrow, peer = m.group(4), m.group(5), m.group(6), int(m.group(7))
-    if (kind, arrow) not in {("S", "→"), ("R", "←")}:
-        raise ValueError(f"op {text!r}: a send uses '→', a receive '←'")
+    if _ARROW[arrow] != kind:
+        raise ValueError(f"op {text!r}: a send uses '->' (or '→'), a receive '<-' (or '←')")
     return (Send if kind == "S" else Recv)(buf, peer)
+
+
+def _comm_key(op: Comm) -> tuple:
+    return op.peer, str.__str__(op.buf), isinstance(op, Recv)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,23 +338,36 @@ class Step:
     def comms(self) -> tuple[Comm, ...]:
         """Sends and receives, in a canonical order (peer, buffer) both sides agree on."""
         comms = [op for op in self.ops if isinstance(op, (Send, Recv))]
-        return tuple(sorted(comms, key=lambda op: (op.peer, op.buf, isinstance(op, Recv))))
+        return tuple(sorted(comms, key=_comm_key))
 
     @property
     def computes(self) -> tuple[Compute | GradCompute, ...]:
         return tuple(op for op in self.ops if isinstance(op, (Compute, GradCompute)))
 
+    def reads(self) -> set[Buffer]:
+        """Buffers this step's ops read (they must be present at the start of the step)."""
+        return {b for op in self.ops for b in op.reads()}
+
+    def writes(self) -> set[Buffer]:
+        """Buffers this step's ops write or receive (present from the next step)."""
+        return {b for op in self.ops for b in op.writes()}
+
     def __str__(self) -> str:
         return f"t{self.index}: " + " | ".join(str(op) for op in self.ops)
 
+    def ascii(self) -> str:
+        """Plain-ASCII form: ``t0: S kv0->r1 | C q0.kv0``."""
+        return f"t{self.index}: " + " | ".join(op.ascii() for op in self.ops)
+
     @classmethod
     def parse(cls, text: str) -> Step:
-        """Inverse of ``str``: ``Step.parse("t0: S kv0→r1 | C q0·kv0")``."""
+        """Inverse of ``str`` and ``ascii``: ``Step.parse("t0: S kv0->r1 | C q0.kv0")``."""
         head, sep, body = text.partition(":")
-        if not sep or not head.strip().startswith("t"):
+        head = head.strip()
+        if not sep or not re.fullmatch(r"t\d+", head):
             raise ValueError(f"cannot parse step {text!r}; expected 't<index>: op | op ...'")
         ops = tuple(parse_op(part) for part in body.split("|") if part.strip())
-        return cls(int(head.strip()[1:]), ops)
+        return cls(int(head[1:]), ops)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,28 +378,102 @@ class Program:
     steps: tuple[Step, ...]
 
     def __post_init__(self) -> None:
-        idx = [s.index for s in self.steps]
-        if idx != sorted(set(idx)):
-            raise ValueError(f"rank {self.rank}: step indices must increase strictly, got {idx}")
+        prev = -1
+        for s in self.steps:
+            if s.index <= prev:
+                raise ValueError(f"rank {self.rank}: step indices must increase strictly, got "
+                                 f"{[s.index for s in self.steps]}")
+            prev = s.index
 
-    def ops(self):
+    def ops(self) -> Iterator[tuple[int, Op]]:
         """Yield ``(step_index, op)`` pairs in program order."""
         for step in self.steps:
             for op in step.ops:
                 yield step.index, op
 
+    def last_uses(self) -> dict[Buffer, int]:
+        """Last step index at which each buffer is read, written or moved by the program."""
+        last: dict[Buffer, int] = {}
+        for step in self.steps:
+            for op in step.ops:
+                for b in op.reads():
+                    last[b] = step.index
+                for b in op.writes():
+                    last[b] = step.index
+        return last
+
+    def remote_reads(self, family: Family | str = Family.KV) -> list[Buffer]:
+        """Sorted buffers of ``family`` its computes read that another rank owns.
+
+        With ``kv="keep"``, these are the kv buffers a rank keeps from forward to backward.
+        """
+        fam = Family(family)
+        found = {b for step in self.steps for op in step.computes for b in op.reads()
+                 if b.family is fam and b.chunk != self.rank}
+        return sorted(found)
+
     def __str__(self) -> str:
         return f"r{self.rank}:\n" + "\n".join(f"  {s}" for s in self.steps)
 
+    def ascii(self) -> str:
+        """Plain-ASCII form, one step a line (``Program.parse`` reads it back)."""
+        return f"r{self.rank}:\n" + "\n".join(f"  {s.ascii()}" for s in self.steps)
+
     @classmethod
     def parse(cls, text: str) -> Program:
-        """Inverse of ``str``."""
+        """Inverse of ``str`` and ``ascii``."""
         lines = [ln for ln in text.strip().splitlines() if ln.strip()]
         if not lines or not re.match(r"^r\d+:$", lines[0].strip()):
             raise ValueError(f"cannot parse program; first line must be 'r<rank>:', got {lines[:1]}")
         return cls(int(lines[0].strip()[1:-1]), tuple(Step.parse(ln) for ln in lines[1:]))
 
 
+def format_programs(programs: Iterable[Program], *, ascii: bool = True) -> str:
+    """All ranks' programs as text, one after the other (ASCII by default, for goldens)."""
+    return "\n".join(p.ascii() if ascii else str(p) for p in programs) + "\n"
+
+
+def parse_programs(text: str) -> list[Program]:
+    """Inverse of :func:`format_programs`; lines starting with ``#`` are comments."""
+    blocks: list[list[str]] = []
+    for line in text.splitlines():
+        s = line.strip()
+        if not s or s.startswith("#"):
+            continue
+        if re.fullmatch(r"r\d+:", s):
+            blocks.append([s])
+        elif not blocks:
+            raise ValueError(f"cannot parse programs: step line {s!r} before any 'r<rank>:' line")
+        else:
+            blocks[-1].append(s)
+    return [Program.parse("\n".join(b)) for b in blocks]
+
+
 def program_from_ops(rank: int, ops: dict[int, list[Op]]) -> Program:
     """Build a program from ``{step_index: [ops]}``, dropping empty steps."""
     return Program(rank, tuple(Step(t, tuple(ops[t])) for t in sorted(ops) if ops[t]))
+
+
+def marked(program: Program, step_index: int, *, context: int = 3,
+           marker: str = "<-- ERROR HERE") -> str:
+    """The program's text with ``marker`` on the line of step ``step_index``.
+
+    Long programs show ``context`` steps either side of it, the rest elided.
+    """
+    lines = [f"r{program.rank}:"]
+    at = next((n for n, s in enumerate(program.steps) if s.index == step_index), None)
+    lo, hi = (0, len(program.steps)) if at is None else (max(0, at - context), at + context + 1)
+    if lo > 0:
+        lines.append(f"  ... ({lo} steps)")
+    for n, s in enumerate(program.steps[lo:hi], start=lo):
+        lines.append(f"  {s}" + (f"    {marker}" if n == at else ""))
+    if hi < len(program.steps):
+        lines.append(f"  ... ({len(program.steps) - hi} steps)")
+    if at is None:
+        lines.append(f"  t{step_index}: (no such step)    {marker}")
+    return "\n".join(lines)
+
+
+def steps_of(programs: Sequence[Program]) -> int:
+    """Number of global rounds: 1 + the largest step index (0 for empty programs)."""
+    return 1 + max((p.steps[-1].index for p in programs if p.steps), default=-1)
