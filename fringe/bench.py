@@ -44,6 +44,8 @@ def packed_docs(S: int, n_docs: int, seed: int) -> torch.Tensor:
 
 
 def bench_plan(*, S: int = 1 << 20, n_docs: int = 1000, P: int = 8, block_size: int = 128):
+    """Plan every schedule for a ``causal & document`` mask; one row (seconds, share of empty
+    blocks, work max/mean) per schedule."""
     ids = packed_docs(S, n_docs, 0)
     mask = masks.causal() & masks.document(ids)
     rows = []
@@ -121,15 +123,67 @@ def _single(case: AttnCase):
     return _time(fringe_step, case.iters), _time(dense_step, case.iters)
 
 
+PLAN_P = 8                   # the planning benchmark's world size and block
+PLAN_BLOCK = 128
+PLAN_DOCS = 1000
+
+
+def _multiple(S: int, unit: int) -> int:
+    return -(-S // unit) * unit
+
+
+def check_sizes(*, world_sizes, case: AttnCase, plan_size: int) -> None:
+    """Fail before any work (and before spawning ranks) on sizes the benchmark cannot use.
+
+    Every schedule must fit, so S must split into 2·P chunks of whole blocks (zigzag's rule).
+
+    Raises:
+        ValueError: naming the size, the rule and the nearest size that fits.
+    """
+    unit = 2 * PLAN_P * PLAN_BLOCK
+    if plan_size < 1 or plan_size % unit:
+        raise ValueError(f"plan_size={plan_size} is not a positive multiple of 2*P*block="
+                         f"2*{PLAN_P}*{PLAN_BLOCK}={unit} (the planning benchmark's P and "
+                         f"block); use {_multiple(max(plan_size, 1), unit)}")
+    if not world_sizes:
+        raise ValueError("world_sizes is empty; give at least one P, e.g. (2, 4)")
+    for P in world_sizes:
+        if isinstance(P, bool) or not hasattr(P, "__index__") or P < 1:
+            raise ValueError(f"world sizes must be positive integers, got {P!r}")
+    for name in ("seq_len", "heads", "kv_heads", "head_dim", "n_docs", "block_size", "iters"):
+        value = getattr(case, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"AttnCase.{name} must be a positive integer, got {value!r}")
+    if case.heads % case.kv_heads:
+        raise ValueError(f"AttnCase.heads={case.heads} must be a multiple of "
+                         f"kv_heads={case.kv_heads} (GQA)")
+    if case.n_docs > case.seq_len:
+        raise ValueError(f"AttnCase.n_docs={case.n_docs} documents do not fit in "
+                         f"seq_len={case.seq_len} tokens")
+    for P in (1, *world_sizes):
+        unit = 2 * P * case.block_size
+        if case.seq_len % unit:
+            raise ValueError(f"seq_len={case.seq_len} is not divisible by 2*P*block="
+                             f"2*{P}*{case.block_size}={unit}; use "
+                             f"{_multiple(case.seq_len, unit)} (or other world sizes)")
+
+
 def run(*, world_sizes=(2, 4), case: AttnCase = AttnCase(), plan_size: int = 1 << 20) -> str:
-    """Run the benchmark and return the report text."""
+    """Run the benchmark and return the report text.
+
+    Raises:
+        ValueError: sizes the benchmark cannot use (see :func:`check_sizes`), before any work.
+        fringe.launch.LaunchError: a rank failed.
+    """
     from tabulate import tabulate
 
     from .launch import Workers
+    world_sizes = tuple(world_sizes)
+    check_sizes(world_sizes=world_sizes, case=case, plan_size=plan_size)
     out = []
-    rows = bench_plan(S=plan_size)
-    out.append(f"plan: S={plan_size:,} tokens, 1,000 packed documents, causal & document, "
-               f"P=8, block 128 (target < {PLAN_TARGET_S:g} s each)")
+    rows = bench_plan(S=plan_size, n_docs=PLAN_DOCS, P=PLAN_P, block_size=PLAN_BLOCK)
+    out.append(f"plan: S={plan_size:,} tokens, {PLAN_DOCS:,} packed documents, causal & "
+               f"document, P={PLAN_P}, block {PLAN_BLOCK} (target < {PLAN_TARGET_S:g} s each)")
     out.append(tabulate([[r["schedule"], f"{r['seconds']:.2f}", f"{r['empty_blocks']:.1%}",
                           f"{r['balance']:.3f}",
                           "ok" if r["seconds"] < PLAN_TARGET_S else "MISS"] for r in rows],
