@@ -11,22 +11,66 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 
 from .layout import DEFAULT_BLOCK_SIZE
 
 
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1 (sizes, counts, world sizes)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer (1, 2, ...), "
+                                         f"got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer (1, 2, ...), got {value}")
+    return value
+
+
+def nonnegative_int(text: str) -> int:
+    """argparse type: an integer >= 0 that fits a 64-bit seed."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer (0, 1, ...), "
+                                         f"got {text!r}") from None
+    if not 0 <= value < 2 ** 63:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer below 2**63, "
+                                         f"got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """argparse type: a finite number > 0 (seconds, learning rates)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive, finite number, "
+                                         f"got {text!r}") from None
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"expected a positive, finite number, got {text!r}")
+    return value
+
+
 def _common(p: argparse.ArgumentParser, *, seq_len: int) -> None:
     from .demo import DEFAULT_WINDOW, MASKS, SCHEDULES
-    p.add_argument("--world-size", type=int, default=4, help="P, context-parallel ranks")
-    p.add_argument("--schedule", choices=SCHEDULES, default="zigzag")
+    p.add_argument("--world-size", type=positive_int, default=4, help="P, context-parallel ranks")
+    p.add_argument("--schedule", choices=SCHEDULES, default="zigzag",
+                   help="which ranks compute which tiles when (default: %(default)s)")
     p.add_argument("--mask", choices=MASKS, default="document",
                    help="document = causal & document over packed docs (boundaries change "
                         "every batch); sliding_window is also within documents")
-    p.add_argument("--seq-len", type=int, default=seq_len, help="S, global tokens")
-    p.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE)
-    p.add_argument("--window", type=int, default=DEFAULT_WINDOW, help="sliding_window width in tokens")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seq-len", type=positive_int, default=seq_len,
+                   help="S, global tokens (a multiple of 2 * P * block size for zigzag; "
+                        "default: %(default)s)")
+    p.add_argument("--block-size", type=positive_int, default=DEFAULT_BLOCK_SIZE,
+                   help="mask block in tokens (default: %(default)s)")
+    p.add_argument("--window", type=positive_int, default=DEFAULT_WINDOW,
+                   help="sliding_window width in tokens (default: %(default)s)")
+    p.add_argument("--seed", type=nonnegative_int, default=0,
+                   help="seeds the documents (and the demo's init and data)")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -37,23 +81,37 @@ def parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="train a tiny LM under CP (CPU ranks, gloo) and check "
                                        "it against one process")
     _common(demo, seq_len=1024)
-    demo.add_argument("--steps", type=int, default=16)
-    demo.add_argument("--batch-size", type=int, default=1)
-    demo.add_argument("--dtype", choices=("float32", "float64"), default="float32")
-    demo.add_argument("--layers", type=int, default=2)
-    demo.add_argument("--lr", type=float, default=1e-2)
-    demo.add_argument("--timeout", type=float, default=300.0,
-                      help="seconds a step may take on the ranks before giving up")
+    demo.add_argument("--steps", type=positive_int, default=16,
+                      help="optimizer steps (default: %(default)s)")
+    demo.add_argument("--batch-size", type=positive_int, default=1,
+                      help="B, sequences per step (default: %(default)s)")
+    demo.add_argument("--dtype", choices=("float32", "float64"), default="float32",
+                      help="model and attention dtype (default: %(default)s)")
+    demo.add_argument("--layers", type=positive_int, default=2,
+                      help="transformer blocks (default: %(default)s)")
+    demo.add_argument("--lr", type=positive_float, default=1e-2,
+                      help="AdamW learning rate (default: %(default)s)")
+    demo.add_argument("--timeout", type=positive_float, default=300.0,
+                      help="seconds a step may take on the ranks before giving up "
+                           "(default: %(default)s)")
 
     bench = sub.add_parser("bench", help="measure planning, attention speed and exposed "
                                          "communication; prints targets beside the figures")
-    bench.add_argument("--seq-len", type=int, default=8192)
-    bench.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
+    bench.add_argument("--seq-len", type=positive_int, default=8192,
+                       help="S, global tokens of the attention benchmark (a multiple of "
+                            "2 * P * 128 for every P; default: %(default)s)")
+    bench.add_argument("--world-sizes", type=positive_int, nargs="+", default=[2, 4],
+                       metavar="P", help="P values to run the attention benchmark on "
+                                         "(default: 2 4)")
     bench.add_argument("--schedule", choices=("ring", "zigzag", "striped", "balanced"),
-                       default="zigzag")
-    bench.add_argument("--iters", type=int, default=3)
-    bench.add_argument("--plan-size", type=int, default=1 << 20,
-                       help="tokens for the planning benchmark")
+                       default="zigzag", help="schedule of the attention benchmark "
+                                              "(default: %(default)s)")
+    bench.add_argument("--iters", type=positive_int, default=3,
+                       help="timed repetitions after one warm-up; the median is reported "
+                            "(default: %(default)s)")
+    bench.add_argument("--plan-size", type=positive_int, default=1 << 20,
+                       help="S, tokens for the planning benchmark (P=8, block 128: a multiple "
+                            "of 2048; default: %(default)s)")
 
     show = sub.add_parser("show", help="print a plan's step x rank grid and per-rank stats")
     _common(show, seq_len=1024)
@@ -101,8 +159,13 @@ def _demo(args) -> int:
 
 def _bench(args) -> int:
     from .bench import AttnCase, run
-    print(run(world_sizes=tuple(args.world_sizes), plan_size=args.plan_size,
-              case=AttnCase(schedule=args.schedule, seq_len=args.seq_len, iters=args.iters)))
+    from .launch import LaunchError
+    try:
+        print(run(world_sizes=tuple(args.world_sizes), plan_size=args.plan_size,
+                  case=AttnCase(schedule=args.schedule, seq_len=args.seq_len, iters=args.iters)))
+    except LaunchError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -136,7 +199,12 @@ def _simulate(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    """Run the command line; returns the exit status (2 for a bad argument, with a message
+    on stderr saying what was expected, never a traceback)."""
+    try:
+        args = parser().parse_args(argv)
+    except SystemExit as e:             # --help (0) or a bad argument (2): argparse printed why
+        return e.code if isinstance(e.code, int) else 2
     try:
         return {"demo": _demo, "show": _show, "bench": _bench,
                 "simulate": _simulate}[args.command](args)

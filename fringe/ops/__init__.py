@@ -14,6 +14,16 @@ mask ``[B or 1, H or 1, Lq, Lk]``, an optional score_mod on global positions)::
 
 Kernels: ``reference`` (einsum, any dtype / mask / score_mod) and ``sdpa`` (the fused CPU op,
 falls back to ``reference`` with a reason where it cannot run; see ``fringe/ops/_fast.py``).
+
+Semantics every kernel keeps (tested in ``tests/test_ops_semantics.py``):
+
+- ``score_mod`` is FlexAttention's: defined per scalar (b, h, q_idx, kv_idx) and applied with
+  vmap; broadcasting is the fast path only where a probe shows it agrees for that mod.
+- ``dlse`` is the cotangent of the GLOBAL lse: ``ds = p * (dp - (delta - dlse))``.
+- ``score_params`` are tensors the score_mod closes over; their gradients come back per call.
+- A masked pair never contributes, NaN included: a NaN key stays in the rows that attend to it,
+  in the forward and the backward. A masked NaN *value* inside a computed sub-problem gives NaN
+  as in the dense reference (``0 * NaN``); EMPTY blocks are never read.
 """
 from __future__ import annotations
 

@@ -411,13 +411,22 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
         k: ``[B, G, Lk, D]``.
         v: ``[B, G, Lk, D]``.
         mask_mod: FlexAttention-style ``mask_mod(b, h, q_idx, kv_idx) -> bool``; None = full.
-        score_mod: ``score_mod(score, b, h, q_idx, kv_idx) -> score``; None = identity.
+        score_mod: ``score_mod(score, b, h, q_idx, kv_idx) -> score``; None = identity. As in
+            FlexAttention it is defined per scalar (see :func:`apply_score_mod`).
         scale: softmax scale, default ``1/sqrt(D)``.
 
     Returns:
         ``(out [B, H, Lq, D] in q's dtype, lse [B, H, Lq])``, lse natural-log in float32
         (float64 for float64 inputs). A fully masked row has out 0 and lse -inf; its gradients
         are 0, never NaN.
+
+    Non-finite inputs: a masked score is replaced by -inf, so a NaN key never reaches the
+    forward of a row that does not attend to it. Plain autograd through this oracle is not
+    confined (its ``dq = ds @ k`` meets ``0 * NaN``), and a masked NaN value gives NaN in
+    ``out`` (``0 * NaN`` in the einsum). fringe's kernels confine NaN in q/k/dout in the
+    backward too, and never read EMPTY blocks, so a NaN value in a block no row of a tile
+    attends to stays out of it; inside a computed sub-problem a masked NaN value gives NaN as
+    here.
     """
     B, H, G, Lq, Lk, D = check_qkv(q, k, v)
     q_pos = torch.arange(Lq, device=q.device)
