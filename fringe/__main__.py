@@ -122,20 +122,23 @@ def parser() -> argparse.ArgumentParser:
 
     sim = sub.add_parser("simulate", help="predict step time, balance, exposed communication, "
                                           "bytes and memory per rank with the cost model")
-    sim.add_argument("--world-size", type=int, default=1024, help="P, context-parallel ranks")
-    sim.add_argument("--seq-len", type=int, default=1 << 20, help="S, global tokens")
+    sim.add_argument("--world-size", type=positive_int, default=1024,
+                     help="P, context-parallel ranks")
+    sim.add_argument("--seq-len", type=positive_int, default=1 << 20, help="S, global tokens")
     sim.add_argument("--mask", default="document:1000",
                      help="causal, full, document:N (causal within N packed documents) or "
                           "window:W (causal sliding window of W tokens)")
-    sim.add_argument("--schedules", nargs="+", default=["ring", "zigzag", "striped", "balanced"])
+    sim.add_argument("--schedules", nargs="+", default=["ring", "zigzag", "striped", "balanced"],
+                     help="schedules to predict (default: ring zigzag striped balanced)")
     sim.add_argument("--hardware", default="h100-ib",
                      help="a preset (h100-nvlink, h100-ib, cpu) or 'this' (calibrate here)")
-    sim.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE)
-    sim.add_argument("--heads", type=int, default=32, help="H, query heads")
-    sim.add_argument("--kv-heads", type=int, default=8, help="G, kv heads")
-    sim.add_argument("--head-dim", type=int, default=128, help="D")
+    sim.add_argument("--block-size", type=positive_int, default=DEFAULT_BLOCK_SIZE,
+                     help="mask block in tokens (default: %(default)s)")
+    sim.add_argument("--heads", type=positive_int, default=32, help="H, query heads")
+    sim.add_argument("--kv-heads", type=positive_int, default=8, help="G, kv heads")
+    sim.add_argument("--head-dim", type=positive_int, default=128, help="D")
     sim.add_argument("--dtype", choices=("bfloat16", "float16", "float32", "float64"),
-                     default="bfloat16")
+                     default="bfloat16", help="q/k/v dtype (default: %(default)s)")
     sim.add_argument("--png", metavar="FILE", help="write the timeline to FILE (with several "
                                                    "schedules, one FILE-stem.<schedule>.png each)")
     return ap
