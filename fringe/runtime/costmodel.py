@@ -686,7 +686,7 @@ def calibrate(*, heads: int = 8, head_dim: int = 64, dtype: torch.dtype = torch.
             bwd = _best(lambda: tile_backward(q, k, v, out, lse, do, **kw), repeats, cpu)
             return fwd, bwd
 
-        small, big = 256, 1024
+        small, big = 64, 1024            # a call's fixed cost from a tiny tile; pairs from a big one
         (f0, b0), (f1, b1) = case(small, False), case(big, False)
         fm, _ = case(big, True)
         pairs0, pairs1 = small * small, big * big
