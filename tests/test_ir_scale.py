@@ -58,16 +58,15 @@ def test_thousand_document_causal_mask_at_1024_ranks_plans_reverses_and_checks()
 
 def test_a_kv_chunk_crossing_all_1024_ranks_reverses_without_recursion():
     need = torch.eye(P, dtype=torch.bool)
-    need[:, 0] = True                                 # every rank needs kv0: 1023 ring hops
+    need[:, 1] = True                  # every rank needs kv1: 1 -> 2 -> ... -> 1023 -> 0
     fwd = schedules.ring().programs(P, need)
     check(fwd, need=need)
-    bwd = reverse(fwd)
+    bwd = reverse(fwd)                 # the recursive kv re-send search hit RecursionError here
     check(bwd, need=need, backward=True)
-    kv0 = [(t, prog.rank, op.peer) for prog in bwd for t, op in prog.ops()
-           if isinstance(op, Send) and op.buf == "kv0"]
-    assert len(kv0) == P - 1
-    # the last rank on the route fetches kv0 in the prologue; every other rank gets it relayed
-    # back along the ring one step ahead of its gradient tile
-    assert [(t, src) for t, src, dst in kv0 if dst == P - 1] == [(0, 0)]
-    assert sorted((t, src, dst) for t, src, dst in kv0 if src != 0) == [
-        (P - 1 - r, r + 1, r) for r in range(P - 2, 0, -1)]
+    kv1 = [(t, prog.rank, op.peer) for prog in bwd for t, op in prog.ops()
+           if isinstance(op, Send) and op.buf == "kv1"]
+    assert len(kv1) == P - 1
+    # the last rank on the route (0) fetches kv1 in the prologue; every other rank gets it
+    # relayed back along the ring one step ahead of its gradient tile
+    assert [(t, src) for t, src, dst in kv1 if dst == 0] == [(0, 1)]
+    assert sorted(x for x in kv1 if x[2] != 0) == sorted((P - r, (r + 1) % P, r) for r in range(2, P))
