@@ -218,14 +218,24 @@ def single_run(cfg: Config, weights: dict) -> list[dict]:
 # ---------------------------------------------------------------------------------------------
 
 
-def run(cfg: Config, *, progress=print, timeout_s: float = 300.0) -> dict:
-    """Both runs; returns ``dict(cp=[...], single=[...], max_diff=float, ok=bool)``."""
+def run(cfg: Config, *, progress=print, timeout_s: float = 300.0, workers=None) -> dict:
+    """Both runs; returns ``dict(cp=[...], single=[...], max_diff=float, ok=bool)``.
+
+    ``workers``: a started :class:`fringe.launch.Workers` of ``cfg.world_size`` ranks to
+    reuse (the tests run several models on one pool); default: a fresh one.
+    """
+    import contextlib
+
     from fringe.launch import Workers
     torch.manual_seed(cfg.seed)
     weights = {k: v.clone() for k, v in build_model(cfg, "sdpa").state_dict().items()}
     single = single_run(cfg, weights)
     cp = []
-    with Workers(cfg.world_size, timeout_s=timeout_s) as w:
+    pool = contextlib.nullcontext(workers) if workers is not None else \
+        Workers(cfg.world_size, timeout_s=timeout_s)
+    with pool as w:
+        if w.world_size != cfg.world_size:
+            raise ValueError(f"workers has {w.world_size} ranks, the config asks for {cfg.world_size}")
         w.run(cp_setup, cfg, weights)
         for step in range(cfg.steps):
             res = w.run(cp_step, step)

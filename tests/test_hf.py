@@ -1,0 +1,190 @@
+"""fringe.hf: transformers' attention / mask interfaces under fringe CP.
+
+The equivalence test runs ``examples/hf_train.py`` (Llama, and Qwen2 with a sliding-window
+layer) on 2 gloo ranks against transformers' own sdpa in one process. The rest checks, in
+this process, that every per-layer / per-call mismatch raises before any communication.
+"""
+from __future__ import annotations
+
+import importlib
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import transformers   # the hf extra (dev.py installs it): pip install 'fringe[hf]'
+
+import fringe
+import fringe.hf
+from fringe import masks, packing, schedules
+from fringe.ops import reference
+from fringe.testing import make_qkv, tolerances
+
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+S, P, BS = 64, 2, 8
+
+
+def _tiny(kind: str, attn: str = "fringe", **over):
+    kw = dict(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=S,
+              attention_dropout=0.0, use_cache=False, head_dim=8)
+    kw.update(over)
+    if kind == "llama":
+        cfg = transformers.LlamaConfig(**kw)
+    elif kind == "qwen2":   # the sliding-window layer first, so it is the first attention call
+        cfg = transformers.Qwen2Config(**kw, use_sliding_window=True, sliding_window=16,
+                                       layer_types=["sliding_attention", "full_attention"])
+    elif kind == "gemma3":
+        cfg = transformers.Gemma3TextConfig(**kw, query_pre_attn_scalar=24, sliding_window=16,
+                                            layer_types=["sliding_attention", "full_attention"])
+    elif kind == "gemma2":
+        cfg = transformers.Gemma2Config(**kw, query_pre_attn_scalar=24, sliding_window=16,
+                                        attn_logit_softcapping=30.0)
+    else:
+        raise ValueError(kind)
+    cfg._attn_implementation = attn
+    fringe.hf.register()
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(cfg)
+
+
+def _shard_inputs(model, schedule=None, *, plans=None):
+    ids = torch.arange(S).remainder(32).view(1, S)
+    cu = [0, 20, S]
+    if plans is None:
+        plans = fringe.hf.plans(model, schedule or schedules.zigzag(),
+                                packing.document_mask(packing.doc_ids_from_cu_seqlens(cu)),
+                                seq_len=S, world_size=P, block_size=BS)
+    shard = packing.shard_batch(ids, ids, plan=plans.plans, rank=0, cu_seqlens=cu)
+    return plans, fringe.hf.model_inputs(shard, plans)
+
+
+# ---- equivalence on gloo ranks ------------------------------------------------------------
+
+
+def test_hf_example_matches_sdpa_on_two_ranks():
+    sys.path.insert(0, str(EXAMPLES))
+    try:
+        hf_train = importlib.import_module("hf_train")
+        from fringe.launch import Workers
+        lines = []
+        with Workers(2, timeout_s=240) as w:
+            results = {m: hf_train.run(hf_train.Config(world_size=2, seq_len=128, batch_size=2, steps=3,
+                                                       block_size=16, model=m, window=24,
+                                                       boundaries=b),
+                                       progress=lines.append, workers=w)
+                       for m, b in (("llama", "cu_seqlens"), ("qwen2", "position_ids"))}
+    finally:
+        sys.path.remove(str(EXAMPLES))
+    for m, res in results.items():
+        assert res["ok"], (m, lines)
+        assert len(res["cp"]) == 3
+        for a, b in zip(res["cp"], res["single"]):
+            assert math.isfinite(a["loss"]) and abs(a["loss"] - b["loss"]) <= hf_train.TOLERANCE, (m, a, b)
+        assert res["single"][0]["loss"] != res["single"][-1]["loss"]        # it trains
+    assert lines[-1].startswith("max |loss diff|") and lines[-1].endswith("OK")
+
+
+# ---- what transformers passes, per layer and per call --------------------------------------
+
+
+def test_register_makes_the_name_valid_and_a_padding_mask_raises():
+    model = _tiny("llama")
+    assert "fringe" in transformers.AttentionInterface._global_mapping
+    ids = torch.zeros(1, 8, dtype=torch.long)
+    pad = torch.ones(1, 8, dtype=torch.long)
+    pad[0, -2:] = 0
+    with pytest.raises(ValueError, match="pads tokens out"):
+        model(input_ids=ids, attention_mask=pad)
+    with pytest.raises(ValueError, match="needs this batch's plans"):
+        model(input_ids=ids, attention_mask=torch.ones_like(pad))      # an all-ones mask is fine
+    with pytest.raises(ValueError, match="KV cache"):
+        fringe.hf.mask_function(batch_size=1, q_length=1, kv_length=9, q_offset=8, kv_offset=0)
+
+
+def test_layer_kinds_read_scaling_window_and_softcap():
+    kinds = fringe.hf.layer_kinds(_tiny("qwen2"))
+    assert {k["sliding_window"]: tuple(k["layers"]) for k in kinds} == {16: (0,), None: (1,)}
+    assert all(k["scaling"] == 8 ** -0.5 and k["causal"] for k in kinds)
+    g3 = fringe.hf.layer_kinds(_tiny("gemma3"))
+    assert {k["scaling"] for k in g3} == {24 ** -0.5}
+    g2 = fringe.hf.layer_kinds(_tiny("gemma2"))
+    assert {k["softcap"] for k in g2} == {30.0} and {k["sliding_window"] for k in g2} == {16, None}
+
+
+def test_a_layer_without_its_plan_raises():
+    qwen = _tiny("qwen2")
+    plans, _ = _shard_inputs(_tiny("llama"))         # plans for full-attention layers only
+    _, inputs = _shard_inputs(qwen, plans=plans)
+    with pytest.raises(ValueError, match="sliding_window=16.*no plan was made"):
+        qwen(**inputs)
+
+
+def test_scaling_mismatch_raises():
+    gemma = _tiny("gemma3")
+    plans = fringe.hf.plans(gemma, schedules.zigzag(), None, seq_len=S, world_size=P, block_size=BS)
+    # the same plans but made without the model's scaling (the default 1/sqrt(D)), as a user might
+    wrong = fringe.hf.Plans(tuple(fringe.hf.LayerPlan(
+        fringe.plan(schedules.zigzag(), lp.plan.mask_mod, seq_len=S, world_size=P, block_size=BS,
+                    layout=lp.plan.layout), causal=lp.causal, sliding_window=lp.sliding_window)
+        for lp in plans.layers))
+    _, inputs = _shard_inputs(gemma, plans=wrong)
+    with pytest.raises(ValueError, match=r"scales scores by 0\.204.*scale=None"):
+        gemma(**inputs)
+
+
+def test_softcap_dropout_and_layout_mismatches_raise():
+    gemma2 = _tiny("gemma2", attn="fringe")
+    no_cap = fringe.hf.Plans(tuple(fringe.hf.LayerPlan(lp.plan, causal=lp.causal,
+                                                       sliding_window=lp.sliding_window)
+                                   for lp in _shard_inputs(gemma2)[0].layers))
+    _, inputs = _shard_inputs(gemma2, plans=no_cap)
+    with pytest.raises(ValueError, match="softcap=30.0, but no plan"):
+        gemma2(**inputs)
+    drop = _tiny("llama", attention_dropout=0.1)
+    drop.train()
+    _, inputs = _shard_inputs(drop)
+    with pytest.raises(ValueError, match="dropout=0.1"):
+        drop(**inputs)
+    llama = _tiny("llama")
+    plans_a, _ = _shard_inputs(llama, schedules.zigzag())
+    plans_b, _ = _shard_inputs(llama, schedules.striped())
+    ids = torch.arange(S).view(1, S)
+    shard_b = packing.shard_batch(ids, ids, plan=plans_b.plans, rank=0)
+    with pytest.raises(ValueError, match="sharded by layout striped"):
+        fringe.hf.model_inputs(shard_b, plans_a)
+    _, inputs = _shard_inputs(llama, plans=plans_a)
+    inputs["fringe"] = fringe.hf.Plans(plans_a.layers, batch_fingerprint=shard_b.layout_fingerprint)
+    with pytest.raises(ValueError, match="plan every layer over the batch's layout"):
+        llama(**inputs)
+
+
+def test_plans_over_different_layouts_are_refused():
+    a = fringe.plan(schedules.zigzag(), masks.causal(), seq_len=S, world_size=P, block_size=BS)
+    b = fringe.plan(schedules.striped(), masks.sliding_window(16), seq_len=S, world_size=P, block_size=BS)
+    with pytest.raises(ValueError, match="different layouts"):
+        fringe.hf.Plans((fringe.hf.LayerPlan(a), fringe.hf.LayerPlan(b, sliding_window=16)))
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "gemma2"])
+def test_per_layer_plans_share_one_layout_and_match_dense(kind):
+    model = _tiny(kind)
+    doc = packing.doc_ids_from_cu_seqlens([0, 13, 40, S])
+    plans = fringe.hf.plans(model, schedules.balanced(), packing.document_mask(doc), seq_len=S,
+                            world_size=P, block_size=BS)
+    assert len(plans.layers) == 2
+    assert len({lp.plan.layout.fingerprint() for lp in plans.layers}) == 1
+    q, k, v = make_qkv(B=1, H=4, G=2, S=S, D=8, seed=3)
+    for lp in plans.layers:
+        mask = masks.document(doc) & (masks.sliding_window(lp.sliding_window) if lp.sliding_window
+                                      else masks.causal())
+        cap = lp.softcap
+
+        def softcap(s, b, h, qi, ki):
+            return cap * torch.tanh(s / cap)
+        want, _ = reference.attention(q, k, v, mask_mod=mask, scale=lp.plan.scale,
+                                      score_mod=softcap if cap else None)
+        got = fringe.simulate.attention(q, k, v, plan=lp.plan)
+        torch.testing.assert_close(got, want, **tolerances(torch.float64))
