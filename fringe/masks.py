@@ -37,7 +37,13 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
+import hashlib
+import re
 import time
+import types
+import warnings
+import weakref
 from typing import Callable
 
 import torch
@@ -54,12 +60,15 @@ __all__ = [
     "as_mask",
     "causal",
     "classify",
+    "digest",
     "document",
     "evaluate",
+    "fn_digest",
     "full",
     "prefix_lm",
     "reads_batch_head",
     "sliding_window",
+    "snapshot",
 ]
 
 
@@ -315,7 +324,14 @@ def _combine(op: str, *masks) -> Mask:
         else:
             kids.append(m)
         parts.append(f"({m.name})" if m.display_op not in (None, op) else m.name)
-    mods = tuple(k.mod for k in kids)
+    name = f" {'&' if op == 'and' else '|'} ".join(parts)
+    return Mask(mod=_combined_mod(op, tuple(k.mod for k in kids), name), name=name,
+                bh_invariant=all(k.bh_invariant for k in kids), op=op, children=tuple(kids),
+                display_op=op)
+
+
+def _combined_mod(op: str, mods: tuple, name: str) -> MaskMod:
+    """``mods[0] & mods[1] & ...`` (or ``|``) as one mask_mod."""
     if op == "and":
         def mod(b, h, q_idx, kv_idx):
             out = mods[0](b, h, q_idx, kv_idx)
@@ -328,10 +344,8 @@ def _combine(op: str, *masks) -> Mask:
             for f in mods[1:]:
                 out = out | f(b, h, q_idx, kv_idx)
             return out
-    name = f" {'&' if op == 'and' else '|'} ".join(parts)
     mod.__name__ = name
-    return Mask(mod=mod, name=name, bh_invariant=all(k.bh_invariant for k in kids), op=op,
-                children=tuple(kids), display_op=op)
+    return mod
 
 
 def as_mask(fn, name: str | None = None, *, bh_invariant: bool = True) -> Mask:
@@ -412,7 +426,7 @@ def document(doc_ids: torch.Tensor) -> Mask:
             or doc_ids.is_complex():
         raise ValueError(f"document: doc_ids must be a 1-D integer tensor over global positions, "
                          f"got dtype={doc_ids.dtype} shape={tuple(doc_ids.shape)}")
-    doc_ids = doc_ids.detach()
+    doc_ids = doc_ids.detach().clone()  # own a copy: the caller may refill theirs
     n_docs = int(torch.unique(doc_ids).numel())
     sorted_ids = bool((doc_ids[1:] >= doc_ids[:-1]).all())
 
@@ -442,15 +456,34 @@ def prefix_lm(prefix_len: int) -> Mask:
 
 
 # --------------------------------------------------------------------------------------
-# Dense evaluation
+# Dense evaluation: FlexAttention's semantics, broadcasting where it agrees
 # --------------------------------------------------------------------------------------
+
+#: The probe on which a mask_mod's broadcast evaluation is compared with its per-index (vmap)
+#: evaluation: ``(B, H, Lq, Lk)``, non-square so that a reduction over one axis cannot hide.
+PROBE_SHAPE = (2, 3, 5, 7)
 
 _CONTROL_FLOW_HINT = (
     "mask_mod uses Python control flow on tensors (if / and / or / not, bool(), or a "
-    "data-dependent branch); a mask_mod is called on whole index tensors, so write it with "
-    "tensor ops: & instead of 'and', | instead of 'or', ~ instead of 'not', and "
-    "torch.where(cond, a, b) instead of 'a if cond else b'"
+    "data-dependent branch); mask_mods are traced per scalar index under torch.vmap, as in "
+    "FlexAttention, where that is not allowed, so write it with tensor ops: & instead of "
+    "'and', | instead of 'or', ~ instead of 'not', and torch.where(cond, a, b) instead of "
+    "'a if cond else b'"
 )
+_ITEM_HINT = (
+    "mask_mod calls .item() (or int() / float() / a Python comparison) on an index tensor; "
+    "mask_mods are traced per scalar index under torch.vmap, as in FlexAttention, and "
+    ".item() / Python control flow on index values are not allowed there; keep the value a "
+    "tensor (index a captured tensor with it, compare it, combine with & | ~ and torch.where)"
+)
+
+# Per-mod verdict of the probe: mod -> (method, probed_b, probed_h) with method "broadcast"
+# or "vmap" (a plain callable) or "tree" (a Mask evaluated child by child), and the number
+# of distinct b / h values the probe saw (a later call with more re-probes). Weak keys: a
+# verdict lives as long as its mod. Bound methods are keyed by (instance, function).
+_METHODS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_BOUND_METHODS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_WARNED: set[tuple[str, int, str]] = set()
 
 
 def _is_control_flow_error(e: BaseException) -> bool:
@@ -458,11 +491,29 @@ def _is_control_flow_error(e: BaseException) -> bool:
     return ("Boolean value of Tensor" in s and "ambiguous" in s) or "data-dependent control flow" in s
 
 
+def _name(fn) -> str:
+    return str(getattr(fn, "__name__", type(fn).__name__))
+
+
+def _vmap_error(e: BaseException, mod) -> MaskError | None:
+    """The MaskError FlexAttention's behaviour implies for an error raised under vmap."""
+    s = str(e)
+    if ".item()" in s:
+        return MaskError(f"{_name(mod)}: {_ITEM_HINT}")
+    if _is_control_flow_error(e):
+        return MaskError(_CONTROL_FLOW_HINT)
+    m = re.search(r"must only return Tensors, got type <class '([\w.]+)'>", s)
+    if m:
+        return MaskError(f"mask_mod {_name(mod)} must return a bool tensor, got {m.group(1)}; "
+                         f"build it from comparisons combined with & and |")
+    return None
+
+
 def _check_result(out, shape: tuple[int, ...]) -> torch.Tensor:
     """Validate a mask_mod result and broadcast it to ``shape``.
 
-    A wrong dtype raises :class:`MaskError`; a shape that does not broadcast raises
-    torch's RuntimeError, so that the caller can fall back to vmap.
+    A wrong type or dtype raises :class:`MaskError`; a shape that does not broadcast raises
+    torch's RuntimeError.
     """
     if isinstance(out, bool):
         out = torch.tensor(out)
@@ -475,60 +526,243 @@ def _check_result(out, shape: tuple[int, ...]) -> torch.Tensor:
     return out.expand(shape)
 
 
+def _by_broadcast(mod, b, h, q_pos, kv_pos) -> torch.Tensor:
+    """``mod`` called once on broadcast index tensors: ``[len(b), len(h), Lq, Lk]``."""
+    out = mod(b.view(-1, 1, 1, 1), h.view(1, -1, 1, 1), q_pos.view(1, 1, -1, 1),
+              kv_pos.view(1, 1, 1, -1))
+    return _check_result(out, (b.numel(), h.numel(), q_pos.numel(), kv_pos.numel()))
+
+
+def _by_vmap_pairs(mod, b, h, qpos, kpos) -> torch.Tensor:
+    """FlexAttention's evaluation (torch's public ``create_mask``, i.e. vmap over scalar
+    indices) of ``mod`` on ``n`` pairs of position sets ``qpos [n, lq]``, ``kpos [n, lk]``,
+    batch / head values ``b``, ``h``: bool ``[n, len(b), len(h), lq, lk]``. The pair index
+    rides in create_mask's batch dimension, so this is one vmapped call.
+
+    Raises:
+        MaskError: what FlexAttention would refuse (``.item()``, control flow, non-bool).
+    """
+    from torch.nn.attention.flex_attention import create_mask
+
+    n, lq = qpos.shape
+    lk = kpos.shape[1]
+    nb, nh = b.numel(), h.numel()
+    shape = (n, nb, nh, lq, lk)
+    if 0 in shape:
+        return torch.zeros(shape, dtype=torch.bool, device=qpos.device)
+
+    def by_index(bb, hh, qi, ki):
+        pair = bb // nb
+        return mod(b[bb % nb], h[hh], qpos[pair, qi], kpos[pair, ki])
+
+    try:
+        out = create_mask(by_index, n * nb, nh, lq, lk, device=qpos.device)
+    except MaskError:
+        raise
+    except Exception as e:  # noqa: BLE001 - named and re-raised
+        err = _vmap_error(e, mod)
+        if err is not None:
+            raise err from e
+        raise MaskError(f"mask_mod {_name(mod)} fails when called per scalar index, as "
+                        f"FlexAttention calls it (torch.vmap): {type(e).__name__}: {e}") from e
+    return _check_result(out, (n * nb, nh, lq, lk)).reshape(shape)
+
+
+def _spread(pos: torch.Tensor, n: int) -> torch.Tensor:
+    """``n`` positions spread evenly over ``pos`` (repeats when it is shorter). The first and
+    last are always in, so a probe over ``pos`` x ``pos`` holds diagonal pairs."""
+    idx = torch.linspace(0, pos.numel() - 1, n, device=pos.device).round().long()
+    return pos[idx]
+
+
+def _cycle(n_values: int, n: int, device) -> torch.Tensor:
+    return torch.arange(n, device=device) % max(1, n_values)
+
+
+def _cached(mod) -> tuple[str, int, int] | None:
+    try:
+        if isinstance(mod, types.MethodType):
+            return _BOUND_METHODS.get(mod.__self__, {}).get(mod.__func__)
+        return _METHODS.get(mod)
+    except TypeError:  # not hashable / not weak-referenceable: probe every call
+        return None
+
+
+def _remember(mod, verdict: tuple[str, int, int]) -> None:
+    try:
+        if isinstance(mod, types.MethodType):
+            _BOUND_METHODS.setdefault(mod.__self__, {})[mod.__func__] = verdict
+        else:
+            _METHODS[mod] = verdict
+    except TypeError:
+        pass
+
+
+def _decide(mod, q_pos: torch.Tensor, kv_pos: torch.Tensor, nb: int, nh: int,
+            strict: bool = True) -> str | None:
+    """``"broadcast"`` if broadcasting ``mod`` agrees with its vmap evaluation on the probe,
+    else ``"vmap"`` (cached per mod; warns once per source location when it is "vmap").
+
+    The probe is :data:`PROBE_SHAPE`: b and h cycle through the call's ``nb`` / ``nh``
+    values, q / kv positions are spread over the call's own (so captured tables are
+    indexed in range). A check on one probe, not a proof.
+
+    Raises:
+        MaskError: the mod fails per scalar index (FlexAttention would refuse it), unless
+            ``strict`` is False (positions made up, not the caller's), which returns None
+            instead; a non-strict "broadcast" verdict is used but not cached.
+    """
+    pb, ph, pq, pk = PROBE_SHAPE
+    seen_b, seen_h = min(nb, pb), min(nh, ph)
+    hit = _cached(mod)
+    if hit is not None and (hit[0] == "vmap" or (hit[1] >= seen_b and hit[2] >= seen_h)):
+        return hit[0]
+    dev = q_pos.device
+    b, h = _cycle(nb, pb, dev), _cycle(nh, ph, dev)
+    qp, kp = _spread(q_pos, pq), _spread(kv_pos, pk)
+    t0 = time.perf_counter()
+    try:
+        want = _by_vmap_pairs(mod, b, h, qp[None], kp[None])[0]
+    except MaskError:
+        if strict:
+            raise
+        return None
+    t1 = time.perf_counter()
+    reason = None
+    try:
+        got = _by_broadcast(mod, b, h, qp, kp)
+    except Exception as e:  # noqa: BLE001 - a mod written for scalars may reject broadcasting
+        reason = f"calling it on broadcast index tensors raises {type(e).__name__}: {e}"
+    else:
+        t2 = time.perf_counter()
+        diff = (got != want).nonzero()
+        if len(diff):
+            i, j, k, l_ = diff[0].tolist()
+            reason = (f"at b={int(b[i])}, h={int(h[j])}, q_idx={int(qp[k])}, kv_idx={int(kp[l_])} "
+                      f"broadcasting gives {bool(got[i, j, k, l_])} and FlexAttention's "
+                      f"per-index evaluation gives {bool(want[i, j, k, l_])} (a reduction such "
+                      f"as .all() / .any() / .sum() over the index tensors does this)")
+    method = "broadcast" if reason is None else "vmap"
+    if hit is not None and hit[0] == "vmap":
+        method = "vmap"
+    if strict or method == "vmap":  # a "broadcast" verdict on made-up positions is not kept
+        _remember(mod, (method, max(seen_b, hit[1] if hit else 0),
+                        max(seen_h, hit[2] if hit else 0)))
+    if reason is not None:
+        code = getattr(mod, "__code__", None)
+        where = (code.co_filename, code.co_firstlineno, code.co_name) if code is not None else \
+            (type(mod).__module__, 0, type(mod).__qualname__)
+        if where not in _WARNED:
+            _WARNED.add(where)
+            cost = "" if reason.startswith("calling") else \
+                f" (on the probe: {1e3 * (t1 - t0):.2f} ms by vmap vs {1e3 * (t2 - t1):.2f} ms)"
+            warnings.warn(
+                f"mask_mod {_name(mod)} does not evaluate elementwise on broadcast index tensors "
+                f"(probe B,H,Lq,Lk={PROBE_SHAPE}): {reason}. fringe evaluates it per scalar index "
+                f"with torch.vmap (create_mask) from now on, as FlexAttention does: correct, but "
+                f"much slower than broadcasting{cost}; write it elementwise (no reductions over "
+                f"q_idx / kv_idx) to get the fast path", stacklevel=4)
+    return method
+
+
+def _method(mask_mod, q_pos: torch.Tensor, kv_pos: torch.Tensor, nb: int, nh: int,
+            strict: bool = True) -> str | None:
+    """How :func:`evaluate` evaluates ``mask_mod``: ``"broadcast"``, ``"vmap"`` or ``"tree"``.
+
+    A :class:`Mask` whose leaves all come from the factories is elementwise by construction
+    (no probe); a Mask tree with a leaf that needs vmap is evaluated child by child
+    (``"tree"``), so its structured leaves keep the fast path.
+    """
+    if not isinstance(mask_mod, Mask):
+        return _decide(mask_mod, q_pos, kv_pos, nb, nh, strict)
+    if mask_mod.op == "leaf":
+        if mask_mod.rule is not None:
+            return "broadcast"
+        return _decide(mask_mod.mod, q_pos, kv_pos, nb, nh, strict)
+    kids = [_method(c, q_pos, kv_pos, nb, nh, strict) for c in mask_mod.children]
+    if None in kids:
+        return None
+    return "broadcast" if all(k == "broadcast" for k in kids) else "tree"
+
+
+def _eval_pairs(mask_mod, method: str, qpos: torch.Tensor, kpos: torch.Tensor,
+                nb: int, nh: int) -> torch.Tensor:
+    """``mask_mod`` on ``n`` pairs of position sets ``qpos [n, lq]``, ``kpos [n, lk]`` for
+    ``b < nb``, ``h < nh``, by ``method`` (from :func:`_method`): ``[n, nb, nh, lq, lk]``."""
+    n, lq = qpos.shape
+    lk = kpos.shape[1]
+    dev = qpos.device
+    b, h = torch.arange(nb, device=dev), torch.arange(nh, device=dev)
+    if method == "tree":
+        kids = mask_mod.children
+        out = _eval_pairs(kids[0], _method(kids[0], qpos[0], kpos[0], nb, nh), qpos, kpos, nb, nh)
+        for c in kids[1:]:
+            m = _eval_pairs(c, _method(c, qpos[0], kpos[0], nb, nh), qpos, kpos, nb, nh)
+            out = (out & m) if mask_mod.op == "and" else (out | m)
+        return out
+    mod = mask_mod.mod if isinstance(mask_mod, Mask) else mask_mod
+    if method == "vmap":
+        return _by_vmap_pairs(mod, b, h, qpos, kpos)
+    shape = (n, nb, nh, lq, lk)
+    if n == 1:
+        return _by_broadcast(mod, b, h, qpos[0], kpos[0])[None]
+    try:
+        return _check_result(mod(b.view(1, -1, 1, 1, 1), h.view(1, 1, -1, 1, 1),
+                                 qpos.view(n, 1, 1, lq, 1), kpos.view(n, 1, 1, 1, lk)), shape)
+    except MaskError:
+        raise
+    except Exception:  # noqa: BLE001 - elementwise on 4-D, not on 5-D: go pair by pair
+        return torch.stack([_by_broadcast(mod, b, h, qpos[i], kpos[i]) for i in range(n)])
+
+
 def evaluate(mask_mod: MaskMod, q_pos: torch.Tensor, kv_pos: torch.Tensor, *,
              B: int | None = None, H: int | None = None, method: str = "auto") -> torch.Tensor:
-    """Evaluate ``mask_mod`` densely on global positions.
+    """Evaluate ``mask_mod`` densely on global positions, with FlexAttention's semantics.
+
+    FlexAttention defines a mask_mod on scalar indices and vmaps it. Calling it once on
+    broadcast index tensors is ~280x faster and gives the same answer for elementwise code,
+    but not for reductions over the indices (``.all()``, ``.any()``, ``.sum()``), code that
+    needs scalars, or ``.item()``. So ``"auto"`` compares both on a small non-square probe
+    (:data:`PROBE_SHAPE`, positions spread over the call's own) the first time it sees a mod,
+    caches the verdict per mod, and from then on broadcasts where they agreed and vmaps
+    (warning once, with the reason) where they did not. Masks from the factories are
+    elementwise by construction and never probed. This is a **check, not a proof**: a mod
+    that agrees on the probe and differs elsewhere would be broadcast.
 
     Args:
         mask_mod: a :class:`Mask` or any ``(b, h, q_idx, kv_idx) -> bool tensor``.
         q_pos, kv_pos: 1-D int tensors of global positions (any order).
         B, H: batch / head counts to evaluate (None: 1, i.e. ``b = h = 0``).
-        method: ``"auto"`` (broadcast, falling back to vmap when broadcasting raises),
-            ``"broadcast"`` or ``"vmap"`` (torch's ``create_mask``).
+        method: ``"auto"`` (above), ``"broadcast"`` (one call on broadcast index tensors,
+            whatever it means) or ``"vmap"`` (FlexAttention's definition: torch's public
+            ``create_mask``).
 
     Returns:
         bool tensor ``[B or 1, H or 1, Lq, Lk]`` (possibly an expanded view).
 
     Raises:
-        MaskError: the mask_mod returns a non-bool result or uses Python control flow.
+        MaskError: the mask_mod returns something other than a bool tensor, or does what
+            FlexAttention refuses: ``.item()``, Python control flow on index values.
     """
     if method not in ("auto", "broadcast", "vmap"):
         raise ValueError(f"evaluate: method={method!r}; use 'auto', 'broadcast' or 'vmap'")
     dev = q_pos.device
+    kv_pos = kv_pos.to(dev)
     nb, nh, lq, lk = B or 1, H or 1, q_pos.numel(), kv_pos.numel()
-    shape = (nb, nh, lq, lk)
-    first: BaseException | None = None
-    if method != "vmap":
-        b = torch.arange(nb, device=dev).view(-1, 1, 1, 1)
-        h = torch.arange(nh, device=dev).view(1, -1, 1, 1)
+    if 0 in (lq, lk):
+        return torch.zeros((nb, nh, lq, lk), dtype=torch.bool, device=dev)
+    if method == "auto":
+        method = _method(mask_mod, q_pos, kv_pos, nb, nh)
+    if method == "broadcast":
         try:
-            out = mask_mod(b, h, q_pos.view(1, 1, -1, 1), kv_pos.view(1, 1, 1, -1))
-            return _check_result(out, shape)
-        except MaskError:
+            mod = mask_mod.mod if isinstance(mask_mod, Mask) else mask_mod
+            return _by_broadcast(mod, torch.arange(nb, device=dev), torch.arange(nh, device=dev),
+                                 q_pos, kv_pos)
+        except Exception as e:  # noqa: BLE001
+            if _is_control_flow_error(e):
+                raise MaskError(_CONTROL_FLOW_HINT) from e
             raise
-        except Exception as e:  # noqa: BLE001 - anything else: try the vmap path
-            if method == "broadcast":
-                if _is_control_flow_error(e):
-                    raise MaskError(_CONTROL_FLOW_HINT) from e
-                raise
-            first = e
-    if 0 in shape:  # vmap cannot index an empty position tensor; nothing to evaluate
-        return torch.zeros(shape, dtype=torch.bool, device=dev)
-    from torch.nn.attention.flex_attention import create_mask
-
-    def by_index(b, h, qi, ki):
-        return mask_mod(b, h, q_pos[qi], kv_pos[ki])
-
-    try:
-        out = create_mask(by_index, nb, nh, lq, lk, device=dev)
-    except Exception as e:  # noqa: BLE001
-        if _is_control_flow_error(e) or (first is not None and _is_control_flow_error(first)):
-            raise MaskError(_CONTROL_FLOW_HINT) from e
-        if first is not None:
-            raise RuntimeError(f"mask_mod {getattr(mask_mod, '__name__', mask_mod)!s} failed "
-                               f"when broadcast ({first}) and under vmap ({e})") from e
-        raise
-    return _check_result(out, shape)
+    return _eval_pairs(mask_mod, method, q_pos[None], kv_pos[None], nb, nh)[0]
 
 
 # --------------------------------------------------------------------------------------
@@ -567,39 +801,56 @@ def _prepare(m: Mask, qb: _Blocks, kb: _Blocks) -> _RowCodes:
     return rows
 
 
-def _dense_codes(mod: MaskMod, qpos: torch.Tensor, kpos: torch.Tensor,
+def _dense_codes(mask: Mask, method: str, qpos: torch.Tensor, kpos: torch.Tensor,
                  nb: int, nh: int) -> torch.Tensor:
     """Exact codes for block pairs given as gathered positions ``[n, bs]`` each."""
-    n, bs = qpos.shape
-    dev = qpos.device
-    shape = (n, nb, nh, bs, bs)
-    b = torch.arange(nb, device=dev).view(1, -1, 1, 1, 1)
-    h = torch.arange(nh, device=dev).view(1, 1, -1, 1, 1)
-    try:
-        m = _check_result(mod(b, h, qpos.view(n, 1, 1, bs, 1), kpos.view(n, 1, 1, 1, bs)), shape)
-    except MaskError:
-        raise
-    except Exception:  # noqa: BLE001 - mod does not broadcast over an extra dim: go pair by pair
-        m = torch.stack([evaluate(mod, qpos[i], kpos[i], B=nb, H=nh) for i in range(n)])
-    flat = m.reshape(n, -1)
+    n = qpos.shape[0]
+    flat = _eval_pairs(mask, method, qpos, kpos, nb, nh).reshape(n, -1)
     allv, anyv = flat.all(dim=1), flat.any(dim=1)
     return torch.where(allv, _FULL, torch.where(anyv, _PARTIAL, _EMPTY)).to(torch.int8)
 
 
-def reads_batch_head(mask_mod: MaskMod) -> tuple[bool, bool]:
-    """Whether ``mask_mod`` reads ``b`` / ``h``, probed by broadcasting (no evaluation of S² pairs).
+def reads_batch_head(mask_mod: MaskMod, *, seq_len: int | None = None,
+                     q_pos: torch.Tensor | None = None,
+                     kv_pos: torch.Tensor | None = None) -> tuple[bool, bool]:
+    """Whether ``mask_mod`` reads ``b`` / ``h``, probed on a few positions (no S² evaluation).
 
-    The mod is called once with ``b`` of shape ``[2, 1, 1, 1]`` and ``h`` of shape ``[1, 2, 1, 1]``
-    on a 2x2 tile: an output that broadcasts along a dimension read that index. A mod that
-    cannot be broadcast (it only works under vmap) is reported as reading neither.
+    A mod that :func:`evaluate` broadcasts is called once with ``b`` of shape ``[2, 1, 1, 1]``
+    and ``h`` of shape ``[1, 2, 1, 1]`` on a 2x2 tile: an output that broadcasts along a
+    dimension read that index. A mod evaluated per scalar index (vmap, see :func:`evaluate`)
+    is evaluated for ``b < 2``, ``h < 3`` on the probe positions: it reads an index when its
+    output varies with it there (a check on the probe, like the evaluation method itself).
+
+    Args:
+        mask_mod: the mask_mod.
+        seq_len: S; the probe positions are then spread over ``0..S-1`` (pass it: it also
+            decides the evaluation method on valid positions).
+        q_pos, kv_pos: or give the probe's positions directly. With neither, positions
+            ``0, 1`` are used and a mod that fails on them is reported as reading neither.
 
     Returns:
         ``(reads_b, reads_h)``.
     """
-    idx = torch.arange(2)
+    given = q_pos is not None or seq_len is not None
+    if q_pos is None:
+        q_pos = torch.arange(2) if seq_len is None else \
+            torch.linspace(0, max(0, int(seq_len) - 1), PROBE_SHAPE[3]).round().long()
+    kv_pos = q_pos if kv_pos is None else kv_pos.to(q_pos.device)
+    if q_pos.numel() == 0 or kv_pos.numel() == 0:
+        return False, False
+    pb, ph = PROBE_SHAPE[:2]
+    method = _method(mask_mod, q_pos, kv_pos, pb, ph, strict=given)
+    if method in ("vmap", "tree"):
+        out = evaluate(mask_mod, _spread(q_pos, PROBE_SHAPE[2]), _spread(kv_pos, PROBE_SHAPE[3]),
+                       B=pb, H=ph)
+        reads_b = not torch.equal(out[0], out[1])
+        reads_h = any(not torch.equal(out[:, 0], out[:, j]) for j in range(1, ph))
+        return reads_b, reads_h
+    idx = torch.arange(2, device=q_pos.device)
+    mod = mask_mod.mod if isinstance(mask_mod, Mask) else mask_mod
     try:
-        out = mask_mod(idx.view(2, 1, 1, 1), idx.view(1, 2, 1, 1), idx.view(1, 1, 2, 1),
-                       idx.view(1, 1, 1, 2))
+        out = mod(idx.view(2, 1, 1, 1), idx.view(1, 2, 1, 1), _spread(q_pos, 2).view(1, 1, 2, 1),
+                  _spread(kv_pos, 2).view(1, 1, 1, 2))
     except Exception:           # noqa: BLE001 - evaluate()/classify() report real errors
         return False, False
     shape = tuple(torch.as_tensor(out).shape)
@@ -657,11 +908,12 @@ def classify(mask_mod: MaskMod, q_pos: torch.Tensor, kv_pos: torch.Tensor, *,
     kv_pos = kv_pos.to(dev)
     nqb, nkb = q_pos.numel() // bs, kv_pos.numel() // bs
     # a plain callable is invariant only if it does not read b / h (probed by broadcasting)
-    invariant = mask.bh_invariant and (isinstance(mask_mod, Mask)
-                                       or not any(reads_batch_head(mask_mod)))
+    invariant = mask.bh_invariant and (isinstance(mask_mod, Mask) or not any(
+        reads_batch_head(mask_mod, q_pos=q_pos, kv_pos=kv_pos)))
     nb, nh = (1, 1) if invariant else (B or 1, H or 1)
     out = torch.empty((nqb, nkb), dtype=torch.int8, device=dev)
     dense_blocks = 0
+    method = None
     if nqb and nkb:
         qb, kb = _Blocks.of(q_pos, bs), _Blocks.of(kv_pos, bs)
         rows = _prepare(mask, qb, kb)
@@ -673,7 +925,9 @@ def classify(mask_mod: MaskMod, q_pos: torch.Tensor, kv_pos: torch.Tensor, *,
             pi, pj = (codes == _UNKNOWN).nonzero(as_tuple=True)
             for c0 in range(0, pi.numel(), per):
                 i, j = pi[c0:c0 + per], pj[c0:c0 + per]
-                codes[i, j] = _dense_codes(mask.mod, qb.pos[i + r0], kb.pos[j], nb, nh)
+                if method is None:  # decided once, on the first pairs that need it
+                    method = _method(mask, q_pos, kv_pos, nb, nh)
+                codes[i, j] = _dense_codes(mask, method, qb.pos[i + r0], kb.pos[j], nb, nh)
             dense_blocks += pi.numel()
             out[r0:r1] = codes
     if stats is not None:
@@ -681,3 +935,360 @@ def classify(mask_mod: MaskMod, q_pos: torch.Tensor, kv_pos: torch.Tensor, *,
                      dense_pairs=dense_blocks * bs * bs * nb * nh,
                      seconds=time.perf_counter() - t0)
     return out
+
+
+# --------------------------------------------------------------------------------------
+# Snapshots: a planned mask does not alias the caller's tensors
+# --------------------------------------------------------------------------------------
+
+
+def snapshot(mask_mod):
+    """An equivalent mask_mod (or score_mod) that does not alias the caller's tensors.
+
+    A plan classifies a mask once and its tiles evaluate it later: if the mask reads a
+    tensor the caller refills (``ids.copy_(next_batch_ids)``), the two would disagree. So
+    :func:`fringe.plan` keeps a snapshot:
+
+    * :class:`Mask` trees are rebuilt with snapshotted children (names, ``bh_invariant``
+      preserved). Factory leaves already own copies (:func:`document` clones ``doc_ids``).
+    * A plain Python function whose closure cells or defaults hold tensors is rebuilt as a
+      new function (same code and globals, attributes such as ``bh_invariant`` copied)
+      whose cells hold clones. Cells holding functions, Masks, ``functools.partial``
+      objects, tuples, lists or dicts are snapshotted recursively.
+    * Tensors that require grad are **not** cloned: a score_mod's learnable bias must stay
+      the live parameter (its values are meant to change, and get gradients).
+    * Other callables (bound methods, objects with ``__call__``) and module globals the
+      function reads by name are returned / left as they are: those cannot be copied
+      safely, so refilling them in place still changes the mask.
+
+    Objects with nothing to copy are returned unchanged (the same object).
+    """
+    return _snap(mask_mod, {})
+
+
+def _snap_tensor(t: torch.Tensor) -> torch.Tensor:
+    return t if t.requires_grad else t.detach().clone()
+
+
+def _snap(obj, memo: dict):
+    key = id(obj)  # identity memo for this one call only (cycles, shared cells)
+    if key in memo:
+        return memo[key]
+    memo[key] = obj
+    out = obj
+    if isinstance(obj, torch.Tensor):
+        out = _snap_tensor(obj)
+    elif isinstance(obj, Mask):
+        out = _snap_mask(obj, memo)
+    elif isinstance(obj, types.FunctionType):
+        out = _snap_function(obj, memo)
+    elif isinstance(obj, functools.partial):
+        f = _snap(obj.func, memo)
+        args = tuple(_snap(a, memo) for a in obj.args)
+        kw = {k: _snap(v, memo) for k, v in obj.keywords.items()}
+        if f is not obj.func or any(a is not b for a, b in zip(args, obj.args)) or \
+                any(kw[k] is not obj.keywords[k] for k in kw):
+            out = functools.partial(f, *args, **kw)
+    elif type(obj) in (tuple, list):
+        items = [_snap(v, memo) for v in obj]
+        if any(a is not b for a, b in zip(items, obj)):
+            out = type(obj)(items)
+    elif type(obj) is dict:
+        items = {k: _snap(v, memo) for k, v in obj.items()}
+        if any(items[k] is not obj[k] for k in items):
+            out = items
+    memo[key] = out
+    return out
+
+
+def _snap_function(fn: types.FunctionType, memo: dict):
+    cells = fn.__closure__ or ()
+    contents = []
+    for c in cells:
+        try:
+            contents.append(c.cell_contents)
+        except ValueError:  # an empty cell (a name not yet bound in the enclosing scope)
+            contents.append(_EMPTY_CELL)
+    new_contents = [v if v is _EMPTY_CELL else _snap(v, memo) for v in contents]
+    defaults = fn.__defaults__
+    new_defaults = None if defaults is None else tuple(_snap(v, memo) for v in defaults)
+    kwdefaults = fn.__kwdefaults__
+    new_kwdefaults = None if kwdefaults is None else {k: _snap(v, memo) for k, v in kwdefaults.items()}
+    changed = any(a is not b for a, b in zip(new_contents, contents)) or \
+        (defaults is not None and any(a is not b for a, b in zip(new_defaults, defaults))) or \
+        (kwdefaults is not None and any(new_kwdefaults[k] is not kwdefaults[k] for k in kwdefaults))
+    if not changed:
+        return fn
+    closure = tuple(types.CellType() if v is _EMPTY_CELL else types.CellType(v) for v in new_contents)
+    new = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, new_defaults,
+                             closure if cells else None)
+    new.__kwdefaults__ = new_kwdefaults
+    new.__dict__.update(fn.__dict__)
+    new.__qualname__, new.__module__, new.__doc__ = fn.__qualname__, fn.__module__, fn.__doc__
+    new.__annotations__ = dict(getattr(fn, "__annotations__", {}) or {})
+    hit = _cached(fn)  # same code on equal values: the same evaluation method
+    if hit is not None:
+        _remember(new, hit)
+    return new
+
+
+_EMPTY_CELL = object()
+
+
+def _snap_mask(m: Mask, memo: dict) -> Mask:
+    if m.op == "leaf":
+        if m.rule is not None:  # a factory leaf owns what it captured
+            return m
+        mod = _snap(m.mod, memo)
+        return m if mod is m.mod else dataclasses.replace(m, mod=mod)
+    kids = tuple(_snap(c, memo) for c in m.children)
+    if all(a is b for a, b in zip(kids, m.children)):
+        return m
+    return dataclasses.replace(m, mod=_combined_mod(m.op, tuple(k.mod for k in kids), m.name),
+                               children=kids)
+
+
+# --------------------------------------------------------------------------------------
+# Content digests: what ranks compare so that they compute the same numbers
+# --------------------------------------------------------------------------------------
+
+_DIGEST_CHUNK_ELEMS = 1 << 22  # token pairs per chunk when a plain leaf is digested by value
+
+
+class _Hasher:
+    """blake2b over typed, length-prefixed tokens (no id(), no hash() of strings: both
+    differ across processes)."""
+
+    def __init__(self, tag: str):
+        self.h = hashlib.blake2b(digest_size=20)
+        self.put("tag", tag)
+
+    def put(self, kind: str, data) -> None:
+        if isinstance(data, str):
+            data = data.encode()
+        elif not isinstance(data, (bytes, bytearray, memoryview)):
+            data = repr(data).encode()
+        self.h.update(f"{kind}:{len(data)}:".encode())
+        self.h.update(data)
+
+    def tensor(self, t: torch.Tensor, *, values: bool = True) -> None:
+        self.put("tensor", f"{t.dtype}{tuple(t.shape)}")
+        if values:
+            flat = t.detach().reshape(-1).contiguous().cpu()
+            if flat.dtype == torch.bool:
+                flat = flat.to(torch.uint8)
+            raw = flat.view(torch.uint8) if flat.numel() else flat.to(torch.uint8)
+            self.put("bytes", memoryview(raw.numpy()))
+
+    def hexdigest(self) -> str:
+        return self.h.hexdigest()
+
+
+def _rule_digest(hs: _Hasher, rule) -> None:
+    hs.put("rule", type(rule).__name__)
+    for f in dataclasses.fields(rule):
+        v = getattr(rule, f.name)
+        hs.put("field", f.name)
+        if isinstance(v, torch.Tensor):
+            hs.tensor(v.to(torch.int64) if not v.dtype.is_floating_point else v)
+        else:
+            hs.put("value", repr(v))
+
+
+def digest(mask_mod, *, order: torch.Tensor, blocks: torch.Tensor, block_size: int,
+           B: int | None = None, H: int | None = None) -> str:
+    """A content digest (hex) of a mask, for ranks to check that they compute the same mask.
+
+    Together with the block map (which the plan hashes separately) it decides every value
+    the tiles use:
+
+    * a :class:`Mask` from the factories digests its own parameters (name, window / prefix
+      sizes, the int64 values of ``doc_ids``), recursively through ``&`` and ``|``;
+    * a leaf without a block rule (a plain callable, or :func:`as_mask` of one) is digested
+      by **value**: it is evaluated (as :func:`evaluate` would) over every PARTIAL block of
+      ``blocks`` and the bits are hashed. FULL and EMPTY blocks are already fixed by the
+      block map. This is sound whatever the callable reads (globals, bound methods, module
+      state), and costs O(#PARTIAL blocks * block_size²) evaluations.
+
+    Args:
+        mask_mod: a :class:`Mask` or a plain mask_mod (the one the plan evaluates).
+        order: the layout's global positions ``[S]``; block ``i`` holds
+            ``order[i*bs:(i+1)*bs]``.
+        blocks: int8 ``[S/bs, S/bs]`` :class:`BlockKind` map in layout order.
+        block_size: bs.
+        B, H: the batch / head counts the mask was classified for (None: b = h = 0);
+            used for leaves that may read b / h.
+
+    Returns:
+        a 40-character hex string, equal across processes for equal masks.
+    """
+    bs = int(block_size)
+    if order.dim() != 1 or order.numel() % bs or blocks.shape != (order.numel() // bs,) * 2:
+        raise ValueError(f"digest: expected order [S] and blocks [S/block_size]*2 with "
+                         f"block_size={bs}; got order {tuple(order.shape)}, blocks "
+                         f"{tuple(blocks.shape)}")
+    hs = _Hasher("fringe.mask/1")
+    ctx = {"order": order, "blocks": blocks, "bs": bs, "B": B, "H": H}
+    _mask_digest(hs, mask_mod, ctx)
+    return hs.hexdigest()
+
+
+def _mask_digest(hs: _Hasher, m, ctx: dict) -> None:
+    if not isinstance(m, Mask):
+        _values_digest(hs, m, ctx, invariant=bool(getattr(m, "bh_invariant", False)))
+        return
+    hs.put("mask", f"{m.op}/{m.name}/{len(m.children)}/{m.bh_invariant}")
+    if m.op != "leaf":
+        for c in m.children:
+            _mask_digest(hs, c, ctx)
+    elif m.rule is not None:
+        _rule_digest(hs, m.rule)
+    else:
+        _values_digest(hs, m.mod, ctx, invariant=m.bh_invariant)
+
+
+def _values_digest(hs: _Hasher, mod, ctx: dict, *, invariant: bool) -> None:
+    """Hash the bits of ``mod`` over the PARTIAL blocks of the plan's block map."""
+    if "partial" not in ctx:
+        ctx["partial"] = (ctx["blocks"] == _PARTIAL).nonzero(as_tuple=True)
+    pi, pj = ctx["partial"]
+    bs, order = ctx["bs"], ctx["order"]
+    nb, nh = (1, 1) if invariant else (ctx["B"] or 1, ctx["H"] or 1)
+    hs.put("values", f"{nb}/{nh}/{bs}/{pi.numel()}")
+    if not pi.numel():
+        return
+    pos = order.view(-1, bs)
+    method = _method(mod, order, order, nb, nh)
+    per = max(1, _DIGEST_CHUNK_ELEMS // (nb * nh * bs * bs))
+    for c0 in range(0, pi.numel(), per):
+        i, j = pi[c0:c0 + per], pj[c0:c0 + per]
+        bits = _eval_pairs(mod, method, pos[i], pos[j], nb, nh)
+        hs.put("bits", memoryview(bits.contiguous().view(torch.uint8).cpu().numpy()))
+
+
+def fn_digest(fn) -> str:
+    """A digest (hex) of a callable's code and captured values, for score_mods and the like.
+
+    Covered: the code object (bytecode, names, constants recursively, argument layout),
+    defaults and keyword defaults, and the contents of closure cells — tensors by dtype,
+    shape and content bytes, numbers / strings / None by repr, tuples, lists, dicts, sets,
+    ``functools.partial`` objects, nested functions and :class:`Mask` objects recursively
+    (a Mask's plain leaves by their function). Tensors that require grad are digested by
+    dtype and shape only: their values legitimately change during training and are kept
+    in sync by data parallelism.
+
+    Not covered: module globals the code reads by name (only the name is digested), the
+    state of objects it cannot look into — bound methods (the function's code is digested,
+    the instance only by its type) and callable instances (type's qualified name, marked
+    opaque) — and anything reached through them. Ranks that run the same program with the
+    same arguments agree; a rank whose global or attribute differs is not detected.
+
+    Returns:
+        a 40-character hex string, equal across processes for equal functions.
+    """
+    hs = _Hasher("fringe.fn/1")
+    _obj_digest(hs, fn, set(), 0)
+    return hs.hexdigest()
+
+
+_MAX_DEPTH = 64
+
+
+def _sub_digest(obj, seen: set, depth: int) -> str:
+    hs = _Hasher("sub")
+    _obj_digest(hs, obj, seen, depth)
+    return hs.hexdigest()
+
+
+def _code_digest(hs: _Hasher, code: types.CodeType, seen: set, depth: int) -> None:
+    hs.put("code", code.co_code)
+    hs.put("names", "\0".join(code.co_names))
+    hs.put("vars", "\0".join(code.co_varnames) + "|" + "\0".join(code.co_freevars) + "|" +
+           "\0".join(code.co_cellvars))
+    hs.put("args", (code.co_argcount, code.co_posonlyargcount, code.co_kwonlyargcount,
+                    code.co_flags & 0xFFFF))  # not the __future__ flags a compile() inherits
+    hs.put("consts", len(code.co_consts))
+    for c in code.co_consts:
+        _obj_digest(hs, c, seen, depth + 1)
+
+
+def _obj_digest(hs: _Hasher, obj, seen: set, depth: int) -> None:  # noqa: C901 - one case per type
+    if depth > _MAX_DEPTH:
+        hs.put("deep", type(obj).__qualname__)
+        return
+    if obj is None or isinstance(obj, (bool, int, float, complex, str)):
+        hs.put(type(obj).__name__, repr(obj))
+        return
+    if isinstance(obj, (bytes, bytearray)):
+        hs.put("bytes", bytes(obj))
+        return
+    if isinstance(obj, torch.Tensor):
+        hs.tensor(obj, values=not obj.requires_grad)
+        return
+    if isinstance(obj, (torch.dtype, torch.device)):
+        hs.put(type(obj).__name__, str(obj))
+        return
+    if isinstance(obj, types.CodeType):
+        _code_digest(hs, obj, seen, depth)
+        return
+    if isinstance(obj, types.ModuleType):
+        hs.put("module", obj.__name__)
+        return
+    if isinstance(obj, type):
+        hs.put("type", f"{obj.__module__}.{obj.__qualname__}")
+        return
+    key = id(obj)  # cycle guard for this one call only; never part of the digest
+    if key in seen:
+        hs.put("cycle", type(obj).__qualname__)
+        return
+    seen.add(key)
+    try:
+        if isinstance(obj, (tuple, list)):
+            hs.put(type(obj).__name__, len(obj))
+            for v in obj:
+                _obj_digest(hs, v, seen, depth + 1)
+        elif isinstance(obj, dict):
+            items = sorted((_sub_digest(k, seen, depth + 1), _sub_digest(v, seen, depth + 1))
+                           for k, v in obj.items())
+            hs.put("dict", "".join(k + v for k, v in items))
+        elif isinstance(obj, (set, frozenset)):
+            hs.put("set", "".join(sorted(_sub_digest(v, seen, depth + 1) for v in obj)))
+        elif isinstance(obj, Mask):
+            hs.put("mask", f"{obj.op}/{obj.name}/{len(obj.children)}/{obj.bh_invariant}")
+            if obj.op != "leaf":
+                for c in obj.children:
+                    _obj_digest(hs, c, seen, depth + 1)
+            elif obj.rule is not None:
+                _rule_digest(hs, obj.rule)
+            else:
+                _obj_digest(hs, obj.mod, seen, depth + 1)
+        elif isinstance(obj, types.FunctionType):
+            hs.put("function", obj.__code__.co_name)
+            _code_digest(hs, obj.__code__, seen, depth)
+            _obj_digest(hs, obj.__defaults__, seen, depth + 1)
+            _obj_digest(hs, obj.__kwdefaults__, seen, depth + 1)
+            cells = obj.__closure__ or ()
+            hs.put("cells", len(cells))
+            for c in cells:
+                try:
+                    v = c.cell_contents
+                except ValueError:
+                    hs.put("empty-cell", "")
+                    continue
+                _obj_digest(hs, v, seen, depth + 1)
+        elif isinstance(obj, functools.partial):
+            hs.put("partial", len(obj.args))
+            _obj_digest(hs, obj.func, seen, depth + 1)
+            _obj_digest(hs, obj.args, seen, depth + 1)
+            _obj_digest(hs, obj.keywords, seen, depth + 1)
+        elif isinstance(obj, types.MethodType):
+            owner = type(obj.__self__)
+            hs.put("opaque-method", f"{owner.__module__}.{owner.__qualname__}")
+            _obj_digest(hs, obj.__func__, seen, depth + 1)
+        elif isinstance(obj, (types.BuiltinFunctionType, types.BuiltinMethodType)):
+            hs.put("builtin", f"{getattr(obj, '__module__', None)}.{obj.__qualname__}")
+        else:
+            t = type(obj)
+            hs.put("opaque", f"{t.__module__}.{t.__qualname__}")
+    finally:
+        seen.discard(key)

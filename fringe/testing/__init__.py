@@ -75,7 +75,11 @@ def check_mask(mask_mod, *, seq_len: int | None = None, world_sizes=(1, 2, 3, 4)
     For every schedule × world size × block size: the block classification equals the
     block-wise reduction of the dense mask, and context-parallel attention on the virtual
     mesh (out, lse, dq, dk, dv in float64) equals :func:`fringe.ops.reference.attention`.
-    Use it in your own tests before training with a new mask.
+    The dense mask is FlexAttention's definition, the mask_mod evaluated per scalar index
+    (``masks.evaluate(..., method="vmap")``), so a mod whose broadcast evaluation means
+    something else (a reduction such as ``.all()`` over the indices) fails here unless
+    fringe evaluates it the FlexAttention way. A NaN or infinity where dense attention has
+    none fails too. Use it in your own tests before training with a new mask.
 
     Args:
         mask_mod: ``mask_mod(b, h, q_idx, kv_idx)`` on global positions.
@@ -112,7 +116,16 @@ def check_mask(mask_mod, *, seq_len: int | None = None, world_sizes=(1, 2, 3, 4)
                 unit = unit * (2 * P * bs) // math.gcd(unit, 2 * P * bs)
         seq_len = 2 * unit
     q, k, v = make_qkv(B=1, H=heads, G=kv_heads, S=seq_len, D=4, seed=seed, requires_grad=True)
-    ref, ref_lse = reference.attention(q, k, v, mask_mod=mask_mod, score_mod=score_mod)
+    # The oracle follows FlexAttention's definition: the mask_mod evaluated per scalar index
+    # (vmap), never fringe's broadcast fast path, so a mod whose broadcast meaning differs
+    # fails here unless fringe evaluates it correctly.
+    everything = torch.arange(seq_len)
+    truth = _masks.evaluate(mask_mod, everything, everything, H=num_heads, method="vmap")[0]
+
+    def oracle_mask(b, h, q_idx, kv_idx):          # [H or 1, S, S] looked up, elementwise
+        return truth[h % truth.shape[0], q_idx, kv_idx]
+
+    ref, ref_lse = reference.attention(q, k, v, mask_mod=oracle_mask, score_mod=score_mod)
     dout = torch.randn(ref.shape, generator=torch.Generator().manual_seed(seed + 1),
                        dtype=ref.dtype)
     want = torch.autograd.grad(ref, (q, k, v), dout)
@@ -125,8 +138,7 @@ def check_mask(mask_mod, *, seq_len: int | None = None, world_sizes=(1, 2, 3, 4)
                 p = _plan(sched, mask_mod, seq_len=seq_len, world_size=P, block_size=bs,
                           score_mod=score_mod, num_heads=num_heads)
                 pos = p.layout.order
-                dense = _masks.evaluate(mask_mod, pos, pos, H=num_heads).view(
-                    -1, seq_len // bs, bs, seq_len // bs, bs)
+                dense = truth[:, pos][:, :, pos].reshape(-1, seq_len // bs, bs, seq_len // bs, bs)
                 kinds = torch.full(dense.shape[1:4:2], int(_masks.BlockKind.PARTIAL),
                                    dtype=torch.int8)
                 kinds[dense.all(dim=(0, 2, 4))] = int(_masks.BlockKind.FULL)
@@ -141,11 +153,27 @@ def check_mask(mask_mod, *, seq_len: int | None = None, world_sizes=(1, 2, 3, 4)
                 got = torch.autograd.grad(out, (q, k, v), dout)
                 for what, a, b in (("out", out, ref), ("lse", lse, ref_lse),
                                    *zip(("dq", "dk", "dv"), got, want)):
-                    err = (a.detach() - b.detach()).abs().nan_to_num(0.0).max().item()
-                    same_inf = torch.equal(torch.isinf(a), torch.isinf(b))
-                    if not same_inf or not torch.allclose(a, b, **tol, equal_nan=False) and \
-                            err > tol["atol"]:
+                    problem = _difference(a.detach(), b.detach(), tol)
+                    if problem:
                         raise AssertionError(f"{where}: {what} differs from dense attention "
-                                             f"(max |diff| {err:.3g})")
+                                             f"({problem})")
                 checked += 1
     return checked
+
+
+def _difference(got: torch.Tensor, want: torch.Tensor, tol: dict[str, float]) -> str | None:
+    """Why ``got`` is not ``want`` within ``tol`` (NaN and infinities must match exactly),
+    or None when it is."""
+    if got.shape != want.shape:
+        return f"shape {tuple(got.shape)} vs {tuple(want.shape)}"
+    nan_g, nan_w = torch.isnan(got), torch.isnan(want)
+    if not torch.equal(nan_g, nan_w):
+        return (f"NaN at {int((nan_g & ~nan_w).sum())} entries where dense attention is not NaN, "
+                f"and not NaN at {int((nan_w & ~nan_g).sum())} where it is")
+    if torch.allclose(got, want, equal_nan=True, **tol):
+        return None
+    finite = torch.isfinite(got) & torch.isfinite(want)
+    inf_mismatch = int((~finite & ~nan_g & (got != want)).sum())
+    err = (got - want)[finite].abs().max().item() if finite.any() else 0.0
+    extra = f", {inf_mismatch} infinities differ" if inf_mismatch else ""
+    return f"max |diff| {err:.3g}{extra}"
