@@ -207,13 +207,13 @@ class _Resources:
         self.queues: list = []
         self.released = False
 
-    def release(self, grace_s: float = 0.0) -> None:
+    def release(self, grace_s: float = 0.0, *, force: bool = False) -> None:
         """Stop the processes (after up to ``grace_s`` for them to exit on their own), close
-        the lifeline and remove the directory. Idempotent; safe from a signal handler."""
-        if self.released or os.getpid() != self.owner:
+        the lifeline and remove the directory. Idempotent; ``force`` (the signal handler) runs
+        it again even if a release it interrupted had begun."""
+        if (self.released and not force) or os.getpid() != self.owner:
             return
         self.released = True
-        _LIVE.discard(self)
         deadline = time.monotonic() + grace_s
         for p in self.procs:
             p.join(timeout=max(0.0, deadline - time.monotonic()))
@@ -234,6 +234,7 @@ class _Resources:
             except Exception:           # noqa: BLE001
                 pass
         shutil.rmtree(self.directory, ignore_errors=True)
+        _LIVE.discard(self)
 
 
 _LIVE: set[_Resources] = set()
@@ -241,17 +242,17 @@ _HOOKS_INSTALLED = False
 _CLEANUP_SIGNALS = tuple(getattr(signal, n) for n in ("SIGTERM", "SIGHUP") if hasattr(signal, n))
 
 
-def _release_all() -> None:
+def _release_all(force: bool = False) -> None:
     for res in list(_LIVE):
         try:
-            res.release()
+            res.release(force=force)
         except Exception:               # noqa: BLE001 — best effort on the way out
             pass
 
 
 def _on_signal(signum: int, frame) -> None:
     """Stop every pool, remove its directory, then die of the same signal (exit status 128+n)."""
-    _release_all()
+    _release_all(force=True)
     signal.signal(signum, signal.SIG_DFL)
     os.kill(os.getpid(), signum)
     os._exit(128 + signum)              # not reached where the default action is to terminate
