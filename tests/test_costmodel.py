@@ -167,7 +167,7 @@ def test_cli_simulate_prints_a_row_per_schedule_and_writes_the_timeline(tmp_path
 
 
 @pytest.mark.parametrize("argv, needle", [
-    (["--world-size", "0"], "--world-size must be a positive integer"),
+    (["--world-size", "0"], "positive integer"),
     (["--schedules", "spiral"], "unknown schedule"),
     (["--mask", "docs"], "--mask 'docs' is not understood"),
     (["--hardware", "abacus"], "unknown hardware"),

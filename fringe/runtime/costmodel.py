@@ -49,6 +49,7 @@ __all__ = ["HARDWARE", "Hardware", "Prediction", "Shape", "calibrate", "get_hard
            "mask_from_spec", "simulate", "tile_costs", "tile_work", "validate"]
 
 _FULL, _PARTIAL, _EMPTY = int(BlockKind.FULL), int(BlockKind.PARTIAL), int(BlockKind.EMPTY)
+_CHUNK = 1 << 15          # tiles whose block maps are packed at once in tile_work
 
 #: FLOPs per (q, kv) pair, per head and per unit of D: QKᵀ and PV in the forward (2 + 2),
 #: and 2.5x that in the backward (the convention of :class:`fringe.plan.PlanStats`).
@@ -268,19 +269,22 @@ def tile_work(plan) -> np.ndarray:
     part = np.argwhere(tiles == _PARTIAL)
     if len(part):
         grid = plan.blocks.view(P, n, P, n)
-        maps = grid[torch.as_tensor(part[:, 0]), :, torch.as_tensor(part[:, 1]), :]  # [N, n, n]
-        flat = maps.reshape(len(part), n * n).to(torch.int64)
-        pad = (-flat.shape[1]) % 32
-        if pad:
-            flat = torch.nn.functional.pad(flat, (0, pad))
+        W = -(-(n * n) // 32)
+        words = torch.empty(len(part), W, dtype=torch.int64)
         shifts = 2 * torch.arange(32, dtype=torch.int64)
-        words = (flat.view(len(part), -1, 32) << shifts).sum(-1)     # exact: 2 bits a code
-        if words.shape[1] == 1:
+        pi, pj = torch.as_tensor(part[:, 0]), torch.as_tensor(part[:, 1])
+        for a in range(0, len(part), _CHUNK):         # bounded memory: ~_CHUNK maps at a time
+            maps = grid[pi[a:a + _CHUNK], :, pj[a:a + _CHUNK], :]            # [N, n, n]
+            flat = torch.nn.functional.pad(maps.reshape(len(maps), n * n).to(torch.int64),
+                                           (0, W * 32 - n * n))
+            words[a:a + _CHUNK] = (flat.view(len(maps), W, 32) << shifts).sum(-1)  # 2 bits a code
+        if W == 1:
             uniq, inv = torch.unique(words[:, 0], return_inverse=True)
         else:
             uniq, inv = torch.unique(words, dim=0, return_inverse=True)
         firsts = torch.zeros(len(uniq), dtype=torch.int64).scatter_(0, inv, torch.arange(len(part)))
-        per_map = _maps_work(maps[firsts].contiguous(), L=L, block_size=bs, masked_ok=masked_ok)
+        maps = grid[pi[firsts], :, pj[firsts], :].contiguous()
+        per_map = _maps_work(maps, L=L, block_size=bs, masked_ok=masked_ok)
         work[part[:, 0], part[:, 1]] = per_map[inv.numpy()]
     return work
 
