@@ -360,7 +360,7 @@ def plan(schedule: Schedule, mask_mod: Callable | None = None, *, seq_len: int,
         raise TypeError(f"mask_mod must be callable (b, h, q_idx, kv_idx) -> bool tensor, got "
                         f"{type(mask_mod).__name__}")
     mask_mod = mask_mod if mask_mod is not None else _masks.full()
-    mask_mod = getattr(_masks, 'snapshot', lambda m: m)(mask_mod)  # TRANSITION until masks.snapshot lands
+    mask_mod = _masks.snapshot(mask_mod)
     for leaf, ids in _document_leaves(mask_mod):
         if ids.numel() != seq_len:
             raise ValueError(f"{leaf}: doc_ids has {ids.numel()} entries but seq_len={seq_len}; "

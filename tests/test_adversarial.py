@@ -80,7 +80,7 @@ def worker_content(rank: int, world_size: int, what: str):
         mask = masks.as_mask(lambda b, h, q, kv: (kv <= q) & ((q - kv) % c != 1))
     scale = 0.3 if (what == "scale" and rank == 1) else None
     p = fringe.plan(schedules.zigzag(), mask, seq_len=S, world_size=world_size,
-                    block_size=BLOCK, score_mod=score_mod, scale=scale)
+                    block_size=4, score_mod=score_mod, scale=scale)   # both cuts inside block 4
     q, k, v = make_qkv(B=1, H=2, G=1, S=S, D=4, seed=2)
     try:
         fringe.attention(*_local(p, rank, q, k, v), plan=p, timeout_s=30)
@@ -239,7 +239,7 @@ def worker_lse_grad(rank: int, world_size: int):
     q, k, v = make_qkv(B=1, H=2, G=1, S=S, D=4, seed=12)
     ql, kl, vl = (t.requires_grad_() for t in _local(p, rank, q, k, v))
     out, lse = fringe.attention(ql, kl, vl, plan=p, return_lse=True, timeout_s=30)
-    (lse ** 2).sum().backward()
+    ((lse ** 2).sum() + 0.5 * out.sum()).backward()
     return ql.grad, kl.grad, vl.grad
 
 
@@ -247,8 +247,8 @@ def test_lse_gradient_on_gloo_ranks_matches_dense(pool2):
     S = 16
     p = fringe.plan(schedules.zigzag(), masks.causal(), seq_len=S, world_size=2, block_size=BLOCK)
     q, k, v = make_qkv(B=1, H=2, G=1, S=S, D=4, seed=12, requires_grad=True)
-    _, lse = reference.attention(q, k, v, mask_mod=masks.causal())
-    want = torch.autograd.grad((lse ** 2).sum(), (q, k, v))
+    out, lse = reference.attention(q, k, v, mask_mod=masks.causal())
+    want = torch.autograd.grad((lse ** 2).sum() + 0.5 * out.sum(), (q, k, v))
     res = pool2.run(worker_lse_grad)
     for i, what in enumerate(("dq", "dk", "dv")):
         got = p.layout.unshard([res[r][i] for r in range(2)])
@@ -293,7 +293,7 @@ def worker_bad_input(rank: int, world_size: int, what: str):
     if rank == 1 and what == "kv dtype":
         k, v = k.float(), v.float()
     if rank == 1 and what == "k shape":
-        k = k[..., :2]
+        k, v = k[..., :2], v[..., :2]
     try:
         fringe.attention(q, k, v, plan=p, timeout_s=120)
     except (ValueError, RankMismatch) as e:
