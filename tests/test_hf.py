@@ -1,7 +1,8 @@
 """fringe.hf: transformers' attention / mask interfaces under fringe CP.
 
-The equivalence test runs ``examples/hf_train.py`` (Llama, and Qwen2 with a sliding-window
-layer) on 2 gloo ranks against transformers' own sdpa in one process. The rest checks, in
+The equivalence test runs ``examples/hf_train.py`` (Llama; Qwen2 with a sliding-window
+layer; gpt-oss with a window layer and sinks passed as s_aux) on 2 gloo ranks against
+transformers' own attention (sdpa; eager for gpt-oss) in one process. The rest checks, in
 this process, that every per-layer / per-call mismatch raises before any communication.
 """
 from __future__ import annotations
@@ -71,16 +72,18 @@ def test_hf_example_matches_sdpa_on_two_ranks():
         from fringe.launch import Workers
         lines = []
         with Workers(2, timeout_s=240) as w:
-            results = {m: hf_train.run(hf_train.Config(world_size=2, seq_len=128, batch_size=2, steps=3,
-                                                       block_size=16, model=m, window=24,
+            results = {m: hf_train.run(hf_train.Config(world_size=2, seq_len=128, batch_size=2,
+                                                       steps=steps, block_size=16, model=m, window=24,
                                                        boundaries=b),
                                        progress=lines.append, workers=w)
-                       for m, b in (("llama", "cu_seqlens"), ("qwen2", "position_ids"))}
+                       for m, b, steps in (("llama", "cu_seqlens", 3), ("qwen2", "position_ids", 2),
+                                           ("gpt_oss", "cu_seqlens", 2))}
     finally:
         sys.path.remove(str(EXAMPLES))
     for m, res in results.items():
         assert res["ok"], (m, lines)
-        assert len(res["cp"]) == 3
+        assert len(res["cp"]) == len(res["single"]) >= 2
+        assert res["param_diff"] < 1e-3, m                  # gradients (gpt-oss: of the sinks too)
         for a, b in zip(res["cp"], res["single"]):
             assert math.isfinite(a["loss"]) and abs(a["loss"] - b["loss"]) <= hf_train.TOLERANCE, (m, a, b)
         assert res["single"][0]["loss"] != res["single"][-1]["loss"]        # it trains
