@@ -182,9 +182,11 @@ def plans(model, schedule, mask=None, *, seq_len: int, world_size: int, group=No
     """Plan ``mask`` for every attention-layer kind of ``model``, over one layout.
 
     Each kind's mask is ``mask & causal() & sliding_window(w)`` as the layer declares, with
-    the layer's own ``scaling`` and softcap (as a score_mod). The first kind (the layers
-    without a window come first) chooses the layout, unless ``layout`` is given; the others
-    are planned over it, each keeping its own pruning.
+    the layer's own ``scaling`` and softcap (as a score_mod). Every kind is planned over one
+    layout (the tokens are sharded once per batch), each keeping its own pruning: ``layout``
+    if given; for a mask-aware schedule (``schedules.balanced()``) with several kinds, the
+    layout balanced for the work of all layers together (each kind's block work times its
+    number of layers); else the first kind's (layers without a window come first).
 
     Args:
         model: a transformers model (or anything :func:`layer_kinds` reads).
@@ -203,7 +205,7 @@ def plans(model, schedule, mask=None, *, seq_len: int, world_size: int, group=No
     kinds = sorted(layer_kinds(model), key=lambda k: (k["sliding_window"] is not None,
                                                        k["sliding_window"] or 0))
     base = _masks.full() if mask is None else _masks.as_mask(mask)
-    layers = []
+    kind_masks = []
     for kind in kinds:
         m = base
         w = kind["sliding_window"]
@@ -211,6 +213,12 @@ def plans(model, schedule, mask=None, *, seq_len: int, world_size: int, group=No
             m = m & _masks.sliding_window(int(w), causal=kind["causal"])
         elif kind["causal"]:
             m = m & _masks.causal()
+        kind_masks.append(m)
+    if layout is None and getattr(schedule, "mask_aware", False) and len(kinds) > 1:
+        layout = _balanced_layout(schedule, kind_masks, [len(k["layers"]) for k in kinds],
+                                  seq_len=seq_len, world_size=world_size, plan_kwargs=plan_kwargs)
+    layers = []
+    for kind, m in zip(kinds, kind_masks):
         score_mod = _softcap_mod(kind["softcap"]) if kind["softcap"] is not None else None
         kw = dict(plan_kwargs)
         if layout is not None:
@@ -218,8 +226,21 @@ def plans(model, schedule, mask=None, *, seq_len: int, world_size: int, group=No
         p = _plan(schedule, m, seq_len=seq_len, world_size=world_size, scale=kind["scaling"],
                   score_mod=score_mod, **kw)
         layout = p.layout
-        layers.append(LayerPlan(p, causal=kind["causal"], sliding_window=w, softcap=kind["softcap"]))
+        layers.append(LayerPlan(p, causal=kind["causal"], sliding_window=kind["sliding_window"],
+                                softcap=kind["softcap"]))
     return Plans(tuple(layers), group=group, timeout_s=timeout_s)
+
+
+def _balanced_layout(schedule, kind_masks, counts, *, seq_len, world_size, plan_kwargs):
+    """A mask-aware schedule's layout for the work of every layer: the sum over layer kinds
+    of (layers of that kind) x (non-empty kv blocks of each q block), in sequence order."""
+    from .layout import DEFAULT_BLOCK_SIZE
+    bs = plan_kwargs.get("block_size", DEFAULT_BLOCK_SIZE)
+    pos = torch.arange(seq_len)
+    work = sum(n * (_masks.classify(m, pos, pos, block_size=bs, B=plan_kwargs.get("batch_size"),
+                                    H=plan_kwargs.get("num_heads")) != _masks.BlockKind.EMPTY).sum(dim=1)
+               for m, n in zip(kind_masks, counts))
+    return schedule.make_layout(seq_len, world_size, block_size=bs, block_work=work)
 
 
 def model_inputs(shard, plans: Plans) -> dict:

@@ -179,6 +179,12 @@ def test_per_layer_plans_share_one_layout_and_match_dense(kind):
                             world_size=P, block_size=BS)
     assert len(plans.layers) == 2
     assert len({lp.plan.layout.fingerprint() for lp in plans.layers}) == 1
+    # balanced for the work of both layers together, not for the first kind's mask alone
+    pos = torch.arange(S)
+    work = sum((masks.classify(lp.plan.mask_mod, pos, pos, block_size=BS) != masks.BlockKind.EMPTY).sum(1)
+               for lp in plans.layers)
+    assert plans.layout.fingerprint() == fringe.layout.balanced(S, P, block_size=BS,
+                                                                block_work=work).fingerprint()
     q, k, v = make_qkv(B=1, H=4, G=2, S=S, D=8, seed=3)
     for lp in plans.layers:
         mask = masks.document(doc) & (masks.sliding_window(lp.sliding_window) if lp.sliding_window
