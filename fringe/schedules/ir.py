@@ -370,20 +370,65 @@ class Step:
         return cls(int(head[1:]), ops)
 
 
-@dataclasses.dataclass(frozen=True)
 class Program:
-    """One rank's list of steps (increasing, distinct indices)."""
+    """One rank's list of steps (increasing, distinct indices); an immutable value.
 
-    rank: int
-    steps: tuple[Step, ...]
+    ``Program(rank, steps)``. Programs that come from a :class:`ProgramTable` (what the
+    passes produce for the built-in schedules) build their steps on first access, so a plan
+    at P=1024 holds arrays, and a rank materialises only the programs it looks at.
+    """
 
-    def __post_init__(self) -> None:
+    __slots__ = ("rank", "_steps", "_source")
+
+    def __init__(self, rank: int, steps: tuple[Step, ...]) -> None:
+        object.__setattr__(self, "rank", rank)
+        object.__setattr__(self, "_steps", tuple(steps))
+        object.__setattr__(self, "_source", None)
+        self._validate()
+
+    @classmethod
+    def _from_table(cls, table: ProgramTable, rank: int) -> Program:
+        self = object.__new__(cls)
+        object.__setattr__(self, "rank", rank)
+        object.__setattr__(self, "_steps", None)
+        object.__setattr__(self, "_source", table)
+        return self
+
+    @property
+    def steps(self) -> tuple[Step, ...]:
+        if self._steps is None:
+            object.__setattr__(self, "_steps", self._source._steps_of(self.rank))
+        return self._steps
+
+    @property
+    def table(self) -> ProgramTable | None:
+        """The columnar table this program was cut from, if any (the passes' fast path)."""
+        return self._source
+
+    def _validate(self) -> None:
         prev = -1
         for s in self.steps:
             if s.index <= prev:
                 raise ValueError(f"rank {self.rank}: step indices must increase strictly, got "
                                  f"{[s.index for s in self.steps]}")
             prev = s.index
+
+    def __setattr__(self, name, value) -> None:
+        raise dataclasses.FrozenInstanceError(f"cannot assign to field {name!r}")
+
+    def __eq__(self, other) -> bool:
+        if not isinstance(other, Program):
+            return NotImplemented
+        return self.rank == other.rank and self.steps == other.steps
+
+    def __hash__(self) -> int:
+        return hash((self.rank, self.steps))
+
+    def __repr__(self) -> str:
+        return f"Program(rank={self.rank!r}, steps={self.steps!r})"
+
+    def __reduce__(self):
+        return (Program, (self.rank, self.steps))
 
     def ops(self) -> Iterator[tuple[int, Op]]:
         """Yield ``(step_index, op)`` pairs in program order."""
@@ -426,6 +471,78 @@ class Program:
         if not lines or not re.match(r"^r\d+:$", lines[0].strip()):
             raise ValueError(f"cannot parse program; first line must be 'r<rank>:', got {lines[:1]}")
         return cls(int(lines[0].strip()[1:-1]), tuple(Step.parse(ln) for ln in lines[1:]))
+
+
+_KINDS = (Compute, GradCompute, Send, Recv)
+_FAMILIES = tuple(Family)
+_FAMILY_CODE = {f: n for n, f in enumerate(_FAMILIES)}
+C_, G_, S_, R_ = 0, 1, 2, 3          # op kind codes of a ProgramTable
+
+
+class ProgramTable:
+    """Every rank's program as parallel integer columns, one row per op.
+
+    Rows are sorted by (rank, step) and, within a step, in op order. Columns: ``rank``,
+    ``step``, ``kind`` (0 ``C``, 1 ``G``, 2 ``S``, 3 ``R``), and ``a, b, c``: ``(q, kv, -1)``
+    for a compute, ``(family code, chunk, peer)`` for a transfer (family codes index
+    ``tuple(Family)``). A plan's passes run on these columns with numpy (a causal ring at
+    P=1024 is about four million ops); :meth:`programs` gives :class:`Program` values that
+    build their steps when first looked at.
+    """
+
+    def __init__(self, world_size: int, rank, step, kind, a, b, c) -> None:
+        import numpy as np
+        self.world_size = world_size
+        cols = [np.ascontiguousarray(x, dtype=np.int64) for x in (rank, step, kind, a, b, c)]
+        self.rank, self.step, self.kind, self.a, self.b, self.c = cols
+        bounds = np.searchsorted(self.rank, np.arange(world_size + 1))
+        self._bounds = bounds.tolist()
+        self._programs = tuple(Program._from_table(self, r) for r in range(world_size))
+
+    def __len__(self) -> int:
+        return len(self.rank)
+
+    def programs(self) -> tuple[Program, ...]:
+        """One (lazily built) program per rank."""
+        return self._programs
+
+    def _steps_of(self, rank: int) -> tuple[Step, ...]:
+        lo, hi = self._bounds[rank], self._bounds[rank + 1]
+        step, kind = self.step[lo:hi].tolist(), self.kind[lo:hi].tolist()
+        a, b, c = self.a[lo:hi].tolist(), self.b[lo:hi].tolist(), self.c[lo:hi].tolist()
+        steps, i, n = [], 0, hi - lo
+        while i < n:
+            t, ops = step[i], []
+            while i < n and step[i] == t:
+                k = kind[i]
+                if k <= G_:
+                    ops.append(_KINDS[k](a[i], b[i]))
+                else:
+                    ops.append(_KINDS[k](_buf(_FAMILIES[a[i]], b[i]), c[i]))
+                i += 1
+            steps.append(Step(t, tuple(ops)))
+        return tuple(steps)
+
+    @classmethod
+    def of(cls, programs: Sequence[Program]) -> ProgramTable:
+        """The table of any list of programs (returned as is when they were cut from one)."""
+        src = programs[0].table if len(programs) else None
+        if src is not None and src.world_size == len(programs) and all(
+                p.table is src and p.rank == r for r, p in enumerate(programs)):
+            return src
+        rows = []
+        for prog in programs:
+            for t, op in prog.ops():
+                if isinstance(op, (Compute, GradCompute)):
+                    rows.append((prog.rank, t, C_ if isinstance(op, Compute) else G_, op.q, op.kv, -1))
+                else:
+                    rows.append((prog.rank, t, S_ if isinstance(op, Send) else R_,
+                                 _FAMILY_CODE[op.buf.family], op.buf.chunk, op.peer))
+        import numpy as np
+        arr = np.array(rows, dtype=np.int64).reshape(-1, 6)
+        if len(arr) and (np.diff(arr[:, 0]) < 0).any():
+            raise ValueError("ProgramTable.of: pass programs in rank order")
+        return cls(len(programs), *arr.T)
 
 
 def format_programs(programs: Iterable[Program], *, ascii: bool = True) -> str:

@@ -16,8 +16,8 @@ from typing import Iterator, Mapping, Sequence
 import numpy as np
 import torch
 
-from .ir import (Buffer, Compute, Family, GradCompute, Op, Program, Recv, Send, Step, _buf,
-                 marked, program_from_ops, steps_of)
+from .ir import (C_, G_, R_, S_, Buffer, Compute, Family, GradCompute, Op, Program, ProgramTable,
+                 Recv, Send, _buf, marked, program_from_ops, steps_of)
 
 
 class ScheduleError(ValueError):
@@ -25,6 +25,9 @@ class ScheduleError(ValueError):
 
 
 _INPUTS = frozenset({Family.Q, Family.KV})      # what computes read; pruning may drop their moves
+_FAMILIES = tuple(Family)
+_FAMILY_CODE = {f: n for n, f in enumerate(_FAMILIES)}
+_F = len(_FAMILIES)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,6 +37,19 @@ class Hop:
     step: int
     src: int
     dst: int
+
+
+def _runs(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Values and start indices of the runs of equal values in a sorted array."""
+    if len(x) == 0:
+        return x, np.zeros(0, dtype=np.int64)
+    starts = np.flatnonzero(np.concatenate(([True], x[1:] != x[:-1])))
+    return x[starts], starts
+
+
+def _uniq(x: np.ndarray) -> np.ndarray:
+    """Sorted unique values (by sorting: numpy's hashing unique is slower on these keys)."""
+    return _runs(np.sort(x))[0]
 
 
 class HopTable(Mapping):
@@ -67,7 +83,7 @@ class HopTable(Mapping):
     def _rows(self) -> dict[int, np.ndarray]:
         if self._index is None:
             order = np.argsort(self.chunk, kind="stable")
-            chunks, starts = np.unique(self.chunk[order], return_index=True)
+            chunks, starts = _runs(self.chunk[order])
             ends = list(starts[1:]) + [len(order)]
             self._index = {int(c): order[a:b] for c, a, b in zip(chunks, starts, ends)}
         return self._index
@@ -172,7 +188,7 @@ def _keep_hops(P: int, j, s, src, dst, use) -> np.ndarray:
     keep = np.zeros(len(j), dtype=bool)
     live = np.zeros((P, P), dtype=bool)        # [chunk, rank]: a kept hop leaves rank later
     by_step = np.argsort(-s, kind="stable")
-    steps, starts = np.unique(-s[by_step], return_index=True)
+    steps, starts = _runs(-s[by_step])
     ends = list(starts[1:]) + [len(by_step)]
     for a, b in zip(starts, ends):             # latest step first; one step at a time
         g = by_step[a:b]
@@ -183,27 +199,15 @@ def _keep_hops(P: int, j, s, src, dst, use) -> np.ndarray:
 
 
 def _programs_from_rows(P: int, rank, step, kind, chunk, peer) -> list[Program]:
-    """Programs from op rows sorted by (rank, step, emission order)."""
-    kv_names = [_buf(Family.KV, c) for c in range(P)]
-    rank_l, step_l, kind_l = rank.tolist(), step.tolist(), kind.tolist()
-    chunk_l, peer_l = chunk.tolist(), peer.tolist()
-    steps: list[list[Step]] = [[] for _ in range(P)]
-    n = len(rank_l)
-    i = 0
-    while i < n:
-        r, t = rank_l[i], step_l[i]
-        ops = []
-        while i < n and rank_l[i] == r and step_l[i] == t:
-            k = kind_l[i]
-            if k == 0:
-                ops.append(Compute(peer_l[i], chunk_l[i]))
-            elif k == 1:
-                ops.append(Send(kv_names[chunk_l[i]], peer_l[i]))
-            else:
-                ops.append(Recv(kv_names[chunk_l[i]], peer_l[i]))
-            i += 1
-        steps[r].append(Step(t, tuple(ops)))
-    return [Program(r, tuple(steps[r])) for r in range(P)]
+    """Programs (cut from one table) from lowered op rows sorted by (rank, step, emission).
+
+    ``kind``: 0 compute ``(peer=q, chunk=kv)``, 1 send, 2 receive of ``kv{chunk}``.
+    """
+    comm = kind > 0
+    tab_kind = np.where(kind == 0, C_, np.where(kind == 1, S_, R_))
+    a = np.where(comm, _FAMILY_CODE[Family.KV], peer)
+    c = np.where(comm, peer, -1)
+    return list(ProgramTable(P, rank, step, tab_kind, a, chunk, c).programs())
 
 
 def _need_array(need: torch.Tensor, P: int) -> np.ndarray:
@@ -306,6 +310,11 @@ def reverse(programs: Sequence[Program], *, kv: str = "resend") -> list[Program]
     """
     if kv not in KV_MODES:
         raise ValueError(f"kv must be one of {KV_MODES}, got {kv!r}")
+    tab = _table(programs)
+    if tab is not None:
+        fast = _reverse_table(tab, kv)
+        if fast is not None:
+            return fast
     P = len(programs)
     T = steps_of(programs)
     ops: list[dict[int, list[Op]]] = [collections.defaultdict(list) for _ in range(P)]
@@ -409,6 +418,9 @@ def check(programs: Sequence[Program], *, need: torch.Tensor | None = None,
     for r, prog in enumerate(programs):
         if prog.rank != r:
             raise ScheduleError(f"program {r} is for rank {prog.rank}; pass programs in rank order")
+    tab = _table(programs)
+    if tab is not None and _table_ok(tab, None if need is None else _need_array(need, P), backward, kv):
+        return                                   # else the op-by-op checks below name the fault
     posted: collections.Counter = collections.Counter()
     for prog in programs:
         r = prog.rank
@@ -488,3 +500,192 @@ def _check_tiles(programs: Sequence[Program], need: np.ndarray) -> None:
             f"is empty but computed at {', '.join(where)}")
     raise ScheduleError(f"tile q{i}·kv{j} {what}; every non-empty tile must be computed "
                         f"exactly once")
+
+
+# ---------------------------------------------------------------------------------------
+# the same passes on a ProgramTable (numpy; what plans of the built-in schedules use)
+# ---------------------------------------------------------------------------------------
+def _table(programs: Sequence[Program]) -> ProgramTable | None:
+    """The table all ``programs`` were cut from, in rank order; None for other programs."""
+    src = programs[0].table if len(programs) else None
+    if src is None or src.world_size != len(programs):
+        return None
+    if all(p.table is src and p.rank == r for r, p in enumerate(programs)):
+        return src
+    return None
+
+
+def _table_ok(tab: ProgramTable, need: np.ndarray | None, backward: bool, kv: str) -> bool:
+    """True when the table passes every check; False means: run the op-by-op check for the
+    message (it finds the same fault and names it)."""
+    P = tab.world_size
+    if len(tab) == 0:
+        return need is None or not need.any()
+    rank, step, kind, a, b, c = tab.rank, tab.step, tab.kind, tab.a, tab.b, tab.c
+    comp = kind <= G_
+    comm = ~comp
+    if int(step.min()) < 0 or int(b.min()) < 0 or int(b.max()) >= P:
+        return False
+    if (comp & ((a < 0) | (a >= P))).any():
+        return False
+    if (comm & ((c < 0) | (c >= P) | (c == rank))).any():
+        return False
+    if (int(step.max()) + 2) * P ** 3 * _F >= 2 ** 62:
+        return False
+    # every send has its receive, same step, same buffer
+    src = np.where(kind == S_, rank, c)
+    dst = np.where(kind == S_, c, rank)
+    key = (((step * P + src) * P + dst) * _F + a) * P + b
+    if not np.array_equal(np.sort(key[kind == S_]), np.sort(key[kind == R_])):
+        return False
+    # presence: each read at step t needs the buffer owned, or written / received before t
+    def bkey(r, fam, chunk):
+        return (r * _F + fam) * P + chunk
+    Q, KV, OUT, DQ, DKV, DOUT = (_FAMILY_CODE[f] for f in (Family.Q, Family.KV, Family.OUT,
+                                                           Family.DQ, Family.DKV, Family.DOUT))
+    isc, isg, iss, isr = kind == C_, kind == G_, kind == S_, kind == R_
+    qa = comp
+    reads = [(bkey(rank[qa], Q, a[qa]), step[qa]), (bkey(rank[qa], KV, b[qa]), step[qa]),
+             (bkey(rank[isg], OUT, a[isg]), step[isg]), (bkey(rank[isg], DOUT, a[isg]), step[isg]),
+             (bkey(rank[iss], a[iss], b[iss]), step[iss])]
+    writes = [(bkey(rank[isc], OUT, a[isc]), step[isc] + 1), (bkey(rank[isg], DQ, a[isg]), step[isg] + 1),
+              (bkey(rank[isg], DKV, b[isg]), step[isg] + 1), (bkey(rank[isr], a[isr], b[isr]), step[isr] + 1)]
+    ranks = np.arange(P)
+    owned = [Q, KV] + ([OUT, DOUT] if backward else [])
+    writes += [(bkey(ranks, f, ranks), np.zeros(P, np.int64)) for f in owned]
+    if backward and kv == "keep":
+        writes.append((bkey(rank[isg], KV, b[isg]), np.zeros(int(isg.sum()), np.int64)))
+    wk = np.concatenate([w[0] for w in writes])
+    wv = np.concatenate([w[1] for w in writes])
+    order = np.argsort(wk, kind="stable")
+    wk, wv = wk[order], wv[order]
+    ukeys, starts = _runs(wk)
+    avail = np.minimum.reduceat(wv, starts)
+    rk = np.concatenate([r[0] for r in reads])
+    rt = np.concatenate([r[1] for r in reads])
+    at = np.minimum(np.searchsorted(ukeys, rk), len(ukeys) - 1)
+    if not ((ukeys[at] == rk) & (avail[at] <= rt)).all():
+        return False
+    if need is not None:
+        count = np.bincount(a[comp] * P + b[comp], minlength=P * P).reshape(P, P)
+        if not np.array_equal(count, need.astype(np.int64)):
+            return False
+    return True
+
+
+def _reverse_table(tab: ProgramTable, kv: str) -> list[Program] | None:
+    """:func:`reverse` on columns; None when the op-by-op rules must decide (errors, or a
+    buffer received twice by one rank)."""
+    P = tab.world_size
+    rank, step, kind, a, b, c = tab.rank, tab.step, tab.kind, tab.a, tab.b, tab.c
+    n = len(rank)
+    comm = kind >= S_
+    grad_codes = np.array([_FAMILY_CODE[f] for f in _FAMILIES if f.is_gradient])
+    if (kind == G_).any() or (comm & np.isin(a, grad_codes)).any() or ((kind == C_) & (a != rank)).any():
+        return None
+    T = int(step.max()) + 1 if n else 0
+    cot = np.array([_FAMILY_CODE[f.cotangent] if f is not Family.ACC else -1 for f in _FAMILIES])
+    adj = dict(rank=rank, step=T - step, kind=np.choose(kind, [G_, C_, R_, S_]),
+               a=np.where(comm, cot[np.where(comm, a, 0)], a), b=b, c=c,
+               group=np.zeros(n, np.int64), seq=np.arange(n))
+    parts = [adj]
+    if kv == "resend" and n:
+        extra = _resend_rows(P, T, rank, step, kind, a, b, c)
+        if extra is None:
+            return None
+        parts.append(extra)
+    cols = {k: np.concatenate([p[k] for p in parts]) for k in adj}
+    order = np.lexsort((cols["seq"], cols["group"], cols["step"], cols["rank"]))
+    out = ProgramTable(P, *(cols[k][order] for k in ("rank", "step", "kind", "a", "b", "c")))
+    return list(out.programs())
+
+
+def _resend_rows(P, T, rank, step, kind, a, b, c):
+    """The kv (and q) re-sends of ``_rematerialise``, as rows; None to fall back."""
+    Q, KV = _FAMILY_CODE[Family.Q], _FAMILY_CODE[Family.KV]
+    NONE = np.int64(1) << 40
+    isc = kind == C_
+    # (buffer, rank) pairs as one key: buffer = fam * P + chunk
+    rd_key = np.concatenate([(Q * P + a[isc]) * P + rank[isc], (KV * P + b[isc]) * P + rank[isc]])
+    rd_t = np.concatenate([step[isc], step[isc]])
+    inp = np.isin(a, [Q, KV])
+    isr = (kind == R_) & inp
+    in_key = (a[isr] * P + b[isr]) * P + rank[isr]
+    in_t, in_src = step[isr], c[isr]
+    if len(_uniq(in_key)) != len(in_key):
+        return None
+    iss = (kind == S_) & inp
+    out_key = (a[iss] * P + b[iss]) * P + rank[iss]
+    o = np.lexsort((np.nonzero(iss)[0], -step[iss], out_key))        # first latest hop per key
+    ok_, first = _runs(out_key[o])
+    last_key, last_t, last_dst = ok_, step[iss][o][first], c[iss][o][first]
+    # holders: (buffer, rank) with reads or an in-hop, rank not the owner
+    hk = _uniq(np.concatenate([rd_key, in_key]))
+    hb, hr = hk // P, hk % P
+    hk = hk[hr != hb % P]
+    hb, hr = hk // P, hk % P
+    H = len(hk)
+    if H == 0:
+        return _no_rows()
+
+    def lookup(keys, table_keys, values, default):
+        """``values`` at ``keys`` in sorted ``table_keys`` (``default`` where absent), hit mask."""
+        if len(table_keys) == 0:
+            return np.full(len(keys), default, dtype=np.int64), np.zeros(len(keys), dtype=bool)
+        at = np.minimum(np.searchsorted(table_keys, keys), len(table_keys) - 1)
+        hit = table_keys[at] == keys
+        return np.where(hit, values[at], default), hit
+
+    ro = np.argsort(rd_key, kind="stable")
+    rkeys, rstart = _runs(rd_key[ro])
+    rmax = np.maximum.reduceat(rd_t[ro], rstart) if len(ro) else np.zeros(0, np.int64)
+    maxread, has_read = lookup(hk, rkeys, rmax, 0)
+    io = np.argsort(in_key)
+    ikeys = in_key[io]
+    arr, has_in = lookup(hk, ikeys, in_t[io], -1)
+    src, _ = lookup(hk, ikeys, in_src[io], -1)
+    sup_t, has_sup = lookup(hk, last_key, last_t, 0)
+    sup_d, _ = lookup(hk, last_key, last_dst, -1)
+    need_at = np.where(has_read, T - maxread, NONE)
+    # upstream: src (not the owner) whose latest hop went to this rank
+    up_key = hb * P + np.where(has_in, src, 0)
+    up_idx, up_hit = lookup(up_key, hk, np.arange(H), -1)
+    src_sup, src_has = lookup(up_key, last_key, last_dst, -1)
+    relay_up = has_in & (src != hb % P) & up_hit & src_has & (src_sup == hr)
+    if (relay_up & (arr[np.where(up_hit, up_idx, 0)] >= arr)).any():
+        return None                                # not a tree in time: let the op rules decide
+    cand_idx = np.nonzero(relay_up)[0]
+    cand_idx = cand_idx[np.argsort(arr[cand_idx], kind="stable")]
+    _, starts = _runs(arr[cand_idx])
+    for g in np.split(cand_idx, starts[1:]):      # forward arrival order: upstream first
+        if len(g):
+            up = need_at[up_idx[g]]
+            cand = np.where(up != NONE, T - arr[g] - 1, NONE)
+            need_at[g] = np.minimum(need_at[g], cand)
+    # emission in (family name, chunk, rank) order, as the op-by-op pass does
+    fam_rank = np.argsort(np.argsort([f.value for f in _FAMILIES]))
+    emit = np.lexsort((hr, hb % P, fam_rank[hb // P]))
+    emit = emit[need_at[emit] != NONE]
+    e = need_at[emit]
+    d_idx, d_hit = lookup(hb[emit] * P + sup_d[emit], hk, np.arange(H), -1)
+    relay = (has_sup[emit] & (T - sup_t[emit] <= e) & d_hit
+             & (need_at[np.where(d_hit, d_idx, 0)] != NONE))
+    if ((~relay) & (e - 1 < 0)).any():
+        return None
+    owner = hb[emit] % P
+    frm = np.where(relay, sup_d[emit], owner)
+    u = np.where(relay, T - sup_t[emit] - 1, e - 1)
+    to = hr[emit]
+    fam, chunk = hb[emit] // P, hb[emit] % P
+    m = len(emit)
+    seq = np.arange(m)
+    return dict(rank=np.concatenate([frm, to]), step=np.concatenate([u, u]),
+                kind=np.concatenate([np.full(m, S_), np.full(m, R_)]),
+                a=np.concatenate([fam, fam]), b=np.concatenate([chunk, chunk]),
+                c=np.concatenate([to, frm]), group=np.ones(2 * m, np.int64),
+                seq=np.concatenate([seq, seq]))
+
+
+def _no_rows():
+    z = np.zeros(0, np.int64)
+    return dict(rank=z, step=z, kind=z, a=z, b=z, c=z, group=z, seq=z)
