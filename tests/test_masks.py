@@ -127,7 +127,9 @@ def test_evaluate_falls_back_to_create_mask():
     q_pos, kv_pos = torch.randperm(12, generator=g), torch.randperm(12, generator=g)[:7]
     with pytest.raises(RuntimeError):
         M.evaluate(stacked, q_pos, kv_pos, method="broadcast")
-    out = M.evaluate(stacked, q_pos, kv_pos, B=2, H=2)
+    with pytest.warns(UserWarning, match=r"stacked does not evaluate elementwise .* raises "
+                                         r"RuntimeError.*torch\.vmap"):
+        out = M.evaluate(stacked, q_pos, kv_pos, B=2, H=2)
     expect = create_mask(lambda b, h, qi, ki: stacked(b, h, q_pos[qi], kv_pos[ki]), 2, 2, 12, 7,
                          device="cpu")
     assert torch.equal(out, expect)
