@@ -1,0 +1,1 @@
+"""Benchmarks that compare fringe with other systems (outside the package; never tests)."""
