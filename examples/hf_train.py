@@ -48,8 +48,10 @@ class Config:
     window: int = 48
     schedule: str = "zigzag"
     boundaries: str = "cu_seqlens"  # how the CP side gets them: "cu_seqlens" or "position_ids"
+    checkpointing: bool = False     # activation checkpointing on the CP side (layers recompute
+    #                                 attention in the backward: the plans must reach it again)
     vocab: int = 64
-    lr: float = 1e-2
+    lr: float = 3e-3
     seed: int = 0
 
 
@@ -122,6 +124,8 @@ def cp_setup(rank: int, world_size: int, cfg: Config, weights: dict) -> int:
     model = build_model(cfg, fringe.hf.NAME)
     model.load_state_dict(weights)
     model.train()
+    if cfg.checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=dict(use_reentrant=False))
     _STATE.update(cfg=cfg, model=model, opt=torch.optim.AdamW(model.parameters(), lr=cfg.lr))
     return rank
 
@@ -294,10 +298,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--window", type=int, default=d.window)
     ap.add_argument("--schedule", default=d.schedule, choices=["ring", "zigzag", "striped", "balanced"])
     ap.add_argument("--boundaries", default=d.boundaries, choices=["cu_seqlens", "position_ids"])
+    ap.add_argument("--checkpointing", action="store_true", help="activation checkpointing on the CP side")
     a = ap.parse_args(argv)
     cfg = Config(world_size=a.world_size, seq_len=a.seq_len, batch_size=a.batch_size, steps=a.steps,
                  block_size=a.block_size, model=a.model, window=a.window, schedule=a.schedule,
-                 boundaries=a.boundaries)
+                 boundaries=a.boundaries, checkpointing=a.checkpointing)
     torch.set_num_threads(max(1, (os.cpu_count() or 1)))
     return 0 if run(cfg)["ok"] else 1
 

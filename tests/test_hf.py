@@ -74,10 +74,11 @@ def test_hf_example_matches_sdpa_on_two_ranks():
         with Workers(2, timeout_s=240) as w:
             results = {m: hf_train.run(hf_train.Config(world_size=2, seq_len=128, batch_size=2,
                                                        steps=steps, block_size=16, model=m, window=24,
-                                                       boundaries=b),
+                                                       boundaries=b, checkpointing=ckpt),
                                        progress=lines.append, workers=w)
-                       for m, b, steps in (("llama", "cu_seqlens", 3), ("qwen2", "position_ids", 2),
-                                           ("gpt_oss", "cu_seqlens", 2))}
+                       for m, b, steps, ckpt in (("llama", "cu_seqlens", 3, False),
+                                                 ("qwen2", "position_ids", 2, True),   # recompute
+                                                 ("gpt_oss", "cu_seqlens", 2, False))}
     finally:
         sys.path.remove(str(EXAMPLES))
     for m, res in results.items():
