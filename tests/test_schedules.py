@@ -16,8 +16,8 @@ from fringe.runtime.engine import kept_names
 from fringe.runtime.interpreter import last_uses
 from fringe.schedules import (Compute, GradCompute, Program, Recv, ScheduleError, Send, Step,
                               check, parse_op, reverse)
-from fringe.schedules.ir import (Buffer, Family, buffer_name, format_programs, parse_programs,
-                                 steps_of)
+from fringe.schedules.ir import (Buffer, Family, ProgramTable, buffer_name, format_programs,
+                                 parse_programs, steps_of)
 from fringe.schedules.passes import Hop, HopTable
 
 GOLDEN = Path(__file__).parent / "golden"
@@ -195,6 +195,59 @@ def test_backward_communication_is_the_adjoint_and_gradients_return_home(args):
         assert torch.equal(val, x[j])
     # no gradient buffer is left behind on a rank that does not own it
     assert not leftovers
+
+
+def _plain(programs):
+    """The same programs as values not backed by a ProgramTable (the op-by-op passes run)."""
+    return [Program(prog.rank, prog.steps) for prog in programs]
+
+
+@settings(deadline=None, max_examples=25)
+@given(plans)
+def test_columnar_passes_equal_the_op_by_op_rules(args):
+    name, seed, P, kv = args
+    p = build(name, seed, P, kv=kv)
+    assert p.forward[0].table is not None and p.backward[0].table is not None
+    plain = _plain(p.forward)
+    assert plain[0].table is None
+    assert reverse(plain, kv=kv) == list(p.backward)
+    check(_plain(p.backward), need=p.tiles != 0, backward=True, kv=kv)
+    assert ProgramTable.of(plain).programs() == tuple(p.forward)
+
+
+def test_columnar_check_finds_the_faults_the_op_by_op_check_finds():
+    rng = torch.Generator().manual_seed(7)
+    verdicts = collections.Counter()
+    for case in range(120):
+        P = 2 + case % 5
+        need = torch.rand(P, P, generator=rng) < 0.6
+        fwd = schedules.lower(P, schedules.ring_hops(P), need=need)
+        kv = ["resend", "keep"][case % 2]
+        progs, backward = (fwd, False) if case % 3 == 0 else (reverse(fwd, kv=kv), True)
+        tab = ProgramTable.of(progs)
+        if not len(tab):                                       # nothing to break
+            continue
+        cols = [x.clone() for x in map(torch.from_numpy, (tab.rank, tab.step, tab.kind, tab.a,
+                                                           tab.b, tab.c))]
+        i = int(torch.randint(len(cols[0]), (), generator=rng))
+        what = case % 3
+        if what == 0:                                          # drop an op
+            cols = [torch.cat([x[:i], x[i + 1:]]) for x in cols]
+        elif what == 1:                                        # change a chunk or a peer
+            cols[[4, 5][case % 2]][i] = int(torch.randint(P, (), generator=rng))
+        else:                                                  # change the op's kind
+            cols[2][i] = int(torch.randint(4, (), generator=rng))
+        bad = ProgramTable(P, *(x.numpy() for x in cols)).programs()
+        messages = []
+        for progs_ in (list(bad), _plain(bad)):
+            try:
+                check(progs_, need=need if case % 2 else None, backward=backward, kv=kv)
+                messages.append(None)
+            except ScheduleError as err:
+                messages.append(str(err))
+        assert messages[0] == messages[1]
+        verdicts[messages[0] is None] += 1
+    assert verdicts[False] > 40 and verdicts[True] > 0
 
 
 @pytest.mark.parametrize("P", [2, 4, 8])
