@@ -435,8 +435,11 @@ def document(doc_ids: torch.Tensor) -> Mask:
         raise ValueError(f"document: doc_ids must be a 1-D integer tensor over global positions, "
                          f"got dtype={doc_ids.dtype} shape={tuple(doc_ids.shape)}")
     doc_ids = doc_ids.detach().clone()  # own a copy: the caller may refill theirs
-    n_docs = int(torch.unique(doc_ids).numel())
     sorted_ids = bool((doc_ids[1:] >= doc_ids[:-1]).all())
+    if sorted_ids:  # packed documents: count boundaries (no sort of S ids)
+        n_docs = int((doc_ids[1:] != doc_ids[:-1]).sum()) + int(doc_ids.numel() > 0)
+    else:
+        n_docs = int(torch.unique(doc_ids).numel())
 
     def document_mod(b, h, q_idx, kv_idx):
         ids = doc_ids.to(q_idx.device)

@@ -152,6 +152,17 @@ def test_reads_batch_head_uses_the_same_decision():
         assert torch.equal(M.evaluate(per_head_all, q, q, H=2), flex(per_head_all, q, q, 1, 2))
 
 
+def test_a_verdict_on_made_up_positions_is_not_kept():
+    def far_any(b, h, q_idx, kv_idx):            # its reduction shows only where |q - kv| = 5
+        return ((q_idx - kv_idx).abs() == 5).any() | (q_idx >= kv_idx)
+
+    assert M.reads_batch_head(far_any) == (False, False)    # probes positions 0, 1 only
+    q = torch.arange(16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert torch.equal(M.evaluate(far_any, q, q), flex(far_any, q, q))
+
+
 def test_check_mask_catches_a_broadcast_meaning_and_passes_once_fringe_vmaps(monkeypatch):
     def all_causal_cm(b, h, q_idx, kv_idx):
         return (q_idx >= kv_idx).all()
@@ -306,6 +317,10 @@ def test_digest_sees_one_doc_id_moved_by_one_token_with_the_same_blocks():
     pa, ea = plan_digest(fa)
     pb, eb = plan_digest(fb)
     assert torch.equal(pa, pb) and ea != eb
+    # and for a plain leaf inside a Mask tree
+    ta, tb = M.sliding_window(20) & M.as_mask(fa, name="f"), M.sliding_window(20) & M.as_mask(fb, name="f")
+    (qa, ga), (qb, gb) = plan_digest(ta), plan_digest(tb)
+    assert torch.equal(qa, qb) and ga != gb
 
 
 def test_digest_equal_for_equal_masks_built_separately():
