@@ -213,6 +213,9 @@ def test_columnar_passes_equal_the_op_by_op_rules(args):
     assert reverse(plain, kv=kv) == list(p.backward)
     check(_plain(p.backward), need=p.tiles != 0, backward=True, kv=kv)
     assert ProgramTable.of(plain).programs() == tuple(p.forward)
+    assert ProgramTable.of(plain).digest() == ProgramTable.of(p.forward).digest()
+    assert (ProgramTable.of(p.forward).digest() == ProgramTable.of(p.backward).digest()) == (
+        list(p.forward) == list(p.backward))
 
 
 def test_columnar_check_finds_the_faults_the_op_by_op_check_finds():

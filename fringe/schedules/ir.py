@@ -36,6 +36,10 @@ accumulated into the local one. Every ``Send`` at step t on rank a has a matchin
 of the same buffer from a at step t on its peer (checked by :func:`fringe.schedules.check`).
 Steps with nothing to do are absent; step indices are global rounds.
 
+At scale the same programs live in a :class:`ProgramTable` (one row of integers per op);
+the passes run on its columns, and a :class:`Program` cut from it builds its steps only when
+they are looked at.
+
 >>> p = Program.parse("r1:\\n  t0: R kv0<-r0 | C q1.kv1\\n  t1: C q1.kv0")
 >>> print(p)
 r1:
@@ -505,6 +509,18 @@ class ProgramTable:
     def programs(self) -> tuple[Program, ...]:
         """One (lazily built) program per rank."""
         return self._programs
+
+    def digest(self) -> str:
+        """A hash of the columns: equal for equal programs, without building any op.
+
+        ``ProgramTable.of(plan.forward).digest()`` is what a plan fingerprint can hash at
+        P=1024 instead of the programs' text (millions of ops).
+        """
+        import hashlib
+        h = hashlib.sha1(f"programs/{self.world_size}/".encode())
+        for col in (self.rank, self.step, self.kind, self.a, self.b, self.c):
+            h.update(col.tobytes())
+        return h.hexdigest()
 
     def _steps_of(self, rank: int) -> tuple[Step, ...]:
         lo, hi = self._bounds[rank], self._bounds[rank + 1]
