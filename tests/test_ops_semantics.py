@@ -31,15 +31,17 @@ def doc_mask(S: int, n_docs: int):
 
 def block_map(mask_mod, q_pos, kv_pos, *, B, H, block_size):
     """Exact BlockKind map of one tile by dense evaluation (test-only)."""
-    m = reference.mask_for(mask_mod, q_pos, kv_pos, B=B, H=H).any(0).any(0)
-    m = m.expand(q_pos.numel(), kv_pos.numel())
-    nq, nk = -(-q_pos.numel() // block_size), -(-kv_pos.numel() // block_size)
+    m = reference.mask_for(mask_mod, q_pos, kv_pos, B=B, H=H)
+    shape = (q_pos.numel(), kv_pos.numel())
+    some, every = m.any(0).any(0).expand(shape), m.all(0).all(0).expand(shape)
+    nq, nk = -(-shape[0] // block_size), -(-shape[1] // block_size)
     blocks = torch.empty(nq, nk, dtype=torch.int8)
     for i in range(nq):
         for j in range(nk):
-            t = m[i * block_size:(i + 1) * block_size, j * block_size:(j + 1) * block_size]
-            blocks[i, j] = int(BlockKind.FULL if t.all() else
-                               BlockKind.PARTIAL if t.any() else BlockKind.EMPTY)
+            box = (slice(i * block_size, (i + 1) * block_size),
+                   slice(j * block_size, (j + 1) * block_size))
+            blocks[i, j] = int(BlockKind.FULL if every[box].all() else
+                               BlockKind.PARTIAL if some[box].any() else BlockKind.EMPTY)
     return blocks
 
 
@@ -351,3 +353,150 @@ def test_nan_in_one_documents_keys_stays_in_that_document(kernel, layout):
         rows = g[:, :, other]
         assert torch.isfinite(rows).all()
         assert_close(rows, w[:, :, other], **TIGHT)
+
+
+# ---------------------------------------------------------------------------------------------
+# issue 9: calls the fused kernel likes (is_causal squares, unmasked FULL pieces, float masks
+# only where a block is genuinely partial), equal to the reference on every tile kind
+
+
+def _cover(groups, shape, bs):
+    """How many calls compute each block (a call's EMPTY codes are masked out in it)."""
+    cover = torch.zeros(shape, dtype=torch.int64)
+    for gr in groups:
+        cover[gr.q0 // bs:-(-gr.q1 // bs), gr.k0 // bs:-(-gr.k1 // bs)] += \
+            (gr.codes != int(BlockKind.EMPTY)).long()
+    return cover
+
+
+def test_fused_plan_covers_every_non_empty_block_once():
+    from fringe.ops import tile as T
+
+    EMPTY, PARTIAL, FULL = int(BlockKind.EMPTY), int(BlockKind.PARTIAL), int(BlockKind.FULL)
+    g = torch.Generator().manual_seed(61)
+    bs = 4
+    maps = [torch.randint(0, 3, (7, 9), generator=g).to(torch.int8) for _ in range(20)]
+    n = 8
+    causal = torch.full((n, n), EMPTY, dtype=torch.int8)
+    causal[torch.ones(n, n, dtype=torch.bool).tril(-1)] = FULL
+    causal[range(n), range(n)] = PARTIAL
+    docs = causal.clone()
+    docs[4:, :3] = EMPTY
+    docs[4:, 3] = PARTIAL
+    maps += [causal, docs, torch.cat([torch.full((n, 3), FULL, dtype=torch.int8), causal], 1)]
+    for m in maps:
+        nq, nk = m.shape
+        for Lq, Lk in ((nq * bs, nk * bs), (nq * bs - 1, nk * bs - 3)):
+            groups = T._plan(m, Lq=Lq, Lk=Lk, block_size=bs, fused=True)
+            cover = _cover(groups, m.shape, bs)
+            ne = m != EMPTY
+            assert torch.equal(cover[ne], torch.ones_like(cover[ne]))
+            for gr in groups:
+                assert 0 <= gr.q0 < gr.q1 <= Lq and 0 <= gr.k0 < gr.k1 <= Lk
+                c = gr.codes
+                if gr.causal:
+                    k = c.shape[0]
+                    assert c.shape == (k, k) and gr.q1 - gr.q0 == gr.k1 - gr.k0 == k * bs
+                    tri = torch.ones(k, k, dtype=torch.bool)
+                    assert (c[tri.tril(-1)] == FULL).all() and (c[tri.triu(1)] == EMPTY).all()
+                    assert (c.diagonal() == PARTIAL).all()
+                else:                       # either an unmasked FULL piece or no FULL column
+                    full_col = (c == FULL).all(0)
+                    assert bool(full_col.all()) or not bool(full_col.any())
+    # the causal and shifted-causal maps become one causal call (+ one FULL piece)
+    groups = T._plan(maps[-3], Lq=n * bs, Lk=n * bs, block_size=bs, fused=True)
+    assert [(gr.causal, gr.q0, gr.q1, gr.k0, gr.k1) for gr in groups] == [(True, 0, 32, 0, 32)]
+    groups = T._plan(maps[-1], Lq=n * bs, Lk=(n + 3) * bs, block_size=bs, fused=True)
+    assert sorted((gr.causal, gr.k0, gr.k1) for gr in groups) == [(False, 0, 12), (True, 12, 44)]
+
+
+def fused_cases(S: int):
+    """(name, mask_mod, q_pos, kv_pos) for tiles of every kind the fused split meets."""
+    g = torch.Generator().manual_seed(62)
+    causal = lambda b, h, q, kv: q >= kv                                   # noqa: E731
+    docs, _ = ragged_docs([0, 5, 30, 31, 47, 80, S])
+    window = lambda b, h, q, kv: (q >= kv) & (q - kv < 24)                 # noqa: E731
+    per_head = lambda b, h, q, kv: (q >= kv) & ((h == 0) | (q - kv < 20))  # noqa: E731
+    prefix = lambda b, h, q, kv: (q >= kv) | (kv < 10)                     # noqa: E731
+    pos = torch.arange(S)
+    half = S // 2
+    zig = torch.cat([pos[: half // 2], pos[S - half // 2:]])               # zigzag chunk
+    return [("causal", causal, pos, pos),
+            ("causal_tail", causal, pos[:S - 5], pos[:S - 5]),             # Lq % bs != 0
+            ("causal_shifted", causal, pos[half:], pos),                   # Lq != Lk
+            ("causal_zigzag", causal, zig, zig),
+            ("causal_permuted", causal, torch.randperm(S, generator=g), pos),
+            ("docs", docs, pos, pos),
+            ("docs_shifted", docs, pos[half:], pos[16:]),
+            ("window", window, pos, pos),
+            ("per_head", per_head, pos, pos),
+            ("prefix", prefix, pos, pos)]
+
+
+@pytest.mark.parametrize("case", [c[0] for c in fused_cases(96)])
+def test_fused_calls_equal_reference_float64(case):
+    S, B, H, G, D, bs = 96, 2, 4, 2, 8, 16
+    name, mod, q_pos, kv_pos = next(c for c in fused_cases(S) if c[0] == case)
+    q, k, v = make_qkv(B=B, H=H, G=G, S=S, D=D, seed=63)
+    q, k, v = q[:, :, q_pos], k[:, :, kv_pos], v[:, :, kv_pos]
+    gen = torch.Generator().manual_seed(64)
+    dout = torch.randn(q.shape, generator=gen, dtype=q.dtype)
+    dlse = torch.randn(q.shape[:3], generator=gen, dtype=q.dtype)
+    blocks = block_map(mod, q_pos, kv_pos, B=B, H=H, block_size=bs)
+    kw = dict(q_pos=q_pos, kv_pos=kv_pos, mask_mod=mod)
+    want_o, want_l = tile_forward(q, k, v, kernel="reference", **kw)
+    want_g = tile_backward(q, k, v, want_o, want_l, dout, kernel="reference", dlse=dlse, **kw)
+    for extra in (dict(blocks=blocks, block_size=bs), {}):
+        out, lse = tile_forward(q, k, v, kernel="sdpa", **kw, **extra)
+        assert_close((out, lse), (want_o, want_l), **TIGHT)
+        got = tile_backward(q, k, v, want_o, want_l, dout, kernel="sdpa", dlse=dlse, **kw,
+                            **extra)
+        assert_close(got, want_g, **TIGHT)
+
+
+def test_fused_calls_are_the_ones_the_kernel_likes(monkeypatch):
+    import fringe.ops._fast as fast
+
+    S, B, H, D, bs = 96, 1, 2, 8, 16
+    assert fast.SDPA.available("cpu")[0] and fast.SDPA.native_causal    # self-test done first
+    calls = []
+    for phase in ("_forward", "_backward"):
+        real = getattr(fast.SdpaKernel, phase)
+
+        def spy(self, q, k, *a, _real=real, _phase=phase, **kw):
+            calls.append((_phase, bool(kw.get("causal")), kw.get("mask") is not None,
+                          q.shape[2], k.shape[2]))
+            return _real(self, q, k, *a, **kw)
+
+        monkeypatch.setattr(fast.SdpaKernel, phase, spy)
+    q, k, v = make_qkv(B=B, H=H, G=H, S=S, D=D, seed=65)
+    cases = {c[0]: c for c in fused_cases(S)}
+    for name in ("causal", "causal_zigzag", "docs"):
+        _, mod, q_pos, kv_pos = cases[name]
+        kw = dict(q_pos=q_pos, kv_pos=kv_pos, mask_mod=mod, kernel="sdpa",
+                  blocks=block_map(mod, q_pos, kv_pos, B=B, H=H, block_size=bs), block_size=bs)
+        calls.clear()
+        qt, kt, vt = q[:, :, q_pos], k[:, :, kv_pos], v[:, :, kv_pos]
+        out, lse = tile_forward(qt, kt, vt, **kw)
+        tile_backward(qt, kt, vt, out, lse, out, **kw)
+        if name != "docs":          # a causal tile (zigzag chunks too): one is_causal call each
+            n = q_pos.numel()
+            assert calls == [("_forward", True, False, n, n), ("_backward", True, False, n, n)]
+            continue
+        # documents [47, 80) and [80, 96) hold whole diagonal blocks (3, 4 and 5): causal
+        # squares there; fewer pairs carry a float mask than in one-masked-call-per-group
+        fwd = [c for c in calls if c[0] == "_forward"]
+        assert [c[3] for c in fwd if c[1]] == [32, 16]
+        assert len(fwd) == len(calls) // 2
+        masked = sum(c[3] * c[4] for c in fwd if c[2])
+        calls.clear()
+        monkeypatch.setattr(fast.SDPA, "fused_calls", False)
+        tile_forward(qt, kt, vt, **kw)
+        monkeypatch.setattr(fast.SDPA, "fused_calls", True)
+        assert not any(c[1] for c in calls)
+        assert masked < 0.6 * sum(c[3] * c[4] for c in calls if c[2])
+    # the whole-tile path (no block map) runs a square lower-triangular tile with is_causal
+    calls.clear()
+    pos = torch.arange(S)
+    tile_forward(q, k, v, q_pos=pos, kv_pos=pos, mask_mod=cases["causal"][1], kernel="sdpa")
+    assert calls == [("_forward", True, False, S, S)]

@@ -12,7 +12,9 @@ Measured on torch 2.13 CPU (``_scaled_dot_product_flash_attention_for_cpu``):
 - it takes float (0 / -inf) masks only, a bool mask is rejected -> we build an additive bias;
 - a fully masked row gets lse = 0 (not -inf) and out = 0 -> we set lse to -inf for those rows;
   in the backward a globally dead row's lse (-inf) is replaced by 0 so p = exp(-inf - 0) = 0;
-- ``is_causal`` aligns top-left when Lq < Lk -> never used; masks are always explicit;
+- ``is_causal`` aligns top-left when Lq < Lk -> used only for square sub-problems whose mask is
+  exactly lower-triangular (``fused_calls``: ``fringe/ops/tile.py`` splits a tile so that the
+  diagonal pieces are square); the self-test checks it, else an explicit mask is used;
 - it accepts G < H (GQA, kv head ``h // (H/G)``) natively in forward and backward; the
   self-test checks this and we expand k/v (inside this kernel only) if it ever stops holding;
 - its ``_backward`` op accepts the GLOBAL merged out/lse (flash-attention style).
@@ -34,7 +36,7 @@ import math
 
 import torch
 
-from .reference import REFERENCE, compute_dtype
+from .reference import REFERENCE, causal_mask, compute_dtype
 
 _FWD = "_scaled_dot_product_flash_attention_for_cpu"
 _BWD = "_scaled_dot_product_flash_attention_for_cpu_backward"
@@ -55,11 +57,15 @@ class SdpaKernel:
     """Fused CPU SDPA (flash attention for CPU) with an additive mask; see the module notes."""
 
     name = "sdpa"
+    #: tile.py splits a tile into calls this kernel likes: ``causal=True`` for square
+    #: lower-triangular pieces, no mask for FULL ones, a float mask only where needed.
+    fused_calls = True
 
     def __init__(self) -> None:
         self._status: dict[str, tuple[bool, str]] = {}
         self.native_gqa = True
         self.exact_dlse = True
+        self.native_causal = True
 
     # -- availability --------------------------------------------------------------------------
 
@@ -111,6 +117,17 @@ class SdpaKernel:
         if not close(self._backward(q, k, v, ro, rl, dout, **kw),
                      REFERENCE.backward(q, k, v, ro, rl, dout, **kw)):
             return False
+        # is_causal on a square call equals the lower-triangular mask
+        sq = dict(q_pos=torch.arange(Lq), kv_pos=torch.arange(Lq), mask=None, scale=0.3)
+        tril = torch.ones(Lq, Lq, dtype=torch.bool).tril()[None, None]
+        co, cl = self._forward(q, k[:, :, :Lq], v[:, :, :Lq], causal=True, **sq)
+        ro2, rl2 = REFERENCE.forward(q, k[:, :, :Lq], v[:, :, :Lq], **{**sq, "mask": tril})
+        self.native_causal = (torch.allclose(co, ro2, atol=1e-9)
+                              and torch.allclose(cl, rl2, atol=1e-9)
+                              and close(self._backward(q, k[:, :, :Lq], v[:, :, :Lq], ro2, rl2,
+                                                       dout, causal=True, **sq),
+                                        REFERENCE.backward(q, k[:, :, :Lq], v[:, :, :Lq], ro2,
+                                                           rl2, dout, **{**sq, "mask": tril})))
         # the lse cotangent rides on out (see _backward); then the padded route (rows whose
         # dout is zero or underflows)
         dlse = torch.randn(B, H, Lq, generator=g, dtype=torch.float64)
@@ -127,22 +144,32 @@ class SdpaKernel:
 
     # -- kernel interface ----------------------------------------------------------------------
 
-    def forward(self, q, k, v, *, q_pos, kv_pos, mask=None, score_mod=None, scale):
-        if not self._usable(q, score_mod) or (mask is not None and not _finite(k)):
+    def forward(self, q, k, v, *, q_pos, kv_pos, mask=None, score_mod=None, scale,
+                causal=False):
+        masked = mask is not None or causal
+        if not self._usable(q, score_mod) or (masked and not _finite(k)):
             return REFERENCE.forward(q, k, v, q_pos=q_pos, kv_pos=kv_pos, mask=mask,
-                                     score_mod=score_mod, scale=scale)
-        return self._forward(q, k, v, q_pos=q_pos, kv_pos=kv_pos, mask=mask, scale=scale)
+                                     score_mod=score_mod, scale=scale, causal=causal)
+        if causal and not self.native_causal:
+            mask, causal = causal_mask(q, k, mask, causal), False
+        causal_mask(q, k, mask, causal)                       # validates a causal call
+        return self._forward(q, k, v, q_pos=q_pos, kv_pos=kv_pos, mask=mask, scale=scale,
+                             causal=causal)
 
     def backward(self, q, k, v, out, lse, dout, *, q_pos, kv_pos, mask=None, score_mod=None,
-                 scale, dlse=None, score_params=()):
+                 scale, dlse=None, score_params=(), causal=False):
+        masked = mask is not None or causal
         if (not self._usable(q, score_mod) or score_params
                 or (dlse is not None and not self.exact_dlse)
-                or (mask is not None and not _finite(q, k, v, out, dout, lse.clamp_min(0.0)))):
+                or (masked and not _finite(q, k, v, out, dout, lse.clamp_min(0.0)))):
             return REFERENCE.backward(q, k, v, out, lse, dout, q_pos=q_pos, kv_pos=kv_pos,
                                       mask=mask, score_mod=score_mod, scale=scale, dlse=dlse,
-                                      score_params=score_params)
+                                      score_params=score_params, causal=causal)
+        if causal and not self.native_causal:
+            mask, causal = causal_mask(q, k, mask, causal), False
+        causal_mask(q, k, mask, causal)
         return self._backward(q, k, v, out, lse, dout, q_pos=q_pos, kv_pos=kv_pos, mask=mask,
-                              scale=scale, dlse=dlse)
+                              scale=scale, dlse=dlse, causal=causal)
 
     # -- the op calls --------------------------------------------------------------------------
 
@@ -157,11 +184,11 @@ class SdpaKernel:
             return k, v
         return _expand_kv(k, H), _expand_kv(v, H)
 
-    def _forward(self, q, k, v, *, q_pos, kv_pos, mask, scale):
+    def _forward(self, q, k, v, *, q_pos, kv_pos, mask, scale, causal=False):
         H = q.shape[1]
         kk, vv = self._kv(k, v, H)
         op = getattr(torch.ops.aten, _FWD)
-        out, lse = op(q, kk, vv, 0.0, False, attn_mask=self._bias(mask, q.dtype), scale=scale)
+        out, lse = op(q, kk, vv, 0.0, causal, attn_mask=self._bias(mask, q.dtype), scale=scale)
         lse = lse.to(compute_dtype(q.dtype))
         if mask is not None:
             dead = ~mask.any(dim=-1)                                   # [B|1, H|1, Lq]
@@ -170,7 +197,8 @@ class SdpaKernel:
                 out = out.masked_fill(dead.unsqueeze(-1), 0.0)
         return out, lse
 
-    def _backward(self, q, k, v, out, lse, dout, *, q_pos, kv_pos, mask, scale, dlse=None):
+    def _backward(self, q, k, v, out, lse, dout, *, q_pos, kv_pos, mask, scale, dlse=None,
+                  causal=False):
         B, H, Lq, D = q.shape
         G = k.shape[1]
         kk, vv = self._kv(k, v, H)
@@ -187,7 +215,7 @@ class SdpaKernel:
             dl = dlse.to(ct).masked_fill(dead, 0.0)
             q, kk, vv, dout, out = _pad_column(q, kk, vv, dout, out, dl)
         op = getattr(torch.ops.aten, _BWD)
-        dq, dk, dv = op(dout.contiguous(), q, kk, vv, out.contiguous(), lse, 0.0, False,
+        dq, dk, dv = op(dout.contiguous(), q, kk, vv, out.contiguous(), lse, 0.0, causal,
                         attn_mask=self._bias(mask, q.dtype), scale=scale)
         if pad:
             dq, dk, dv = dq[..., :D], dk[..., :D], dv[..., :D]

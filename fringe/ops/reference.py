@@ -458,15 +458,35 @@ class ReferenceKernel:
     def available(self, device: torch.device | None = None) -> tuple[bool, str]:
         return True, "always available"
 
-    def forward(self, q, k, v, *, q_pos, kv_pos, mask=None, score_mod=None, scale):
+    def forward(self, q, k, v, *, q_pos, kv_pos, mask=None, score_mod=None, scale,
+                causal=False):
+        mask = causal_mask(q, k, mask, causal)
         with torch.no_grad():
             return attend(q, k, v, q_pos=q_pos, kv_pos=kv_pos, mask=mask, score_mod=score_mod,
                           scale=scale)
 
     def backward(self, q, k, v, out, lse, dout, *, q_pos, kv_pos, mask=None, score_mod=None,
-                 scale, dlse=None, score_params=()):
-        return grad_tile(q, k, v, out, lse, dout, q_pos=q_pos, kv_pos=kv_pos, mask=mask,
-                         score_mod=score_mod, scale=scale, dlse=dlse, score_params=score_params)
+                 scale, dlse=None, score_params=(), causal=False):
+        return grad_tile(q, k, v, out, lse, dout, q_pos=q_pos, kv_pos=kv_pos,
+                         mask=causal_mask(q, k, mask, causal), score_mod=score_mod, scale=scale,
+                         dlse=dlse, score_params=score_params)
+
+
+def causal_mask(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None,
+                causal: bool) -> torch.Tensor | None:
+    """``mask``, or for ``causal=True`` the lower-triangular bool mask of a square sub-problem.
+
+    Raises:
+        ValueError: for ``causal`` with a mask too, or a sub-problem that is not square.
+    """
+    if not causal:
+        return mask
+    Lq, Lk = q.shape[2], k.shape[2]
+    if mask is not None or Lq != Lk:
+        raise ValueError(f"causal=True needs a square sub-problem and no mask (got Lq={Lq}, "
+                         f"Lk={Lk}, mask {'given' if mask is not None else 'None'}); split the "
+                         f"call so the diagonal piece is square")
+    return torch.ones(Lq, Lk, dtype=torch.bool, device=q.device).tril()[None, None]
 
 
 REFERENCE = ReferenceKernel()

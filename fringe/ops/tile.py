@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -36,16 +37,59 @@ GROUP_SLACK = 1.25
 
 @dataclass(frozen=True)
 class _Group:
-    """One dense sub-problem: q rows ``[q0, q1)`` x kv rows ``[k0, k1)`` (element indices)."""
+    """One dense sub-problem: q rows ``[q0, q1)`` x kv rows ``[k0, k1)`` (element indices).
+
+    ``causal``: the sub-problem is square and its mask is exactly lower-triangular (``q >= kv``
+    in local indices), so a fused kernel runs it with ``is_causal`` and no mask.
+    """
 
     q0: int
     q1: int
     k0: int
     k1: int
     codes: torch.Tensor  # BlockKind codes of the blocks covered, [q-blocks, kv-blocks]
+    causal: bool = False
 
 
-def _plan(blocks: torch.Tensor, *, Lq: int, Lk: int, block_size: int) -> list[_Group]:
+CausalCheck = Callable[[int, int], bool]
+
+
+def _plan(blocks: torch.Tensor, *, Lq: int, Lk: int, block_size: int, fused: bool = False,
+          causal_block: CausalCheck | None = None) -> list[_Group]:
+    """Split a tile's block map into dense sub-problems (kernel calls).
+
+    Always: consecutive q-block rows are grouped over their non-empty kv block ranges (a row
+    joins while the group's rectangle costs at most :data:`GROUP_SLACK` times the exact cost).
+
+    With ``fused`` (kernels that like few large calls without masks, see ``fused_calls``):
+
+    1. *causal runs*: a diagonal run of PARTIAL blocks ``(i+t, j+t)``, ``t < n``, with FULL
+       blocks below the diagonal and EMPTY ones above inside the square, and each diagonal
+       block exactly lower-triangular, is one square ``causal`` call (the fused op skips the
+       upper half itself). ``causal_block(i, j)`` is the exact element-level check of one
+       block; without it (the cost model, which sees block maps only) the block pattern decides.
+    2. the rest is grouped by rows as above, and each group's kv range is cut where its
+       columns switch between all-FULL (a call without a mask) and mixed (a float mask only
+       over the columns that need one); all-EMPTY columns and rows are dropped.
+
+    Every non-empty block is covered by exactly one sub-problem, so the results sum (dk, dv)
+    or merge (out, lse) to the unsplit ones.
+    """
+    bs = block_size
+    if not fused:
+        return _row_groups(blocks, Lq=Lq, Lk=Lk, block_size=bs)
+    work = blocks.clone()
+    out = []
+    for i, j, n in _causal_runs(blocks, Lq=Lq, Lk=Lk, block_size=bs, check=causal_block):
+        out.append(_Group(i * bs, (i + n) * bs, j * bs, (j + n) * bs,
+                          blocks[i:i + n, j:j + n], causal=True))
+        work[i:i + n, j:j + n] = int(BlockKind.EMPTY)
+    for g in _row_groups(work, Lq=Lq, Lk=Lk, block_size=bs):
+        out.extend(_split_columns(g, block_size=bs, Lq=Lq, Lk=Lk))
+    return out
+
+
+def _row_groups(blocks: torch.Tensor, *, Lq: int, Lk: int, block_size: int) -> list[_Group]:
     """Group consecutive q-block rows into dense sub-problems over non-empty kv block ranges."""
     nq, nk = blocks.shape
     ne = blocks != int(BlockKind.EMPTY)
@@ -76,6 +120,90 @@ def _plan(blocks: torch.Tensor, *, Lq: int, Lk: int, block_size: int) -> list[_G
     return [_Group(qb0 * bs, min(qb1 * bs, Lq), kb0 * bs, min(kb1 * bs, Lk),
                    blocks[qb0:qb1, kb0:kb1])
             for qb0, qb1, kb0, kb1 in groups]
+
+
+def _causal_runs(blocks: torch.Tensor, *, Lq: int, Lk: int, block_size: int,
+                 check: CausalCheck | None) -> list[tuple[int, int, int]]:
+    """Maximal diagonal runs ``(i, j, n)`` of lower-triangular blocks (see :func:`_plan`)."""
+    nq, nk = blocks.shape
+    EMPTY, FULL, PARTIAL = int(BlockKind.EMPTY), int(BlockKind.FULL), int(BlockKind.PARTIAL)
+    nqf, nkf = min(nq, Lq // block_size), min(nk, Lk // block_size)   # full-size blocks only
+    if nqf == 0 or nkf == 0:
+        return []
+    c = blocks[:nqf, :nkf]
+    pad = torch.full((nq + 1, nk + 1), EMPTY, dtype=blocks.dtype)
+    pad[1:, :nk] = blocks
+    right_empty = pad[1:nqf + 1, 1:nkf + 1] == EMPTY          # block (i, j+1), EMPTY past edge
+    above_empty = pad[:nqf, :nkf] == EMPTY                     # block (i-1, j)
+    cand = ((c == PARTIAL) & right_empty & above_empty).nonzero().tolist()
+    if not cand:
+        return []
+    cset = {(i, j) for i, j in cand}
+    memo: dict[tuple[int, int], bool] = {}
+
+    def ok(i: int, j: int) -> bool:
+        if check is None:
+            return True
+        if (i, j) not in memo:
+            memo[(i, j)] = bool(check(i, j))
+        return memo[(i, j)]
+
+    runs, taken = [], set()
+    for i, j in cand:
+        if (i, j) in taken or not ok(i, j):
+            continue
+        n = 1
+        while ((i + n, j + n) in cset and bool((blocks[i + n, j:j + n] == FULL).all())
+               and bool((blocks[i:i + n, j + n] == EMPTY).all()) and ok(i + n, j + n)):
+            n += 1
+        taken.update((i + t, j + t) for t in range(n))
+        runs.append((i, j, n))
+    return runs
+
+
+def _split_columns(g: _Group, *, block_size: int, Lq: int, Lk: int) -> list[_Group]:
+    """Cut a group's kv range where its columns switch between all-FULL and mixed."""
+    codes = g.codes
+    ne = codes != int(BlockKind.EMPTY)
+    full_col = (codes == int(BlockKind.FULL)).all(0).tolist()
+    live_col = ne.any(0).tolist()
+    if all(full_col) or (not any(full_col) and all(live_col)):
+        return [g]
+    bs = block_size
+    qb0, kb0 = g.q0 // bs, g.k0 // bs
+    out, j, nk = [], 0, codes.shape[1]
+    while j < nk:
+        if not live_col[j]:
+            j += 1
+            continue
+        e = j + 1
+        while e < nk and live_col[e] and full_col[e] == full_col[j]:
+            e += 1
+        rows = ne[:, j:e].any(1).nonzero().flatten()
+        r0, r1 = int(rows[0]), int(rows[-1]) + 1
+        piece = _Group((qb0 + r0) * bs, min((qb0 + r1) * bs, Lq), (kb0 + j) * bs,
+                       min((kb0 + e) * bs, Lk), codes[r0:r1, j:e])
+        if full_col[j] or (r0, r1) == (0, codes.shape[0]):
+            out.append(piece)
+        else:                   # fewer rows: a column may have become all-FULL; split again
+            out.extend(_split_columns(piece, block_size=bs, Lq=Lq, Lk=Lk))
+        j = e
+    return out
+
+
+def _tril_check(mask_mod: MaskMod | None, q_pos: torch.Tensor, kv_pos: torch.Tensor, *, B: int,
+                H: int, block_size: int) -> CausalCheck:
+    """The exact check of one block: its mask is ``tril`` (for every b, h)."""
+    tril = torch.ones(block_size, block_size, dtype=torch.bool, device=q_pos.device).tril()
+
+    def check(i: int, j: int) -> bool:
+        if mask_mod is None:
+            return False
+        rows = slice(i * block_size, (i + 1) * block_size)
+        cols = slice(j * block_size, (j + 1) * block_size)
+        return bool((mask_for(mask_mod, q_pos[rows], kv_pos[cols], B=B, H=H) == tril).all())
+
+    return check
 
 
 def _group_mask(g: _Group, mask_mod: MaskMod | None, q_pos: torch.Tensor, kv_pos: torch.Tensor,
@@ -109,6 +237,32 @@ def _group_mask(g: _Group, mask_mod: MaskMod | None, q_pos: torch.Tensor, kv_pos
         box = mask[..., r0:r1, c0:c1]
         box |= m & elems(partial)[r0:r1, c0:c1]
     return mask
+
+
+def _calls(kern, blocks: torch.Tensor, mask_mod: MaskMod | None, q_pos: torch.Tensor,
+           kv_pos: torch.Tensor, *, B: int, H: int, block_size: int):
+    """``(group, mask kwargs)`` for each kernel call of a tile with a block map."""
+    fused = bool(getattr(kern, "fused_calls", False))
+    Lq, Lk = q_pos.numel(), kv_pos.numel()
+    check = _tril_check(mask_mod, q_pos, kv_pos, B=B, H=H, block_size=block_size)
+    for g in _plan(blocks.cpu(), Lq=Lq, Lk=Lk, block_size=block_size, fused=fused,
+                   causal_block=check):
+        if g.causal:
+            yield g, dict(mask=None, causal=True)
+        else:
+            yield g, dict(mask=_group_mask(g, mask_mod, q_pos, kv_pos, B=B, H=H,
+                                           block_size=block_size))
+
+
+def _whole(kern, mask: torch.Tensor | None) -> dict:
+    """Mask kwargs for a tile without a block map: ``causal`` when a fused kernel can take it
+    (a square tile whose mask is exactly lower-triangular for every b, h)."""
+    if (mask is not None and getattr(kern, "fused_calls", False)
+            and mask.shape[-1] == mask.shape[-2]):
+        n = mask.shape[-1]
+        if bool((mask == torch.ones(n, n, dtype=torch.bool, device=mask.device).tril()).all()):
+            return dict(mask=None, causal=True)
+    return dict(mask=mask)
 
 
 def _prepare(q, k, v, *, q_pos, kv_pos, kind, blocks, block_size, kernel, score_mod, scale):
@@ -169,17 +323,21 @@ def tile_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, q_pos: to
     kw = dict(score_mod=score_mod, scale=scale)
     if blocks is None:
         mask = mask_for(mask_mod, q_pos, kv_pos, B=B, H=H) if kind == BlockKind.PARTIAL else None
-        return kern.forward(q, k, v, q_pos=q_pos, kv_pos=kv_pos, mask=mask, **kw)
-    out = q.new_zeros(B, H, Lq, D)
-    lse = torch.full((B, H, Lq), -math.inf, dtype=compute_dtype(q.dtype), device=q.device)
-    for g in _plan(blocks.cpu(), Lq=Lq, Lk=Lk, block_size=block_size):
-        qp, kp = q_pos[g.q0:g.q1], kv_pos[g.k0:g.k1]
-        mask = _group_mask(g, mask_mod, q_pos, kv_pos, B=B, H=H, block_size=block_size)
-        o, l = kern.forward(q[:, :, g.q0:g.q1], k[:, :, g.k0:g.k1], v[:, :, g.k0:g.k1],
-                            q_pos=qp, kv_pos=kp, mask=mask, **kw)
-        out[:, :, g.q0:g.q1] = o
-        lse[:, :, g.q0:g.q1] = l
-    return out, lse
+        return kern.forward(q, k, v, q_pos=q_pos, kv_pos=kv_pos, **_whole(kern, mask), **kw)
+    ct = compute_dtype(q.dtype)
+    out = torch.zeros(B, H, Lq, D, dtype=ct, device=q.device)
+    lse = torch.full((B, H, Lq), -math.inf, dtype=ct, device=q.device)
+    seen = torch.zeros(Lq, dtype=torch.bool)
+    for g, mkw in _calls(kern, blocks, mask_mod, q_pos, kv_pos, B=B, H=H, block_size=block_size):
+        rows, cols = slice(g.q0, g.q1), slice(g.k0, g.k1)
+        o, l = kern.forward(q[:, :, rows], k[:, :, cols], v[:, :, cols], q_pos=q_pos[rows],
+                            kv_pos=kv_pos[cols], **mkw, **kw)
+        if bool(seen[rows].any()):            # these rows have a piece already: merge
+            o, l = merge(out[:, :, rows], lse[:, :, rows], o, l)
+        out[:, :, rows] = o
+        lse[:, :, rows] = l
+        seen[rows] = True
+    return out.to(q.dtype), lse
 
 
 def tile_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
@@ -232,25 +390,25 @@ def tile_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.
     kw = dict(score_mod=score_mod, scale=scale, dlse=dlse, score_params=score_params)
     if blocks is None:
         mask = mask_for(mask_mod, q_pos, kv_pos, B=B, H=H) if kind == BlockKind.PARTIAL else None
-        return kern.backward(q, k, v, out, lse, dout, q_pos=q_pos, kv_pos=kv_pos, mask=mask, **kw)
+        return kern.backward(q, k, v, out, lse, dout, q_pos=q_pos, kv_pos=kv_pos,
+                             **_whole(kern, mask), **kw)
     ct = compute_dtype(q.dtype)
-    dq = q.new_zeros(B, H, Lq, D)
+    dq = torch.zeros(B, H, Lq, D, dtype=ct, device=q.device)
     dk = torch.zeros(B, G, Lk, D, dtype=ct, device=k.device)
     dv = torch.zeros(B, G, Lk, D, dtype=ct, device=v.device)
     dparams = [torch.zeros_like(p) for p in score_params]
-    for g in _plan(blocks.cpu(), Lq=Lq, Lk=Lk, block_size=block_size):
+    for g, mkw in _calls(kern, blocks, mask_mod, q_pos, kv_pos, B=B, H=H, block_size=block_size):
         rows, cols = slice(g.q0, g.q1), slice(g.k0, g.k1)
-        mask = _group_mask(g, mask_mod, q_pos, kv_pos, B=B, H=H, block_size=block_size)
         kw["dlse"] = None if dlse is None else dlse[:, :, rows]
         res = kern.backward(q[:, :, rows], k[:, :, cols], v[:, :, cols],
                             out[:, :, rows], lse[:, :, rows], dout[:, :, rows],
-                            q_pos=q_pos[rows], kv_pos=kv_pos[cols], mask=mask, **kw)
-        dq[:, :, rows] = res[0]
+                            q_pos=q_pos[rows], kv_pos=kv_pos[cols], **mkw, **kw)
+        dq[:, :, rows] += res[0]
         dk[:, :, cols] += res[1]
         dv[:, :, cols] += res[2]
         for acc, gp in zip(dparams, res[3] if score_params else ()):
             acc += gp
-    grads = (dq, dk.to(k.dtype), dv.to(v.dtype))
+    grads = (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype))
     return (*grads, tuple(dparams)) if score_params else grads
 
 
