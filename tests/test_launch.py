@@ -3,8 +3,9 @@ dirs go on every path that can run cleanup and stale ones are swept at the next 
 failed start leaks nothing, and a pool broken by a timeout or a dead rank says so and restarts.
 
 No clocks are asserted: where a process must die we poll with a generous deadline. Process
-spawns are few (each costs seconds of torch import): two parents of two workers each, run
-side by side, one failed single-rank start, and one pool started twice.
+spawns are few (each costs seconds of torch import): two parents of two workers each (one
+in ``run``, one holding a ``Workers`` pool), run side by side, one failed single-rank start,
+and one pool started twice.
 """
 from __future__ import annotations
 
@@ -25,19 +26,26 @@ from fringe import launch
 from fringe.launch import LaunchError, Workers
 
 DEADLINE_S = 120.0       # generous: the box is 2 shared cores and torch imports take seconds
+STARTUP_DEADLINE_S = 300.0   # three torch imports per launcher, two launchers side by side
 
 PARENT = textwrap.dedent("""
     import json, os, sys, time
-    from fringe.launch import Workers
+    from fringe.launch import Workers, run
 
     def hold(rank, world_size):
+        # one write per line (below PIPE_BUF, so atomic): the ranks share the parent's stdout
+        sys.stdout.write(json.dumps({"rank": rank, "pid": os.getpid()}) + "\\n")
+        sys.stdout.flush()
         time.sleep(600)
 
     if __name__ == "__main__":
-        w = Workers(2, timeout_s=600)
-        w.start()
-        print(json.dumps({"pids": w.pids, "dir": w.directory}), flush=True)
-        w.run(hold)           # blocked here, as a launcher is while its ranks work
+        if sys.argv[1] == "run":
+            run(hold, world_size=2, timeout_s=600)  # blocked here, as a launcher is
+        else:
+            w = Workers(2, timeout_s=600)
+            w.start()
+            print(json.dumps({"pids": w.pids, "dir": w.directory}), flush=True)
+            w.run(hold)
 """)
 
 
@@ -68,38 +76,55 @@ def _wait_gone(pids: list[int], deadline_s: float = DEADLINE_S) -> list[int]:
     return [p for p in pids if not _gone(p)]
 
 
-def _read_first_line(proc: subprocess.Popen) -> dict:
-    end = time.monotonic() + DEADLINE_S
-    while time.monotonic() < end:
+def _read_lines(proc: subprocess.Popen, n: int) -> list[dict]:
+    lines: list[dict] = []
+    end = time.monotonic() + STARTUP_DEADLINE_S
+    while len(lines) < n and time.monotonic() < end:
         ready, _, _ = select.select([proc.stdout], [], [], 0.5)
         if ready:
             line = proc.stdout.readline()
             if line:
-                return json.loads(line)
+                lines.append(json.loads(line))
+                continue
         if proc.poll() is not None:
             break
-    proc.kill()
-    _, err = proc.communicate(timeout=30)
-    raise AssertionError(f"the parent script did not report its workers: {err}")
+    if len(lines) < n:
+        code = proc.poll()
+        proc.kill()
+        _, err = proc.communicate(timeout=30)
+        raise AssertionError(f"the parent script (exit status {code}) reported {lines}, "
+                             f"expected {n} lines; its stderr: {err}")
+    return lines
 
 
 @pytest.fixture(scope="module")
 def parents(tmp_path_factory):
-    """Two launcher processes (one to SIGTERM, one to SIGKILL), each holding 2 workers that
-    are busy in a call; started side by side to pay the spawn cost once."""
+    """Two launchers whose 2 workers are busy in a call: ``fringe.launch.run`` (to SIGTERM)
+    and a :class:`Workers` pool (to SIGKILL), started side by side to pay the spawn cost
+    once. Each reports its worker pids and temp dir."""
     root = tmp_path_factory.mktemp("launch")
     script = root / "parent.py"
     script.write_text(PARENT)
     procs, infos = {}, {}
-    for name in ("term", "kill"):
+    for name, mode in (("term", "run"), ("kill", "workers")):
         tmp = root / name
         tmp.mkdir()
         env = dict(os.environ, TMPDIR=str(tmp), PYTHONUNBUFFERED="1")
-        procs[name] = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE,
+        procs[name] = subprocess.Popen([sys.executable, str(script), mode], stdout=subprocess.PIPE,
                                        stderr=subprocess.PIPE, text=True, env=env, cwd=root)
     try:
         for name, proc in procs.items():
-            infos[name] = dict(_read_first_line(proc), proc=proc, tmp=root / name)
+            tmp = root / name
+            if name == "kill":
+                pool, *held = _read_lines(proc, 3)          # the pool, then both ranks in hold
+                assert sorted(h["pid"] for h in held) == sorted(pool["pids"])
+                pids, directory = pool["pids"], pool["dir"]
+            else:
+                pids = [h["pid"] for h in _read_lines(proc, 2)]
+                dirs = list(tmp.glob(f"fringe-launch-{proc.pid}-*"))
+                assert len(dirs) == 1, dirs
+                directory = str(dirs[0])
+            infos[name] = dict(pids=pids, dir=directory, proc=proc, tmp=tmp)
         yield infos
     finally:
         for name, proc in procs.items():         # only if a test failed half-way
@@ -111,25 +136,25 @@ def parents(tmp_path_factory):
                     os.kill(pid, signal.SIGKILL)
 
 
-def test_sigterm_to_the_launcher_stops_its_workers_and_removes_its_dir(parents):
+def test_sigterm_to_a_run_launcher_stops_its_workers_and_removes_its_dir(parents):
     info = parents["term"]
     proc = info["proc"]
     assert os.path.isdir(info["dir"]) and os.path.basename(info["dir"]).startswith(
         f"fringe-launch-{proc.pid}-")
     assert not any(_gone(pid) for pid in info["pids"]), "workers should be running"
     proc.send_signal(signal.SIGTERM)
-    proc.communicate(timeout=DEADLINE_S)
+    proc.wait(timeout=DEADLINE_S)          # (its workers still hold its stdout)
     assert proc.returncode == -signal.SIGTERM      # it still dies of the signal (shell: 143)
     assert not os.path.exists(info["dir"])         # the handler removed it before dying
     assert _wait_gone(info["pids"]) == []
 
 
-def test_sigkill_to_the_launcher_stops_its_workers_and_the_next_launch_sweeps(parents):
+def test_sigkill_to_a_pool_launcher_stops_its_workers_and_the_next_launch_sweeps(parents):
     info = parents["kill"]
     proc = info["proc"]
     assert not any(_gone(pid) for pid in info["pids"]), "workers should be running"
     proc.send_signal(signal.SIGKILL)
-    proc.communicate(timeout=DEADLINE_S)
+    proc.wait(timeout=DEADLINE_S)          # (its workers still hold its stdout)
     assert proc.returncode == -signal.SIGKILL
     # nothing ran in the parent: the workers saw their lifeline close and exited by themselves
     assert _wait_gone(info["pids"]) == []
