@@ -178,3 +178,17 @@ def test_cli_simulate_rejects_bad_arguments(argv, needle, capsys):
     rc = main(["simulate", "--world-size", "2", "--seq-len", "1024", *argv])  # last one wins
     assert rc == 2
     assert needle in capsys.readouterr().err
+
+
+def test_columns_from_the_program_table_equal_walking_the_ops(monkeypatch):
+    from fringe.schedules import ir
+    ids = torch.repeat_interleave(torch.arange(3), torch.tensor([30, 20, 14]))
+    p = fringe.plan(schedules.striped(), masks.causal() & masks.document(ids), seq_len=64,
+                    world_size=4, block_size=4)
+    fast = costmodel.simulate(p, "h100-ib", SHAPE)
+    monkeypatch.setattr(ir, "ProgramTable", None)
+    slow = costmodel.simulate(p, "h100-ib", SHAPE)
+    for which in ("forward", "backward"):
+        for field in ("compute", "wait", "sent", "recv", "tiles", "active"):
+            np.testing.assert_array_equal(getattr(fast, field)[which], getattr(slow, field)[which])
+    np.testing.assert_array_equal(fast.memory, slow.memory)

@@ -327,84 +327,78 @@ class _Flat:
     live_peak: np.ndarray        # [P] peak bytes of received buffers alive at once
 
 
-def _flatten(programs: Sequence, cost: np.ndarray, L: int, shape: Shape) -> _Flat:
-    from ..schedules.ir import Compute, GradCompute, Recv, Send
-    P = len(programs)
-    cr, ct, cq, ck = [], [], [], []
-    sr, st, sp, sb = [], [], [], []
-    rr, rt, rb = [], [], []
-    ar, at = [], []
-    touch_r, touch_t, touch_b = [], [], []
-    names: dict[str, int] = {}
-    comp_types = (Compute, GradCompute)
+def _columns(programs: Sequence) -> tuple:
+    """Programs as op columns ``(rank, step, kind, a, b, c, families)``.
+
+    ``kind``: 0 compute, 1 grad compute, 2 send, 3 receive; ``(a, b, c)`` is ``(q, kv, -1)``
+    for a compute and ``(family index, chunk, peer)`` for a transfer, ``families`` the family
+    names by index. The IR's own :class:`~fringe.schedules.ir.ProgramTable` gives them without
+    building an op (P=1024 rings have millions); otherwise the ops are walked once.
+    """
+    from ..schedules import ir
+    table_cls = getattr(ir, "ProgramTable", None)
+    if table_cls is not None and hasattr(ir, "Family"):
+        t = table_cls.of(list(programs))
+        return t.rank, t.step, t.kind, t.a, t.b, t.c, [f.value for f in ir.Family]
+    families: dict[str, int] = {}
+    rows = []
     for prog in programs:
-        r = prog.rank
         for step in prog.steps:
-            t = step.index
-            ar.append(r)
-            at.append(t)
             for op in step.ops:
-                cls = type(op)
-                if cls in comp_types or isinstance(op, comp_types):
-                    cr.append(r)
-                    ct.append(t)
-                    cq.append(op.q)
-                    ck.append(op.kv)
-                    touch_r.append(r)
-                    touch_t.append(t)
-                    touch_b.append(names.setdefault(f"kv{op.kv}", len(names)))
-                elif cls is Send or isinstance(op, Send):
-                    name = str(getattr(op.buf, "name", op.buf))
-                    sr.append(r)
-                    st.append(t)
-                    sp.append(op.peer)
-                    sb.append(names.setdefault(name, len(names)))
-                    touch_r.append(r)
-                    touch_t.append(t)
-                    touch_b.append(sb[-1])
-                elif cls is Recv or isinstance(op, Recv):
-                    name = str(getattr(op.buf, "name", op.buf))
-                    rr.append(r)
-                    rt.append(t)
-                    rb.append(names.setdefault(name, len(names)))
-    steps = np.unique(np.asarray(at, dtype=np.int64))
+                if isinstance(op, (ir.Compute, ir.GradCompute)):
+                    rows.append((prog.rank, step.index, int(isinstance(op, ir.GradCompute)),
+                                 op.q, op.kv, -1))
+                else:
+                    m = _BUF.match(str(op.buf))
+                    fam = families.setdefault(m.group(1), len(families))
+                    rows.append((prog.rank, step.index, 2 if isinstance(op, ir.Send) else 3, fam,
+                                 int(m.group(2)), op.peer))
+    cols = np.array(rows, dtype=np.int64).reshape(-1, 6).T
+    return (*cols, list(families))
+
+
+def _flatten(programs: Sequence, cost: np.ndarray, L: int, shape: Shape) -> _Flat:
+    P = len(programs)
+    rank, step, kind, a, b, c, families = _columns(programs)
+    steps = np.unique(step)
     T = len(steps)
     lut = np.zeros(int(steps.max()) + 1 if T else 1, dtype=np.int64)
     lut[steps] = np.arange(T)
+    pos = lut[step]
     active = np.zeros((P, T), dtype=bool)
-    active[np.asarray(ar, dtype=np.int64), lut[np.asarray(at, dtype=np.int64)]] = True
-    cr_, ct_ = np.asarray(cr, dtype=np.int64), lut[np.asarray(ct, dtype=np.int64)]
-    tile_cost = cost[np.asarray(cq, dtype=np.int64), np.asarray(ck, dtype=np.int64)] if cr else 0.0
+    active[rank, pos] = True
+    comp = kind <= 1
     compute = np.zeros((P, T))
-    np.add.at(compute, (cr_, ct_), tile_cost)
+    np.add.at(compute, (rank[comp], pos[comp]), cost[a[comp], b[comp]])
     tiles = np.zeros((P, T), dtype=np.int64)
-    np.add.at(tiles, (cr_, ct_), 1)
-    size_of = np.array([shape.buffer_bytes(_buf_kind(nm), L) for nm in names], dtype=np.int64) \
-        if names else np.zeros(0, dtype=np.int64)
-    s_b = np.asarray(sb, dtype=np.int64)
-    sends = (np.asarray(sr, dtype=np.int64), lut[np.asarray(st, dtype=np.int64)],
-             np.asarray(sp, dtype=np.int64), size_of[s_b] if len(s_b) else np.zeros(0))
-    live_peak = _live_peak(P, T, lut, (rr, rt, rb), (touch_r, touch_t, touch_b), size_of)
+    np.add.at(tiles, (rank[comp], pos[comp]), 1)
+    fam_bytes = np.array([shape.buffer_bytes(f, L) for f in families] or [0], dtype=np.int64)
+    send = kind == 2
+    sends = (rank[send], pos[send], c[send], fam_bytes[a[send]])
+    # buffers: id = family * P + chunk; a compute touches kv<kv> (and the dkv it writes)
+    kv = families.index("kv") if "kv" in families else len(families)
+    buf = np.where(comp, kv * P + b, a * P + b)
+    recv = kind == 3
+    nfam = max(len(families), kv + 1)
+    size_of = np.zeros(nfam * P, dtype=np.int64)
+    size_of[:len(families) * P] = np.repeat(fam_bytes[:len(families)], P)
+    live_peak = _live_peak(P, T, rank[recv], pos[recv], buf[recv], rank[~recv], pos[~recv],
+                           buf[~recv], size_of)
     return _Flat(steps, active, tiles, compute, sends, live_peak)
 
 
-def _live_peak(P, T, lut, recvs, touches, size_of) -> np.ndarray:
+def _live_peak(P, T, r, start, bufs, tr, tpos, tbufs, size_of) -> np.ndarray:
     """Peak bytes of received buffers alive at once on each rank (received → last use)."""
     peak = np.zeros(P, dtype=np.int64)
-    if not recvs[0]:
+    if not len(r):
         return peak
-    NB = max(len(size_of), 1)
-    r, t, b = (np.asarray(x, dtype=np.int64) for x in recvs)
-    key_r = r * NB + b
-    tr, tt, tb = (np.asarray(x, dtype=np.int64) for x in touches)
+    NB = len(size_of)
     last = np.full(P * NB, -1, dtype=np.int64)
-    if len(tr):
-        np.maximum.at(last, tr * NB + tb, lut[tt])
-    start = lut[t]
-    end = np.maximum(last[key_r], start)            # a buffer no op touches lives one step
+    np.maximum.at(last, tr * NB + tbufs, tpos)
+    end = np.maximum(last[r * NB + bufs], start)       # a buffer nothing touches lives one step
     delta = np.zeros((P, T + 1), dtype=np.int64)
-    np.add.at(delta, (r, start), size_of[b])
-    np.add.at(delta, (r, end + 1), -size_of[b])
+    np.add.at(delta, (r, start), size_of[bufs])
+    np.add.at(delta, (r, end + 1), -size_of[bufs])
     return np.cumsum(delta, axis=1).max(axis=1)
 
 
