@@ -382,6 +382,17 @@ def test_ops_declare_reads_writes_and_adjoint():
         parse_op("S kv5<-r2")
 
 
+def test_program_table_rows_must_be_sorted_by_rank_then_step():
+    progs = [Program(0, (Step(0, (Compute(0, 0), Send("kv0", 1))),)),
+             Program(1, (Step(0, (Recv("kv0", 0), Compute(1, 1))), Step(1, (Compute(1, 0),))))]
+    tab = ProgramTable.of(progs)
+    assert tab.programs() == tuple(progs) and len(tab) == 5
+    with pytest.raises(ValueError, match="sorted by rank"):
+        ProgramTable(2, tab.rank[::-1], tab.step, tab.kind, tab.a, tab.b, tab.c)
+    with pytest.raises(ValueError, match="sorted by rank"):
+        ProgramTable(2, tab.rank, tab.step[::-1], tab.kind, tab.a, tab.b, tab.c)
+
+
 def test_hop_table_is_a_mapping_of_hops():
     table = schedules.ring_hops(4)
     assert table[1] == [Hop(0, 1, 2), Hop(1, 2, 3), Hop(2, 3, 0)] and sorted(table) == [0, 1, 2, 3]

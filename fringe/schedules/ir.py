@@ -498,7 +498,14 @@ class ProgramTable:
         import numpy as np
         self.world_size = world_size
         cols = [np.ascontiguousarray(x, dtype=np.int64) for x in (rank, step, kind, a, b, c)]
+        if len({len(x) for x in cols}) != 1:
+            raise ValueError(f"ProgramTable columns must have one length, got {[len(x) for x in cols]}")
         self.rank, self.step, self.kind, self.a, self.b, self.c = cols
+        dr, ds = np.diff(self.rank), np.diff(self.step)
+        if len(self.rank) and (self.rank.min() < 0 or self.rank.max() >= world_size
+                               or (dr < 0).any() or ((dr == 0) & (ds < 0)).any()):
+            raise ValueError(f"ProgramTable rows must be sorted by rank (each in [0, {world_size})), "
+                             f"then by step")
         bounds = np.searchsorted(self.rank, np.arange(world_size + 1))
         self._bounds = bounds.tolist()
         self._programs = tuple(Program._from_table(self, r) for r in range(world_size))

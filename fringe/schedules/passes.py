@@ -528,7 +528,9 @@ def _table_ok(tab: ProgramTable, need: np.ndarray | None, backward: bool, kv: st
         return False
     if (comp & ((a < 0) | (a >= P))).any():
         return False
-    if (comm & ((c < 0) | (c >= P) | (c == rank))).any():
+    if (comm & ((c < 0) | (c >= P) | (c == rank) | (a < 0) | (a >= _F))).any():
+        return False
+    if int(kind.min()) < C_ or int(kind.max()) > R_:
         return False
     if (int(step.max()) + 2) * P ** 3 * _F >= 2 ** 62:
         return False
