@@ -12,6 +12,10 @@ mask ``[B or 1, H or 1, Lq, Lk]``, an optional score_mod on global positions)::
         -> (dq, dk, dv, dparams)   # when score_params (tensors score_mod closes over) is given
     kernel.available(device) -> (ok, reason)
 
+A kernel that sets ``fused_calls = True`` also takes ``causal=True`` (with ``mask=None``) on
+square sub-problems whose mask is exactly lower-triangular; :mod:`fringe.ops.tile` then splits
+tiles into is_causal squares, unmasked FULL pieces and masked pieces (see ``tile._plan``).
+
 Kernels: ``reference`` (einsum, any dtype / mask / score_mod) and ``sdpa`` (the fused CPU op,
 falls back to ``reference`` with a reason where it cannot run; see ``fringe/ops/_fast.py``).
 

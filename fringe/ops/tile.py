@@ -11,6 +11,13 @@ the GLOBAL positions of both (``q_pos [Lq]``, ``kv_pos [Lk]``) so that ``mask_mo
   with equal or similar ranges are grouped (few Python iterations), and ``mask_mod`` is only
   evaluated over the bounding box of blocks that are themselves PARTIAL. Cost grows with the
   non-empty blocks, not with ``Lq * Lk``; the result equals the unblocked path.
+- Kernels with ``fused_calls`` (``sdpa``) get the calls a fused kernel likes (see
+  :func:`_plan`): a square lower-triangular piece (found from the block map, then checked
+  element by element) runs with ``causal=True`` and no mask, FULL column runs without a mask,
+  and a float mask only over mixed columns. Measured (torch 2.13 CPU, 1 thread, B=1, H=8,
+  D=64, fp32, block 64, fwd+bwd, CPU time): a causal 4096-token tile 2.36 s -> 1.69 s (0.72x,
+  one is_causal call instead of 8 masked ones); a document & causal tile (8 ragged documents)
+  0.73 s -> 0.69 s (0.94x).
 - ``tile_backward`` takes the GLOBAL merged out/lse (flash-attention style), so partial
   gradients over several kv tiles sum to the exact gradient.
 
