@@ -37,6 +37,8 @@ def _tiny(kind: str, attn: str = "fringe", **over):
     elif kind == "qwen2":   # the sliding-window layer first, so it is the first attention call
         cfg = transformers.Qwen2Config(**kw, use_sliding_window=True, sliding_window=16,
                                        layer_types=["sliding_attention", "full_attention"])
+    elif kind == "mistral":
+        cfg = transformers.MistralConfig(**kw, sliding_window=16)
     elif kind == "gemma3":
         cfg = transformers.Gemma3TextConfig(**kw, query_pre_attn_scalar=24, sliding_window=16,
                                             layer_types=["sliding_attention", "full_attention"])
@@ -116,6 +118,11 @@ def test_layer_kinds_read_scaling_window_and_softcap():
     assert {k["scaling"] for k in g3} == {24 ** -0.5}
     g2 = fringe.hf.layer_kinds(_tiny("gemma2"))
     assert {k["softcap"] for k in g2} == {30.0} and {k["sliding_window"] for k in g2} == {16, None}
+    # Mistral passes config.sliding_window to every layer (its modules have no attribute)
+    mistral = _tiny("mistral")
+    assert [(k["sliding_window"], k["layers"]) for k in fringe.hf.layer_kinds(mistral)] == [(16, [0, 1])]
+    plans = fringe.hf.plans(mistral, schedules.zigzag(), None, seq_len=S, world_size=P, block_size=BS)
+    assert [lp.sliding_window for lp in plans.layers] == [16]
 
 
 def test_a_layer_without_its_plan_raises():
