@@ -32,7 +32,7 @@ import torch
 from . import masks as _masks
 
 __all__ = ["IGNORE_INDEX", "Shard", "doc_ids_from_cu_seqlens", "doc_ids_from_position_ids",
-           "document_mask", "global_token_count", "loss_sum", "positions_in_document",
+           "document_mask", "global_token_count", "loss_sum", "pad_batch", "positions_in_document",
            "shard_batch", "shift_labels", "token_weighted_loss"]
 
 #: The label that cross-entropy ignores (torch's and transformers' default ``ignore_index``).
@@ -220,6 +220,62 @@ def document_mask(doc_ids: torch.Tensor) -> _masks.Mask:
     name = f"document({ids.shape[0]} rows, <= {n} docs)"
     row_document_mod.__name__ = name
     return _masks.Mask(mod=row_document_mod, name=name, bh_invariant=False, rule=_RowDocuments(ids))
+
+
+def pad_batch(input_ids: torch.Tensor, labels: torch.Tensor | None = None, *, multiple: int,
+              cu_seqlens=None, position_ids=None, pad_id: int = 0,
+              ignore_index: int = IGNORE_INDEX) -> dict:
+    """Pad a packed batch at the end to a multiple of ``multiple`` tokens; the padding is a
+    document of its own.
+
+    A layout needs ``S`` to be a multiple of its unit (``P * block_size``; zigzag
+    ``2 * P * block_size``). The pad tokens get ``pad_id``, ignored labels, and their own
+    document (appended to ``cu_seqlens``; ``position_ids`` restarting at 0), so with a
+    ``causal & document`` mask no real token attends to them, their targets never count,
+    and the real tokens' outputs and loss are those of the unpadded batch.
+
+    Args:
+        input_ids: int ``[B, S]``.
+        labels: int ``[B, S]`` or None.
+        multiple: the padded length is the next multiple of this.
+        cu_seqlens / position_ids: the batch's boundaries (at most one), as for
+            :func:`shard_batch`.
+        pad_id: the token id of padding.
+
+    Returns:
+        ``dict(input_ids, labels, cu_seqlens or position_ids)`` padded (the keys given).
+    """
+    ids = _int_tensor(input_ids, "input_ids")
+    if ids.dim() != 2:
+        raise ValueError(f"input_ids must be [B, S], got shape {tuple(ids.shape)}")
+    if not isinstance(multiple, int) or multiple < 1:
+        raise ValueError(f"multiple must be an int >= 1 (e.g. 2*P*block_size for zigzag), got {multiple!r}")
+    if cu_seqlens is not None and position_ids is not None:
+        raise ValueError("give the document boundaries once: cu_seqlens or position_ids, not both")
+    B, S = ids.shape
+    n = -S % multiple
+    out: dict = {}
+    out["input_ids"] = torch.cat([ids, ids.new_full((B, n), pad_id)], dim=1)
+    if labels is not None:
+        lab = _int_tensor(labels, "labels")
+        out["labels"] = torch.cat([lab, lab.new_full((B, n), ignore_index)], dim=1)
+    if position_ids is not None:
+        pos = _int_tensor(position_ids, "position_ids").view(-1, S)
+        out["position_ids"] = torch.cat([pos, torch.arange(n).expand(pos.shape[0], n)], dim=1)
+    elif n:
+        cus = cu_seqlens if cu_seqlens is not None else [torch.tensor([0, S])] * B
+        if isinstance(cus, (list, tuple)) and cus and not isinstance(cus[0], int):
+            out["cu_seqlens"] = [torch.cat([_int_tensor(c, "cu_seqlens"), torch.tensor([S + n])])
+                                 for c in cus]
+        else:
+            c = _int_tensor(cus, "cu_seqlens")
+            if B > 1 and int(c[-1]) == B * S:
+                raise ValueError("pad_batch: give per-row cu_seqlens (a list of B tensors) rather than "
+                                 "one over the flattened batch")
+            out["cu_seqlens"] = torch.cat([c, torch.tensor([S + n])])
+    else:
+        out["cu_seqlens"] = cu_seqlens
+    return out
 
 
 # --------------------------------------------------------------------------------------

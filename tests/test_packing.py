@@ -224,3 +224,34 @@ def test_token_weighted_shares_add_up_to_the_global_mean():
     with pytest.raises(ValueError, match="no target"):
         packing.token_weighted_loss(logits, target, num_items=0)
     assert packing.global_token_count(target) == int((target != IGN).sum())
+
+
+def test_padding_is_its_own_document_and_changes_nothing_real():
+    S, B, V = 27, 2, 9
+    g = torch.Generator().manual_seed(4)
+    ids = torch.randint(0, V, (B, S), generator=g)
+    cus = [torch.tensor([0, 10, 27]), torch.tensor([0, 3, 20, 27])]
+    padded = packing.pad_batch(ids, ids, multiple=16, cu_seqlens=cus)
+    Sp = 32
+    assert padded["input_ids"].shape == (B, Sp) and (padded["labels"][:, S:] == IGN).all()
+    doc = packing.doc_ids_from_cu_seqlens(cus)
+    doc_p = packing.doc_ids_from_cu_seqlens(padded["cu_seqlens"])
+    assert torch.equal(doc_p[:, :S], doc) and bool((doc_p[:, S:] == doc_p[:, -1:]).all())
+    assert bool((doc_p[:, S] != doc_p[:, S - 1]).all())                  # a new document
+    pos_p = packing.pad_batch(ids, None, multiple=16,
+                              position_ids=packing.positions_in_document(doc))["position_ids"]
+    assert torch.equal(packing.doc_ids_from_position_ids(pos_p), doc_p)
+    # the same targets, and the real tokens' attention is the unpadded one
+    assert torch.equal(packing.shift_labels(padded["labels"], doc_p)[:, :S], packing.shift_labels(ids, doc))
+    q, k, v = make_qkv(B=B, H=2, G=2, S=Sp, D=4, seed=1)
+    full, _ = reference.attention(q, k, v, mask_mod=masks.causal() & packing.document_mask(doc_p))
+    real, _ = reference.attention(q[:, :, :S], k[:, :, :S], v[:, :, :S],
+                                  mask_mod=masks.causal() & packing.document_mask(doc))
+    torch.testing.assert_close(full[:, :, :S], real, **tolerances(torch.float64))
+    plan = fringe.plan(schedules.zigzag(), masks.causal() & packing.document_mask(doc_p), seq_len=Sp,
+                       world_size=2, block_size=8, batch_size=B)
+    sh = packing.shard_batch(padded["input_ids"], padded["labels"], plan=plan, rank=0,
+                             cu_seqlens=padded["cu_seqlens"])
+    assert sh.num_items == int((packing.shift_labels(ids, doc) != IGN).sum())
+    with pytest.raises(ValueError, match="multiple must be"):
+        packing.pad_batch(ids, multiple=0)
