@@ -131,6 +131,11 @@ def test_a_layer_without_its_plan_raises():
     _, inputs = _shard_inputs(qwen, plans=plans)
     with pytest.raises(ValueError, match="sliding_window=16.*no plan was made"):
         qwen(**inputs)
+    llama = _tiny("llama")
+    plans, inputs = _shard_inputs(llama)             # made for causal layers
+    llama.model.layers[0].self_attn.is_causal = False
+    with pytest.raises(ValueError, match="causal=False, sliding_window=None.*no plan was made"):
+        llama(**inputs)
 
 
 def test_scaling_mismatch_raises():
