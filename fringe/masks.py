@@ -101,6 +101,11 @@ class MaskError(ValueError):
     """A mask_mod that cannot be evaluated as a mask; the message says how to fix it."""
 
 
+class _VmapFailure(MaskError):
+    """The mod raised under vmap for a reason other than what FlexAttention refuses by
+    design (e.g. an index out of range on a probe): worth retrying on smaller probes."""
+
+
 # --------------------------------------------------------------------------------------
 # Block summaries and the structured block rules
 # --------------------------------------------------------------------------------------
@@ -582,7 +587,7 @@ def _by_vmap_pairs(mod, b, h, qpos, kpos) -> torch.Tensor:
         err = _vmap_error(e, mod)
         if err is not None:
             raise err from e
-        raise MaskError(f"mask_mod {_name(mod)} fails when called per scalar index, as "
+        raise _VmapFailure(f"mask_mod {_name(mod)} fails when called per scalar index, as "
                         f"FlexAttention calls it (torch.vmap): {type(e).__name__}: {e}") from e
     return _check_result(out, (n * nb, nh, lq, lk)).reshape(shape)
 
@@ -857,12 +862,19 @@ def reads_batch_head(mask_mod: MaskMod, *, seq_len: int | None = None,
     kv_pos = q_pos if kv_pos is None else kv_pos.to(q_pos.device)
     if q_pos.numel() == 0 or kv_pos.numel() == 0:
         return False, False
-    pb, ph = PROBE_SHAPE[:2]
-    method = _method(mask_mod, q_pos, kv_pos, pb, ph, strict=given)
-    if method in ("vmap", "tree"):
-        out = evaluate(mask_mod, _spread(q_pos, PROBE_SHAPE[2]), _spread(kv_pos, PROBE_SHAPE[3]),
-                       B=pb, H=ph)
-        reads_b = not torch.equal(out[0], out[1])
+    # B and H are unknown here: a mod indexing a per-head table may accept fewer heads
+    for pb, ph in ((2, 3), (2, 2), (1, 1)):
+        try:
+            method = _method(mask_mod, q_pos, kv_pos, pb, ph, strict=given)
+            if method not in ("vmap", "tree"):
+                break
+            out = evaluate(mask_mod, _spread(q_pos, PROBE_SHAPE[2]),
+                           _spread(kv_pos, PROBE_SHAPE[3]), B=pb, H=ph)
+        except _VmapFailure:
+            if (pb, ph) == (1, 1):
+                raise
+            continue
+        reads_b = pb > 1 and not torch.equal(out[0], out[1])
         reads_h = any(not torch.equal(out[:, 0], out[:, j]) for j in range(1, ph))
         return reads_b, reads_h
     idx = torch.arange(2, device=q_pos.device)

@@ -143,13 +143,18 @@ def test_reads_batch_head_uses_the_same_decision():
     table = torch.tensor([1, 3])
 
     def per_head_all(b, h, q_idx, kv_idx):              # reads h, and needs vmap (.all())
-        return ((q_idx - kv_idx >= 0) & (q_idx - kv_idx < table[h % 2])).all()
+        return ((q_idx - kv_idx >= 0) & (q_idx - kv_idx < table[h])).all()
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
+        # a 2-entry head table: the 3-head probe fails, a 2-head one decides
         assert M.reads_batch_head(per_head_all, seq_len=16) == (False, True)
         q = torch.arange(16)
         assert torch.equal(M.evaluate(per_head_all, q, q, H=2), flex(per_head_all, q, q, 1, 2))
+        with pytest.raises(MaskError, match=r"fails when called per scalar index.*IndexError"):
+            M.evaluate(per_head_all, q, q, H=3)                 # FlexAttention fails too
+        assert check_mask(per_head_all, world_sizes=(2,), block_sizes=(2,), heads=2, num_heads=2,
+                          schedules={"zigzag": schedules.zigzag()}) == 1
 
 
 def test_a_verdict_on_made_up_positions_is_not_kept():

@@ -362,3 +362,9 @@ def test_error_bad_inputs():
     with pytest.raises(MaskError, match="doc_ids has 4 entries"):
         M.classify(M.document(torch.zeros(4, dtype=torch.long)), torch.arange(8), torch.arange(8),
                    block_size=4)
+
+
+def test_module_docstring_example_runs():
+    import doctest
+    result = doctest.testmod(M, extraglobs=dict(torch=torch))
+    assert result.attempted >= 3 and result.failed == 0
