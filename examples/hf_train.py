@@ -137,6 +137,7 @@ def cp_params(rank: int, world_size: int) -> dict:
 def cp_step(rank: int, world_size: int, step: int) -> dict:
     import torch.distributed as dist
 
+    import fringe
     import fringe.hf
     from fringe import packing
     cfg, model, opt = _STATE["cfg"], _STATE["model"], _STATE["opt"]
@@ -153,9 +154,10 @@ def cp_step(rank: int, world_size: int, step: int) -> dict:
     else:
         bounds = dict(position_ids=packing.positions_in_document(doc_ids))
     shard = packing.shard_batch(input_ids, input_ids, plan=plans.plans, rank=rank, **bounds)
-    out = model(**fringe.hf.model_inputs(shard, plans), use_cache=False)
     opt.zero_grad(set_to_none=False)
-    out.loss.backward()                                 # this rank's share of the global mean
+    with fringe.recording() as rec:                     # counts fringe.attention calls
+        out = model(**fringe.hf.model_inputs(shard, plans), use_cache=False)
+        out.loss.backward()                             # this rank's share of the global mean
     grads = [p.grad for p in model.parameters()]
     flat = torch.cat([g.reshape(-1) for g in grads])
     dist.all_reduce(flat)                               # SUM, not mean: shares add up
@@ -166,7 +168,7 @@ def cp_step(rank: int, world_size: int, step: int) -> dict:
     opt.step()
     total = out.loss.detach().to(torch.float64)
     dist.all_reduce(total)
-    return dict(loss=total.item(), seconds=time.perf_counter() - t0)
+    return dict(loss=total.item(), seconds=time.perf_counter() - t0, attention_calls=len(rec.runtimes))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -267,7 +269,8 @@ def run(cfg: Config, *, progress=print, timeout_s: float = 300.0, workers=None) 
         w.run(cp_setup, cfg, weights)
         for step in range(cfg.steps):
             res = w.run(cp_step, step)
-            cp.append(dict(loss=res[0]["loss"], seconds=max(r["seconds"] for r in res)))
+            cp.append(dict(loss=res[0]["loss"], seconds=max(r["seconds"] for r in res),
+                           attention_calls=res[0]["attention_calls"]))
         cp_final = w.run(cp_params)[0]
     param_diff = max(float((cp_final[k] - final[k]).abs().max()) for k in final)
     diffs = [abs(a["loss"] - b["loss"]) for a, b in zip(cp, single)]
