@@ -79,7 +79,8 @@ def doc_ids_from_cu_seqlens(cu_seqlens, *, seq_len: int | None = None,
 
     Args:
         cu_seqlens: ``[n+1]`` int, ``0 = c_0 <= c_1 <= ... <= c_n = S``; or a list of B such
-            tensors (one per row, each ending at S); or one tensor over a flattened batch of
+            tensors (one per row, each ending at S; or ``[B, n+1]`` when every row has n
+            documents); or one tensor over a flattened batch of
             ``batch_size`` rows ending at ``B*S`` (flash-attn's varlen layout), in which case
             every row boundary must be a document boundary.
         seq_len: S; defaults to the last entry (or that over ``batch_size`` for a flattened batch).
@@ -91,6 +92,8 @@ def doc_ids_from_cu_seqlens(cu_seqlens, *, seq_len: int | None = None,
     Raises:
         ValueError: not starting at 0, decreasing, not ending at S, or a document crossing rows.
     """
+    if isinstance(cu_seqlens, torch.Tensor) and cu_seqlens.dim() == 2:     # [B, n+1]: one per row
+        cu_seqlens = list(cu_seqlens)
     if isinstance(cu_seqlens, (list, tuple)) and cu_seqlens and not isinstance(cu_seqlens[0], int):
         rows = [_int_tensor(c, f"cu_seqlens[{b}]") for b, c in enumerate(cu_seqlens)]
         S = int(rows[0][-1]) if seq_len is None else seq_len

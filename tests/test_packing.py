@@ -56,6 +56,7 @@ def test_empty_documents_and_per_row_cu_seqlens():
     assert packing.doc_ids_from_cu_seqlens([0, 2, 2, 5]).tolist() == [0, 0, 2, 2, 2]
     rows = packing.doc_ids_from_cu_seqlens([torch.tensor([0, 3, 6]), torch.tensor([0, 1, 6])])
     assert rows.tolist() == [[0, 0, 0, 1, 1, 1], [0, 1, 1, 1, 1, 1]]
+    assert torch.equal(packing.doc_ids_from_cu_seqlens(torch.tensor([[0, 3, 6], [0, 1, 6]])), rows)
     flat = packing.doc_ids_from_cu_seqlens(torch.tensor([0, 3, 6, 7, 12]), batch_size=2)
     assert flat.tolist() == [[0, 0, 0, 1, 1, 1], [0, 1, 1, 1, 1, 1]]
     pos_rows = packing.doc_ids_from_position_ids(torch.tensor([[0, 1, 2, 0, 1, 2], [0, 0, 1, 2, 3, 4]]))
@@ -66,7 +67,7 @@ def test_empty_documents_and_per_row_cu_seqlens():
     ([1, 3, 8], "start at 0"),
     ([0, 5, 3, 8], "non-decreasing"),
     ([0, 3, 7], "end at the sequence length S=8"),
-    ([[0, 8]], "1-D"),
+    ([[[0, 8]]], "1-D"),
     ([0.0, 8.0], "integers"),
 ])
 def test_cu_seqlens_validation(cu, match):
