@@ -77,23 +77,24 @@ def _wait_gone(pids: list[int], deadline_s: float = DEADLINE_S) -> list[int]:
 
 
 def _read_lines(proc: subprocess.Popen, n: int) -> list[dict]:
-    lines: list[dict] = []
+    """The first ``n`` JSON lines the process prints, read from the raw pipe (a buffered
+    readline could swallow several lines while select() then sees an empty pipe)."""
+    fd, data = proc.stdout.fileno(), b""
     end = time.monotonic() + STARTUP_DEADLINE_S
-    while len(lines) < n and time.monotonic() < end:
-        ready, _, _ = select.select([proc.stdout], [], [], 0.5)
-        if ready:
-            line = proc.stdout.readline()
-            if line:
-                lines.append(json.loads(line))
-                continue
-        if proc.poll() is not None:
+    while data.count(b"\n") < n and time.monotonic() < end:
+        ready, _, _ = select.select([fd], [], [], 0.5)
+        chunk = os.read(fd, 65536) if ready else b""
+        data += chunk
+        if not chunk and proc.poll() is not None:
             break
+    lines = [json.loads(line) for line in data.split(b"\n")[:n] if line.strip()]
     if len(lines) < n:
         code = proc.poll()
         proc.kill()
-        _, err = proc.communicate(timeout=30)
+        proc.wait(timeout=30)
         raise AssertionError(f"the parent script (exit status {code}) reported {lines}, "
-                             f"expected {n} lines; its stderr: {err}")
+                             f"expected {n} lines; its stderr is in "
+                             f"{os.path.join(os.path.dirname(proc.args[1]), proc.args[2])}.stderr")
     return lines
 
 
@@ -110,8 +111,9 @@ def parents(tmp_path_factory):
         tmp = root / name
         tmp.mkdir()
         env = dict(os.environ, TMPDIR=str(tmp), PYTHONUNBUFFERED="1")
-        procs[name] = subprocess.Popen([sys.executable, str(script), mode], stdout=subprocess.PIPE,
-                                       stderr=subprocess.PIPE, text=True, env=env, cwd=root)
+        with open(root / f"{mode}.stderr", "wb") as err:     # a file: it never fills up
+            procs[name] = subprocess.Popen([sys.executable, str(script), mode],
+                                           stdout=subprocess.PIPE, stderr=err, env=env, cwd=root)
     try:
         for name, proc in procs.items():
             tmp = root / name
@@ -130,7 +132,8 @@ def parents(tmp_path_factory):
         for name, proc in procs.items():         # only if a test failed half-way
             if proc.poll() is None:
                 proc.kill()
-            proc.communicate(timeout=30)
+            proc.wait(timeout=30)
+            proc.stdout.close()
             for pid in infos.get(name, {}).get("pids", []):
                 if not _gone(pid):
                     os.kill(pid, signal.SIGKILL)
