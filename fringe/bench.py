@@ -101,8 +101,11 @@ def _worker(rank: int, world_size: int, case: AttnCase):
         out.sum().backward()
     dt = _time(step, case.iters)
     s = fringe.last_run().summary()
+    from .runtime.distributed import DistRuntime
+    rt = DistRuntime(None)
+    agree_s = _time(lambda: [rt.agree(p, q, k, v) for _ in range(AGREE_CALLS)], 1) / AGREE_CALLS
     return dict(seconds=dt, exposed_fwd=s["forward"]["exposed"],
-                exposed_bwd=s["backward"]["exposed"])
+                exposed_bwd=s["backward"]["exposed"], agree_s=agree_s)
 
 
 def _single(case: AttnCase):
@@ -123,6 +126,7 @@ def _single(case: AttnCase):
     return _time(fringe_step, case.iters), _time(dense_step, case.iters)
 
 
+AGREE_CALLS = 20             # agreement exchanges timed per rank (fringe.attention runs one per call)
 PLAN_P = 8                   # the planning benchmark's world size and block
 PLAN_BLOCK = 128
 PLAN_DOCS = 1000
@@ -202,10 +206,12 @@ def run(*, world_sizes=(2, 4), case: AttnCase = AttnCase(), plan_size: int = 1 <
     table = [["1 process, dense SDPA + bool mask", 1, f"{single_dense:.3f}", "", "", ""],
              ["1 process, fringe (block-sparse)", 1, f"{single_fringe:.3f}", "", "", ""]]
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    agree = []
     for P in world_sizes:
         with Workers(P, timeout_s=300, threads=1) as w:
             res = w.run(_worker, case)
         slowest = max(r["seconds"] for r in res)
+        agree.append((P, max(r["agree_s"] for r in res)))
         fwd = max(r["exposed_fwd"] for r in res)
         bwd = max(r["exposed_bwd"] for r in res)
         speedup = single_fringe / slowest
@@ -219,4 +225,7 @@ def run(*, world_sizes=(2, 4), case: AttnCase = AttnCase(), plan_size: int = 1 <
                       f"{fwd:.2f} / {bwd:.2f}", target])
     out.append(tabulate(table, headers=["run", "P", "seconds", "vs 1-process fringe",
                                         "exposed comm fwd / bwd", "target"]))
+    out.append("")
+    out.append("agreement exchange (runs on every fringe.attention call; slowest rank, mean of "
+               f"{AGREE_CALLS}): " + ", ".join(f"P={P} {1e3 * a:.2f} ms" for P, a in agree))
     return "\n".join(out)

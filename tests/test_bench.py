@@ -71,6 +71,9 @@ def test_bench_report_rows_figures_and_verdicts():
                                          "1 process, fringe (block-sparse)", "2 gloo ranks, fringe"]
     for row in attn_rows[:2]:
         assert row[1] == "1" and float(row[2]) > 0.0 and row[3:] == ["", "", ""], row
+    m = re.search(r"agreement exchange \(runs on every fringe.attention call; .*\): P=2 (\S+) ms$",
+                  text)
+    assert m and float(m.group(1)) > 0.0, text
     _, P, seconds, speedup, exposed, target = attn_rows[2]
     assert P == "2" and float(seconds) > 0.0
     assert re.fullmatch(r"\d+\.\d\dx", speedup), speedup
