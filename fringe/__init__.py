@@ -10,11 +10,11 @@ from . import launch as launch, render as render, runtime as runtime, simulate a
 from .api import (RunStats as RunStats, attention as attention, last_run as last_run,
                   recording as recording)
 from .layout import DEFAULT_BLOCK_SIZE as DEFAULT_BLOCK_SIZE, Layout as Layout
-from .plan import Plan as Plan, PlanStats as PlanStats, plan as plan
+from .plan import Plan as Plan, PlanStats as PlanStats, padded_len as padded_len, plan as plan
 from .runtime.distributed import CommTimeout as CommTimeout, RankMismatch as RankMismatch
 
 __version__ = "0.1.0"
 
 __all__ = ["CommTimeout", "DEFAULT_BLOCK_SIZE", "Layout", "Plan", "PlanStats", "RankMismatch",
-           "RunStats", "attention", "last_run", "launch", "layout", "masks", "ops", "plan",
-           "recording", "render", "runtime", "schedules", "simulate"]
+           "RunStats", "attention", "last_run", "launch", "layout", "masks", "ops", "padded_len",
+           "plan", "recording", "render", "runtime", "schedules", "simulate"]

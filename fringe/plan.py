@@ -224,6 +224,24 @@ def _tile_kinds(blocks: torch.Tensor, P: int) -> torch.Tensor:
     return tiles
 
 
+def padded_len(seq_len: int, world_size: int, *, block_size: int = DEFAULT_BLOCK_SIZE,
+               tp_size: int = 1) -> int:
+    """The smallest length >= ``seq_len`` that every built-in layout accepts for P ranks of
+    whole blocks, with each rank's L tokens divisible by ``tp_size``.
+
+    That is the next multiple of ``lcm(2 * P * block_size, P * tp_size)`` (zigzag cuts the
+    sequence into 2P chunks of whole blocks; sequence parallelism splits L by the TP degree).
+    Pad a packed batch to it with :func:`fringe.packing.pad_batch`.
+
+    >>> padded_len(1000, 4, block_size=64, tp_size=3)
+    1536
+    """
+    S, P = _size("seq_len", seq_len), _size("world_size", world_size)
+    bs, tp = _size("block_size", block_size), _size("tp_size", tp_size)
+    unit = math.lcm(2 * P * bs, P * tp)
+    return -(-S // unit) * unit
+
+
 def _kernel_name(kernel) -> str:
     if kernel is None or isinstance(kernel, str):
         return str(kernel)
@@ -249,7 +267,7 @@ def _document_leaves(m):
     if not isinstance(m, _masks.Mask):
         return
     rule = m.rule
-    if rule is not None and hasattr(rule, "doc_ids"):
+    if rule is not None and isinstance(getattr(rule, "doc_ids", None), torch.Tensor):
         yield m.name, rule.doc_ids
     for c in m.children:
         yield from _document_leaves(c)
@@ -308,7 +326,7 @@ def plan(schedule: Schedule, mask_mod: Callable | None = None, *, seq_len: int,
          score_mod: Callable | None = None, scale: float | None = None, kv: str = "resend",
          kernel: str | None = None, batch_size: int | None = None,
          num_heads: int | None = None, layout: Layout | None = None,
-         score_params: tuple[torch.Tensor, ...] | None = None) -> Plan:
+         score_params: tuple[torch.Tensor, ...] | None = None, tp_size: int = 1) -> Plan:
     """Lower ``schedule`` for ``mask_mod`` on ``seq_len`` tokens over ``world_size`` ranks.
 
     Args:
@@ -331,6 +349,9 @@ def plan(schedule: Schedule, mask_mod: Callable | None = None, *, seq_len: int,
         score_params: the learnable tensors the score_mod reads (default: found by
             :func:`captured_params`); attention gives them gradients (this rank's share,
             to be reduced across ranks like any data-parallel gradient).
+        tp_size: tensor-parallel degree when sequence parallelism splits each rank's L
+            tokens again by it (Megatron-style): L must then be divisible by it too.
+            :func:`padded_len` gives the length to pad a batch to.
 
     Raises:
         ValueError / TypeError: with the fix, for arguments that do not fit.
@@ -341,6 +362,7 @@ def plan(schedule: Schedule, mask_mod: Callable | None = None, *, seq_len: int,
     seq_len = _size("seq_len", seq_len)
     world_size = _size("world_size", world_size)
     block_size = _size("block_size", block_size)
+    tp_size = _size("tp_size", tp_size)
     batch_size = None if batch_size is None else _size("batch_size", batch_size)
     num_heads = None if num_heads is None else _size("num_heads", num_heads)
     if kv not in KV_MODES:
@@ -362,8 +384,8 @@ def plan(schedule: Schedule, mask_mod: Callable | None = None, *, seq_len: int,
     mask_mod = mask_mod if mask_mod is not None else _masks.full()
     mask_mod = _masks.snapshot(mask_mod)
     for leaf, ids in _document_leaves(mask_mod):
-        if ids.numel() != seq_len:
-            raise ValueError(f"{leaf}: doc_ids has {ids.numel()} entries but seq_len={seq_len}; "
+        if ids.shape[-1] != seq_len:
+            raise ValueError(f"{leaf}: doc_ids has {ids.shape[-1]} entries but seq_len={seq_len}; "
                              f"give one document id per global position")
     if score_params is None:
         score_params = captured_params(score_mod, seq_len=seq_len)
@@ -404,6 +426,13 @@ def plan(schedule: Schedule, mask_mod: Callable | None = None, *, seq_len: int,
     if lay.local_len % block_size:
         raise ValueError(f"L=S/P={lay.local_len} tokens per rank is not a multiple of "
                          f"block_size={block_size}")
+    if lay.local_len % tp_size:
+        raise ValueError(f"L=S/P={lay.local_len} tokens per rank is not divisible by "
+                         f"tp_size={tp_size} (sequence parallelism splits each of the P="
+                         f"{world_size} context-parallel ranks' tokens again by the TP degree); "
+                         f"pad the sequence to "
+                         f"{padded_len(seq_len, world_size, block_size=block_size, tp_size=tp_size)}"
+                         f" (fringe.packing.pad_batch) for CP={world_size} x TP={tp_size}")
     block_order = lay.order.view(-1, block_size)
     aligned = bool((block_order == block_order[:, :1] + torch.arange(block_size)).all()) and \
         bool((block_order[:, 0] % block_size == 0).all())

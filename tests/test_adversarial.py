@@ -396,3 +396,15 @@ def test_plans_for_several_masks_share_one_layout():
     with pytest.raises(ValueError, match="the given layout is for S=64, P=4; expected S=64, P=2"):
         fringe.plan(schedules.ring(), masks.causal(), seq_len=S, world_size=2, block_size=2,
                     layout=full.layout)
+
+
+def test_tp_size_divisibility_names_both_degrees_and_the_padded_length():
+    assert fringe.padded_len(1000, 4, block_size=64, tp_size=3) == 1536
+    assert fringe.padded_len(1024, 4, block_size=64) == 1024
+    with pytest.raises(ValueError, match=r"not divisible by tp_size=3 .*pad the sequence to 1536 "
+                                         r".* for CP=4 x TP=3"):
+        fringe.plan(schedules.zigzag(), masks.causal(), seq_len=1024, world_size=4, block_size=64,
+                    tp_size=3)
+    p = fringe.plan(schedules.zigzag(), masks.causal(), seq_len=1536, world_size=4,
+                    block_size=64, tp_size=3)
+    assert p.local_len % 3 == 0
