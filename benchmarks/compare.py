@@ -241,7 +241,7 @@ def _w_setup(rank: int, world: int, cfg: dict) -> dict:
         try:
             if kind == "causal":
                 systems["torch CP"] = torch_cp.TorchCPSdpa(mesh, q, k, v)
-            else:
+            elif cfg.get("flex_eager", True) or cfg.get("compiled"):
                 doc_lens = (torch.bincount(_doc_ids(S)).tolist() if kind == "document"
                             else None)
                 flex = torch_cp.TorchCPFlex(mesh, q, k, v, flex_mask_mod(kind, S),
@@ -425,11 +425,12 @@ class Config:
     masks: tuple = MASKS
     rounds: int = 5
     compiled_worlds: tuple = (2,)        # forward-only vs compiled flex
-    flex_eager_worlds: tuple = (2, 4)
+    flex_eager_worlds: tuple = (2,)      # P=4: oversubscribed and ~minutes per cell
     memory: bool = True
     profile: bool = True
     precision_S: int = 2048
     quick: bool = False
+    prewarm: bool = False
 
 
 def _log(msg: str) -> None:
@@ -437,13 +438,22 @@ def _log(msg: str) -> None:
           flush=True)
 
 
-def run(cfg: Config) -> dict:
+def run(cfg: Config, checkpoint=None) -> dict:
     from fringe.launch import Workers
     names, skipped = schedule_names()
     result = dict(config=dataclasses.asdict(cfg), schedules=names, skipped_schedules=skipped,
                   started=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                   load_before=os.getloadavg(), cells=[], env=_env())
     t_start = time.perf_counter()
+    if not cfg.prewarm:
+        _log("precision (virtual mesh, 2 threads)")
+        threads = torch.get_num_threads()
+        torch.set_num_threads(2)
+        try:
+            result["precision"] = precision(S=cfg.precision_S,
+                                            worlds=(1, 2, 4) if cfg.quick else (1, 2, 4, 8))
+        finally:
+            torch.set_num_threads(threads)
     pools = {1: Workers(1, threads=2, timeout_s=3600)}
     for P in cfg.worlds:
         pools[P] = Workers(P, threads=1, timeout_s=3600)
@@ -452,22 +462,41 @@ def run(cfg: Config) -> dict:
             w.start()
         for S in cfg.seq_lens:
             for kind in cfg.masks:
-                result["cells"].append(_cell(pools, cfg, names, kind, S))
+                if cfg.prewarm:
+                    _prewarm(pools, cfg, names, kind, S)
+                else:
+                    result["cells"].append(_cell(pools, cfg, names, kind, S))
+                    if checkpoint is not None:      # a run cut short still leaves its cells
+                        result["load_after"] = os.getloadavg()
+                        result["seconds"] = time.perf_counter() - t_start
+                        result["partial"] = True
+                        result["targets"] = targets(result)
+                        checkpoint(result)
     finally:
         for w in pools.values():
             w.close()
-    _log("precision (virtual mesh)")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        result["precision"] = precision(S=cfg.precision_S,
-                                        worlds=(1, 2, 4) if cfg.quick else (1, 2, 4, 8))
-    finally:
-        torch.set_num_threads(threads)
     result["load_after"] = os.getloadavg()
     result["seconds"] = time.perf_counter() - t_start
+    result["partial"] = False
     result["targets"] = targets(result)
     return result
+
+
+def _prewarm(pools, cfg: Config, names, kind: str, S: int) -> None:
+    """Fill inductor's on-disk caches (torch's compiled block masks and compiled flex)."""
+    if kind == "causal":
+        return
+    for P, pool in pools.items():
+        if P not in cfg.flex_eager_worlds + cfg.compiled_worlds:
+            continue
+        t0 = time.perf_counter()
+        sub = dict(mask=kind, S=S, schedules=[], flex_eager=False,
+                   compiled=P in cfg.compiled_worlds)
+        info = pool.run(_w_setup, sub)[0]
+        if "torch CP compiled" in info["systems"]:
+            pool.run(_w_step, "torch CP compiled", False)
+        pool.run(_w_teardown)
+        _log(f"prewarm {kind} S={S} P={P}: {time.perf_counter() - t0:.0f} s {info['errors']}")
 
 
 def _cell(pools, cfg: Config, names, kind: str, S: int) -> dict:
@@ -670,6 +699,9 @@ def report(result: dict, reading: str | None = None) -> str:
     names = [f"fringe {n}" for n in result["schedules"]]
     lb, la = result["load_before"], result["load_after"]
     out = ["# fringe vs torch context parallel vs dense SDPA — side by side, one run", ""]
+    if result.get("partial"):
+        out += [f"**Partial run: {len(result['cells'])} cells written so far (the file is "
+                f"rewritten after every cell).**", ""]
     out.append(f"`python -m benchmarks.compare{' --quick' if cfg['quick'] else ''}` "
                f"({result['started']}, {result['seconds'] / 60:.1f} min, commit "
                f"{env['commit']}, torch {env['torch']}, {env['cores']} cores). "
@@ -703,7 +735,7 @@ def report(result: dict, reading: str | None = None) -> str:
     # speed
     out += ["", "## Speed, forward + backward (seconds)", ""]
     head = ["mask", "S", "P"] + [n.removeprefix("fringe ") for n in names] + \
-        ["torch CP", "dense SDPA 1 proc", "check (max err)"]
+        ["torch CP", "dense SDPA 1 proc", "check (max err)", "load"]
     rows = []
     for cell in result["cells"]:
         worlds = sorted({r["P"] for r in cell["systems"].values()})
@@ -719,6 +751,7 @@ def report(result: dict, reading: str | None = None) -> str:
                     for v in r["check"].values()]
             row.append(f"{max(errs):.1e}" + (" FAIL" if max(errs) > TOL_OUT else "")
                        if errs else "")
+            row.append(f"{cell['load_before'][0]:.1f}→{cell['load_after'][0]:.1f}")
             rows.append(row)
     out.append(tabulate(rows, headers=head, tablefmt="github"))
     errors = {f"{c['mask']} S={c['S']}: {k}": v for c in result["cells"]
@@ -815,6 +848,9 @@ def main(argv=None) -> int:
     ap.add_argument("--seq-lens", type=int, nargs="+", default=None)
     ap.add_argument("--worlds", type=int, nargs="+", default=None)
     ap.add_argument("--masks", nargs="+", default=None, choices=MASKS)
+    ap.add_argument("--prewarm", action="store_true",
+                    help="only compile (torch's block masks, compiled flex) into inductor's "
+                         "on-disk cache, so a later run's warm-up round is short")
     ap.add_argument("--no-compiled", action="store_true", help="skip torch compiled flex (W3)")
     ap.add_argument("--markdown", default=None, help="default: BENCHMARKS.md (full run only)")
     ap.add_argument("--json", default=None,
@@ -835,17 +871,23 @@ def main(argv=None) -> int:
         cfg.masks = tuple(args.masks)
     if args.no_compiled:
         cfg.compiled_worlds = ()
-    result = run(cfg)
+    cfg.prewarm = args.prewarm
     here = os.path.dirname(os.path.abspath(__file__))
     js = args.json or os.path.join(here, "results-quick.json" if cfg.quick else "results.json")
-    with open(js, "w") as f:
-        json.dump(result, f, indent=1, default=str)
     md = args.markdown or (None if cfg.quick else os.path.join(os.path.dirname(here),
                                                                 "BENCHMARKS.md"))
-    text = report(result, kept_reading(md) if md else None)
-    if md:
-        with open(md, "w") as f:
-            f.write(text)
+    reading = kept_reading(md) if md else None
+
+    def write(result):
+        with open(js, "w") as f:
+            json.dump(result, f, indent=1, default=str)
+        if md:
+            with open(md, "w") as f:
+                f.write(report(result, reading))
+    result = run(cfg, checkpoint=write)
+    if cfg.prewarm:
+        return 0
+    write(result)
     for line in target_lines(result):
         print(line)
     print(f"({result['seconds']:.0f} s; load {result['load_before'][0]:.2f} -> "
