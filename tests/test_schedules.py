@@ -310,6 +310,13 @@ def test_schedule_module_docstrings_show_their_grid():
     assert result.attempted >= 3 and result.failed == 0
 
 
+def test_ir_module_docstrings_run():
+    import doctest
+    import fringe.schedules.ir as ir_mod
+    result = doctest.testmod(ir_mod)
+    assert result.attempted >= 4 and result.failed == 0
+
+
 # ---- bad input -------------------------------------------------------------------------
 def test_world_size_below_one_is_rejected():
     with pytest.raises(ValueError, match="world_size must be an int >= 1"):
