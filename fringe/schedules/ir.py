@@ -558,9 +558,13 @@ class ProgramTable:
             for t, op in prog.ops():
                 if isinstance(op, (Compute, GradCompute)):
                     rows.append((prog.rank, t, C_ if isinstance(op, Compute) else G_, op.q, op.kv, -1))
-                else:
+                elif isinstance(op, (Send, Recv)):
                     rows.append((prog.rank, t, S_ if isinstance(op, Send) else R_,
                                  _FAMILY_CODE[op.buf.family], op.buf.chunk, op.peer))
+                else:
+                    raise TypeError(f"rank {prog.rank}, step {t}: a ProgramTable holds C, G, S and R "
+                                    f"ops; {op!r} has no column form (keep such programs as Program "
+                                    f"values: the passes handle them op by op)")
         import numpy as np
         arr = np.array(rows, dtype=np.int64).reshape(-1, 6)
         if len(arr) and (np.diff(arr[:, 0]) < 0).any():
