@@ -68,7 +68,8 @@ class Hardware:
         bwd_flops: the same for the backward.
         call_s: fixed seconds per kernel call (sub-problem), forward.
         bwd_call_s: fixed seconds per kernel call, backward.
-        masked: cost of a pair in a masked sub-problem, relative to a FULL pair.
+        masked: cost of a pair in a masked sub-problem, relative to a FULL pair (forward).
+        bwd_masked: the same for the backward (None: as the forward).
         causal: cost of a pair in a causal-aligned sub-problem run with ``is_causal``.
         row_s: seconds per (q row · head · D) element per tile (merging out/lse, adding dq).
         latency_s: seconds to start a transfer between two ranks of one node.
@@ -87,6 +88,7 @@ class Hardware:
     bwd_call_s: float
     masked: float = 1.0
     causal: float = 0.6
+    bwd_masked: float | None = None
     row_s: float = 0.0
     latency_s: float = 10e-6
     bandwidth: float = 100e9
@@ -124,11 +126,14 @@ class Hardware:
 _H100 = dict(fwd_flops=600e12, bwd_flops=450e12, call_s=5e-6, bwd_call_s=8e-6, masked=1.3,
              causal=0.55, row_s=1e-14, latency_s=10e-6, bandwidth=360e9, memory_bytes=80e9)
 
-#: Measured here on 2025-style shared 2-core x86 CPU (torch 2.13, 1 thread per rank, float32,
-#: fused CPU SDPA via fringe.ops) by :func:`calibrate`; re-measure with
-#: ``costmodel.calibrate()`` or ``--hardware this`` on another machine.
-_CPU = dict(fwd_flops=3.4e10, bwd_flops=2.6e10, call_s=2.0e-4, bwd_call_s=4.0e-4, masked=1.35,
-            causal=0.6, row_s=1.0e-9, latency_s=1.0e-4, bandwidth=1.5e9, memory_bytes=None)
+#: Measured on this repository's shared 2-core x86 runner by :func:`calibrate` (torch 2.13,
+#: 1 thread per rank, float32, H=8 D=64, fused CPU SDPA through fringe.ops; CPU time of the
+#: calling thread). gloo between two processes over shared memory measured 0.9-9.5 GB/s and
+#: 0.1-2 ms round-trip latency depending on the load from other processes: 2 GB/s and 0.1 ms
+#: are taken. Re-measure with ``costmodel.calibrate()`` or ``--hardware this`` elsewhere.
+_CPU = dict(fwd_flops=4.5e10, bwd_flops=4.1e10, call_s=1.0e-4, bwd_call_s=1.6e-4, masked=1.25,
+            bwd_masked=1.3, causal=0.6, row_s=1.1e-8, latency_s=1.0e-4, bandwidth=2.0e9,
+            memory_bytes=None)
 
 HARDWARE: dict[str, Hardware] = {
     "h100-nvlink": Hardware("h100-nvlink", "one DGX H100 node (8 GPUs, NVLink 4); H100 datasheet, "
@@ -278,11 +283,13 @@ def tile_work(plan) -> np.ndarray:
             flat = torch.nn.functional.pad(maps.reshape(len(maps), n * n).to(torch.int64),
                                            (0, W * 32 - n * n))
             words[a:a + _CHUNK] = (flat.view(len(maps), W, 32) << shifts).sum(-1)  # 2 bits a code
-        if W == 1:
-            uniq, inv = torch.unique(words[:, 0], return_inverse=True)
-        else:
-            uniq, inv = torch.unique(words, dim=0, return_inverse=True)
-        firsts = torch.zeros(len(uniq), dtype=torch.int64).scatter_(0, inv, torch.arange(len(part)))
+        key = np.zeros(len(part), dtype=np.int64)        # exact: re-rank after each word
+        for w in words.numpy().T:
+            _, wi = np.unique(w, return_inverse=True)
+            _, key = np.unique(key * (int(wi.max()) + 1) + wi, return_inverse=True)
+        inv = torch.from_numpy(key.reshape(-1))
+        firsts = torch.zeros(int(inv.max()) + 1, dtype=torch.int64).scatter_(
+            0, inv, torch.arange(len(part)))
         maps = grid[pi[firsts], :, pj[firsts], :].contiguous()
         per_map = _maps_work(maps, L=L, block_size=bs, masked_ok=masked_ok)
         work[part[:, 0], part[:, 1]] = per_map[inv.numpy()]
@@ -303,7 +310,8 @@ def _costs(work: np.ndarray, L: int, hw: Hardware, shape: Shape, backward: bool)
     else:
         unit, call = FWD_FLOPS_PER_PAIR * BH_D / hw.fwd_flops, hw.call_s
     calls, full, masked, causal = (work[..., i] for i in range(4))
-    cost = calls * call + unit * (full + hw.masked * masked + hw.causal * causal)
+    mf = hw.bwd_masked if backward and hw.bwd_masked is not None else hw.masked
+    cost = calls * call + unit * (full + mf * masked + hw.causal * causal)
     return np.where(calls > 0, cost + hw.row_s * L * BH_D, 0.0)
 
 
@@ -368,10 +376,9 @@ def _flatten(programs: Sequence, cost: np.ndarray, L: int, shape: Shape) -> _Fla
     active = np.zeros((P, T), dtype=bool)
     active[rank, pos] = True
     comp = kind <= 1
-    compute = np.zeros((P, T))
-    np.add.at(compute, (rank[comp], pos[comp]), cost[a[comp], b[comp]])
-    tiles = np.zeros((P, T), dtype=np.int64)
-    np.add.at(tiles, (rank[comp], pos[comp]), 1)
+    cell = rank[comp] * T + pos[comp]
+    compute = np.bincount(cell, weights=cost[a[comp], b[comp]], minlength=P * T).reshape(P, T)
+    tiles = np.bincount(cell, minlength=P * T).reshape(P, T)
     fam_bytes = np.array([shape.buffer_bytes(f, L) for f in families] or [0], dtype=np.int64)
     send = kind == 2
     sends = (rank[send], pos[send], c[send], fam_bytes[a[send]])
@@ -394,12 +401,16 @@ def _live_peak(P, T, r, start, bufs, tr, tpos, tbufs, size_of) -> np.ndarray:
         return peak
     NB = len(size_of)
     last = np.full(P * NB, -1, dtype=np.int64)
-    np.maximum.at(last, tr * NB + tbufs, tpos)
+    key = tr * NB + tbufs                                 # last use: max position per key
+    order = np.lexsort((tpos, key))
+    ks = key[order]
+    tail = np.r_[ks[1:] != ks[:-1], True] if len(ks) else np.zeros(0, dtype=bool)
+    last[ks[tail]] = tpos[order][tail]
     end = np.maximum(last[r * NB + bufs], start)       # a buffer nothing touches lives one step
-    delta = np.zeros((P, T + 1), dtype=np.int64)
-    np.add.at(delta, (r, start), size_of[bufs])
-    np.add.at(delta, (r, end + 1), -size_of[bufs])
-    return np.cumsum(delta, axis=1).max(axis=1)
+    sz = size_of[bufs].astype(np.float64)
+    delta = (np.bincount(r * (T + 1) + start, weights=sz, minlength=P * (T + 1))
+             - np.bincount(r * (T + 1) + end + 1, weights=sz, minlength=P * (T + 1)))
+    return np.cumsum(delta.reshape(P, T + 1), axis=1).max(axis=1).round().astype(np.int64)
 
 
 def _run(flat: _Flat, hw: Hardware, P: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -414,8 +425,8 @@ def _run(flat: _Flat, hw: Hardware, P: int) -> tuple[np.ndarray, np.ndarray, np.
     src, spos, dst, nbytes = src[order], spos[order], dst[order], nbytes[order].astype(np.float64)
     lat, bw = hw.link(src, dst)
     bounds = np.searchsorted(spos, np.arange(T + 1))
-    np.add.at(sent, (src, spos), nbytes)
-    np.add.at(recv, (dst, spos), nbytes)
+    sent += np.bincount(src * T + spos, weights=nbytes, minlength=P * T).reshape(P, T)
+    recv += np.bincount(dst * T + spos, weights=nbytes, minlength=P * T).reshape(P, T)
     clock = np.zeros(P)
     for i in range(T):
         act = flat.active[:, i]
@@ -650,7 +661,7 @@ def _best(fn, repeats: int, clock=time.perf_counter) -> float:
 
 
 def calibrate(*, heads: int = 8, head_dim: int = 64, dtype: torch.dtype = torch.float32,
-              threads: int = 1, comm: bool = True, repeats: int = 3) -> Hardware:
+              threads: int = 1, comm: bool = True, repeats: int = 2) -> Hardware:
     """Measure this machine: the fused CPU attention kernel (via fringe's tile ops) and gloo.
 
     Times FULL and masked sub-problems of two sizes, forward and backward, with ``threads``
@@ -672,34 +683,43 @@ def calibrate(*, heads: int = 8, head_dim: int = 64, dtype: torch.dtype = torch.
         g = torch.Generator().manual_seed(0)
         H, D = heads, head_dim
 
-        def case(L: int, masked: bool):
+        def timed(L: int, kw: dict):
             q, k, v, do = (torch.randn(1, H, L, D, generator=g, dtype=dtype) for _ in range(4))
             pos = torch.arange(L)
-            kw = dict(q_pos=pos, kv_pos=pos, kind=BlockKind.FULL)
-            if masked:                       # every block PARTIAL: one masked sub-problem
-                kw = dict(q_pos=pos, kv_pos=pos, mask_mod=lambda b, h, qi, ki: (qi + ki) % 7 != 0,
-                          kind=BlockKind.PARTIAL)
+            kw = dict(q_pos=pos, kv_pos=pos, **kw)
             out, lse = tile_forward(q, k, v, **kw)
             fwd = _best(lambda: tile_forward(q, k, v, **kw), repeats, cpu)
             bwd = _best(lambda: tile_backward(q, k, v, out, lse, do, **kw), repeats, cpu)
             return fwd, bwd
 
-        small, big = 64, 1024            # a call's fixed cost from a tiny tile; pairs from a big one
-        (f0, b0), (f1, b1) = case(small, False), case(big, False)
-        fm, _ = case(big, True)
+        small, big, bs = 64, 2048, 128   # a call's fixed cost from a tiny tile, pairs from a big one
+        (f0, b0) = timed(small, dict(kind=BlockKind.FULL))
+        (f1, b1) = timed(big, dict(kind=BlockKind.FULL))
         pairs0, pairs1 = small * small, big * big
         f_unit = max((f1 - f0) / (pairs1 - pairs0), 1e-15)
         b_unit = max((b1 - b0) / (pairs1 - pairs0), 1e-15)
         f_call = max(f0 - f_unit * pairs0, 0.0)
         b_call = max(b0 - b_unit * pairs0, 0.0)
-        masked = max((fm - f_call) / (f_unit * pairs1), 1.0)
+        # masked pairs: a causal diagonal tile run the way plans run it (block map, grouping)
+        nb = big // bs
+        codes = torch.full((nb, nb), _EMPTY, dtype=torch.int8)
+        codes[torch.tril(torch.ones(nb, nb, dtype=torch.bool), -1)] = _FULL
+        codes[torch.arange(nb), torch.arange(nb)] = _PARTIAL
+        from ..masks import causal as _causal
+        fm, bm = timed(big, dict(kind=BlockKind.PARTIAL, blocks=codes, block_size=bs,
+                                 mask_mod=_causal()))
+        calls, full, mpairs, _ = _maps_work(codes[None], L=big, block_size=bs, masked_ok=True)[0]
+        masked = float(max((fm - calls * f_call - full * f_unit) / max(mpairs * f_unit, 1e-30), 1.0))
+        bwd_masked = float(max((bm - calls * b_call - full * b_unit) / max(mpairs * b_unit, 1e-30),
+                               1.0))
         o = torch.randn(1, H, big, D, generator=g)
         lse_ = torch.randn(1, H, big, generator=g)
         row = _best(lambda: merge(o, lse_, o, lse_), repeats, cpu) / (H * big * D)
         per = H * D
         fields = dict(fwd_flops=FWD_FLOPS_PER_PAIR * per / f_unit,
                       bwd_flops=BWD_FLOPS_PER_PAIR * per / b_unit, call_s=f_call,
-                      bwd_call_s=b_call, masked=masked, causal=_CPU["causal"], row_s=row)
+                      bwd_call_s=b_call, masked=masked, bwd_masked=bwd_masked,
+                      causal=_CPU["causal"], row_s=row)
     finally:
         torch.set_num_threads(old)
     lat, bw = _CPU["latency_s"], _CPU["bandwidth"]
@@ -763,14 +783,17 @@ def _measure_worker(rank: int, world_size: int, cases: list, shape: Shape, iters
         k, v = (torch.randn(shape.batch, shape.kv_heads, S, shape.head_dim, generator=g, dtype=dt)
                 for _ in range(2))
         q, k, v = (p.layout.shard(t, rank).requires_grad_() for t in (q, k, v))
-        fwd, bwd = [], []
+        fwd, bwd, cpu = [], [], []
         for it in range(iters + 1):
+            c0 = time.thread_time()                 # this rank's compute (gloo runs elsewhere)
             fringe.attention(q, k, v, plan=p).sum().backward()
+            c1 = time.thread_time()
             s = fringe.last_run().summary()
             if it:                                              # the first call warms up
                 fwd.append(s["forward"]["compute_s"] + s["forward"]["wait_s"])
                 bwd.append(s["backward"]["compute_s"] + s["backward"]["wait_s"])
-        out.append((statistics.median(fwd), statistics.median(bwd)))
+                cpu.append(c1 - c0)
+        out.append((statistics.median(fwd), statistics.median(bwd), statistics.median(cpu)))
     return out
 
 
@@ -782,8 +805,10 @@ def validate(*, world_size: int = 2, seq_len: int = 8192, block_size: int = 128,
     """Predicted vs measured forward + backward on spawned gloo ranks (one thread each).
 
     Measured: each rank's interpreter time (compute + waits, from ``fringe.last_run()``),
-    median over ``iters`` calls after a warm-up, slowest rank. Predicted: the same spans from
-    :func:`simulate`. Use ``world_size`` at most the number of free cores.
+    median over ``iters`` calls after a warm-up, slowest rank; and the CPU time of each rank's
+    main thread over the call (its compute, which other processes on a shared machine do not
+    inflate the way they inflate wall-clock). Predicted: the same spans, and the busiest
+    rank's compute, from :func:`simulate`. Use ``world_size`` at most the number of free cores.
 
     Returns:
         One dict per (schedule, mask): predicted and measured seconds and the relative error.
@@ -799,8 +824,11 @@ def validate(*, world_size: int = 2, seq_len: int = 8192, block_size: int = 128,
                         shape)
         mf = max(r[c][0] for r in res)
         mb = max(r[c][1] for r in res)
+        mc = max(r[c][2] for r in res)
+        pc = float((pred.compute["forward"].sum(1) + pred.compute["backward"].sum(1)).max())
         rows.append(dict(schedule=case[0], mask=case[1], predicted_s=pred.step_s,
-                         measured_s=mf + mb, predicted_fwd_s=pred.forward_s, measured_fwd_s=mf,
+                         measured_s=mf + mb, error=pred.step_s / (mf + mb) - 1,
+                         predicted_fwd_s=pred.forward_s, measured_fwd_s=mf,
                          predicted_bwd_s=pred.backward_s, measured_bwd_s=mb,
-                         error=pred.step_s / (mf + mb) - 1))
+                         predicted_compute_s=pc, measured_cpu_s=mc, compute_error=pc / mc - 1))
     return rows
