@@ -387,6 +387,8 @@ def plan(schedule: Schedule, mask_mod: Callable | None = None, *, seq_len: int,
         if ids.shape[-1] != seq_len:
             raise ValueError(f"{leaf}: doc_ids has {ids.shape[-1]} entries but seq_len={seq_len}; "
                              f"give one document id per global position")
+    if score_mod is not None:
+        score_mod = _masks.snapshot(score_mod)      # learnable tensors stay live parameters
     if score_params is None:
         score_params = captured_params(score_mod, seq_len=seq_len)
     else:
@@ -394,7 +396,7 @@ def plan(schedule: Schedule, mask_mod: Callable | None = None, *, seq_len: int,
         for t in score_params:
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"score_params must be tensors, got {type(t).__name__}")
-    reads_b, reads_h = _masks.reads_batch_head(mask_mod)
+    reads_b, reads_h = _masks.reads_batch_head(mask_mod, seq_len=seq_len)
     name = getattr(mask_mod, "__name__", "mask_mod")
     for reads, given, arg, idx in ((reads_b, batch_size, "batch_size", "b"),
                                    (reads_h, num_heads, "num_heads", "h")):
@@ -415,7 +417,13 @@ def plan(schedule: Schedule, mask_mod: Callable | None = None, *, seq_len: int,
         natural = _masks.classify(mask_mod, torch.arange(seq_len), torch.arange(seq_len),
                                   block_size=block_size, B=batch_size, H=num_heads)
         work = (natural != BlockKind.EMPTY).sum(dim=1)
-        lay = schedule.make_layout(seq_len, world_size, block_size=block_size, block_work=work)
+        import inspect
+        if "natural" in inspect.signature(schedule.layout).parameters:   # the block map itself
+            lay = schedule.layout(seq_len, world_size, block_size=block_size, block_work=work,
+                                  natural=natural)
+        else:
+            lay = schedule.make_layout(seq_len, world_size, block_size=block_size,
+                                       block_work=work)
     else:
         lay = schedule.make_layout(seq_len, world_size, block_size=block_size)
     if lay.seq_len != seq_len or lay.world_size != world_size:

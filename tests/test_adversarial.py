@@ -27,7 +27,7 @@ BLOCK = 2
 
 @pytest.fixture(scope="module")
 def pool2():
-    with Workers(2, timeout_s=60, threads=1) as w:
+    with Workers(2, timeout_s=300, threads=1) as w:
         yield w
 
 
@@ -50,10 +50,10 @@ def worker_two_plans(rank: int, world_size: int):
                      world_size=world_size, block_size=BLOCK)
     q, k, v = make_qkv(B=1, H=2, G=1, S=S, D=4, seed=1)
     for p in (pa, pb):                     # both plans agree once, on every rank
-        fringe.attention(*_local(p, rank, q, k, v), plan=p, timeout_s=30)
+        fringe.attention(*_local(p, rank, q, k, v), plan=p, timeout_s=120)
     mine = pa if rank == 0 else pb         # then ranks run different plans in one call
     try:
-        fringe.attention(*_local(mine, rank, q, k, v), plan=mine, timeout_s=30)
+        fringe.attention(*_local(mine, rank, q, k, v), plan=mine, timeout_s=120)
     except RankMismatch as e:
         return str(e)
     return "no error"
@@ -83,7 +83,7 @@ def worker_content(rank: int, world_size: int, what: str):
                     block_size=4, score_mod=score_mod, scale=scale)   # both cuts inside block 4
     q, k, v = make_qkv(B=1, H=2, G=1, S=S, D=4, seed=2)
     try:
-        fringe.attention(*_local(p, rank, q, k, v), plan=p, timeout_s=30)
+        fringe.attention(*_local(p, rank, q, k, v), plan=p, timeout_s=120)
     except RankMismatch as e:
         return str(e)
     return "no error"
@@ -175,7 +175,7 @@ def worker_score_grad(rank: int, world_size: int):
                     block_size=BLOCK, score_mod=score_mod)
     q, k, v = make_qkv(B=1, H=H, G=1, S=S, D=4, seed=9)
     ql, kl, vl = (t.requires_grad_() for t in _local(p, rank, q, k, v))
-    out = fringe.attention(ql, kl, vl, plan=p, timeout_s=30)
+    out = fringe.attention(ql, kl, vl, plan=p, timeout_s=120)
     (out * p.layout.shard(torch.linspace(-1, 1, S).view(1, 1, S, 1), rank)).sum().backward()
     return bias.grad
 
@@ -238,7 +238,7 @@ def worker_lse_grad(rank: int, world_size: int):
                     block_size=BLOCK)
     q, k, v = make_qkv(B=1, H=2, G=1, S=S, D=4, seed=12)
     ql, kl, vl = (t.requires_grad_() for t in _local(p, rank, q, k, v))
-    out, lse = fringe.attention(ql, kl, vl, plan=p, return_lse=True, timeout_s=30)
+    out, lse = fringe.attention(ql, kl, vl, plan=p, return_lse=True, timeout_s=120)
     ((lse ** 2).sum() + 0.5 * out.sum()).backward()
     return ql.grad, kl.grad, vl.grad
 
