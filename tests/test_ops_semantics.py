@@ -388,6 +388,7 @@ def test_fused_plan_covers_every_non_empty_block_once():
         nq, nk = m.shape
         for Lq, Lk in ((nq * bs, nk * bs), (nq * bs - 1, nk * bs - 3)):
             groups = T._plan(m, Lq=Lq, Lk=Lk, block_size=bs, fused=True)
+            assert len(groups) <= len(T._plan(m, Lq=Lq, Lk=Lk, block_size=bs))  # no more calls
             cover = _cover(groups, m.shape, bs)
             ne = m != EMPTY
             assert torch.equal(cover[ne], torch.ones_like(cover[ne]))
@@ -400,14 +401,25 @@ def test_fused_plan_covers_every_non_empty_block_once():
                     tri = torch.ones(k, k, dtype=torch.bool)
                     assert (c[tri.tril(-1)] == FULL).all() and (c[tri.triu(1)] == EMPTY).all()
                     assert (c.diagonal() == PARTIAL).all()
-                else:                       # either an unmasked FULL piece or no FULL column
-                    full_col = (c == FULL).all(0)
-                    assert bool(full_col.all()) or not bool(full_col.any())
     # the causal and shifted-causal maps become one causal call (+ one FULL piece)
     groups = T._plan(maps[-3], Lq=n * bs, Lk=n * bs, block_size=bs, fused=True)
     assert [(gr.causal, gr.q0, gr.q1, gr.k0, gr.k1) for gr in groups] == [(True, 0, 32, 0, 32)]
     groups = T._plan(maps[-1], Lq=n * bs, Lk=(n + 3) * bs, block_size=bs, fused=True)
     assert sorted((gr.causal, gr.k0, gr.k1) for gr in groups) == [(False, 0, 12), (True, 12, 44)]
+    # a document map: a square per document, its partial first column masked, the FULL
+    # columns between them unmasked (column cuts that add no calls)
+    groups = T._plan(docs, Lq=n * bs, Lk=n * bs, block_size=bs, fused=True)
+    got = sorted((gr.causal, gr.q0 // bs, gr.q1 // bs, gr.k0 // bs, gr.k1 // bs,
+                  bool((gr.codes == FULL).all())) for gr in groups)
+    assert got == [(False, 4, 8, 3, 4, False), (True, 0, 4, 0, 4, False),
+                   (True, 4, 8, 4, 8, False)]
+    # a banded map whose squares would leave a ragged remainder in many calls: plain grouping
+    band = causal.clone()
+    band[torch.ones(n, n, dtype=torch.bool).tril(-3)] = EMPTY
+    band[range(2, n), range(n - 2)] = PARTIAL
+    base = T._plan(band, Lq=n * bs, Lk=n * bs, block_size=bs)
+    fused = T._plan(band, Lq=n * bs, Lk=n * bs, block_size=bs, fused=True)
+    assert len(fused) <= len(base)
 
 
 def fused_cases(S: int):
@@ -471,6 +483,7 @@ def test_fused_calls_are_the_ones_the_kernel_likes(monkeypatch):
         monkeypatch.setattr(fast.SdpaKernel, phase, spy)
     q, k, v = make_qkv(B=B, H=H, G=H, S=S, D=D, seed=65)
     cases = {c[0]: c for c in fused_cases(S)}
+    cases["docs"] = ("docs", ragged_docs([0, 32, 80, 96])[0], torch.arange(S), torch.arange(S))
     for name in ("causal", "causal_zigzag", "docs"):
         _, mod, q_pos, kv_pos = cases[name]
         kw = dict(q_pos=q_pos, kv_pos=kv_pos, mask_mod=mod, kernel="sdpa",
@@ -483,18 +496,16 @@ def test_fused_calls_are_the_ones_the_kernel_likes(monkeypatch):
             n = q_pos.numel()
             assert calls == [("_forward", True, False, n, n), ("_backward", True, False, n, n)]
             continue
-        # documents [47, 80) and [80, 96) hold whole diagonal blocks (3, 4 and 5): causal
-        # squares there; fewer pairs carry a float mask than in one-masked-call-per-group
+        # block-aligned documents: one is_causal square each, nothing masked, 3 calls where
+        # the plain grouping makes more, all masked
         fwd = [c for c in calls if c[0] == "_forward"]
-        assert [c[3] for c in fwd if c[1]] == [32, 16]
-        assert len(fwd) == len(calls) // 2
-        masked = sum(c[3] * c[4] for c in fwd if c[2])
+        assert sorted(c[3] for c in fwd if c[1]) == [16, 32, 48]
+        assert len(fwd) == len(calls) // 2 == 3 and not any(c[2] for c in fwd)
         calls.clear()
         monkeypatch.setattr(fast.SDPA, "fused_calls", False)
         tile_forward(qt, kt, vt, **kw)
         monkeypatch.setattr(fast.SDPA, "fused_calls", True)
-        assert not any(c[1] for c in calls)
-        assert masked < 0.6 * sum(c[3] * c[4] for c in calls if c[2])
+        assert len(calls) > 3 and all(c[2] and not c[1] for c in calls)
     # the whole-tile path (no block map) runs a square lower-triangular tile with is_causal
     calls.clear()
     pos = torch.arange(S)

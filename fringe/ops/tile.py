@@ -14,10 +14,11 @@ the GLOBAL positions of both (``q_pos [Lq]``, ``kv_pos [Lk]``) so that ``mask_mo
 - Kernels with ``fused_calls`` (``sdpa``) get the calls a fused kernel likes (see
   :func:`_plan`): a square lower-triangular piece (found from the block map, then checked
   element by element) runs with ``causal=True`` and no mask, FULL column runs without a mask,
-  and a float mask only over mixed columns. Measured (torch 2.13 CPU, 1 thread, B=1, H=8,
-  D=64, fp32, block 64, fwd+bwd, CPU time): a causal 4096-token tile 2.36 s -> 1.69 s (0.72x,
-  one is_causal call instead of 8 masked ones); a document & causal tile (8 ragged documents)
-  0.73 s -> 0.69 s (0.94x).
+  and a float mask only over mixed columns, when that makes no more calls than the plain
+  grouping. Measured (torch 2.13 CPU, 1 thread, B=1, H=8, D=64, fp32, block 64, one 4096-token
+  tile, fwd+bwd CPU time, busy machine so +-10%): causal 2.33 s -> 1.65 s (0.71x, one is_causal
+  call instead of 8 masked ones); 16 equal documents & causal 0.36 -> 0.29 s (0.80x, 48 -> 16
+  calls); 8 ragged documents 0.96x-1.0x (22 calls either way); window 512: plain grouping kept.
 - ``tile_backward`` takes the GLOBAL merged out/lse (flash-attention style), so partial
   gradients over several kv tiles sum to the exact gradient.
 
@@ -68,7 +69,8 @@ def _plan(blocks: torch.Tensor, *, Lq: int, Lk: int, block_size: int, fused: boo
     Always: consecutive q-block rows are grouped over their non-empty kv block ranges (a row
     joins while the group's rectangle costs at most :data:`GROUP_SLACK` times the exact cost).
 
-    With ``fused`` (kernels that like few large calls without masks, see ``fused_calls``):
+    With ``fused`` (kernels that like few large calls without masks, see ``fused_calls``), the
+    first of these plans that makes no more calls than the plain grouping (else the plain one):
 
     1. *causal runs*: a diagonal run of PARTIAL blocks ``(i+t, j+t)``, ``t < n``, with FULL
        blocks below the diagonal and EMPTY ones above inside the square, and each diagonal
@@ -77,7 +79,8 @@ def _plan(blocks: torch.Tensor, *, Lq: int, Lk: int, block_size: int, fused: boo
        block; without it (the cost model, which sees block maps only) the block pattern decides.
     2. the rest is grouped by rows as above, and each group's kv range is cut where its
        columns switch between all-FULL (a call without a mask) and mixed (a float mask only
-       over the columns that need one); all-EMPTY columns and rows are dropped.
+       over the columns that need one); all-EMPTY columns and rows are dropped;
+    3. or the same without the column cuts.
 
     Every non-empty block is covered by exactly one sub-problem, so the results sum (dk, dv)
     or merge (out, lse) to the unsplit ones.
@@ -85,15 +88,22 @@ def _plan(blocks: torch.Tensor, *, Lq: int, Lk: int, block_size: int, fused: boo
     bs = block_size
     if not fused:
         return _row_groups(blocks, Lq=Lq, Lk=Lk, block_size=bs)
+    base = _row_groups(blocks, Lq=Lq, Lk=Lk, block_size=bs)
+    runs = _causal_runs(blocks, Lq=Lq, Lk=Lk, block_size=bs, check=causal_block)
     work = blocks.clone()
-    out = []
-    for i, j, n in _causal_runs(blocks, Lq=Lq, Lk=Lk, block_size=bs, check=causal_block):
-        out.append(_Group(i * bs, (i + n) * bs, j * bs, (j + n) * bs,
-                          blocks[i:i + n, j:j + n], causal=True))
+    squares = []
+    for i, j, n in runs:
+        squares.append(_Group(i * bs, (i + n) * bs, j * bs, (j + n) * bs,
+                              blocks[i:i + n, j:j + n], causal=True))
         work[i:i + n, j:j + n] = int(BlockKind.EMPTY)
-    for g in _row_groups(work, Lq=Lq, Lk=Lk, block_size=bs):
-        out.extend(_split_columns(g, block_size=bs, Lq=Lq, Lk=Lk))
-    return out
+    rest = _row_groups(work, Lq=Lq, Lk=Lk, block_size=bs) if runs else base
+    split = [p for g in rest for p in _split_columns(g, block_size=bs, Lq=Lq, Lk=Lk)]
+    # fewer, larger calls: measured (window 512, block 64) 57 small calls cost 1.2x the 22
+    # masked ones they replace, so a split that makes more calls than the plain grouping loses
+    for plan in (squares + split, squares + rest):
+        if len(plan) <= len(base):
+            return plan
+    return base
 
 
 def _row_groups(blocks: torch.Tensor, *, Lq: int, Lk: int, block_size: int) -> list[_Group]:
