@@ -511,3 +511,19 @@ def test_fused_calls_are_the_ones_the_kernel_likes(monkeypatch):
     pos = torch.arange(S)
     tile_forward(q, k, v, q_pos=pos, kv_pos=pos, mask_mod=cases["causal"][1], kernel="sdpa")
     assert calls == [("_forward", True, False, S, S)]
+
+
+def test_sdpa_lse_cotangent_float32_with_small_dout():
+    """The fold ``out' = out - dlse * dout / |dout|^2`` stays accurate when dout is small."""
+    B, H, S, D = 1, 4, 64, 16
+    q, k, v = make_qkv(B=B, H=H, G=2, S=S, D=D, seed=71)
+    gen = torch.Generator().manual_seed(72)
+    dout = 1e-3 * torch.randn(B, H, S, D, generator=gen, dtype=torch.float64)
+    dlse = torch.randn(B, H, S, generator=gen, dtype=torch.float64)
+    pos = torch.arange(S)
+    kw = dict(q_pos=pos, kv_pos=pos, mask_mod=lambda b, h, q, kv: q >= kv)
+    out, lse = tile_forward(q, k, v, kernel="reference", **kw)
+    want = tile_backward(q, k, v, out, lse, dout, kernel="reference", dlse=dlse, **kw)
+    f = [t.float() for t in (q, k, v, out, lse, dout, dlse)]
+    got = tile_backward(*f[:6], kernel="sdpa", dlse=f[6], **kw)
+    assert_close(tuple(t.double() for t in got), want, **tolerances(torch.float32))
