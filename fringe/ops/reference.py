@@ -19,8 +19,9 @@ import torch
 ScoreMod = Callable[..., torch.Tensor]
 MaskMod = Callable[..., torch.Tensor]
 
-__all__ = ["attention", "check_qkv", "compute_dtype", "lse_dtype", "mask_for", "ReferenceKernel",
-           "REFERENCE"]
+__all__ = ["attention", "apply_score_mod", "broadcast_agrees", "causal_mask", "check_qkv",
+           "compute_dtype", "grad_tile", "lse_dtype", "mask_for", "ReferenceKernel", "REFERENCE",
+           "ScoreModError"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -132,14 +133,6 @@ def mask_for(mask_mod: MaskMod | None, q_pos: torch.Tensor, kv_pos: torch.Tensor
     if getattr(mask_mod, "bh_invariant", False):
         return evaluate(mask_mod, q_pos, kv_pos)
     return evaluate(mask_mod, q_pos, kv_pos, B=B, H=H)
-
-
-def bh_index(B: int, H: int, q_pos: torch.Tensor, kv_pos: torch.Tensor):
-    """Broadcastable ``(b, h, q_idx, kv_idx)`` index tensors for a ``[B, H, Lq, Lk]`` score."""
-    dev = q_pos.device
-    return (torch.arange(B, device=dev).view(-1, 1, 1, 1),
-            torch.arange(H, device=dev).view(1, -1, 1, 1),
-            q_pos.view(1, 1, -1, 1), kv_pos.view(1, 1, 1, -1))
 
 
 def raw_scores(q: torch.Tensor, k: torch.Tensor, *, scale: float) -> torch.Tensor:
