@@ -85,6 +85,28 @@ def nccl_single_rank(dev: torch.device) -> None:
         out = fringe.attention(q, k, v, plan=p)
         ref = reference.attention(q, k, v, mask_mod=masks.causal())[0]
         check("fringe.attention under nccl (P=1)", max_err(out, ref) < 1e-10)
+        # the per-call agreement travels over a gloo side group: it must not wait for the GPU
+        from fringe.runtime.distributed import DistRuntime
+        rt = DistRuntime(None)
+        x = torch.randn(4096, 4096, device=dev)
+        for _ in range(50):                        # queue ~a second of work on the stream
+            x = torch.tanh(x @ x)
+        t0 = time.perf_counter()
+        rt.agree(p, q, k, v)
+        dt = time.perf_counter() - t0
+        busy = not torch.cuda.current_stream().query()
+        torch.cuda.synchronize()
+        check("agreement exchange adds no device-to-host sync", busy, f"({dt * 1e3:.2f} ms per call)")
+        # lse cotangent and sinks on CUDA, against the float64 reference
+        sinks = torch.tensor([0.3, -0.7], dtype=torch.float64, device=dev, requires_grad=True)
+        o, lse = fringe.attention(q, k, v, plan=p, return_lse=True, sinks=sinks)
+        g = torch.autograd.grad((o.sum() + (lse ** 2).sum()), (q, sinks))
+        r_o, r_l = reference.attention(q, k, v, mask_mod=masks.causal())
+        w = torch.sigmoid(r_l - sinks.view(1, -1, 1))
+        r_o, r_l = r_o * w.unsqueeze(-1), torch.logaddexp(r_l, sinks.view(1, -1, 1))
+        rg = torch.autograd.grad((r_o.sum() + (r_l ** 2).sum()), (q, sinks))
+        check("lse cotangent + sinks under nccl (P=1)",
+              max(max_err(a, b) for a, b in zip(g, rg)) < 1e-9)
     finally:
         dist.destroy_process_group()
 
