@@ -1,0 +1,137 @@
+"""The balanced layout: least predicted step time, documents kept whole, communication pruned."""
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+from torch.testing import assert_close
+
+import fringe
+from fringe import layout, masks, schedules
+from fringe.ops import reference
+from fringe.testing import make_qkv, seeds, tolerances
+
+EXACT = tolerances(torch.float64)
+
+
+def natural(mask, S: int, bs: int) -> torch.Tensor:
+    return masks.classify(mask, torch.arange(S), torch.arange(S), block_size=bs)
+
+
+def packed(S: int, n_docs: int, seed: int) -> torch.Tensor:
+    """Document ids of ``n_docs`` packed documents of random lengths (as fringe.bench does)."""
+    g = torch.Generator().manual_seed(seed)
+    cuts = torch.randperm(S - 1, generator=g)[:n_docs - 1] + 1
+    ids = torch.zeros(S, dtype=torch.int64)
+    ids[cuts] = 1
+    return ids.cumsum(0)
+
+
+def make_mask(kind: str, S: int, seed: int):
+    if kind == "document":
+        return masks.causal() & masks.document(packed(S, 1 + seed % 5, seed))
+    if kind == "window":
+        return masks.sliding_window(1 + seed % max(1, S // 3))
+    return masks.causal()
+
+
+def blocks_of(lay: layout.Layout, bs: int) -> torch.Tensor:
+    return lay.order.view(-1, bs)[:, 0] // bs
+
+
+@settings(deadline=None, max_examples=25)
+@given(st.sampled_from(["document", "window", "causal"]), st.integers(2, 4),
+       st.sampled_from([1, 2, 4]), st.integers(1, 4), seeds())
+def test_balanced_is_a_permutation_with_equal_shards_and_whole_blocks(kind, P, bs, m, seed):
+    S = 2 * P * bs * m
+    lay = layout.balanced(S, P, block_size=bs, natural=natural(make_mask(kind, S, seed), S, bs))
+    assert torch.equal(lay.order.sort().values, torch.arange(S))
+    assert all(lay.positions(r).numel() == S // P for r in range(P))
+    rows = lay.order.view(-1, bs)
+    assert torch.equal(rows, rows[:, :1] + torch.arange(bs)) and bool((rows[:, 0] % bs == 0).all())
+
+
+def test_whole_documents_stay_on_one_rank_and_nothing_is_sent():
+    # 6 documents, every one shorter than a rank's L = 16 tokens, boundaries on blocks
+    S, P, bs = 64, 4, 4
+    ids = torch.repeat_interleave(torch.arange(6), torch.tensor([16, 8, 8, 12, 4, 16]))
+    for mask in (masks.document(ids), masks.causal() & masks.document(ids)):
+        p = fringe.plan(schedules.balanced(), mask, seq_len=S, world_size=P, block_size=bs)
+        owner = p.layout.owner()
+        for d in range(6):
+            assert owner[ids == d].unique().numel() == 1, (mask, d, owner.tolist())
+        off = ~torch.eye(P, dtype=torch.bool)
+        assert bool((p.tiles[off] == masks.BlockKind.EMPTY).all()), p.tiles
+        sent = sum(r["fwd_sent"] + r["bwd_sent"] for r in p.stats().rows)
+        assert sent == 0, p.stats().table()
+    # the block-count deal scatters the same documents and sends kv
+    work = (natural(masks.document(ids), S, bs) != masks.BlockKind.EMPTY).sum(1)
+    lpt = fringe.plan(schedules.ring(), masks.document(ids), seq_len=S, world_size=P, block_size=bs,
+                      layout=layout.balanced(S, P, block_size=bs, block_work=work))
+    assert sum(r["fwd_sent"] for r in lpt.stats().rows) > 0
+
+
+def test_a_too_long_document_is_cut_into_pieces_on_neighbouring_ranks():
+    S, P, bs = 128, 4, 4                       # L = 32; one 80-token document cannot fit
+    ids = torch.repeat_interleave(torch.arange(4), torch.tensor([80, 16, 16, 16]))
+    mask = masks.causal() & masks.document(ids)
+    p = fringe.plan(schedules.balanced(), mask, seq_len=S, world_size=P, block_size=bs)
+    owner = p.layout.owner()
+    assert all(owner[ids == d].unique().numel() == 1 for d in (1, 2, 3))
+    q, k, v = make_qkv(B=1, H=2, G=1, S=S, D=4, seed=5)
+    ref, _ = reference.attention(q, k, v, mask_mod=mask)
+    assert_close(fringe.simulate.attention(q, k, v, plan=p), ref, **EXACT)
+
+
+@pytest.mark.parametrize("kind", ["document", "window", "causal"])
+@pytest.mark.parametrize("P", [2, 3, 4])
+def test_balanced_matches_dense_in_float64(kind, P):
+    bs = {2: 1, 3: 2, 4: 4}[P] if kind != "window" else {2: 4, 3: 1, 4: 2}[P]
+    S = 2 * P * bs * 3
+    mask = make_mask(kind, S, seed=7 * P + len(kind))
+    p = fringe.plan(schedules.balanced(), mask, seq_len=S, world_size=P, block_size=bs)
+    q, k, v = make_qkv(B=1, H=2, G=1, S=S, D=4, seed=P, requires_grad=True)
+    out, lse = fringe.simulate.attention(q, k, v, plan=p, return_lse=True)
+    ref, ref_lse = reference.attention(q, k, v, mask_mod=mask)
+    assert_close(out, ref, **EXACT)
+    assert_close(lse, ref_lse.to(lse.dtype), **EXACT)
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(P), dtype=out.dtype)
+    for a, b in zip(torch.autograd.grad(out, (q, k, v), dout),
+                    torch.autograd.grad(ref, (q, k, v), dout)):
+        assert_close(a, b, **EXACT)
+
+
+@settings(deadline=None, max_examples=8)
+@given(st.integers(2, 4), st.integers(2, 12), seeds())
+def test_predicted_time_is_never_worse_than_contiguous_or_zigzag(P, n_docs, seed):
+    S, bs = 2 * P * 8 * 4, 8
+    nat = natural(masks.causal() & masks.document(packed(S, n_docs, seed)), S, bs)
+    lay = layout.balanced(S, P, block_size=bs, natural=nat)
+    t = lambda lay: float(layout.predict(nat, blocks_of(lay, bs), P, block_size=bs).max())  # noqa: E731
+    assert t(lay) <= min(t(layout.contiguous(S, P, block_size=bs)),
+                         t(layout.zigzag(S, P, block_size=bs))) * (1 + 1e-9)
+
+
+def test_predicted_balance_on_sixteen_packed_documents():
+    """Documents of the size the benchmark uses: the slowest rank within 10% of the mean."""
+    S, P, bs = 8192, 4, 128
+    nat = natural(masks.causal() & masks.document(packed(S, 16, 1)), S, bs)
+    lay = layout.balanced(S, P, block_size=bs, natural=nat)
+    t = layout.predict(nat, blocks_of(lay, bs), P, block_size=bs)
+    assert float(t.max() / t.mean()) <= 1.10, t.tolist()
+
+
+def test_segments_are_cut_only_where_no_block_crosses():
+    ids = torch.repeat_interleave(torch.arange(3), torch.tensor([8, 6, 10]))     # 24 tokens
+    nat = natural(masks.causal() & masks.document(ids), 24, 2)
+    assert layout.segments(nat) == [(0, 4), (4, 7), (7, 12)]
+    nat = natural(masks.causal() & masks.document(ids), 24, 4)                  # 6 does not fall on a block
+    assert layout.segments(nat) == [(0, 2), (2, 6)]
+
+
+def test_balanced_needs_a_block_map_of_the_right_size():
+    with pytest.raises(ValueError, match=r"natural block map has shape \(4, 4\); expected "
+                                         r"\[S/block_size, S/block_size\] = \[8, 8\]"):
+        layout.balanced(16, 2, block_size=2, natural=torch.zeros(4, 4, dtype=torch.int8))
+    with pytest.raises(ValueError, match="balanced needs natural="):
+        layout.balanced(16, 2, block_size=2)
