@@ -50,6 +50,15 @@ __all__ = ["HARDWARE", "Hardware", "Prediction", "Shape", "calibrate", "get_hard
 
 _FULL, _PARTIAL, _EMPTY = int(BlockKind.FULL), int(BlockKind.PARTIAL), int(BlockKind.EMPTY)
 _CHUNK = 1 << 15          # tiles whose block maps are packed at once in tile_work
+_BAND_BLOCKS = 1 << 24    # blocks of the block map made dense at once in tile_work
+
+
+def _rows(plan, r0: int, r1: int) -> torch.Tensor:
+    """Dense int8 block rows ``[r0, r1)`` of the plan's map (sparse ``block_map`` or ``blocks``)."""
+    bm = getattr(plan, "block_map", None)
+    if bm is not None and hasattr(bm, "dense"):
+        return bm.dense(rows=(r0, r1), limit=None)
+    return plan.blocks[r0:r1]
 
 #: FLOPs per (q, kv) pair, per head and per unit of D: QKᵀ and PV in the forward (2 + 2),
 #: and 2.5x that in the backward (the convention of :class:`fringe.plan.PlanStats`).
@@ -271,28 +280,36 @@ def tile_work(plan) -> np.ndarray:
     if full_tiles.any():
         work[full_tiles] = _maps_work(torch.full((1, n, n), _FULL, dtype=torch.int8), L=L,
                                       block_size=bs, masked_ok=masked_ok)[0]
-    part = np.argwhere(tiles == _PARTIAL)
+    part = np.argwhere(tiles == _PARTIAL)                   # sorted by q rank, then kv rank
     if len(part):
-        grid = plan.blocks.view(P, n, P, n)
         W = -(-(n * n) // 32)
         words = torch.empty(len(part), W, dtype=torch.int64)
         shifts = 2 * torch.arange(32, dtype=torch.int64)
-        pi, pj = torch.as_tensor(part[:, 0]), torch.as_tensor(part[:, 1])
-        for a in range(0, len(part), _CHUNK):         # bounded memory: ~_CHUNK maps at a time
-            maps = grid[pi[a:a + _CHUNK], :, pj[a:a + _CHUNK], :]            # [N, n, n]
-            flat = torch.nn.functional.pad(maps.reshape(len(maps), n * n).to(torch.int64),
-                                           (0, W * 32 - n * n))
-            words[a:a + _CHUNK] = (flat.view(len(maps), W, 32) << shifts).sum(-1)  # 2 bits a code
+        band = max(1, _BAND_BLOCKS // (n * n * P))          # q ranks painted at once
+        starts = np.searchsorted(part[:, 0], np.arange(0, P + band, band))
+        for k, i0 in enumerate(range(0, P, band)):
+            lo, hi = starts[k], starts[k + 1]
+            if lo == hi:
+                continue
+            i1 = min(P, i0 + band)
+            grid = _rows(plan, i0 * n, i1 * n).view(i1 - i0, n, P, n)
+            pi = torch.as_tensor(part[lo:hi, 0] - i0)
+            pj = torch.as_tensor(part[lo:hi, 1])
+            for a in range(0, hi - lo, _CHUNK):          # bounded memory: _CHUNK maps at a time
+                maps = grid[pi[a:a + _CHUNK], :, pj[a:a + _CHUNK], :]              # [N, n, n]
+                flat = torch.nn.functional.pad(maps.reshape(len(maps), n * n).to(torch.int64),
+                                               (0, W * 32 - n * n))
+                words[lo + a:lo + a + len(maps)] = (flat.view(len(maps), W, 32) << shifts).sum(-1)
         key = np.zeros(len(part), dtype=np.int64)        # exact: re-rank after each word
         for w in words.numpy().T:
             _, wi = np.unique(w, return_inverse=True)
             _, key = np.unique(key * (int(wi.max()) + 1) + wi, return_inverse=True)
-        inv = torch.from_numpy(key.reshape(-1))
-        firsts = torch.zeros(int(inv.max()) + 1, dtype=torch.int64).scatter_(
-            0, inv, torch.arange(len(part)))
-        maps = grid[pi[firsts], :, pj[firsts], :].contiguous()
-        per_map = _maps_work(maps, L=L, block_size=bs, masked_ok=masked_ok)
-        work[part[:, 0], part[:, 1]] = per_map[inv.numpy()]
+        inv = key.reshape(-1)
+        firsts = np.zeros(int(inv.max()) + 1, dtype=np.int64)
+        firsts[inv] = np.arange(len(part))
+        maps = torch.stack([plan.tile_blocks(int(part[f, 0]), int(part[f, 1])) for f in firsts])
+        per_map = _maps_work(maps.to(torch.int8), L=L, block_size=bs, masked_ok=masked_ok)
+        work[part[:, 0], part[:, 1]] = per_map[inv]
     return work
 
 
@@ -817,14 +834,14 @@ def validate(*, world_size: int = 2, seq_len: int = 8192, block_size: int = 128,
     hw = get_hardware(hardware)
     cases = [(s, m, seq_len, block_size, n_docs) for s in schedules for m in masks]
     with Workers(world_size, timeout_s=600, threads=1) as w:
-        res = w.run(_measure_worker, cases, shape, iters)
+        res = [w.run(_measure_worker, [case], shape, iters) for case in cases]  # a call a case
     rows = []
     for c, case in enumerate(cases):
         pred = simulate(_validation_plan(*case[:2], seq_len, world_size, block_size, n_docs), hw,
                         shape)
-        mf = max(r[c][0] for r in res)
-        mb = max(r[c][1] for r in res)
-        mc = max(r[c][2] for r in res)
+        mf = max(r[0][0] for r in res[c])
+        mb = max(r[0][1] for r in res[c])
+        mc = max(r[0][2] for r in res[c])
         pc = float((pred.compute["forward"].sum(1) + pred.compute["backward"].sum(1)).max())
         rows.append(dict(schedule=case[0], mask=case[1], predicted_s=pred.step_s,
                          measured_s=mf + mb, error=pred.step_s / (mf + mb) - 1,
