@@ -53,6 +53,13 @@ _CHUNK = 1 << 15          # tiles whose block maps are packed at once in tile_wo
 _BAND_BLOCKS = 1 << 24    # blocks of the block map made dense at once in tile_work
 
 
+def _tile(plan, i: int, j: int, n: int) -> torch.Tensor:
+    """Block map of tile (q of rank i, kv of rank j), ``[n, n]``."""
+    if hasattr(plan, "tile_blocks"):
+        return plan.tile_blocks(i, j)
+    return _rows(plan, i * n, (i + 1) * n)[:, j * n:(j + 1) * n]
+
+
 def _rows(plan, r0: int, r1: int) -> torch.Tensor:
     """Dense int8 block rows ``[r0, r1)`` of the plan's map (sparse ``block_map`` or ``blocks``)."""
     bm = getattr(plan, "block_map", None)
@@ -307,7 +314,7 @@ def tile_work(plan) -> np.ndarray:
         inv = key.reshape(-1)
         firsts = np.zeros(int(inv.max()) + 1, dtype=np.int64)
         firsts[inv] = np.arange(len(part))
-        maps = torch.stack([plan.tile_blocks(int(part[f, 0]), int(part[f, 1])) for f in firsts])
+        maps = torch.stack([_tile(plan, int(part[f, 0]), int(part[f, 1]), n) for f in firsts])
         per_map = _maps_work(maps.to(torch.int8), L=L, block_size=bs, masked_ok=masked_ok)
         work[part[:, 0], part[:, 1]] = per_map[inv]
     return work
