@@ -190,20 +190,23 @@ def tile_map_figure(plan, *, max_blocks: int = 256, title: str | None = None):
     axes = fig.subplots(1, 2)
     for ax, img, label, cmap in ((axes[0], rank_img, "rank computing the block", "tab20"),
                                  (axes[1], step_img, "forward step", "viridis")):
-        cm = colormaps[cmap].with_extremes(bad="white")
-        if cmap == "tab20" and P > 20:
-            cm = colormaps["turbo"].with_extremes(bad="white")
+        discrete = cmap == "tab20" and P <= 20            # one colour per rank
+        if cmap == "tab20":
+            cmap = ("tab10" if P <= 10 else "tab20") if discrete else "turbo"
+        cm = colormaps[cmap]
+        cm = (cm.resampled(P) if discrete else cm).with_extremes(bad="white")
         extent = (0, len(idx) * stride, len(idx) * stride, 0)
         im = ax.imshow(np.ma.masked_invalid(img), cmap=cm, interpolation="nearest",
-                       extent=extent, vmin=-0.5 if cmap == "tab20" else None,
-                       vmax=(P - 0.5 if cmap == "tab20" else None))
+                       extent=extent, vmin=-0.5 if discrete else None,
+                       vmax=(P - 0.5 if discrete else None))
         partial = (sub == int(BlockKind.PARTIAL)).astype(float)
         if partial.any() and len(idx) <= 512:
             xs = (np.arange(len(idx)) + 0.5) * stride
             ax.contourf(xs, xs, partial, levels=[0.5, 1.5], colors="none", hatches=["////"])
         ax.set_xlabel("kv block (sequence order)")
         ax.set_ylabel("q block (sequence order)")
-        fig.colorbar(im, ax=ax, label=label, shrink=0.8)
+        fig.colorbar(im, ax=ax, label=label, shrink=0.8,
+                     ticks=range(P) if discrete else None)
     mask = getattr(plan.mask_mod, "__name__", "mask")
     note = f" · every {stride}th block" if stride > 1 else ""
     note += "" if aligned else " · layout order (blocks not aligned)"
