@@ -222,7 +222,10 @@ def _w_setup(rank: int, world: int, cfg: dict) -> dict:
     q, k, v = _qkv(S)
     systems, errors, notes = {}, {}, {}
     mask = fringe_mask(kind, S)
+    exclude = set(cfg.get("exclude", ()))
     for name in cfg["schedules"]:
+        if f"fringe {name}" in exclude:
+            continue
         try:
             plan = fringe.plan(getattr(schedules, name)(), mask, seq_len=S, world_size=world)
             systems[f"fringe {name}"] = _Fringe(plan, rank, q, k, v)
@@ -240,16 +243,17 @@ def _w_setup(rank: int, world: int, cfg: dict) -> dict:
         mesh = _MESH
         try:
             if kind == "causal":
-                systems["torch CP"] = torch_cp.TorchCPSdpa(mesh, q, k, v)
+                if "torch CP" not in exclude:
+                    systems["torch CP"] = torch_cp.TorchCPSdpa(mesh, q, k, v)
             elif cfg.get("flex_eager", True) or cfg.get("compiled"):
                 doc_lens = (torch.bincount(_doc_ids(S)).tolist() if kind == "document"
                             else None)
                 flex = torch_cp.TorchCPFlex(mesh, q, k, v, flex_mask_mod(kind, S),
                                             doc_lens=doc_lens)
                 notes["torch CP load balancer"] = flex.balancer
-                if cfg.get("flex_eager", True):
+                if cfg.get("flex_eager", True) and "torch CP" not in exclude:
                     systems["torch CP"] = flex
-                if cfg.get("compiled"):
+                if cfg.get("compiled") and "torch CP compiled" not in exclude:
                     systems["torch CP compiled"] = _TorchCompiled(flex)
         except Exception as e:          # noqa: BLE001
             errors["torch CP"] = f"{type(e).__name__}: {e}"[:200]
@@ -426,11 +430,14 @@ class Config:
     rounds: int = 5
     compiled_worlds: tuple = (2,)        # forward-only vs compiled flex
     flex_eager_worlds: tuple = (2,)      # P=4: oversubscribed and ~minutes per cell
+    flex_eager_max_S: int = 4096         # S=8192 P=2: a rank was OOM-killed (dense [L, S] math)
     memory: bool = True
     profile: bool = True
     precision_S: int = 2048
     quick: bool = False
     prewarm: bool = False
+    resume_cells: list | None = None     # cells taken over from an earlier run's JSON
+    resume_precision: list | None = None
 
 
 def _log(msg: str) -> None:
@@ -441,11 +448,14 @@ def _log(msg: str) -> None:
 def run(cfg: Config, checkpoint=None) -> dict:
     from fringe.launch import Workers
     names, skipped = schedule_names()
+    done = {(c["mask"], c["S"]): c for c in (cfg.resume_cells or [])}
     result = dict(config=dataclasses.asdict(cfg), schedules=names, skipped_schedules=skipped,
                   started=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                   load_before=os.getloadavg(), cells=[], env=_env())
     t_start = time.perf_counter()
-    if not cfg.prewarm:
+    if cfg.resume_precision:
+        result["precision"] = cfg.resume_precision
+    elif not cfg.prewarm:
         _log("precision (virtual mesh, 2 threads)")
         threads = torch.get_num_threads()
         torch.set_num_threads(2)
@@ -464,6 +474,8 @@ def run(cfg: Config, checkpoint=None) -> dict:
             for kind in cfg.masks:
                 if cfg.prewarm:
                     _prewarm(pools, cfg, names, kind, S)
+                elif (kind, S) in done:
+                    result["cells"].append(dict(done[(kind, S)], resumed=True))
                 else:
                     result["cells"].append(_cell(pools, cfg, names, kind, S))
                     if checkpoint is not None:      # a run cut short still leaves its cells
@@ -503,10 +515,11 @@ def _cell(pools, cfg: Config, names, kind: str, S: int) -> dict:
     cell = dict(mask=kind, S=S, load_before=os.getloadavg(), setup_errors={}, systems={})
     _log(f"cell {kind} S={S}: setup")
     jobs = []                                     # (P, system, backward)
+    subs = {}
     for P, pool in pools.items():
-        sub = dict(mask=kind, S=S, schedules=names if P > 1 else ["zigzag"],
-                   flex_eager=P in cfg.flex_eager_worlds,
-                   compiled=kind != "causal" and P in cfg.compiled_worlds)
+        sub = subs[P] = dict(mask=kind, S=S, schedules=names if P > 1 else ["zigzag"],
+                             flex_eager=P in cfg.flex_eager_worlds and S <= cfg.flex_eager_max_S,
+                             compiled=kind != "causal" and P in cfg.compiled_worlds, exclude=[])
         t0 = time.perf_counter()
         info = pool.run(_w_setup, sub)[0]
         cell.setdefault("setup_seconds", {})[P] = time.perf_counter() - t0
@@ -525,12 +538,22 @@ def _cell(pools, cfg: Config, names, kind: str, S: int) -> dict:
         k = r % len(jobs)
         order = jobs[k:] + jobs[:k]
         for P, name, bwd in order:
+            if (P, name, bwd) not in jobs:
+                continue
             try:
                 res = pools[P].run(_w_step, name, bwd, r == 0)
             except Exception as e:      # noqa: BLE001
                 cell["setup_errors"][f"{name} P={P}"] = f"step failed: {str(e)[-300:]}"
                 _log(f"  {name} P={P} failed: {str(e)[-300:]}")
-                jobs.remove((P, name, bwd))
+                for j in [j for j in jobs if j[:2] == (P, name)]:
+                    jobs.remove(j)
+                if getattr(e, "kind", "") == "ProcessDied" or "broken" in str(e):
+                    # a rank died (e.g. the OOM killer): a fresh pool, this cell set up again
+                    subs[P]["exclude"].append(name)
+                    pools[P].close()
+                    pools[P].start()
+                    pools[P].run(_w_setup, subs[P])
+                    _log(f"  P={P} pool restarted without {name}")
                 continue
             if r == 0:
                 warmup[(P, name, bwd)] = max(x["seconds"] for x in res)
@@ -721,6 +744,11 @@ def report(result: dict, reading: str | None = None) -> str:
                f"`benchmarks/torch_cp.py`): **W1** CPU SDPA op routed into torch's own ring "
                f"(causal); **W2** eager flex, CPU-backward guard bypassed: dense math, no "
                f"block sparsity; **W3** `torch.compile(flex_attention)`, forward only.")
+    if cfg.get("resume_cells"):
+        out.append("")
+        out.append("Cells marked *(earlier run)* in the load column were measured by an earlier "
+                   "run of the same command on the same commit range, taken over with `--resume` "
+                   "after that run lost a rank to the OOM killer (see the notes).")
     if result.get("skipped_schedules"):
         out.append("")
         out.append("Schedules not run: " + "; ".join(
@@ -753,7 +781,8 @@ def report(result: dict, reading: str | None = None) -> str:
                     for v in r["check"].values()]
             row.append(f"{max(errs):.1e}" + (" FAIL" if max(errs) > TOL_OUT else "")
                        if errs else "")
-            row.append(f"{cell['load_before'][0]:.1f}→{cell['load_after'][0]:.1f}")
+            row.append(f"{cell['load_before'][0]:.1f}→{cell['load_after'][0]:.1f}"
+                       + (" (earlier run)" if cell.get("resumed") else ""))
             rows.append(row)
     out.append(tabulate(rows, headers=head, tablefmt="github"))
     errors = {f"{c['mask']} S={c['S']}: {k}": v for c in result["cells"]
@@ -853,6 +882,9 @@ def main(argv=None) -> int:
     ap.add_argument("--prewarm", action="store_true",
                     help="only compile (torch's block masks, compiled flex) into inductor's "
                          "on-disk cache, so a later run's warm-up round is short")
+    ap.add_argument("--resume", default=None,
+                    help="an earlier run's JSON: its complete cells and precision are kept, "
+                         "the rest measured (the report marks resumed cells)")
     ap.add_argument("--no-compiled", action="store_true", help="skip torch compiled flex (W3)")
     ap.add_argument("--markdown", default=None, help="default: BENCHMARKS.md (full run only)")
     ap.add_argument("--json", default=None,
@@ -874,6 +906,11 @@ def main(argv=None) -> int:
     if args.no_compiled:
         cfg.compiled_worlds = ()
     cfg.prewarm = args.prewarm
+    if args.resume:
+        with open(args.resume) as f:
+            old = json.load(f)
+        cfg.resume_cells = [c for c in old["cells"] if not c.get("setup_errors")]
+        cfg.resume_precision = old.get("precision")
     here = os.path.dirname(os.path.abspath(__file__))
     js = args.json or os.path.join(here, "results-quick.json" if cfg.quick else "results.json")
     md = args.markdown or (None if cfg.quick else os.path.join(os.path.dirname(here),
