@@ -396,8 +396,9 @@ def _predict(rows: _Rows, blocks: torch.Tensor, P: int, *, block_size: int, hard
         tiles = torch.full((P, P), _PARTIAL, dtype=torch.int8)
         tiles[~nonempty] = _EMPTY
         tiles[full] = _FULL
-        fake = types.SimpleNamespace(world_size=P, local_len=L, block_size=block_size,
-                                     mask_mod=True, tiles=tiles, blocks=bmap)
+        fake = types.SimpleNamespace(      # what the cost model reads of a Plan
+            world_size=P, local_len=L, block_size=block_size, mask_mod=True, tiles=tiles,
+            blocks=bmap, tile_blocks=lambda i, j: bmap[i * n:(i + 1) * n, j * n:(j + 1) * n])
         work = torch.as_tensor(cm.tile_work(fake)).sum(dim=1)               # [P, 4]
     else:
         work, nonempty = _approx_work(rows, blocks, P, block_size)
