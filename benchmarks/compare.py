@@ -467,6 +467,10 @@ def run(cfg: Config, checkpoint=None) -> dict:
     pools = {1: Workers(1, threads=2, timeout_s=3600)}
     for P in cfg.worlds:
         pools[P] = Workers(P, threads=1, timeout_s=3600)
+    result["config"]["resume_cells"] = [f"{m} S={S}" for m, S in done]
+    result["config"]["resume_precision"] = bool(cfg.resume_precision)
+    grid = {(kind, S) for S in cfg.seq_lens for kind in cfg.masks}
+    result["cells"] += [dict(c, resumed=True) for key, c in done.items() if key not in grid]
     try:
         for w in pools.values():
             w.start()
