@@ -101,8 +101,32 @@ def _side_group(group):
     return _SIDE_GROUPS[ranks]
 
 
+_SUBGROUPS: dict = {}
+
+
+def subgroup(global_ranks: tuple[int, ...]):
+    """The process group over ``global_ranks``, created once and cached.
+
+    Creating a group is itself a collective, so schedules use a fixed mesh of groups (never one
+    per mask): the first use creates it with ``use_local_synchronization=True`` (only its
+    members take part), later ones reuse it. The cache follows the default group: a new
+    ``init_process_group`` starts a new cache.
+    """
+    world = dist.group.WORLD
+    key = (id(world), tuple(sorted(global_ranks)))
+    if key not in _SUBGROUPS:
+        _SUBGROUPS[key] = dist.new_group(list(key[1]), use_local_synchronization=True)
+    return _SUBGROUPS[key]
+
+
 class DistTransport:
-    """Moves buffers between ranks of a process group with async p2p."""
+    """Moves buffers between ranks of a process group: async p2p and async collectives.
+
+    A collective over a subgroup runs as one ``all_to_all_single`` on that (cached) group with
+    per-member split sizes, a zero size being an empty contribution: pure data movement, so
+    gloo, NCCL and the virtual mesh give the same bits, and a reduce-scatter's sum is the
+    interpreter's, in member order.
+    """
 
     def __init__(self, group, *, timeout_s: float, device: torch.device) -> None:
         self.group = group
@@ -110,13 +134,45 @@ class DistTransport:
         self.timeout_s = timeout_s
         self.cuda = device.type == "cuda"
         self.stream = torch.cuda.Stream(device=device) if self.cuda else None
+        self._ranks = (tuple(dist.get_process_group_ranks(group)) if group is not None
+                       else tuple(range(dist.get_world_size())))
 
     def _global(self, peer: int) -> int:
         return dist.get_global_rank(self.group, peer) if self.group is not None else peer
 
-    def issue(self, rank: int, step: int, sends: list, recvs: list):
-        if not sends and not recvs:
-            return [], []
+    def _pg(self, members: tuple[int, ...]):
+        """(process group, the group rank of each member) for members given as group ranks."""
+        glob = tuple(self._ranks[m] for m in members)
+        if sorted(glob) == sorted(self._ranks):
+            pg = self.group
+            order = [dist.get_group_rank(pg, g) if pg is not None else g for g in glob]
+        else:
+            pg = subgroup(glob)
+            order = [dist.get_group_rank(pg, g) for g in glob]
+        return pg, order
+
+    def _collective(self, op, sends: list, recvs: list):
+        pg, order = self._pg(op.group)
+        n = len(order)
+        send_t = [None] * n
+        recv_t = [None] * n
+        for k, pos in enumerate(order):
+            send_t[pos], recv_t[pos] = sends[k], recvs[k]
+        dtype = next((t.dtype for t in send_t + recv_t if t is not None), torch.float32)
+        device = next((t.device for t in send_t + recv_t if t is not None),
+                      torch.device("cuda" if self.cuda else "cpu"))
+        in_split = [0 if t is None else t.numel() for t in send_t]
+        out_split = [0 if t is None else t.numel() for t in recv_t]
+        flat_in = (torch.cat([t.reshape(-1) for t in send_t if t is not None])
+                   if any(in_split) else torch.empty(0, dtype=dtype, device=device))
+        flat_out = torch.empty(sum(out_split), dtype=dtype, device=device)
+        work = dist.all_to_all_single(flat_out, flat_in, output_split_sizes=out_split,
+                                      input_split_sizes=in_split, group=pg, async_op=True)
+        return work, (flat_out, out_split, recv_t, flat_in)
+
+    def issue(self, rank: int, step: int, sends: list, recvs: list, collectives: list = ()):
+        if not sends and not recvs and not collectives:
+            return [], [], []
         ops, meta = [], []
         for peer, name, tensor in sends:
             ops.append(dist.P2POp(dist.isend, tensor, self._global(peer), group=self.group))
@@ -124,26 +180,38 @@ class DistTransport:
         for peer, name, tensor in recvs:
             ops.append(dist.P2POp(dist.irecv, tensor, self._global(peer), group=self.group))
             meta.append(("receive", name, peer))
+        colls = []
         try:
             if self.cuda:
                 self.stream.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(self.stream):
-                    reqs = dist.batch_isend_irecv(ops)
+                    reqs = dist.batch_isend_irecv(ops) if ops else []
+                    for op, outs, ins in collectives:
+                        colls.append((op,) + self._collective(op, outs, ins))
                 for op in ops:
                     op.tensor.record_stream(self.stream)
+                for _, _, (flat_out, _, _, flat_in) in colls:
+                    flat_out.record_stream(self.stream)
+                    flat_in.record_stream(self.stream)
             else:
-                reqs = dist.batch_isend_irecv(ops)
+                reqs = dist.batch_isend_irecv(ops) if ops else []
+                for op, outs, ins in collectives:
+                    colls.append((op,) + self._collective(op, outs, ins))
         except RuntimeError as e:       # a peer that already died can fail the issue itself
-            kind, name, peer = meta[0]
+            if meta:
+                kind, name, peer = meta[0]
+                what = (f"the {kind} of {name} {'to' if kind == 'send' else 'from'} rank {peer} "
+                        f"(and {len(meta) - 1} more transfers)")
+            else:
+                op = collectives[len(colls)][0]
+                what = f"collective '{op.ascii()}' over group {list(op.group)}"
             raise CommTimeout(
-                f"rank {rank}, step {step}: could not start the {kind} of {name} "
-                f"{'to' if kind == 'send' else 'from'} rank {peer} (and {len(meta) - 1} more "
-                f"transfers); the peer may have died. Backend said: "
-                f"{str(e).splitlines()[0][:200]}") from e
-        return reqs, meta
+                f"rank {rank}, step {step}: could not start {what}; the peer may have died. "
+                f"Backend said: {str(e).splitlines()[0][:200]}") from e
+        return reqs, meta, colls
 
     def wait(self, rank: int, step: int, handle) -> None:
-        reqs, meta = handle
+        reqs, meta, colls = handle
         if len(reqs) != len(meta):       # backends that coalesce return one request
             meta = [("transfer", ",".join(m[1] for m in meta), "/".join(str(m[2]) for m in meta))]
         for req, (kind, name, peer) in zip(reqs, meta):
@@ -156,6 +224,23 @@ class DistTransport:
                     f"complete within {self.timeout_s:g}s; the peer may have died or be running a "
                     f"different plan (raise timeout_s= or FRINGE_TIMEOUT if it is just slow). "
                     f"Backend said: {str(e).splitlines()[0][:200]}") from e
+        for op, work, (flat_out, out_split, recv_t, _) in colls:
+            try:
+                work.wait(timeout=self.timeout)
+            except RuntimeError as e:
+                raise CommTimeout(
+                    f"rank {rank}, step {step}: collective '{op.ascii()}' over group "
+                    f"{list(op.group)} did not complete within {self.timeout_s:g}s; a member may "
+                    f"have died or be running a different plan (raise timeout_s= or "
+                    f"FRINGE_TIMEOUT if it is just slow). Backend said: "
+                    f"{str(e).splitlines()[0][:200]}") from e
+            if self.cuda:
+                torch.cuda.current_stream().wait_stream(self.stream)
+            off = 0
+            for t, size in zip(recv_t, out_split):
+                if t is not None:
+                    t.copy_(flat_out[off:off + size].view(t.shape))
+                off += size
         if self.cuda:
             torch.cuda.current_stream().wait_stream(self.stream)
 

@@ -9,8 +9,8 @@ from typing import Sequence
 
 import torch
 
-from ..schedules.ir import Compute, GradCompute, buffer_name
-from .interpreter import RankState, Transport, execute
+from ..schedules.ir import Buffer, Compute, Family, GradCompute
+from .interpreter import RankState, Transport, check_head_split, execute, head_range
 
 
 def check_inputs(q, k, v, *, plan, local: bool) -> None:
@@ -40,6 +40,7 @@ def check_inputs(q, k, v, *, plan, local: bool) -> None:
     for t in plan.score_params:
         if t.device != q.device:
             raise ValueError(f"a score_mod parameter is on {t.device} but q is on {q.device}")
+    check_heads(plan, q.shape[1], k.shape[1])
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -47,29 +48,109 @@ def acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def kept_names(plan, rank: int) -> list[str]:
+def head_splits(plan) -> tuple[int, ...]:
+    """The ways the plan's programs split heads (``n`` of every ``h<i>/<n>`` buffer), sorted."""
+    hit = plan.__dict__.get("_head_splits")
+    if hit is None:
+        found = set()
+        for progs in (plan.forward, plan.backward):
+            for prog in progs:
+                if prog.table is not None:        # columns hold no head slices
+                    continue
+                for _, op in prog.ops():
+                    for b in op.reads() + op.writes():
+                        if b.heads is not None:
+                            found.add(b.heads[1])
+        hit = plan.__dict__["_head_splits"] = tuple(sorted(found))
+    return hit
+
+
+def check_heads(plan, num_heads: int, kv_heads: int) -> None:
+    """Raise before any communication if the plan splits heads in a way H and G do not allow."""
+    for n in head_splits(plan):
+        check_head_split(n, num_heads, kv_heads,
+                         what=f"schedule {plan.schedule.name!r} (heads split {n} ways)")
+
+
+def kept_names(plan, rank: int) -> list[Buffer]:
     """kv buffers rank keeps from forward to backward when ``plan.kv == "keep"``."""
     if plan.kv != "keep":
         return []
-    return sorted({buffer_name("kv", op.kv) for _, op in plan.forward[rank].ops()
-                   if isinstance(op, Compute) and op.kv != rank})
+    return plan.forward[rank].remote_reads(Family.KV)
 
 
-def _rank_state(program, rank: int, k: torch.Tensor, v: torch.Tensor, *,
-                grad_dtype: torch.dtype | None, protect: set[str]) -> RankState:
-    """A rank's interpreter state holding its own kv (k and v packed as ``[2, B, G, L, D]``)."""
+def _shapes(q: torch.Tensor, k: torch.Tensor, dout_dtype: torch.dtype | None = None):
+    """``like(buf) -> (shape, dtype)`` of a rank's whole-heads buffers, by family.
+
+    q ``[B, H, L, D]`` and kv ``[2, B, G, L, D]`` in the input dtype; (out, lse) packed as
+    ``[B, H, L, D+1]`` and (dout, dlse) likewise, and the gradients, in the accumulation dtype.
+    """
+    B, H, L, D = q.shape
+    G = k.shape[1]
+    acc = acc_dtype(q.dtype)
+    table = {Family.Q: ((B, H, L, D), q.dtype), Family.KV: ((2, B, G, L, D), k.dtype),
+             Family.OUT: ((B, H, L, D + 1), acc), Family.DOUT: ((B, H, L, D + 1), acc),
+             Family.DQ: ((B, H, L, D), acc), Family.DKV: ((2, B, G, L, D), acc)}
+    return lambda b: table[b.family]
+
+
+def _merge_into(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """Merge packed partial (out, lse) ``src`` into ``dst`` in place (lse-weighted)."""
+    from ..ops import merge
+    D = dst.shape[-1] - 1
+    o, lse = merge(dst[..., :D], dst[..., D], src[..., :D], src[..., D])
+    dst[..., :D].copy_(o)
+    dst[..., D].copy_(lse)
+
+
+def _pack(o: torch.Tensor, lse: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return torch.cat([o.to(dtype), lse.to(dtype).unsqueeze(-1)], dim=-1)
+
+
+def _rank_state(program, rank: int, q, k, v, *, like, backward: bool,
+                protect: set[str]) -> RankState:
+    """A rank's interpreter state holding its own q and kv (k and v packed ``[2, B, G, L, D]``)."""
     own = torch.stack([k, v])
-    grad_like = (None if grad_dtype is None else
-                 torch.empty(own.shape, dtype=grad_dtype, device=own.device))
-    st = RankState(rank, program, kv_like=own, grad_like=grad_like,
-                   protect={buffer_name("kv", rank)} | protect)
-    st.bufs[buffer_name("kv", rank)] = own
+    mine = {Family.Q, Family.KV, Family.OUT, Family.DOUT, Family.DQ, Family.DKV}
+    protect = set(protect) | {Buffer.of(f, rank) for f in mine}
+    st = RankState(rank, program, like=like, heads=(q.shape[1], k.shape[1]), device=q.device,
+                   protect=protect, merge_out=None if backward else _merge_into)
+    st.bufs[Buffer.of(Family.Q, rank)] = q
+    st.bufs[Buffer.of(Family.KV, rank)] = own
     return st
 
 
-def _tile_args(plan, i: int, j: int, device: torch.device) -> dict:
+def _own_pieces(st: RankState, family: Family) -> list[Buffer]:
+    """The rank's own buffers of ``family`` (whole, then head slices in order)."""
+    found = [b for b in st.bufs if b.family is family and b.chunk == st.rank]
+    return sorted(found, key=lambda b: (b.heads is not None, b.heads or (0, 0)))
+
+
+def _shifted(plan, offset: int):
+    """The plan's mask_mod and score_mod seeing global head ``h + offset`` (cached)."""
+    cache = plan.__dict__.setdefault("_head_shift", {})
+    if offset not in cache:
+        mask, score = plan.mask_mod, plan.score_mod
+        if offset and mask is not None and not getattr(mask, "bh_invariant", False):
+            base_mask = mask
+
+            def mask(b, h, q_idx, kv_idx):
+                return base_mask(b, h + offset, q_idx, kv_idx)
+        if offset and score is not None:
+            base_score = score
+
+            def score(s, b, h, q_idx, kv_idx):
+                return base_score(s, b, h + offset, q_idx, kv_idx)
+        cache[offset] = (mask, score)
+    return cache[offset]
+
+
+def _tile_args(plan, op, device: torch.device, num_heads: int) -> dict:
+    i, j = op.q, op.kv
+    offset = 0 if op.heads is None else op.heads[0] * (num_heads // op.heads[1])
+    mask_mod, score_mod = _shifted(plan, offset)
     return dict(q_pos=plan.positions(i, device), kv_pos=plan.positions(j, device),
-                mask_mod=plan.mask_mod, score_mod=plan.score_mod, scale=plan.scale,
+                mask_mod=mask_mod, score_mod=score_mod, scale=plan.scale,
                 kind=plan.tile_kind(i, j), blocks=plan.tile_blocks(i, j),
                 block_size=plan.block_size, kernel=plan.kernel)
 
@@ -82,37 +163,47 @@ def forward(plan, ranks: Sequence[int], q: torch.Tensor, k: torch.Tensor, v: tor
         ``(out [R, B, H, L, D], lse [R, B, H, L], kept, states)`` where ``kept`` is a list of
         per-rank lists of kv buffers to save (empty unless ``plan.kv == "keep"``).
     """
-    from ..ops import merge, tile_forward
+    from ..ops import tile_forward
 
     acc = acc_dtype(q.dtype)
-    states, outs, lses = {}, {}, {}
+    H = q.shape[2]
+    check_heads(plan, H, k.shape[2])
+    like = _shapes(q[0], k[0])
+    states = {}
     for n, r in enumerate(ranks):
-        states[r] = _rank_state(plan.forward[r], r, k[n], v[n], grad_dtype=None,
+        states[r] = _rank_state(plan.forward[r], r, q[n], k[n], v[n], like=like, backward=False,
                                 protect=set(kept_names(plan, r)))
-    index = {r: n for n, r in enumerate(ranks)}
 
     def compute(st: RankState, op) -> None:
         if not isinstance(op, Compute):
             raise RuntimeError(f"rank {st.rank}: forward program contains {op}")
-        n = index[st.rank]
-        kv = st.bufs[buffer_name("kv", op.kv)]
-        o, l = tile_forward(q[n], kv[0], kv[1], **_tile_args(plan, op.q, op.kv, q.device))
-        o, l = o.to(acc), l.to(acc)
-        if st.rank in outs:
-            outs[st.rank], lses[st.rank] = merge(outs[st.rank], lses[st.rank], o, l)
+        qb, kvb = op.reads()
+        ob = op.writes()[0]
+        kv = st.get(kvb)
+        o, l = tile_forward(st.get(qb), kv[0], kv[1], **_tile_args(plan, op, q.device, H))
+        if st.has(ob):
+            _merge_into(st.get(ob), _pack(o, l, acc))
         else:
-            outs[st.rank], lses[st.rank] = o, l
+            st.bufs[ob] = _pack(o, l, acc)
 
     execute({r: plan.forward[r] for r in ranks}, states, transport, compute)
     out, lse = [], []
+    D = q.shape[-1]
     for n, r in enumerate(ranks):
-        if r in outs:
-            out.append(outs[r].to(q.dtype))
-            lse.append(lses[r])
-        else:                       # every tile of this rank's queries is empty
-            out.append(torch.zeros_like(q[n]))
-            lse.append(torch.full(q[n].shape[:-1], float("-inf"), dtype=acc, device=q.device))
-    kept = [[states[r].bufs[name] for name in kept_names(plan, r)] for r in ranks]
+        st = states[r]
+        full = torch.zeros(q[n].shape[:-1] + (D + 1,), dtype=acc, device=q.device)
+        full[..., D] = float("-inf")
+        written = torch.zeros(H, dtype=torch.bool)
+        for b in _own_pieces(st, Family.OUT):       # partial outputs home: merge by lse
+            dim, lo, hi = (1, 0, H) if b.heads is None else head_range(b, H, k.shape[2])
+            if written[lo:hi].any():
+                _merge_into(full[:, lo:hi], st.bufs[b])
+            else:
+                full[:, lo:hi].copy_(st.bufs[b])
+            written[lo:hi] = True
+        out.append(full[..., :D].to(q.dtype))       # no tile: out 0, lse -inf
+        lse.append(full[..., D].contiguous())
+    kept = [[states[r].get(name) for name in kept_names(plan, r)] for r in ranks]
     return torch.stack(out), torch.stack(lse), kept, states
 
 
@@ -130,29 +221,40 @@ def backward(plan, ranks: Sequence[int], q, k, v, out, lse, dout, dlse, kept,
     from ..ops import tile_backward
 
     acc = acc_dtype(q.dtype)
-    states, dqs = {}, {}
+    H = q.shape[2]
+    check_heads(plan, H, k.shape[2])
+    states = {}
     params = tuple(plan.score_params)
     dparams = [torch.zeros(p.shape, dtype=acc, device=p.device) for p in params]
-    index = {r: n for n, r in enumerate(ranks)}
+    like = _shapes(q[0], k[0])
+    D = q.shape[-1]
     for n, r in enumerate(ranks):
-        st = _rank_state(plan.backward[r], r, k[n], v[n], grad_dtype=acc,
-                         protect={buffer_name("dkv", r)})
+        st = _rank_state(plan.backward[r], r, q[n], k[n], v[n], like=like, backward=True,
+                         protect=set())
         for name, buf in zip(kept_names(plan, r), kept[n] if kept else []):
             st.bufs[name] = buf
+            st.protect.add(name)
+        st.bufs[Buffer.of(Family.OUT, r)] = _pack(out[n], lse[n], acc)
+        st.bufs[Buffer.of(Family.DOUT, r)] = _pack(
+            dout[n], torch.zeros_like(lse[n]) if dlse is None else dlse[n], acc)
+        st.bufs[Buffer.of(Family.DQ, r)] = torch.zeros(q[n].shape, dtype=acc, device=q.device)
+        st.bufs[Buffer.of(Family.DKV, r)] = torch.zeros((2,) + tuple(k[n].shape), dtype=acc,
+                                                        device=q.device)
         states[r] = st
-        dqs[r] = torch.zeros(q[n].shape, dtype=acc, device=q.device)
 
     def compute(st: RankState, op) -> None:
         if not isinstance(op, GradCompute):
             raise RuntimeError(f"rank {st.rank}: backward program contains {op}")
-        n = index[st.rank]
-        kv = st.bufs[buffer_name("kv", op.kv)]
-        res = tile_backward(q[n], kv[0], kv[1], out[n], lse[n], dout[n],
-                            dlse=None if dlse is None else dlse[n], score_params=params,
-                            **_tile_args(plan, op.q, op.kv, q.device))
+        qb, kvb, ob, dob = op.reads()
+        dqb, dkvb = op.writes()
+        kv, o, do = st.get(kvb), st.get(ob), st.get(dob)
+        res = tile_backward(st.get(qb), kv[0], kv[1], o[..., :D].to(out.dtype), o[..., D],
+                            do[..., :D].to(dout.dtype),
+                            dlse=None if dlse is None else do[..., D], score_params=params,
+                            **_tile_args(plan, op, q.device, H))
         dq, dk, dv = res[:3]
-        dqs[st.rank].add_(dq.to(acc))
-        st.accumulate(buffer_name("dkv", op.kv), torch.stack([dk, dv]).to(acc))
+        st.accumulate(dqb, dq.to(acc))
+        st.accumulate(dkvb, torch.stack([dk, dv]).to(acc))
         if params:
             for acc_p, g in zip(dparams, res[3]):
                 acc_p.add_(g.to(acc))
@@ -160,14 +262,11 @@ def backward(plan, ranks: Sequence[int], q, k, v, out, lse, dout, dlse, kept,
     execute({r: plan.backward[r] for r in ranks}, states, transport, compute)
     dq, dk, dv = [], [], []
     for n, r in enumerate(ranks):
-        dq.append(dqs[r].to(q.dtype))
-        g = states[r].bufs.get(buffer_name("dkv", r))
-        if g is None:
-            dk.append(torch.zeros_like(k[n]))
-            dv.append(torch.zeros_like(v[n]))
-        else:
-            dk.append(g[0].to(k.dtype))
-            dv.append(g[1].to(v.dtype))
+        st = states[r]
+        dq.append(st.bufs[Buffer.of(Family.DQ, r)].to(q.dtype))
+        g = st.bufs[Buffer.of(Family.DKV, r)]
+        dk.append(g[0].to(k.dtype))
+        dv.append(g[1].to(v.dtype))
     dparams = tuple(g.to(p.dtype) for g, p in zip(dparams, params))
     return torch.stack(dq), torch.stack(dk), torch.stack(dv), dparams, states
 

@@ -9,15 +9,19 @@ files what arrived. A transport only moves tensors:
 .. code-block:: python
 
     class Transport(Protocol):
-        def issue(self, rank, step, sends, recvs) -> handle   # sends: [(peer, buf, tensor)]
-        def wait(self, rank, step, handle) -> None            # recvs: [(peer, buf, out)]
+        def issue(self, rank, step, sends, recvs, collectives=()) -> handle
+        def wait(self, rank, step, handle) -> None
+
+``sends``: ``[(peer, buf, tensor)]``; ``recvs``: ``[(peer, buf, out)]``; ``collectives``:
+``[(op, send_tensors, recv_tensors)]`` with one entry per member of ``op.group`` (None for
+an empty contribution and for the rank's own slot). What arrives is filed by the rules of
+the buffer's family, never by a schedule: a gradient accumulates (in a fixed order: point
+to point in canonical order, then collectives in program order and member order), a partial
+``out`` merges by its lse, anything else is stored (into its parent's head slice when the
+whole buffer is here).
 
 Buffers come from a per-rank pool and go back to it after their last use in the program,
 so a ring keeps about two kv buffers alive and reuses them step after step.
-
-Forward state per rank: its own ``kv{r}`` (k and v packed as ``[2, B, G, L, D]``) and the
-running (out, lse) of its queries, merged tile by tile. Backward state: ``dq`` and the
-``dkv{j}`` accumulators that travel back to their owners.
 """
 from __future__ import annotations
 
@@ -28,11 +32,11 @@ from typing import Any, Callable, Protocol
 
 import torch
 
-from ..schedules.ir import Compute, GradCompute, Program, Send, buffer_name, split_name
+from ..schedules.ir import Buffer, Collective, Compute, Family, GradCompute, Program, Send
 
 
 class Transport(Protocol):
-    def issue(self, rank: int, step: int, sends: list, recvs: list) -> Any: ...
+    def issue(self, rank: int, step: int, sends: list, recvs: list, collectives: list = ()) -> Any: ...
 
     def wait(self, rank: int, step: int, handle: Any) -> None: ...
 
@@ -82,74 +86,151 @@ class Pool:
         self.allocated = 0
 
     def get(self, like: torch.Tensor) -> torch.Tensor:
-        key = (tuple(like.shape), like.dtype, like.device)
+        return self.get_shape(tuple(like.shape), like.dtype, like.device)
+
+    def get_shape(self, shape: tuple, dtype: torch.dtype, device) -> torch.Tensor:
+        key = (tuple(shape), dtype, torch.device(device))
         if self._free[key]:
             return self._free[key].pop()
         self.allocated += 1
-        return torch.empty_like(like, memory_format=torch.contiguous_format)
+        return torch.empty(shape, dtype=dtype, device=device)
 
     def put(self, t: torch.Tensor) -> None:
         self._free[(tuple(t.shape), t.dtype, t.device)].append(t)
 
 
-def last_uses(program: Program) -> dict[str, int]:
-    """Last step index at which each buffer name is touched by the program."""
-    last: dict[str, int] = {}
-    for t, op in program.ops():
-        if isinstance(op, (Compute, GradCompute)):
-            last[buffer_name("kv", op.kv)] = t
-            if isinstance(op, GradCompute):
-                last[buffer_name("dkv", op.kv)] = t
-        else:
-            last[op.buf] = t
-    return last
+#: Where a buffer family keeps its heads: query-side tensors are ``[B, H, L, ...]``, kv ones
+#: ``[2, B, G, L, D]``.
+_HEAD_DIM = {Family.Q: 1, Family.OUT: 1, Family.DQ: 1, Family.DOUT: 1, Family.KV: 2,
+             Family.DKV: 2}
+
+
+def head_range(buf: Buffer, num_heads: int, kv_heads: int) -> tuple[int, int, int]:
+    """``(dim, start, stop)`` of the heads a sliced buffer holds in its parent tensor.
+
+    Query-side buffers ``h<i>/<n>`` hold query heads ``[i*H/n, (i+1)*H/n)``; kv buffers the
+    kv heads those read: ``G/n`` of them when ``G % n == 0``, else (``n % G == 0``) the one
+    kv head they share, replicated on several ranks.
+
+    Raises:
+        ValueError: H not divisible by n, or neither G % n == 0 nor n % G == 0.
+    """
+    i, n = buf.heads
+    fam = buf.family
+    check_head_split(n, num_heads, kv_heads)
+    if fam in (Family.KV, Family.DKV):
+        if kv_heads % n == 0:
+            w = kv_heads // n
+            return 2, i * w, (i + 1) * w
+        g = i * kv_heads // n
+        return 2, g, g + 1
+    w = num_heads // n
+    return _HEAD_DIM[fam], i * w, (i + 1) * w
+
+
+def check_head_split(n: int, num_heads: int, kv_heads: int, *, what: str = "") -> None:
+    """Raise a ValueError naming the fix unless H % n == 0 and (G % n == 0 or n % G == 0)."""
+    if num_heads % n == 0 and (kv_heads % n == 0 or n % kv_heads == 0):
+        return
+    who = what or f"a schedule that splits heads {n} ways"
+    if num_heads % n:
+        raise ValueError(f"{who} needs the number of query heads divisible by {n}, got H="
+                         f"{num_heads}; use H a multiple of {n}, or split heads fewer ways "
+                         f"(schedules.compose(ring-like outer, ulysses(), inner_size=k) with k "
+                         f"dividing H)")
+    raise ValueError(f"{who} needs the kv heads G={kv_heads} to split {n} ways (G % {n} == 0) "
+                     f"or to be replicated across the {n} ranks ({n} % G == 0); G={kv_heads} is "
+                     f"neither: use G dividing or divisible by {n}")
 
 
 class RankState:
-    """Buffers of one rank while its program runs."""
+    """Buffers of one rank while its program runs.
 
-    def __init__(self, rank: int, program: Program, *, kv_like: torch.Tensor,
-                 grad_like: torch.Tensor | None, protect: set[str]) -> None:
+    Args:
+        rank: the rank.
+        program: its program (buffers are released after their last use in it).
+        like: ``like(buf) -> (shape, dtype)`` of a whole-heads buffer of that family.
+        heads: ``(H, G)``, for head-sliced buffers.
+        device: where buffers live.
+        protect: names never released (the rank's own data, kept kv).
+        merge_out: ``merge_out(dst, src)`` merges a partial ``out`` into another, in place.
+    """
+
+    def __init__(self, rank: int, program: Program, *, like: Callable, heads: tuple[int, int],
+                 device, protect: set[str] = frozenset(), merge_out: Callable | None = None
+                 ) -> None:
         self.rank = rank
         self.program = program
         self.bufs: dict[str, torch.Tensor] = {}
         self.pool = Pool()
-        self.kv_like = kv_like
-        self.grad_like = grad_like
-        self.protect = set(protect)
-        self.last = last_uses(program)
+        self.like = like
+        self.heads = heads
+        self.device = device
+        self.protect = {Buffer(n) for n in protect} | {Buffer(n).parent for n in protect}
+        self.merge_out = merge_out
+        last = program.last_uses()
+        for b, t in list(last.items()):        # a slice keeps its whole buffer alive
+            if b.heads is not None:
+                last[b.parent] = max(last.get(b.parent, -1), t)
+        self.last = last
         self.records: list[StepRecord] = []
 
+    def shape_of(self, name: str) -> tuple[tuple, torch.dtype]:
+        b = Buffer(name)
+        shape, dtype = self.like(b)
+        if b.heads is not None:
+            dim, lo, hi = head_range(b, *self.heads)
+            shape = tuple(shape[:dim]) + (hi - lo,) + tuple(shape[dim + 1:])
+        return tuple(shape), dtype
+
+    def has(self, name: str) -> bool:
+        b = Buffer(name)
+        return b in self.bufs or (b.heads is not None and b.parent in self.bufs)
+
+    def get(self, name: str) -> torch.Tensor:
+        """The buffer, or the head slice of its whole buffer (a view)."""
+        b = Buffer(name)
+        hit = self.bufs.get(b)
+        if hit is not None:
+            return hit
+        if b.heads is not None and b.parent in self.bufs:
+            dim, lo, hi = head_range(b, *self.heads)
+            return self.bufs[b.parent].narrow(dim, lo, hi - lo)
+        raise RuntimeError(f"rank {self.rank}: buffer {b} is not here (the program is "
+                           f"inconsistent; fringe.schedules.check finds such faults)")
+
     def outgoing(self, name: str) -> torch.Tensor:
-        if name not in self.bufs:
-            raise RuntimeError(f"rank {self.rank}: buffer {name} is not here to send "
-                               f"(the program is inconsistent)")
-        return self.bufs[name]
+        return self.get(name).contiguous()
 
     def incoming(self, name: str) -> torch.Tensor:
-        kind, _ = split_name(name)
-        like = self.grad_like if kind.startswith("d") else self.kv_like
-        return self.pool.get(like)
+        shape, dtype = self.shape_of(name)
+        return self.pool.get_shape(shape, dtype, self.device)
 
     def arrived(self, name: str, t: torch.Tensor) -> None:
-        kind, _ = split_name(name)
-        if kind.startswith("d") and name in self.bufs:
-            self.bufs[name].add_(t)
+        b = Buffer(name)
+        if b.family.is_gradient and self.has(b):
+            self.get(b).add_(t)
+            self.pool.put(t)
+        elif b.family is Family.OUT and self.has(b) and self.merge_out is not None:
+            self.merge_out(self.get(b), t)
+            self.pool.put(t)
+        elif b.heads is not None and b.parent in self.bufs:
+            self.get(b).copy_(t)
             self.pool.put(t)
         else:
-            self.bufs[name] = t
+            self.bufs[b] = t
 
     def accumulate(self, name: str, value: torch.Tensor) -> None:
-        if name in self.bufs:
-            self.bufs[name].add_(value)
+        if self.has(name):
+            self.get(name).add_(value)
         else:
             acc = self.pool.get(value)
             acc.copy_(value)
-            self.bufs[name] = acc
+            self.bufs[Buffer(name)] = acc
 
     def release(self, step: int) -> None:
         for name in [n for n, t in self.last.items() if t == step]:
-            if name in self.bufs and name not in self.protect:
+            if name in self.bufs and name not in self.protect and name.parent not in self.protect:
                 self.pool.put(self.bufs.pop(name))
 
 
@@ -167,16 +248,25 @@ def execute(programs: dict[int, Program], states: dict[int, RankState], transpor
             step = steps[r].get(t)
             if step is None:
                 continue
-            sends, recvs = [], []
+            sends, recvs, colls = [], [], []
             for op in step.comms:
                 if isinstance(op, Send):
                     sends.append((op.peer, op.buf, st.outgoing(op.buf)))
                 else:
                     recvs.append((op.peer, op.buf, st.incoming(op.buf)))
-            pending[r] = (step, recvs, transport.issue(r, t, sends, recvs),
-                          sum(x.numel() * x.element_size() for _, _, x in sends))
+            for op in step.collectives:
+                me = op.group.index(r)
+                colls.append((op, [None if k == me or b is None else st.outgoing(b)
+                                   for k, b in enumerate(op.sends)],
+                              [None if k == me or b is None else st.incoming(b)
+                               for k, b in enumerate(op.recvs)]))
+            handle = (transport.issue(r, t, sends, recvs, colls) if colls else
+                      transport.issue(r, t, sends, recvs))
+            sent = sum(x.numel() * x.element_size() for _, _, x in sends) + sum(
+                x.numel() * x.element_size() for _, xs, _ in colls for x in xs if x is not None)
+            pending[r] = (step, recvs, colls, handle, sent)
         timings, events = {}, {}
-        for r, (step, _, _, _) in pending.items():
+        for r, (step, _, _, _, _) in pending.items():
             ev = _events(states[r])
             t0 = time.perf_counter()
             for op in step.computes:
@@ -185,7 +275,7 @@ def execute(programs: dict[int, Program], states: dict[int, RankState], transpor
             if ev is not None:
                 ev[1].record()
             events[r] = ev
-        for r, (step, recvs, handle, sent) in pending.items():
+        for r, (step, recvs, colls, handle, sent) in pending.items():
             st = states[r]
             t0 = time.perf_counter()
             transport.wait(r, t, handle)
@@ -193,17 +283,23 @@ def execute(programs: dict[int, Program], states: dict[int, RankState], transpor
             ev = events[r]
             if ev is not None:
                 ev[2].record()
+            got = sum(x.numel() * x.element_size() for _, _, x in recvs)
             for _, name, buf in recvs:
                 st.arrived(name, buf)
+            for op, _, outs in colls:             # member order: a fixed order of summation
+                for name, buf in zip(op.recvs, outs):
+                    if buf is not None:
+                        got += buf.numel() * buf.element_size()
+                        st.arrived(name, buf)
             st.release(t)
             st.records.append(StepRecord(
                 r, t, None if ev else timings[r], None if ev else wait_s, len(step.computes),
-                sent, sum(x.numel() * x.element_size() for _, _, x in recvs), ev))
+                sent, got, ev))
 
 
 def _events(st: RankState):
     """Three timing events on CUDA (the first recorded now), else None."""
-    if not st.kv_like.is_cuda:
+    if torch.device(st.device).type != "cuda":
         return None
     ev = tuple(torch.cuda.Event(enable_timing=True) for _ in range(3))
     ev[0].record()

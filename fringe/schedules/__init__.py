@@ -2,8 +2,9 @@
 from __future__ import annotations
 
 from .base import Schedule as Schedule, ring_hops as ring_hops
-from .ir import (Buffer as Buffer, Compute as Compute, Family as Family, GradCompute as GradCompute,
-                 Program as Program, Recv as Recv, Send as Send, Step as Step,
+from .collectives import allgather as allgather, compose as compose, ulysses as ulysses
+from .ir import (Buffer as Buffer, Collective as Collective, Compute as Compute, Family as Family,
+                 GradCompute as GradCompute, Program as Program, Recv as Recv, Send as Send, Step as Step,
                  format_programs as format_programs, parse_op as parse_op,
                  parse_programs as parse_programs)
 from .passes import (Hop as Hop, HopTable as HopTable, KV_MODES as KV_MODES,
@@ -11,6 +12,6 @@ from .passes import (Hop as Hop, HopTable as HopTable, KV_MODES as KV_MODES,
                      reverse as reverse)
 from .rings import balanced as balanced, ring as ring, striped as striped, zigzag as zigzag
 
-__all__ = ["balanced", "Compute", "GradCompute", "Hop", "KV_MODES", "Program", "Recv", "Schedule",
-           "ScheduleError", "Send", "Step", "check", "lower", "parse_op", "prune", "reverse",
-           "ring", "ring_hops", "striped", "zigzag"]
+__all__ = ["allgather", "balanced", "Collective", "compose", "Compute", "GradCompute", "Hop",
+           "KV_MODES", "Program", "Recv", "Schedule", "ScheduleError", "Send", "Step", "check", "lower", "parse_op", "prune", "reverse",
+           "ring", "ring_hops", "striped", "ulysses", "zigzag"]

@@ -51,6 +51,10 @@ class Schedule:
         mask_aware: the layout function also takes ``block_work=`` (per-q-block work of the
             mask in sequence order, from the plan's classification), as
             :func:`fringe.layout.balanced` does.
+        build: ``build(world_size, need) -> [Program]`` — programs made for the mask's tile
+            map (``need``: bool numpy ``[P, P]``, or None for every tile), as the collective
+            schedules are (a rank gathers only what its queries need); still checked, pruned
+            and reversed like any other.
     """
 
     name: str
@@ -58,10 +62,13 @@ class Schedule:
     hops: HopsFn | None = None
     programs_fn: Callable[[int], Sequence[Program]] | None = None
     mask_aware: bool = False
+    build: Callable[[int, np.ndarray | None], Sequence[Program]] | None = None
 
     def __post_init__(self) -> None:
-        if (self.hops is None) == (self.programs_fn is None):
-            raise ValueError(f"schedule {self.name!r}: give exactly one of hops= or programs_fn=")
+        given = sum(x is not None for x in (self.hops, self.programs_fn, self.build))
+        if given != 1:
+            raise ValueError(f"schedule {self.name!r}: give exactly one of hops=, programs_fn= "
+                             f"or build=")
 
     def make_layout(self, seq_len: int, world_size: int, *, block_size: int,
                     block_work: torch.Tensor | None = None) -> Layout:
@@ -76,7 +83,12 @@ class Schedule:
         """Forward programs for P ranks, pruned by ``need`` (bool [P, P]) when given."""
         if self.hops is not None:       # lowered and pruned in one pass over the hop arrays
             return lower(world_size, self.hops(world_size), need=need)
-        progs = list(self.programs_fn(world_size))
+        if self.build is not None:
+            arr = None if need is None else np.asarray(
+                need.numpy() if isinstance(need, torch.Tensor) else need, dtype=bool)
+            progs = list(self.build(world_size, arr))
+        else:
+            progs = list(self.programs_fn(world_size))
         if len(progs) != world_size:
             raise ValueError(f"schedule {self.name!r} gave {len(progs)} programs for "
                              f"world_size={world_size}")

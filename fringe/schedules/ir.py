@@ -89,9 +89,9 @@ _GRADIENT = frozenset({Family.DQ, Family.DKV, Family.DOUT, Family.ACC})
 _COTANGENT = {Family.Q: Family.DQ, Family.KV: Family.DKV, Family.OUT: Family.DOUT,
               Family.DQ: Family.Q, Family.DKV: Family.KV, Family.DOUT: Family.OUT}
 _BY_PREFIX = {f.value: f for f in Family}
-_NAME = re.compile(r"^(dout|dkv|dq|out|kv|q|acc)(\d+)$")
+_NAME = re.compile(r"^(dout|dkv|dq|out|kv|q|acc)(\d+)(?:h(\d+)/(\d+))?$")
 _INTERNED: dict[str, Buffer] = {}
-_FIELDS: dict[str, tuple[Family, int]] = {}
+_FIELDS: dict[str, tuple[Family, int, tuple[int, int] | None]] = {}
 _COT_CACHE: dict[str, Buffer] = {}
 
 
@@ -117,22 +117,31 @@ class Buffer(str):
         m = _NAME.match(name) if isinstance(name, str) else None
         if not m:
             raise ValueError(f"buffer name {name!r} is not one of "
-                             f"{', '.join(f.value + '<chunk>' for f in Family)} (e.g. 'kv5')")
+                             f"{', '.join(f.value + '<chunk>' for f in Family)} (e.g. 'kv5'), "
+                             f"optionally with a head slice 'h<i>/<n>' (e.g. 'q3h1/4')")
+        heads = None
+        if m.group(3) is not None:
+            heads = (int(m.group(3)), int(m.group(4)))
+            if not 0 <= heads[0] < heads[1]:
+                raise ValueError(f"buffer {name!r}: head slice h{heads[0]}/{heads[1]} needs "
+                                 f"0 <= i < n")
         self = str.__new__(cls, name)
-        _FIELDS[name] = (_BY_PREFIX[m.group(1)], int(m.group(2)))
+        _FIELDS[name] = (_BY_PREFIX[m.group(1)], int(m.group(2)), heads)
         _INTERNED[name] = self
         return self
 
     @classmethod
-    def of(cls, family: Family | str, chunk: int) -> Buffer:
-        """``Buffer.of("kv", 5)`` is ``Buffer("kv5")``."""
+    def of(cls, family: Family | str, chunk: int, heads: tuple[int, int] | None = None) -> Buffer:
+        """``Buffer.of("kv", 5)`` is ``Buffer("kv5")``; ``Buffer.of("q", 3, (1, 4))`` is ``q3h1/4``."""
         fam = family if isinstance(family, Family) else _BY_PREFIX.get(family)
         if fam is None:
             raise ValueError(f"unknown buffer family {family!r}; expected one of "
                              f"{[f.value for f in Family]}")
         if not isinstance(chunk, int) or chunk < 0:
             raise ValueError(f"buffer chunk must be an int >= 0, got {chunk!r}")
-        return cls(f"{fam.value}{chunk}")
+        if heads is None:
+            return cls(f"{fam.value}{chunk}")
+        return cls(f"{fam.value}{chunk}h{heads[0]}/{heads[1]}")
 
     @property
     def family(self) -> Family:
@@ -145,12 +154,29 @@ class Buffer(str):
         return _FIELDS[self][1]
 
     @property
+    def heads(self) -> tuple[int, int] | None:
+        """``(i, n)``: the buffer holds head slice i of n of its chunk (None: all heads).
+
+        Query-side families (q, out, dq, dout) hold query heads ``[i*H/n, (i+1)*H/n)``; kv
+        families hold the kv heads those query heads read (``G/n`` of them when
+        ``G % n == 0``, else the one kv head they share: kv heads replicated when
+        ``n % G == 0``).
+        """
+        return _FIELDS[self][2]
+
+    @property
+    def parent(self) -> Buffer:
+        """The whole-heads buffer of the same family and chunk (itself when not sliced)."""
+        fam, chunk, heads = _FIELDS[self]
+        return self if heads is None else _buf(fam, chunk)
+
+    @property
     def cotangent(self) -> Buffer:
         """The adjoint buffer of the same chunk: ``Buffer("kv5").cotangent == "dkv5"``."""
         hit = _COT_CACHE.get(self)
         if hit is None:
-            family, chunk = _FIELDS[self]
-            hit = _COT_CACHE[self] = Buffer.of(family.cotangent, chunk)
+            family, chunk, heads = _FIELDS[self]
+            hit = _COT_CACHE[self] = Buffer.of(family.cotangent, chunk, heads)
         return hit
 
     def __repr__(self) -> str:
@@ -178,7 +204,7 @@ def buffer_name(kind: str, chunk: int) -> Buffer:
 
 
 def split_name(name: str) -> tuple[str, int]:
-    """``split_name("dkv5") == ("dkv", 5)``; raises on names outside the IR."""
+    """``split_name("dkv5") == ("dkv", 5)``; raises on names outside the IR (head slices drop)."""
     b = Buffer(name)
     return b.family.value, b.chunk
 
@@ -202,27 +228,52 @@ class _Op:
         raise NotImplementedError
 
 
+def _heads_suffix(heads) -> str:
+    return "" if heads is None else f" h{heads[0]}/{heads[1]}"
+
+
+def _check_heads(op, heads) -> None:
+    if heads is not None and (len(heads) != 2 or not 0 <= heads[0] < heads[1]):
+        raise ValueError(f"{type(op).__name__}: heads must be None or (i, n) with 0 <= i < n, "
+                         f"got {heads!r}")
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class Compute(_Op):
-    """Tile forward of q chunk ``q`` against kv chunk ``kv``: merges into ``out{q}``."""
+    """Tile forward of q chunk ``q`` against kv chunk ``kv``: merges into ``out{q}``.
+
+    With ``heads=(i, n)`` only head slice i of n is computed (reading ``q{q}h{i}/{n}`` and
+    ``kv{kv}h{i}/{n}``, merging into ``out{q}h{i}/{n}``); the mask and score mods still see
+    the global head index.
+    """
 
     q: int
     kv: int
+    heads: tuple[int, int] | None = None
+
+    def __post_init__(self) -> None:
+        if self.heads is not None:
+            _check_heads(self, self.heads)
+            object.__setattr__(self, "heads", (int(self.heads[0]), int(self.heads[1])))
 
     def reads(self) -> tuple[Buffer, ...]:
-        return _buf(_Q, self.q), _buf(_KV, self.kv)
+        if self.heads is None:
+            return _buf(_Q, self.q), _buf(_KV, self.kv)
+        return Buffer.of(_Q, self.q, self.heads), Buffer.of(_KV, self.kv, self.heads)
 
     def writes(self) -> tuple[Buffer, ...]:
-        return (_buf(_OUT, self.q),)
+        if self.heads is None:
+            return (_buf(_OUT, self.q),)
+        return (Buffer.of(_OUT, self.q, self.heads),)
 
     def adjoint(self) -> GradCompute:
-        return GradCompute(self.q, self.kv)
+        return GradCompute(self.q, self.kv, self.heads)
 
     def __str__(self) -> str:
-        return f"C q{self.q}·kv{self.kv}"
+        return f"C q{self.q}·kv{self.kv}{_heads_suffix(self.heads)}"
 
     def ascii(self) -> str:
-        return f"C q{self.q}.kv{self.kv}"
+        return f"C q{self.q}.kv{self.kv}{_heads_suffix(self.heads)}"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -231,21 +282,33 @@ class GradCompute(_Op):
 
     q: int
     kv: int
+    heads: tuple[int, int] | None = None
+
+    def __post_init__(self) -> None:
+        if self.heads is not None:
+            _check_heads(self, self.heads)
+            object.__setattr__(self, "heads", (int(self.heads[0]), int(self.heads[1])))
 
     def reads(self) -> tuple[Buffer, ...]:
-        return _buf(_Q, self.q), _buf(_KV, self.kv), _buf(_OUT, self.q), _buf(_DOUT, self.q)
+        if self.heads is None:
+            return _buf(_Q, self.q), _buf(_KV, self.kv), _buf(_OUT, self.q), _buf(_DOUT, self.q)
+        h = self.heads
+        return (Buffer.of(_Q, self.q, h), Buffer.of(_KV, self.kv, h), Buffer.of(_OUT, self.q, h),
+                Buffer.of(_DOUT, self.q, h))
 
     def writes(self) -> tuple[Buffer, ...]:
-        return _buf(_DQ, self.q), _buf(_DKV, self.kv)
+        if self.heads is None:
+            return _buf(_DQ, self.q), _buf(_DKV, self.kv)
+        return Buffer.of(_DQ, self.q, self.heads), Buffer.of(_DKV, self.kv, self.heads)
 
     def adjoint(self) -> Compute:
-        return Compute(self.q, self.kv)
+        return Compute(self.q, self.kv, self.heads)
 
     def __str__(self) -> str:
-        return f"G q{self.q}·kv{self.kv}"
+        return f"G q{self.q}·kv{self.kv}{_heads_suffix(self.heads)}"
 
     def ascii(self) -> str:
-        return f"G q{self.q}.kv{self.kv}"
+        return f"G q{self.q}.kv{self.kv}{_heads_suffix(self.heads)}"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -304,24 +367,134 @@ class Recv(_Op):
         return f"R {self.buf}<-r{self.peer}"
 
 
-Op = Union[Compute, GradCompute, Send, Recv]
+#: Collective kinds and their adjoints: all-gather <-> reduce-scatter, all-to-all <-> itself.
+COLLECTIVE_ADJOINT = {"AG": "RS", "RS": "AG", "A2A": "A2A"}
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Collective(_Op):
+    """A collective over the ranks ``group`` (a fixed subgroup of the mesh), as one rank sees it.
+
+    ``sends[k]`` is the buffer this rank contributes to member ``group[k]`` and ``recvs[k]``
+    the buffer it receives from that member; ``None`` is an empty contribution (a
+    mask-pruned gather moves only what a rank needs, over the same fixed group). The slot
+    of the rank itself holds the same buffer on both sides (it stays in place) or ``None``.
+    Every member issues its side of the same collective in the same step, in the same order
+    (:func:`fringe.schedules.check`). A received gradient accumulates, in member order, so a
+    reduce-scatter is an all-to-all plus a local sum in a fixed order (bit-identical on every
+    transport).
+
+    ``kind`` names the pattern: ``AG`` (all-gather: each member sends one buffer to the
+    members that want it), ``RS`` (reduce-scatter: its adjoint, gradients summed at the
+    owner) and ``A2A`` (all-to-all). The adjoint swaps ``sends`` and ``recvs`` and takes
+    cotangents: AG <-> RS, A2A <-> the inverse A2A.
+
+    Text form: ``AG[0,1,2] kv0,kv0,- > kv0,kv1,-`` (ASCII) or ``AG[0,1,2] kv0,kv0,- ⇄ kv0,kv1,-``.
+    """
+
+    kind: str
+    group: tuple[int, ...]
+    sends: tuple[Buffer | None, ...]
+    recvs: tuple[Buffer | None, ...]
+
+    def __post_init__(self) -> None:
+        if self.kind not in COLLECTIVE_ADJOINT:
+            raise ValueError(f"collective kind must be one of {sorted(COLLECTIVE_ADJOINT)}, got "
+                             f"{self.kind!r}")
+        group = tuple(int(r) for r in self.group)
+        if len(set(group)) != len(group) or not group or min(group) < 0:
+            raise ValueError(f"collective group must be distinct ranks >= 0, got {self.group!r}")
+        if len(self.sends) != len(group) or len(self.recvs) != len(group):
+            raise ValueError(f"{self.kind}{list(group)}: one send and one receive slot per member "
+                             f"({len(group)}), got {len(self.sends)} and {len(self.recvs)}")
+        conv = lambda xs: tuple(None if x is None else Buffer(x) for x in xs)  # noqa: E731
+        object.__setattr__(self, "group", group)
+        object.__setattr__(self, "sends", conv(self.sends))
+        object.__setattr__(self, "recvs", conv(self.recvs))
+
+    def reads(self) -> tuple[Buffer, ...]:
+        return tuple(dict.fromkeys(b for b in self.sends if b is not None))
+
+    def writes(self) -> tuple[Buffer, ...]:
+        return tuple(dict.fromkeys(b for b in self.recvs if b is not None))
+
+    def adjoint(self) -> Collective:
+        """``AG`` becomes ``RS`` of the cotangents (and back); ``A2A`` its inverse."""
+        cot = lambda xs: tuple(None if x is None else x.cotangent for x in xs)  # noqa: E731
+        return Collective(COLLECTIVE_ADJOINT[self.kind], self.group, cot(self.recvs),
+                          cot(self.sends))
+
+    def transposed(self) -> Collective:
+        """The same buffers moving the other way (re-sending merged outputs in a backward)."""
+        return Collective("A2A" if self.kind == "A2A" else COLLECTIVE_ADJOINT[self.kind],
+                          self.group, self.recvs, self.sends)
+
+    def _text(self, arrow: str) -> str:
+        fmt = lambda xs: ",".join("-" if x is None else str(x) for x in xs)  # noqa: E731
+        return (f"{self.kind}[{','.join(str(r) for r in self.group)}] {fmt(self.sends)} {arrow} "
+                f"{fmt(self.recvs)}")
+
+    def __str__(self) -> str:
+        return self._text("⇄")
+
+    def ascii(self) -> str:
+        return self._text(">")
+
+    def brief(self) -> str:
+        """A short display form for grids: ``AG[0-3] kv0 ⇄ kv{1,2}``, ``A2A[0,1] q0h*/2 ⇄ q{0,1}h0/2``.
+
+        Not parsed back (``str`` and ``ascii`` are the round-tripping forms).
+        """
+        g = self.group
+        span = (f"{g[0]}-{g[-1]}" if len(g) > 2 and g == tuple(range(g[0], g[-1] + 1))
+                else ",".join(map(str, g)))
+        return f"{self.kind}[{span}] {_brief(self.sends)} ⇄ {_brief(self.recvs)}"
+
+
+def _brief(slots) -> str:
+    bs = list(dict.fromkeys(b for b in slots if b is not None))
+    if not bs:
+        return "-"
+    if len(bs) == 1:
+        return str(bs[0])
+    fams = {b.family for b in bs}
+    chunks = sorted({b.chunk for b in bs})
+    heads = {b.heads for b in bs}
+    if len(fams) == 1 and len(heads) == 1:
+        h = next(iter(heads))
+        return (f"{bs[0].family.value}{{{','.join(map(str, chunks))}}}"
+                f"{'' if h is None else f'h{h[0]}/{h[1]}'}")
+    if len(fams) == 1 and len(chunks) == 1 and None not in heads and len({h[1] for h in heads}) == 1:
+        return f"{bs[0].family.value}{chunks[0]}h*/{bs[0].heads[1]}"
+    return ",".join(map(str, bs))
+
+
+Op = Union[Compute, GradCompute, Send, Recv, Collective]
 Comm = Union[Send, Recv]
 
-_OP = re.compile(r"^\s*(?:([CG])\s+q(\d+)\s*(?:·|\.)\s*kv(\d+)"
-                 r"|([SR])\s+(\w+)\s*(→|->|←|<-)\s*r(\d+))\s*$")
+_OP = re.compile(r"^\s*(?:([CG])\s+q(\d+)\s*(?:·|\.)\s*kv(\d+)(?:\s+h(\d+)/(\d+))?"
+                 r"|([SR])\s+(\S+)\s*(→|->|←|<-)\s*r(\d+))\s*$")
+_COLL = re.compile(r"^\s*(AG|RS|A2A)\[([\d,\s]+)\]\s+(\S+)\s*(?:>|⇄)\s*(\S+)\s*$")
 _ARROW = {"→": "S", "->": "S", "←": "R", "<-": "R"}
 
 
 def parse_op(text: str) -> Op:
     """Parse the pretty or ASCII form of one op: ``parse_op("S kv5->r2") == Send("kv5", 2)``."""
+    c = _COLL.match(text)
+    if c:
+        group = tuple(int(x) for x in c.group(2).split(",") if x.strip())
+        slots = lambda xs: tuple(None if x == "-" else Buffer(x) for x in xs.split(","))  # noqa: E731
+        return Collective(c.group(1), group, slots(c.group(3)), slots(c.group(4)))
     m = _OP.match(text)
     if not m:
-        raise ValueError(f"cannot parse op {text!r}; expected e.g. 'C q3.kv5', 'G q3.kv5', "
-                         f"'S kv5->r2' or 'R kv5<-r0' (or the pretty forms with ·, →, ←)")
+        raise ValueError(f"cannot parse op {text!r}; expected e.g. 'C q3.kv5', 'C q3.kv5 h1/4', "
+                         f"'G q3.kv5', 'S kv5->r2', 'R kv5<-r0', 'AG[0,1] kv0,- > -,kv1' (or the "
+                         f"pretty forms with ·, →, ←, ⇄)")
     if m.group(1):
         cls = Compute if m.group(1) == "C" else GradCompute
-        return cls(int(m.group(2)), int(m.group(3)))
-    kind, buf, arrow, peer = m.group(4), m.group(5), m.group(6), int(m.group(7))
+        heads = None if m.group(4) is None else (int(m.group(4)), int(m.group(5)))
+        return cls(int(m.group(2)), int(m.group(3)), heads)
+    kind, buf, arrow, peer = m.group(6), m.group(7), m.group(8), int(m.group(9))
     if _ARROW[arrow] != kind:
         raise ValueError(f"op {text!r}: a send uses '->' (or '→'), a receive '<-' (or '←')")
     return (Send if kind == "S" else Recv)(buf, peer)
@@ -347,6 +520,11 @@ class Step:
     @property
     def computes(self) -> tuple[Compute | GradCompute, ...]:
         return tuple(op for op in self.ops if isinstance(op, (Compute, GradCompute)))
+
+    @property
+    def collectives(self) -> tuple[Collective, ...]:
+        """Collectives, in program order (every member issues them in this order)."""
+        return tuple(op for op in self.ops if isinstance(op, Collective))
 
     def reads(self) -> set[Buffer]:
         """Buffers this step's ops read (they must be present at the start of the step)."""
@@ -556,6 +734,10 @@ class ProgramTable:
         rows = []
         for prog in programs:
             for t, op in prog.ops():
+                if (isinstance(op, (Compute, GradCompute)) and op.heads is not None) or (
+                        isinstance(op, (Send, Recv)) and op.buf.heads is not None):
+                    raise TypeError(f"rank {prog.rank}, step {t}: a ProgramTable has no column for "
+                                    f"head slices ({op}); keep such programs as Program values")
                 if isinstance(op, (Compute, GradCompute)):
                     rows.append((prog.rank, t, C_ if isinstance(op, Compute) else G_, op.q, op.kv, -1))
                 elif isinstance(op, (Send, Recv)):

@@ -16,8 +16,8 @@ from typing import Iterator, Mapping, Sequence
 import numpy as np
 import torch
 
-from .ir import (C_, G_, R_, S_, Buffer, Compute, Family, GradCompute, Op, Program, ProgramTable,
-                 Recv, Send, _buf, marked, program_from_ops, steps_of)
+from .ir import (C_, G_, R_, S_, Buffer, Collective, Compute, Family, GradCompute, Op, Program,
+                 ProgramTable, Recv, Send, _buf, marked, program_from_ops, steps_of)
 
 
 class ScheduleError(ValueError):
@@ -321,38 +321,101 @@ def reverse(programs: Sequence[Program], *, kv: str = "resend") -> list[Program]
     reads_at: dict[tuple[int, Buffer], list[int]] = collections.defaultdict(list)  # fwd steps
     in_hop: dict[tuple[int, Buffer], Hop] = {}
     out_hops: dict[tuple[int, Buffer], list[Hop]] = collections.defaultdict(list)
+    by_collective: set[tuple[int, Buffer]] = set()     # inputs a collective brought to a rank
+    collectives: dict[tuple, dict[int, Collective]] = collections.defaultdict(dict)
     for prog in programs:
         r = prog.rank
+        seen: collections.Counter = collections.Counter()
         for t, op in prog.ops():
             if isinstance(op, GradCompute) or (isinstance(op, (Send, Recv))
-                                               and op.buf.family.is_gradient):
+                                               and op.buf.family.is_gradient) or (
+                    isinstance(op, Collective)
+                    and any(b.family.is_gradient for b in op.reads() + op.writes())):
                 raise ScheduleError(f"rank {r}, step {t}: reverse takes forward programs; found "
                                     f"{op}\n{marked(prog, t)}")
-            if isinstance(op, Compute) and op.q != r:
-                raise ScheduleError(f"rank {r}, step {t}: {op} computes with q{op.q}, but "
-                                    f"queries do not move in these programs\n{marked(prog, t)}")
             ops[r][T - t].append(op.adjoint())
-            if isinstance(op, Send):
-                out_hops[(r, op.buf)].append(Hop(t, r, op.peer))
-            elif isinstance(op, Recv):
-                in_hop[(r, op.buf)] = Hop(t, op.peer, r)
+            if isinstance(op, (Send, Recv)):
+                fam = op.buf.family
+                if fam is Family.OUT:       # the merged (out, lse) goes with its cotangent
+                    ops[r][T - t].append(Recv(op.buf, op.peer) if isinstance(op, Send)
+                                         else Send(op.buf, op.peer))
+                elif fam in _INPUTS and isinstance(op, Send):
+                    out_hops[(r, op.buf)].append(Hop(t, r, op.peer))
+                elif fam in _INPUTS:
+                    in_hop[(r, op.buf)] = Hop(t, op.peer, r)
+            elif isinstance(op, Collective):
+                if any(b.family is Family.OUT for b in op.reads() + op.writes()):
+                    ops[r][T - t].append(op.transposed())
+                me = op.group.index(r) if r in op.group else -1
+                for k, b in enumerate(op.recvs):
+                    if b is not None and k != me and b.family in _INPUTS:
+                        by_collective.add((r, b))
+                key = (t, op.group, seen[(t, op.group)])
+                seen[(t, op.group)] += 1
+                collectives[key][r] = op
             else:
                 for b in op.reads():
                     reads_at[(r, b)].append(t)
-    if kv == "resend":
-        _rematerialise(T, ops, reads_at, in_hop, out_hops)
+    _reissue(T, ops, collectives, reads_at, kv)
+    _rematerialise(T, ops, reads_at, in_hop, out_hops, skip=by_collective,
+                   families=_INPUTS if kv == "resend" else frozenset({Family.Q}))
     return [program_from_ops(r, ops[r]) for r in range(P)]
 
 
-def _rematerialise(T, ops, reads_at, in_hop, out_hops) -> None:
+def _reissue(T, ops, collectives, reads_at, kv: str) -> None:
+    """Re-issue each forward collective that brought inputs (q, kv) the backward reads again.
+
+    Every member issues it unchanged, one step before the earliest backward read of what it
+    brings on any member (a forward read at step t is a backward read at T - t), and before
+    any re-issued collective that sends on what it brings (a 2D schedule forwards head slices
+    an all-to-all brought). With ``kv="keep"`` a collective that brings only kv is not
+    re-issued (the kv is kept).
+    """
+    brought: dict[tuple[int, Buffer], tuple] = {}
+    when: dict[tuple, int] = {}
+    for key, sides in collectives.items():
+        group = key[1]
+        firsts, families = [], set()
+        for r, op in sides.items():
+            me = group.index(r) if r in group else -1
+            for k, b in enumerate(op.recvs):
+                if b is None or k == me or b.family not in _INPUTS:
+                    continue
+                brought[(r, b)] = key
+                families.add(b.family)
+                at = reads_at.get((r, b))
+                if at:
+                    firsts.append(T - max(at))
+        if firsts and not (kv == "keep" and families == {Family.KV}):
+            when[key] = min(firsts) - 1
+    for key in sorted(collectives, key=lambda k_: -k_[0]):      # latest forward step first
+        if key not in when:
+            continue
+        for r, op in collectives[key].items():
+            for b in op.reads():
+                dep = brought.get((r, b))
+                if dep is not None:
+                    when[dep] = min(when.get(dep, when[key] - 1), when[key] - 1)
+    for key, u in sorted(when.items(), key=lambda kv_: (kv_[0][0], kv_[0][1], kv_[0][2])):
+        if u < 0:
+            raise ScheduleError(f"the collective at forward step {key[0]} over group "
+                                f"{list(key[1])} would have to be re-issued at backward step {u}")
+        for r, op in collectives[key].items():
+            ops[r][u].append(op)
+
+
+def _rematerialise(T, ops, reads_at, in_hop, out_hops, *, skip=frozenset(),
+                   families=_INPUTS) -> None:
     """Add the input moves of the backward: each non-owner that reads buffer b gets it in time.
 
     No recursion: a rank's first need depends only on its upstream neighbour's, and the
     upstream rank received the buffer earlier, so ranks are visited in forward arrival order.
+    ``skip``: (rank, buffer) pairs a re-issued collective delivers; ``families``: the
+    buffer families to re-send.
     """
     holders: dict[Buffer, set[int]] = collections.defaultdict(set)
     for (r, b) in list(reads_at) + list(in_hop):
-        if r != b.chunk:
+        if r != b.chunk and (r, b) not in skip and b.family in families:
             holders[b].add(r)
     for b in sorted(holders, key=lambda b: (b.family.value, b.chunk)):
         owner = b.chunk
@@ -443,6 +506,7 @@ def check(programs: Sequence[Program], *, need: torch.Tensor | None = None,
             missing = "receive" if is_send else "send"
             _fail(programs, who, t, f"'{op}' has no matching {missing} on rank {peer} in the "
                                     f"same step")
+    _check_collectives(programs)
     _check_presence(programs, backward=backward, kv=kv)
     if need is not None:
         _check_tiles(programs, _need_array(need, P))
@@ -452,20 +516,63 @@ def _fail(programs: Sequence[Program], rank: int, step: int, what: str):
     raise ScheduleError(f"rank {rank}, step {step}: {what}\n{marked(programs[rank], step)}")
 
 
+def _check_collectives(programs: Sequence[Program]) -> None:
+    """Every member of a group issues the same collectives in the same step and order, and
+    what one member sends another receives (the same buffer, or nothing on both sides)."""
+    P = len(programs)
+    issued: dict[tuple, dict[int, list]] = collections.defaultdict(lambda: collections.defaultdict(list))
+    for prog in programs:
+        r = prog.rank
+        for step in prog.steps:
+            for op in step.collectives:
+                if r not in op.group:
+                    _fail(programs, r, step.index, f"'{op}': rank {r} is not a member of its group")
+                if max(op.group) >= P:
+                    _fail(programs, r, step.index, f"'{op}' names a rank outside [0, {P})")
+                me = op.group.index(r)
+                if op.sends[me] != op.recvs[me]:
+                    _fail(programs, r, step.index, f"'{op}': the slot of rank {r} itself must hold "
+                                                   f"the same buffer on both sides (or '-')")
+                issued[(step.index, op.group)][r].append(op)
+    for (t, group), sides in issued.items():
+        counts = {m: len(sides.get(m, ())) for m in group}
+        if len(set(counts.values())) != 1:
+            few = min(group, key=lambda m: counts[m])
+            many = max(group, key=lambda m: counts[m])
+            _fail(programs, few, t, f"rank {few} issues {counts[few]} collective(s) over group "
+                                    f"{list(group)} in this step but rank {many} issues "
+                                    f"{counts[many]}; every member issues the same collectives "
+                                    f"in the same order")
+        for n in range(counts[group[0]]):
+            ops = {m: sides[m][n] for m in group}
+            kinds = {ops[m].kind for m in group}
+            if len(kinds) != 1:
+                m = next(m for m in group if ops[m].kind != ops[group[0]].kind)
+                _fail(programs, m, t, f"'{ops[m]}' is collective #{n} over group {list(group)} "
+                                      f"here, but rank {group[0]} issues '{ops[group[0]]}'")
+            for a_i, a in enumerate(group):
+                for b_i, b in enumerate(group):
+                    if a != b and ops[a].sends[b_i] != ops[b].recvs[a_i]:
+                        got = ops[b].recvs[a_i]
+                        _fail(programs, a, t, f"'{ops[a]}' sends {ops[a].sends[b_i] or 'nothing'} "
+                                              f"to rank {b}, but rank {b}'s side '{ops[b]}' "
+                                              f"receives {got or 'nothing'} from rank {a}")
+
+
 def _check_presence(programs: Sequence[Program], *, backward: bool, kv: str) -> None:
     for prog in programs:
         r = prog.rank
         present = {_buf(Family.Q, r), _buf(Family.KV, r)}
         if backward:
-            present |= {_buf(Family.OUT, r), _buf(Family.DOUT, r)}
+            present |= {_buf(f, r) for f in (Family.OUT, Family.DOUT, Family.DQ, Family.DKV)}
             if kv == "keep":
-                present |= {_buf(Family.KV, op.kv) for _, op in prog.ops()
-                            if isinstance(op, GradCompute)}
+                present |= {b for _, op in prog.ops() if isinstance(op, GradCompute)
+                            for b in op.reads() if b.family is Family.KV}
         for step in prog.steps:
             arriving = []
             for op in step.ops:
                 for b in op.reads():
-                    if b not in present:
+                    if b not in present and b.parent not in present:
                         if isinstance(op, Send):
                             what = f"'{op}' sends {b}, which is not on rank {r} yet"
                         else:
@@ -478,28 +585,39 @@ def _check_presence(programs: Sequence[Program], *, backward: bool, kv: str) -> 
 def _check_tiles(programs: Sequence[Program], need: np.ndarray) -> None:
     P = len(programs)
     qs, kvs = [], []
+    sliced: dict[tuple[int, int], list] = collections.defaultdict(list)
     for prog in programs:
         for step in prog.steps:
             for op in step.ops:
                 if isinstance(op, (Compute, GradCompute)):
                     qs.append(op.q)
                     kvs.append(op.kv)
+                    sliced[(op.q, op.kv)].append(op.heads)
     q, k = np.asarray(qs, dtype=np.int64), np.asarray(kvs, dtype=np.int64)
     if len(q) and (q.min() < 0 or q.max() >= P or k.min() < 0 or k.max() >= P):
         raise ScheduleError(f"a compute names a chunk outside [0, {P})")
-    count = np.bincount(q * P + k, minlength=P * P).reshape(P, P)
+    count = np.zeros((P, P), dtype=np.int64)
+    for (i, j), heads in sliced.items():      # a tile is whole heads once, or each slice once
+        ns = {h[1] for h in heads if h is not None}
+        if heads == [None] or (len(ns) == 1 and None not in heads
+                               and sorted(h[0] for h in heads) == list(range(ns.pop()))):
+            count[i, j] = 1
+        else:
+            count[i, j] = len(heads) + (len(heads) == 1)     # never 1: not a cover
     bad = np.argwhere(count != need.astype(np.int64))
     if not len(bad):
         return
     i, j = (int(x) for x in bad[0])
-    where = [f"rank {prog.rank} step {t}" for prog in programs for t, op in prog.ops()
+    where = [f"rank {prog.rank} step {t}" + ("" if op.heads is None else f" (h{op.heads[0]}/"
+                                              f"{op.heads[1]})")
+             for prog in programs for t, op in prog.ops()
              if isinstance(op, (Compute, GradCompute)) and (op.q, op.kv) == (i, j)]
-    n = int(count[i, j])
+    n = len(where)
     what = ("is never computed" if n == 0 and need[i, j] else
             f"is computed {n} times ({', '.join(where)})" if need[i, j] else
             f"is empty but computed at {', '.join(where)}")
     raise ScheduleError(f"tile q{i}·kv{j} {what}; every non-empty tile must be computed "
-                        f"exactly once")
+                        f"exactly once (all heads at once, or each head slice of one split once)")
 
 
 # ---------------------------------------------------------------------------------------
