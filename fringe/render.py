@@ -17,14 +17,15 @@ from __future__ import annotations
 from typing import Sequence
 
 from .masks import BlockKind
-from .schedules.ir import Compute, GradCompute, Program, Recv, Send
+from .schedules.ir import Collective, Compute, GradCompute, Program, Recv, Send
 
 _KIND = {0: ".", 1: "p", 2: "F"}
 
 
 def _cell(ops) -> str:
-    order = {Recv: 0, Compute: 1, GradCompute: 1, Send: 2}
-    return "\n".join(str(op) for op in sorted(ops, key=lambda op: (order[type(op)], str(op))))
+    order = {Collective: 0, Recv: 0, Compute: 1, GradCompute: 1, Send: 2}
+    return "\n".join(op.brief() if isinstance(op, Collective) else str(op)
+                     for op in sorted(ops, key=lambda op: (order[type(op)], str(op))))
 
 
 def grid(programs: Sequence[Program], *, fmt: str = "simple_grid") -> str:
