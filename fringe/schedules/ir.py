@@ -28,6 +28,19 @@ op                          pretty        ASCII           reads -> writes      a
 ``Recv("kv5", peer=0)``     ``R kv5←r0``  ``R kv5<-r0``   -> kv5               ``S dkv5→r0``
 ==========================  ============  ==============  ===================  ==================
 
+Head slices: ``q3h1/4`` is head slice 1 of 4 of ``q3`` (query heads ``[H/4, 2H/4)``; for kv the
+kv heads those read, replicated when ``4 % G == 0``); ``Compute(3, 5, heads=(1, 4))`` prints
+``C q3·kv5 h1/4``, reads ``q3h1/4, kv5h1/4`` and merges into ``out3h1/4``. On the rank that
+holds the whole buffer a slice is a view of it.
+
+Collectives (:class:`Collective`) over a fixed group, one side per member, one slot per
+member (``-``: an empty contribution): ``AG[0,1,2] kv0,kv0,- > -,kv1,kv2`` (ASCII; ``⇄``
+pretty) reads what it sends and writes what it receives; its adjoint is ``RS[0,1,2]
+-,dkv1,dkv2 > dkv0,dkv0,-`` (received gradients accumulate in member order), and an ``A2A``'s
+adjoint is the inverse ``A2A`` of the cotangents. Queries and partial outputs may move:
+``S q3h1/2->r1``, ``R out3<-r2`` (a received partial ``out`` merges by its lse; in the
+backward the merged ``out`` travels with its cotangent ``dout``).
+
 Semantics of one step on one rank: its communication is *issued* first, its tiles are
 computed on buffers that were present at the start of the step (so compute overlaps the
 transfers in flight), and the communication *completes* at the end of the step. A buffer
