@@ -192,3 +192,12 @@ def test_columns_from_the_program_table_equal_walking_the_ops(monkeypatch):
         for field in ("compute", "wait", "sent", "recv", "tiles", "active"):
             np.testing.assert_array_equal(getattr(fast, field)[which], getattr(slow, field)[which])
     np.testing.assert_array_equal(fast.memory, slow.memory)
+
+
+def test_collectives_are_refused_with_a_clear_message():
+    if not hasattr(schedules, "allgather"):
+        return                                   # no collective schedule in this build
+    p = fringe.plan(schedules.allgather(), masks.causal(), seq_len=256, world_size=4,
+                    block_size=16)
+    with pytest.raises(ValueError, match="does not model Collective ops yet"):
+        costmodel.simulate(p, "h100-ib")

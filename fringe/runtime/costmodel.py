@@ -370,13 +370,22 @@ def _columns(programs: Sequence) -> tuple:
     from ..schedules import ir
     table_cls = getattr(ir, "ProgramTable", None)
     if table_cls is not None and hasattr(ir, "Family"):
-        t = table_cls.of(list(programs))
-        return t.rank, t.step, t.kind, t.a, t.b, t.c, [f.value for f in ir.Family]
+        try:
+            t = table_cls.of(list(programs))
+        except TypeError:             # ops without a column form (collectives): walk them
+            t = None
+        if t is not None:
+            return t.rank, t.step, t.kind, t.a, t.b, t.c, [f.value for f in ir.Family]
     families: dict[str, int] = {}
     rows = []
     for prog in programs:
         for step in prog.steps:
             for op in step.ops:
+                if not isinstance(op, (ir.Compute, ir.GradCompute, ir.Send, ir.Recv)):
+                    raise ValueError(
+                        f"the cost model does not model {type(op).__name__} ops yet (rank "
+                        f"{prog.rank}, step {step.index}: {op}); it runs programs of compute, "
+                        f"send and receive ops (ring, zigzag, striped, balanced, hand-written)")
                 if isinstance(op, (ir.Compute, ir.GradCompute)):
                     rows.append((prog.rank, step.index, int(isinstance(op, ir.GradCompute)),
                                  op.q, op.kv, -1))
