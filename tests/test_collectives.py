@@ -378,3 +378,25 @@ def test_collective_schedule_docstrings_show_their_grid():
                              extraglobs=dict(fringe=fringe, masks=masks, render=render,
                                              schedules=schedules))
     assert result.attempted >= 6 and result.failed == 0
+
+
+def worker_collective_timeout(rank: int, world_size: int):
+    from fringe.runtime.distributed import CommTimeout, DistTransport
+    op = parse_op("A2A[0,1] q0h0/2,q0h1/2 > q0h0/2,q1h0/2") if rank == 0 else None
+    if rank == 1:                       # never joins the collective
+        return "absent"
+    tr = DistTransport(None, timeout_s=2, device=torch.device("cpu"))
+    h = tr.issue(0, 3, [], [], [(op, [None, torch.zeros(4)], [None, torch.empty(4)])])
+    try:
+        tr.wait(0, 3, h)
+    except CommTimeout as e:
+        return str(e)
+    return "no error"
+
+
+def test_a_member_that_never_joins_a_collective_ends_in_a_timeout_naming_it():
+    with Workers(2, timeout_s=60) as w:
+        msgs = w.run(worker_collective_timeout)
+    assert msgs[1] == "absent"
+    assert msgs[0].startswith("rank 0, step 3: collective 'A2A[0,1] q0h0/2,q0h1/2 > q0h0/2,q1h0/2' "
+                              "over group [0, 1] did not complete within 2s"), msgs[0]
