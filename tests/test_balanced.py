@@ -39,7 +39,7 @@ def blocks_of(lay: layout.Layout, bs: int) -> torch.Tensor:
     return lay.order.view(-1, bs)[:, 0] // bs
 
 
-@settings(deadline=None, max_examples=25)
+@settings(deadline=None, max_examples=15)
 @given(st.sampled_from(["document", "window", "causal"]), st.integers(2, 4),
        st.sampled_from([1, 2, 4]), st.integers(1, 4), seeds())
 def test_balanced_is_a_permutation_with_equal_shards_and_whole_blocks(kind, P, bs, m, seed):
@@ -101,7 +101,7 @@ def test_balanced_matches_dense_in_float64(kind, P):
         assert_close(a, b, **EXACT)
 
 
-@settings(deadline=None, max_examples=8)
+@settings(deadline=None, max_examples=5)
 @given(st.integers(2, 4), st.integers(2, 12), seeds())
 def test_predicted_time_is_never_worse_than_contiguous_or_zigzag(P, n_docs, seed):
     S, bs = 2 * P * 8 * 4, 8
