@@ -110,8 +110,8 @@ def parser() -> argparse.ArgumentParser:
                        help="timed repetitions after one warm-up; the median is reported "
                             "(default: %(default)s)")
     bench.add_argument("--plan-size", type=positive_int, default=1 << 20,
-                       help="S, tokens for the planning benchmark (P=8, block 128: a multiple "
-                            "of 2048; default: %(default)s)")
+                       help="S, tokens for the planning benchmark (P=8 and 1024, block 128 "
+                            "and 64: a multiple of 2*1024*128=262144; default: %(default)s)")
 
     show = sub.add_parser("show", help="print a plan's step x rank grid and per-rank stats")
     _common(show, seq_len=1024)

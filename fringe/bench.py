@@ -3,7 +3,9 @@
 Speed and memory live here, never in the tests. Three measurements:
 
 1. **plan**: planning cost for a large packed-document batch (masks change every batch,
-   so a plan must be cheap): S = 1,048,576 tokens, 1,000 documents, P = 8, block 128.
+   so a plan must be cheap): S = 1,048,576 tokens, 1,000 documents, P = 8 and 1,024,
+   block 128 and 64: seconds, and peak memory above the process's resident memory before
+   the plan (Linux: the peak is reset through ``/proc/self/clear_refs``).
 2. **attention**: forward + backward of one attention call on P gloo CPU ranks for a
    ``causal & document`` mask, against the same work on one process (fringe with P = 1, and
    torch's dense ``scaled_dot_product_attention`` with a bool mask).
@@ -16,6 +18,7 @@ marked ``MISS`` (the command still exits 0: it measures, it does not test).
 from __future__ import annotations
 
 import dataclasses
+import gc
 import os
 import statistics
 import time
@@ -25,7 +28,8 @@ import torch
 from . import masks, schedules
 from .plan import plan as make_plan
 
-PLAN_TARGET_S = 5.0          # 1M-token plan, one core
+PLAN_TARGET_S = {128: 1.0, 64: 2.0}   # 1M-token plan, one core, by block size
+PLAN_TARGET_MB = 300.0       # peak memory of one plan above the resident memory before it
 EXPOSED_TARGET = 0.25        # forward wait / (compute + wait) while P <= cores
 SPEEDUP_TARGET = 1.25        # P-rank CP step vs one process doing all the work, P <= cores
 # The backward has T+1 steps for T forward steps: its first step fetches the kv the last
@@ -43,20 +47,53 @@ def packed_docs(S: int, n_docs: int, seed: int) -> torch.Tensor:
     return ids.cumsum(0)
 
 
-def bench_plan(*, S: int = 1 << 20, n_docs: int = 1000, P: int = 8, block_size: int = 128):
-    """Plan every schedule for a ``causal & document`` mask; one row (seconds, share of empty
-    blocks, work max/mean) per schedule."""
+def _status_mb(key: str) -> float | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return None
+
+
+def peak_mb(fn):
+    """``(fn(), peak MB above the resident memory before the call)``; the peak is None where
+    the kernel's peak counter cannot be reset (not Linux)."""
+    gc.collect()
+    try:
+        with open("/proc/self/clear_refs", "w") as f:     # VmHWM := VmRSS
+            f.write("5")
+        base = _status_mb("VmRSS")
+    except OSError:
+        base = None
+    out = fn()
+    peak = _status_mb("VmHWM")
+    return out, (None if base is None or peak is None else max(0.0, peak - base))
+
+
+def bench_plan(*, S: int = 1 << 20, n_docs: int = 1000, P: int = 8, block_size: int = 128,
+               schedule_names=("ring", "zigzag", "striped", "balanced")):
+    """Plan every schedule for a ``causal & document`` mask; one row (seconds, peak MB, share
+    of empty blocks, work max/mean) per schedule."""
     ids = packed_docs(S, n_docs, 0)
     mask = masks.causal() & masks.document(ids)
     rows = []
-    for name in ("ring", "zigzag", "striped", "balanced"):
-        t0 = time.perf_counter()
-        p = make_plan(getattr(schedules, name)(), mask, seq_len=S, world_size=P,
-                      block_size=block_size)
-        dt = time.perf_counter() - t0
-        empty = float((p.blocks == masks.BlockKind.EMPTY).float().mean())
-        rows.append(dict(schedule=name, seconds=dt, empty_blocks=empty,
-                         balance=p.stats().balance))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)                 # the targets are for one core; restored below
+    try:
+        for name in schedule_names:
+            t0 = time.perf_counter()
+            p, peak = peak_mb(lambda: make_plan(getattr(schedules, name)(), mask, seq_len=S,
+                                                world_size=P, block_size=block_size))
+            dt = time.perf_counter() - t0
+            empty = p.block_map.count(masks.BlockKind.EMPTY) / (S // block_size) ** 2
+            rows.append(dict(schedule=name, P=P, block=block_size, seconds=dt, peak_mb=peak,
+                             empty_blocks=empty, balance=p.stats().balance))
+            del p
+    finally:
+        torch.set_num_threads(threads)
     return rows
 
 
@@ -127,8 +164,8 @@ def _single(case: AttnCase):
 
 
 AGREE_CALLS = 20             # agreement exchanges timed per rank (fringe.attention runs one per call)
-PLAN_P = 8                   # the planning benchmark's world size and block
-PLAN_BLOCK = 128
+PLAN_WORLD_SIZES = (8, 1024)  # the planning benchmark's world sizes and blocks
+PLAN_BLOCKS = (128, 64)
 PLAN_DOCS = 1000
 
 
@@ -136,7 +173,8 @@ def _multiple(S: int, unit: int) -> int:
     return -(-S // unit) * unit
 
 
-def check_sizes(*, world_sizes, case: AttnCase, plan_size: int) -> None:
+def check_sizes(*, world_sizes, case: AttnCase, plan_size: int,
+                plan_world_sizes=PLAN_WORLD_SIZES) -> None:
     """Fail before any work (and before spawning ranks) on sizes the benchmark cannot use.
 
     Every schedule must fit, so S must split into 2·P chunks of whole blocks (zigzag's rule).
@@ -144,10 +182,15 @@ def check_sizes(*, world_sizes, case: AttnCase, plan_size: int) -> None:
     Raises:
         ValueError: naming the size, the rule and the nearest size that fits.
     """
-    unit = 2 * PLAN_P * PLAN_BLOCK
+    plan_world_sizes = tuple(plan_world_sizes)
+    for P in plan_world_sizes:
+        if isinstance(P, bool) or not hasattr(P, "__index__") or P < 1:
+            raise ValueError(f"plan world sizes must be positive integers, got {P!r}")
+    P, bs = max(plan_world_sizes, default=1), max(PLAN_BLOCKS)
+    unit = 2 * P * bs
     if plan_size < 1 or plan_size % unit:
         raise ValueError(f"plan_size={plan_size} is not a positive multiple of 2*P*block="
-                         f"2*{PLAN_P}*{PLAN_BLOCK}={unit} (the planning benchmark's P and "
+                         f"2*{P}*{bs}={unit} (the planning benchmark's largest P and "
                          f"block); use {_multiple(max(plan_size, 1), unit)}")
     if not world_sizes:
         raise ValueError("world_sizes is empty; give at least one P, e.g. (2, 4)")
@@ -172,7 +215,8 @@ def check_sizes(*, world_sizes, case: AttnCase, plan_size: int) -> None:
                              f"{_multiple(case.seq_len, unit)} (or other world sizes)")
 
 
-def run(*, world_sizes=(2, 4), case: AttnCase = AttnCase(), plan_size: int = 1 << 20) -> str:
+def run(*, world_sizes=(2, 4), case: AttnCase = AttnCase(), plan_size: int = 1 << 20,
+        plan_world_sizes=PLAN_WORLD_SIZES) -> str:
     """Run the benchmark and return the report text.
 
     Raises:
@@ -183,16 +227,25 @@ def run(*, world_sizes=(2, 4), case: AttnCase = AttnCase(), plan_size: int = 1 <
 
     from .launch import Workers
     world_sizes = tuple(world_sizes)
-    check_sizes(world_sizes=world_sizes, case=case, plan_size=plan_size)
+    check_sizes(world_sizes=world_sizes, case=case, plan_size=plan_size,
+                plan_world_sizes=plan_world_sizes)
     out = []
-    rows = bench_plan(S=plan_size, n_docs=PLAN_DOCS, P=PLAN_P, block_size=PLAN_BLOCK)
-    out.append(f"plan: S={plan_size:,} tokens, {PLAN_DOCS:,} packed documents, causal & "
-               f"document, P={PLAN_P}, block {PLAN_BLOCK} (target < {PLAN_TARGET_S:g} s each)")
-    out.append(tabulate([[r["schedule"], f"{r['seconds']:.2f}", f"{r['empty_blocks']:.1%}",
-                          f"{r['balance']:.3f}",
-                          "ok" if r["seconds"] < PLAN_TARGET_S else "MISS"] for r in rows],
-                        headers=["schedule", "seconds", "empty blocks", "work max/mean",
-                                 "target"]))
+    rows = [r for P in plan_world_sizes for bs in PLAN_BLOCKS
+            for r in bench_plan(S=plan_size, n_docs=min(PLAN_DOCS, plan_size), P=P,
+                                block_size=bs)]
+    targets = ", ".join(f"< {PLAN_TARGET_S[bs]:g} s at block {bs}" for bs in PLAN_BLOCKS)
+    out.append(f"plan: S={plan_size:,} tokens, {min(PLAN_DOCS, plan_size):,} packed documents, "
+               f"causal & document (targets: {targets}, peak < {PLAN_TARGET_MB:g} MB above "
+               f"the resident memory before planning)")
+    table = []
+    for r in rows:
+        ok = r["seconds"] < PLAN_TARGET_S[r["block"]] and \
+            (r["peak_mb"] is None or r["peak_mb"] < PLAN_TARGET_MB)
+        table.append([r["schedule"], r["P"], r["block"], f"{r['seconds']:.2f}",
+                      "n/a" if r["peak_mb"] is None else f"{r['peak_mb']:.0f}",
+                      f"{r['empty_blocks']:.1%}", f"{r['balance']:.3f}", "ok" if ok else "MISS"])
+    out.append(tabulate(table, headers=["schedule", "P", "block", "seconds", "peak MB",
+                                        "empty blocks", "work max/mean", "target"]))
     threads = torch.get_num_threads()
     torch.set_num_threads(1)                 # like one rank; restored below
     try:

@@ -33,8 +33,11 @@ class Plan:
         mask_mod: the mask (global positions).
         layout: which tokens each rank holds.
         block_size: mask-classification block, in tokens.
-        blocks: int8 ``[S/block, S/block]`` BlockKind codes, rows and columns in layout
-            order (rank 0's blocks first).
+        block_map: the block classification, sparse (:class:`fringe.masks.BlockMap`):
+            rectangles of FULL / PARTIAL blocks, rows and columns in layout order (rank 0's
+            blocks first), none crossing a tile boundary. :meth:`tile_blocks` gives one
+            tile's dense map; :attr:`blocks` the whole dense ``[S/block, S/block]`` map
+            (small plans only).
         tiles: int8 ``[P, P]``: the kind of tile (q of rank i, kv of rank j).
         forward / backward: one program per rank.
         kv: ``"resend"`` or ``"keep"`` (how the backward gets kv again).
@@ -51,7 +54,7 @@ class Plan:
     mask_mod: Callable
     layout: Layout
     block_size: int
-    blocks: torch.Tensor
+    block_map: _masks.BlockMap
     tiles: torch.Tensor
     forward: tuple[Program, ...]
     backward: tuple[Program, ...]
@@ -89,10 +92,59 @@ class Plan:
     def tile_kind(self, i: int, j: int) -> BlockKind:
         return BlockKind(int(self.tiles[i, j]))
 
+    @property
+    def blocks(self) -> torch.Tensor:
+        """The dense int8 ``[S/block, S/block]`` block map in layout order, built on demand
+        from :attr:`block_map` (tests, small plans).
+
+        Raises:
+            ValueError: above :data:`fringe.masks.DENSE_LIMIT` blocks (use
+                :meth:`tile_blocks` or ``block_map.dense(rows=, cols=)``).
+        """
+        return self.block_map.dense()
+
+    def _tile_index(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Rectangles grouped by tile: ``(sorted tile keys i*P+j, order, counts)``."""
+        idx = self.__dict__.get("_tile_idx")
+        if idx is None:
+            n, P = self.local_len // self.block_size, self.world_size
+            r = self.block_map.rects
+            key = torch.div(r[:, 0], n, rounding_mode="floor") * P + \
+                torch.div(r[:, 2], n, rounding_mode="floor")
+            key, order = key.sort(stable=True)
+            idx = self.__dict__["_tile_idx"] = (key, order)
+        return idx
+
     def tile_blocks(self, i: int, j: int) -> torch.Tensor:
-        """int8 ``[L/block, L/block]`` block map of tile (q of rank i, kv of rank j)."""
-        n = self.local_len // self.block_size
-        return self.blocks[i * n:(i + 1) * n, j * n:(j + 1) * n]
+        """int8 ``[L/block, L/block]`` block map of tile (q of rank i, kv of rank j).
+
+        Built from :attr:`block_map` on first use and cached (a rank reads its own row of
+        tiles: ``P * (L/block)^2`` bytes).
+        """
+        cache = self.__dict__.setdefault("_tile_cache", {})
+        hit = cache.get((i, j))
+        if hit is not None:
+            return hit
+        n, P = self.local_len // self.block_size, self.world_size
+        kind = int(self.tiles[i, j])
+        if kind == BlockKind.FULL:
+            out = torch.full((n, n), int(BlockKind.FULL), dtype=torch.int8)
+        elif kind == BlockKind.EMPTY:
+            out = torch.zeros((n, n), dtype=torch.int8)
+        else:
+            key, order = self._tile_index()
+            t = i * P + j
+            a, b = int(torch.searchsorted(key, t)), int(torch.searchsorted(key, t, right=True))
+            sel = order[a:b]
+            out = _masks._paint(self.block_map.rects[sel], self.block_map.codes[sel],
+                                i * n, (i + 1) * n, j * n, (j + 1) * n)
+        cache[(i, j)] = out
+        return out
+
+    def tile_block_counts(self) -> torch.Tensor:
+        """int64 ``[P, P]``: non-empty blocks of each tile."""
+        P, n = self.world_size, self.local_len // self.block_size
+        return _tile_areas(self.block_map, P, n)[0]
 
     def digests(self) -> dict[str, str]:
         """One content digest per component that decides the numbers (cached; a plan is
@@ -128,8 +180,11 @@ class Plan:
         out = {
             "layout": sha(self.layout.fingerprint(), self.layout.order.numpy().tobytes()),
             "programs": progs.hexdigest()[:16],
-            "blocks": sha(self.blocks.numpy().tobytes(), tuple(self.blocks.shape)),
-            "mask": _masks.digest(self.mask_mod, order=self.layout.order, blocks=self.blocks,
+            "blocks": sha(self.tiles.numpy().tobytes(), self.block_map.shape,
+                          self.block_map.rects.numpy().tobytes(),
+                          self.block_map.codes.numpy().tobytes()),
+            "mask": _masks.digest(self.mask_mod, order=self.layout.order,
+                                  blocks=self.block_map,
                                   block_size=self.block_size, B=self.batch_size,
                                   H=self.num_heads),
             "score_mod": sha("none" if self.score_mod is None else
@@ -178,6 +233,7 @@ class PlanStats:
         grad_bytes = 2 * batch * kv_heads * plan.local_len * head_dim * 4
         bs2 = plan.block_size ** 2
         rows = []
+        counts = plan.tile_block_counts().tolist()
         for r in range(plan.world_size):
             full = partial = blocks = 0
             for _, op in plan.forward[r].ops():
@@ -185,7 +241,7 @@ class PlanStats:
                     kind = plan.tile_kind(op.q, op.kv)
                     full += kind == BlockKind.FULL
                     partial += kind == BlockKind.PARTIAL
-                    blocks += int((plan.tile_blocks(op.q, op.kv) != BlockKind.EMPTY).sum())
+                    blocks += counts[op.q][op.kv]
             fwd_flops = 4 * blocks * bs2 * head_dim * heads * batch
 
             def volume(progs, kind_cls):
@@ -217,15 +273,59 @@ class PlanStats:
         return self.table()
 
 
-def _tile_kinds(blocks: torch.Tensor, P: int) -> torch.Tensor:
-    n = blocks.shape[0] // P
-    b = blocks.view(P, n, P, n)
-    nonempty = (b != BlockKind.EMPTY).any(dim=3).any(dim=1)
-    full = (b == BlockKind.FULL).all(dim=3).all(dim=1)
+def _tile_areas(bm: _masks.BlockMap, P: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(non-empty blocks, FULL blocks)`` per tile, int64 ``[P, P]`` each, from a block map
+    whose rectangles do not cross tile boundaries (``n`` blocks a side)."""
+    r = bm.rects
+    key = torch.div(r[:, 0], n, rounding_mode="floor") * P + \
+        torch.div(r[:, 2], n, rounding_mode="floor")
+    area = (r[:, 1] - r[:, 0]) * (r[:, 3] - r[:, 2])
+    nonempty = torch.bincount(key, weights=area.double(), minlength=P * P)
+    full = torch.bincount(key[bm.codes == BlockKind.FULL],
+                          weights=area[bm.codes == BlockKind.FULL].double(), minlength=P * P)
+    return nonempty.round().long().view(P, P), full.round().long().view(P, P)
+
+
+def _tile_kinds(bm: _masks.BlockMap, P: int) -> torch.Tensor:
+    """int8 ``[P, P]`` tile kinds: EMPTY without blocks, FULL when every block is FULL."""
+    n = bm.shape[0] // P
+    nonempty, full = _tile_areas(bm, P, n)
     tiles = torch.full((P, P), int(BlockKind.PARTIAL), dtype=torch.int8)
-    tiles[~nonempty] = int(BlockKind.EMPTY)
-    tiles[full] = int(BlockKind.FULL)
+    tiles[nonempty == 0] = int(BlockKind.EMPTY)
+    tiles[full == n * n] = int(BlockKind.FULL)
     return tiles
+
+
+#: Above this many rectangles, a sequence-order classification is not permuted into a
+#: layout's order (a layout that scatters single blocks, e.g. striped by blocks, would cut
+#: every FULL rectangle into single blocks); the layout order is classified instead.
+PERMUTE_PIECES = 1 << 22
+
+
+def _classify_layout(mask_mod, lay: Layout, block_size: int, *, B, H,
+                     natural: _masks.BlockMap | None) -> _masks.BlockMap:
+    """The sparse block map in layout order, rectangles cut at tile boundaries.
+
+    A layout of whole blocks is classified in sequence order (the quadtree then only splits
+    cells along the diagonal and document boundaries) and permuted; other layouts are
+    classified in their own order.
+    """
+    bs, S = block_size, lay.seq_len
+    nb, n = S // bs, lay.local_len // bs
+    block_order = lay.order.view(-1, bs)
+    aligned = bool((block_order == block_order[:, :1] + torch.arange(bs)).all()) and \
+        bool((block_order[:, 0] % bs == 0).all())
+    if aligned:
+        inv = torch.empty(nb, dtype=torch.int64)
+        inv[block_order[:, 0] // bs] = torch.arange(nb)    # sequence block -> layout block
+        if natural is None:
+            natural = _masks.classify(mask_mod, torch.arange(S), torch.arange(S), block_size=bs,
+                                      B=B, H=H, sparse=True)
+        if natural.pieces(inv, inv, cut=n) <= max(PERMUTE_PIECES, 4 * len(natural)):
+            return natural.permute(inv, inv, cut=n)
+    same = torch.arange(nb)
+    bm = _masks.classify(mask_mod, lay.order, lay.order, block_size=bs, B=B, H=H, sparse=True)
+    return bm.permute(same, same, cut=n)
 
 
 def padded_len(seq_len: int, world_size: int, *, block_size: int = DEFAULT_BLOCK_SIZE,
@@ -419,12 +519,12 @@ def plan(schedule: Schedule, mask_mod: Callable | None = None, *, seq_len: int,
         lay = layout
     elif schedule.mask_aware:      # classify in sequence order once, deal blocks, permute
         natural = _masks.classify(mask_mod, torch.arange(seq_len), torch.arange(seq_len),
-                                  block_size=block_size, B=batch_size, H=num_heads)
-        work = (natural != BlockKind.EMPTY).sum(dim=1)
+                                  block_size=block_size, B=batch_size, H=num_heads, sparse=True)
+        work = natural.row_counts()
         import inspect
-        if "natural" in inspect.signature(schedule.layout).parameters:   # the block map itself
+        if "natural" in inspect.signature(schedule.layout).parameters:   # the dense map itself
             lay = schedule.layout(seq_len, world_size, block_size=block_size, block_work=work,
-                                  natural=natural)
+                                  natural=natural.dense(limit=None))
         else:
             lay = schedule.make_layout(seq_len, world_size, block_size=block_size,
                                        block_work=work)
@@ -445,23 +545,16 @@ def plan(schedule: Schedule, mask_mod: Callable | None = None, *, seq_len: int,
                          f"pad the sequence to "
                          f"{padded_len(seq_len, world_size, block_size=block_size, tp_size=tp_size)}"
                          f" (fringe.packing.pad_batch) for CP={world_size} x TP={tp_size}")
-    block_order = lay.order.view(-1, block_size)
-    aligned = bool((block_order == block_order[:, :1] + torch.arange(block_size)).all()) and \
-        bool((block_order[:, 0] % block_size == 0).all())
-    if natural is not None and aligned:
-        nb = block_order[:, 0] // block_size
-        blocks = natural[nb][:, nb]
-    else:
-        blocks = _masks.classify(mask_mod, lay.order, lay.order, block_size=block_size,
-                                 B=batch_size, H=num_heads)
-    tiles = _tile_kinds(blocks, world_size)
+    block_map = _classify_layout(mask_mod, lay, block_size, B=batch_size, H=num_heads,
+                                 natural=natural)
+    tiles = _tile_kinds(block_map, world_size)
     need = tiles != BlockKind.EMPTY
     fwd = schedule.programs(world_size, need)
     check(fwd, need=need)
     bwd = reverse(fwd, kv=kv)
     check(bwd, need=need, backward=True, kv=kv)
     return Plan(schedule=schedule, mask_mod=mask_mod, layout=lay, block_size=block_size,
-                blocks=blocks, tiles=tiles, forward=tuple(fwd), backward=tuple(bwd), kv=kv,
+                block_map=block_map, tiles=tiles, forward=tuple(fwd), backward=tuple(bwd), kv=kv,
                 score_mod=score_mod, scale=scale, kernel=kernel, batch_size=batch_size,
                 num_heads=num_heads, score_params=score_params,
                 reads_batch=reads_b or _probe_reads_b(score_mod))

@@ -70,7 +70,7 @@ def tile_map(plan) -> str:
 
 def block_map(plan, *, max_size: int = 64) -> str:
     """The mask's block classification in layout order (first ``max_size`` blocks)."""
-    b = plan.blocks[:max_size, :max_size]
+    b = plan.block_map.dense(rows=(0, max_size), cols=(0, max_size))
     n = plan.local_len // plan.block_size
     out = []
     for i, row in enumerate(b.tolist()):
@@ -175,13 +175,12 @@ def tile_map_figure(plan, *, max_blocks: int = 256, title: str | None = None):
     nb = plan.seq_len // bs
     rank_t, step_t = _who(plan)
     owner = np.arange(nb) // n                              # layout-order block -> rank chunk
-    codes = plan.blocks.numpy()
     starts = plan.layout.order.view(-1, bs)[:, 0].numpy()
     aligned = bool((starts % bs == 0).all()) and len(np.unique(starts // bs)) == nb
     perm = np.argsort(starts // bs) if aligned else np.arange(nb)   # sequence order of blocks
     stride = max(1, -(-nb // max_blocks))
     idx = perm[::stride]
-    sub = codes[np.ix_(idx, idx)]
+    sub = plan.block_map.take(idx, idx).numpy()
     rank_img = rank_t[np.ix_(owner[idx], owner[idx])].astype(float)
     step_img = step_t[np.ix_(owner[idx], owner[idx])].astype(float)
     empty = sub == int(BlockKind.EMPTY)

@@ -45,8 +45,8 @@ SIZES = [
     (["show", "--world-size", "2", "--seq-len", "100", "--block-size", "32"],
      "error: S=100 is not divisible by 2*P*block=2*2*32=128"),
     (["bench", "--plan-size", "100"],
-     "error: plan_size=100 is not a positive multiple of 2*P*block=2*8*128=2048"),
-    (["bench", "--seq-len", "1000", "--plan-size", "2048"],
+     "error: plan_size=100 is not a positive multiple of 2*P*block=2*1024*128=262144"),
+    (["bench", "--seq-len", "1000", "--plan-size", "262144"],
      "error: seq_len=1000 is not divisible by 2*P*block=2*1*128=256; use 1024"),
 ]
 
