@@ -2,9 +2,11 @@
 
 >>> import fringe
 >>> from fringe import masks, schedules
->>> p = fringe.plan(schedules.zigzag(), masks.causal(), seq_len=512, world_size=4, block_size=32)
->>> p.tiles.tolist()[0]     # rank 0's queries against each rank's kv: 1 PARTIAL, 2 FULL
-[1, 2, 2, 2]
+>>> p = fringe.plan(schedules.ring(), masks.causal(), seq_len=512, world_size=4, block_size=32)
+>>> p.tiles.tolist()[3]     # rank 3's queries against each rank's kv: 2 FULL, 1 PARTIAL
+[2, 2, 2, 1]
+>>> p.block_map             # the classification as rectangles, cut at tile boundaries
+BlockMap(16 x 16 blocks, 34 rects, 120 full, 16 partial)
 """
 from __future__ import annotations
 
