@@ -179,19 +179,22 @@ class _RowDocuments:
 
     row_doc_ids: torch.Tensor
 
-    def prepare(self, qb, kb):
-        rows = [_masks.document(row).rule.prepare(qb, kb) for row in self.row_doc_ids]
-        E, P, F = (int(k) for k in _masks.BlockKind)
+    def prepare(self, qt, kt):
+        """The quadtree rule of :func:`fringe.masks.classify`: ``cells(level, i, j)`` codes."""
+        rows = [_masks.document(row).rule.prepare(qt, kt) for row in self.row_doc_ids]
+        E, P, F = (int(k) for k in (_masks.BlockKind.EMPTY, _masks.BlockKind.PARTIAL,
+                                    _masks.BlockKind.FULL))
+        U = _masks._UNKNOWN                     # undecided: refine (nodes) or evaluate (blocks)
 
-        def codes(r0: int, r1: int) -> torch.Tensor:
-            cs = torch.stack([r(r0, r1) for r in rows])          # [B, rows, nKb]
+        def cells(level: int, i: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
+            cs = torch.stack([r(level, i, j) for r in rows])       # [B, cells]
             all_e, all_f = (cs == E).all(0), (cs == F).all(0)
-            known = (cs == E) | (cs == F) | (cs == P)
             any_p = (cs == P).any(0) | ((cs == E).any(0) & (cs == F).any(0))
-            out = torch.where(all_e, E, torch.where(all_f, F, P)).to(torch.int8)
-            undecided = ~known.all(0) & ~any_p
-            return torch.where(undecided, cs.max(0).values, out)   # the UNKNOWN code is the largest
-        return codes
+            rest = torch.full_like(cs[0], U)
+            if level == 0:                      # a block: PARTIAL as soon as rows disagree
+                rest = torch.where(any_p & ~(cs == U).all(0), torch.full_like(rest, P), rest)
+            return torch.where(all_e, E, torch.where(all_f, F, rest)).to(torch.int8)
+        return cells
 
 
 def document_mask(doc_ids: torch.Tensor) -> _masks.Mask:
