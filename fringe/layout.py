@@ -31,6 +31,9 @@ import torch
 #: everywhere; this is only its default.
 DEFAULT_BLOCK_SIZE = 64
 
+#: How many starting offsets the "laps" candidate of :func:`balanced` tries (a search budget).
+_LAP_OFFSETS = 128  # not a block size
+
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Layout:
@@ -531,7 +534,7 @@ def _laps(w: torch.Tensor, P: int, cap: int) -> torch.Tensor:
     pre = torch.cat([torch.zeros(1, dtype=torch.float64), w.cumsum(0)])
     target = float(pre[-1]) / P
     best = None
-    for X in range(0, nb + 1, max(1, nb // 128)):
+    for X in range(0, nb + 1, max(1, nb // _LAP_OFFSETS)):   # ~_LAP_OFFSETS starts tried
         a, b, sizes, worst = 0, X, [], 0.0
         for r in range(P):
             lo = max(0, X - a - cap * (P - 1 - r))

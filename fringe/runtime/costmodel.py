@@ -193,7 +193,7 @@ class Shape:
     batch: int = 1
     heads: int = 32
     kv_heads: int = 8
-    head_dim: int = 128
+    head_dim: int = 128             # D of a Llama-3-70B-like layer (not a block size)
     dtype: str = "bfloat16"
 
     def __post_init__(self) -> None:
