@@ -18,7 +18,7 @@ from fringe.ops import reference
 from fringe.runtime import RankState, VirtualMesh, execute
 from fringe.schedules import Collective, Program, ScheduleError, Step, check, parse_op, reverse
 from fringe.schedules.ir import Buffer, Family, format_programs, parse_programs
-from fringe.testing import make_qkv, tolerances
+from fringe.testing import mask_family, make_qkv, tolerances
 
 BLOCK = 2
 
@@ -36,16 +36,7 @@ def _schedule(name: str):
 
 
 def _mask(kind: str, S: int):
-    if kind == "causal":
-        return masks.causal()
-    if kind == "document":
-        ids = torch.tensor([0] * 3 + [1] * (S // 2 - 3) + [2] + [3] * (S - S // 2 - 1))
-        return masks.causal() & masks.document(ids)
-    if kind == "window":
-        return masks.sliding_window(S // 3)
-    if kind == "lambda":
-        return lambda b, h, q, kv: ((q + 2 * kv) % 3 != 0) & (kv <= q + 4)
-    return lambda b, h, q, kv: (kv <= q) & ((q - kv) <= 2 + 3 * h)      # per head: reads h
+    return mask_family(kind if kind in ("causal", "document", "window", "lambda") else "per_head", S)
 
 
 def _alibi(score, b, h, q, kv):

@@ -12,7 +12,7 @@ import fringe
 from fringe import masks, schedules
 from fringe.launch import LaunchError, Workers
 from fringe.ops import reference
-from fringe.testing import make_qkv, tolerances
+from fringe.testing import mask_family, make_qkv, tolerances
 
 SCHEDULES = {"ring": schedules.ring, "zigzag": schedules.zigzag, "striped": schedules.striped,
              "balanced": schedules.balanced}
@@ -21,14 +21,7 @@ BLOCK = 2
 
 
 def _mask(kind: str, S: int):
-    if kind == "causal":
-        return masks.causal()
-    if kind == "document":
-        ids = torch.tensor([0] * 3 + [1] * (S // 2 - 3) + [2] + [3] * (S - S // 2 - 1))
-        return masks.causal() & masks.document(ids)
-    if kind == "sliding_window":
-        return masks.sliding_window(S // 3)
-    return lambda b, h, q, kv: ((q + 2 * kv) % 3 != 0) & (kv <= q + 4)
+    return mask_family(kind, S)
 
 
 def _case(P: int, name: str, mask_kind: str, seed: int, kv: str = "resend"):

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["check_mask", "make_qkv", "seeds", "tolerances", "warm_up_cpu_math"]
+__all__ = ["check_mask", "make_qkv", "mask_family", "seeds", "tolerances", "warm_up_cpu_math"]
 
 
 def warm_up_cpu_math() -> None:
@@ -60,7 +60,30 @@ def make_qkv(*, B: int, H: int, G: int, S: int, D: int, dtype: torch.dtype = tor
     return tuple(t.to(device=device, dtype=dtype).requires_grad_(requires_grad) for t in (q, k, v))
 
 
-def seeds():
+def mask_family(kind: str, S: int):
+    """One mask of each family the distributed and collective suites sweep, for S tokens.
+
+    ``causal``; ``document`` (causal within four uneven documents, one of a single token);
+    ``window`` / ``sliding_window`` (S // 3); ``lambda`` (a plain callable, classified densely);
+    ``per_head`` (a callable that reads ``h``: plan it with ``num_heads=``).
+    """
+    from .. import masks
+    if kind == "causal":
+        return masks.causal()
+    if kind == "document":
+        ids = torch.tensor([0] * 3 + [1] * (S // 2 - 3) + [2] + [3] * (S - S // 2 - 1))
+        return masks.causal() & masks.document(ids)
+    if kind in ("window", "sliding_window"):
+        return masks.sliding_window(S // 3)
+    if kind == "lambda":
+        return lambda b, h, q, kv: ((q + 2 * kv) % 3 != 0) & (kv <= q + 4)
+    if kind == "per_head":
+        return lambda b, h, q, kv: (kv <= q) & ((q - kv) <= 2 + 3 * h)
+    raise ValueError(f"unknown mask family {kind!r}; use causal, document, window, lambda or "
+                     f"per_head")
+
+
+
     """Hypothesis strategy for a seed (for a local ``torch.Generator``)."""
     from hypothesis import strategies as st
 
