@@ -83,7 +83,7 @@ def mask_family(kind: str, S: int):
                      f"per_head")
 
 
-
+def seeds():
     """Hypothesis strategy for a seed (for a local ``torch.Generator``)."""
     from hypothesis import strategies as st
 
