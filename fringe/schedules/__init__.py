@@ -10,8 +10,9 @@ from .ir import (Buffer as Buffer, Collective as Collective, Compute as Compute,
 from .passes import (Hop as Hop, HopTable as HopTable, KV_MODES as KV_MODES,
                      ScheduleError as ScheduleError, check as check, lower as lower, prune as prune,
                      reverse as reverse)
+from .registry import get as get, names as names, register as register
 from .rings import balanced as balanced, ring as ring, striped as striped, zigzag as zigzag
 
-__all__ = ["allgather", "balanced", "Collective", "compose", "Compute", "GradCompute", "Hop",
-           "KV_MODES", "Program", "Recv", "Schedule", "ScheduleError", "Send", "Step", "check", "lower", "parse_op", "prune", "reverse",
-           "ring", "ring_hops", "striped", "ulysses", "zigzag"]
+__all__ = ["allgather", "balanced", "Collective", "compose", "Compute", "get", "GradCompute", "Hop",
+           "KV_MODES", "names", "Program", "Recv", "Schedule", "ScheduleError", "Send", "Step", "check", "lower", "parse_op", "prune", "register",
+           "reverse", "ring", "ring_hops", "striped", "ulysses", "zigzag"]

@@ -1,0 +1,303 @@
+"""The one list of schedule names: every built-in registered once, read by every CLI.
+
+A **spec** is the text a command line, a config file or :func:`get` takes:
+
+=================================  ==========================================================
+spec                               schedule
+=================================  ==========================================================
+``ring``                           :func:`~fringe.schedules.ring`
+``zigzag``                         :func:`~fringe.schedules.zigzag`
+``striped`` / ``striped:S``        :func:`~fringe.schedules.striped` (stripes of S tokens)
+``balanced``                       :func:`~fringe.schedules.balanced`
+``allgather`` / ``allgather:N``    :func:`~fringe.schedules.allgather` (N pieces, default 2)
+``ulysses``                        :func:`~fringe.schedules.ulysses`
+``compose:OUTER+INNER:K``          ``compose(get(OUTER), get(INNER), inner_size=K)``, e.g.
+                                   ``compose:zigzag+ulysses:2`` (2D: Ulysses inside groups of
+                                   2 ranks, a zigzag ring across the groups)
+=================================  ==========================================================
+
+``name:N`` passes one positive integer to a schedule that takes one (its ``arg``). In
+``compose:OUTER+INNER:K`` the last ``:K`` is the group size; OUTER and INNER are specs
+themselves (``compose:allgather:4+ulysses:2``), and :func:`~fringe.schedules.compose` decides
+which pairs it supports. Which schedules can run a given world size and head count is data
+too (``names(world_size=4, heads=2, kv_heads=1)``, :func:`why_not`), so a caller need not
+learn each schedule's rules.
+
+>>> from fringe import schedules
+>>> schedules.get("compose:zigzag+ulysses:2")
+Schedule(compose(zigzag, ulysses, inner_size=2))
+>>> spec(schedules.get("allgather:4"))
+'allgather:4'
+>>> names(world_size=3, heads=2, kv_heads=1)        # ulysses needs H % P == 0
+['ring', 'zigzag', 'striped', 'balanced', 'allgather']
+
+Users add their own with :func:`register`; the CLIs then accept them too.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Callable
+
+from .base import Schedule
+from .collectives import allgather, compose, ulysses
+from .rings import balanced, ring, striped, zigzag
+
+__all__ = ["Entry", "canonical", "describe", "get", "names", "register", "spec", "why_not"]
+
+#: ``constraint(world_size=, heads=, kv_heads=) -> reason or None``; an argument is None when
+#: the caller does not know it (then it is not checked).
+Constraint = Callable[..., "str | None"]
+
+_NAME = re.compile(r"[a-z][a-z0-9_]*\Z")
+COMPOSE = "compose"
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    """One registered schedule.
+
+    Args:
+        name: the spec's name (lower case letters, digits, ``_``).
+        factory: ``factory()`` (or ``factory(n)`` for ``name:n`` when ``arg`` is set) returns
+            the :class:`Schedule`.
+        description: one line, shown in CLI help.
+        arg: the name of the optional positive-integer argument ``name:n`` passes, or None.
+        constraint: ``constraint(world_size=, heads=, kv_heads=)`` returns why the schedule
+            cannot run there (a sentence), or None; arguments the caller does not know are None.
+    """
+
+    name: str
+    factory: Callable[..., Schedule]
+    description: str
+    arg: str | None = None
+    constraint: Constraint | None = None
+
+
+_REGISTRY: dict[str, Entry] = {}
+_BUILTIN: set[str] = set()
+
+
+def register(name: str, factory: Callable[..., Schedule], *, description: str,
+             arg: str | None = None, constraint: Constraint | None = None,
+             replace: bool = False) -> None:
+    """Add a schedule under ``name``; :func:`get`, :func:`names` and the CLIs then know it.
+
+    Args:
+        name: lower case letters, digits and ``_``, starting with a letter (not ``compose``).
+        factory: returns a fresh :class:`Schedule`; called with one positive int when
+            ``arg`` is given and the spec is ``name:n``.
+        description: one line for help texts.
+        arg: what ``n`` in ``name:n`` means (e.g. ``"pieces"``), or None if it takes none.
+        constraint: see :class:`Entry`.
+        replace: allow replacing a schedule registered earlier (never a built-in).
+
+    Raises:
+        ValueError: a malformed or taken name; TypeError: a factory that is not callable.
+    """
+    if not isinstance(name, str) or not _NAME.match(name) or name == COMPOSE:
+        raise ValueError(f"schedule name {name!r} must be lower case letters, digits and '_', "
+                         f"starting with a letter, and not {COMPOSE!r} (e.g. 'my_ring')")
+    if not callable(factory):
+        raise TypeError(f"register({name!r}, factory): factory must be callable and return a "
+                        f"Schedule, got {type(factory).__name__}")
+    if not isinstance(description, str) or not description.strip() or "\n" in description:
+        raise ValueError(f"register({name!r}, ...): description must be one non-empty line")
+    if constraint is not None and not callable(constraint):
+        raise TypeError(f"register({name!r}, ...): constraint must be callable or None")
+    if name in _BUILTIN or (name in _REGISTRY and not replace):
+        raise ValueError(f"schedule name {name!r} is already registered"
+                         + ("" if name in _BUILTIN else "; pass replace=True to replace it"))
+    _REGISTRY[name] = Entry(name, factory, description.strip(), arg, constraint)
+
+
+def unregister(name: str) -> None:
+    """Remove a schedule added with :func:`register` (built-ins stay)."""
+    if name in _BUILTIN:
+        raise ValueError(f"{name!r} is a built-in schedule and cannot be removed")
+    if name not in _REGISTRY:
+        raise ValueError(f"no schedule {name!r} is registered; registered: {names()}")
+    del _REGISTRY[name]
+
+
+def entries() -> list[Entry]:
+    """Every registered schedule, built-ins first, in registration order."""
+    return list(_REGISTRY.values())
+
+
+def names(*, world_size: int | None = None, heads: int | None = None,
+          kv_heads: int | None = None) -> list[str]:
+    """Registered names (not the ``compose:`` forms), those that can run with the given
+    world size and head counts when any is given."""
+    return [n for n in _REGISTRY
+            if why_not(n, world_size=world_size, heads=heads, kv_heads=kv_heads) is None]
+
+
+def syntax() -> str:
+    """One line saying which specs are valid, for error messages and help."""
+    forms = [f"{e.name}[:{e.arg}]" if e.arg else e.name for e in _REGISTRY.values()]
+    return (", ".join(forms) + f", or {COMPOSE}:OUTER+INNER:K (e.g. {COMPOSE}:zigzag+ulysses:2: "
+            f"INNER inside groups of K ranks, OUTER across them)")
+
+
+def describe() -> str:
+    """One line per registered schedule: ``name: description``, then the compose form."""
+    width = max(len(n) for n in _REGISTRY)
+    rows = [f"{e.name:<{width}}  {e.description}" for e in _REGISTRY.values()]
+    rows.append(f"{COMPOSE}:OUTER+INNER:K  2D: INNER inside groups of K consecutive ranks, "
+                f"OUTER across the groups")
+    return "\n".join(rows)
+
+
+def _unknown(text: object, why: str = "") -> ValueError:
+    return ValueError(f"unknown schedule {text!r}{why}; valid: {syntax()}")
+
+
+def _positive(text: str, what: str, whole: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise ValueError(f"schedule {whole!r}: {what} must be a positive integer, got {text!r}; "
+                         f"valid: {syntax()}")
+    return int(text)
+
+
+def _split_compose(text: str) -> tuple[str, str, int]:
+    body = text[len(COMPOSE) + 1:]
+    outer, plus, rest = body.partition("+")
+    inner, colon, k = rest.rpartition(":")
+    if not plus or not outer or not colon or not inner:
+        raise _unknown(text, f" (the 2D form is {COMPOSE}:OUTER+INNER:K, e.g. "
+                             f"{COMPOSE}:zigzag+ulysses:2)")
+    return outer, inner, _positive(k, "K (ranks per inner group)", text)
+
+
+def _entry(text: str) -> tuple[Entry, int | None]:
+    name, colon, arg = text.partition(":")
+    e = _REGISTRY.get(name)
+    if e is None:
+        raise _unknown(text)
+    if not colon:
+        return e, None
+    if e.arg is None:
+        raise ValueError(f"schedule {name!r} takes no ':' argument, got {text!r}; valid: "
+                         f"{syntax()}")
+    return e, _positive(arg, e.arg, text)
+
+
+def get(name: str | Schedule) -> Schedule:
+    """The schedule a spec names (see the module docstring); a :class:`Schedule` is returned
+    as it is, so APIs can take either.
+
+    Raises:
+        ValueError: an unknown or malformed spec, listing the valid ones (and whatever
+            :func:`~fringe.schedules.compose` raises for a pair it does not support).
+        TypeError: neither a string nor a Schedule.
+    """
+    if isinstance(name, Schedule):
+        return name
+    if not isinstance(name, str):
+        raise TypeError(f"a schedule is a name such as 'zigzag' or a Schedule, got "
+                        f"{type(name).__name__}; valid names: {syntax()}")
+    text = name.strip()
+    if text.startswith(COMPOSE + ":"):
+        outer, inner, k = _split_compose(text)
+        return compose(get(outer), get(inner), inner_size=k)
+    e, n = _entry(text)
+    return e.factory() if n is None else e.factory(n)
+
+
+def why_not(name: str, *, world_size: int | None = None, heads: int | None = None,
+            kv_heads: int | None = None) -> str | None:
+    """Why the schedule ``name`` (a spec) cannot run on ``world_size`` ranks with ``heads``
+    query and ``kv_heads`` kv heads, or None if it can (unknown values are not checked).
+
+    Raises:
+        ValueError: an unknown or malformed spec.
+    """
+    text = name.strip() if isinstance(name, str) else name
+    if not isinstance(text, str):
+        raise TypeError(f"why_not takes a schedule name, got {type(name).__name__}")
+    if text.startswith(COMPOSE + ":"):
+        outer, inner, k = _split_compose(text)
+        if world_size is not None and world_size % k:
+            return (f"{text} puts {k} ranks in a group: world_size={world_size} is not a "
+                    f"multiple of {k}")
+        return (why_not(inner, world_size=k, heads=heads, kv_heads=kv_heads)
+                or why_not(outer, world_size=None if world_size is None else world_size // k,
+                           heads=heads, kv_heads=kv_heads))
+    e, _ = _entry(text)
+    if e.constraint is None:
+        return None
+    return e.constraint(world_size=world_size, heads=heads, kv_heads=kv_heads)
+
+
+_DISPLAY = re.compile(r"([a-z][a-z0-9_]*)\((\d+)\)\Z")
+
+
+def _top_level_split(body: str) -> list[str]:
+    parts, depth, start = [], 0, 0
+    for i, c in enumerate(body):
+        depth += (c == "(") - (c == ")")
+        if c == "," and depth == 0:
+            parts.append(body[start:i].strip())
+            start = i + 1
+    return parts + [body[start:].strip()]
+
+
+def spec(schedule: Schedule | str) -> str:
+    """The spec that :func:`get` turns back into this schedule: the inverse of :func:`get`
+    for registered schedules (``spec(get(s)) == canonical(s)``).
+
+    Raises:
+        ValueError: a schedule no registered name builds (a hand-made :class:`Schedule`).
+    """
+    display = schedule.name if isinstance(schedule, Schedule) else schedule
+    if display in _REGISTRY:
+        return display
+    m = _DISPLAY.match(display)
+    if m and m.group(1) in _REGISTRY and _REGISTRY[m.group(1)].arg:
+        return f"{m.group(1)}:{m.group(2)}"
+    if display.startswith(COMPOSE + "(") and display.endswith(")"):
+        parts = _top_level_split(display[len(COMPOSE) + 1:-1])
+        if len(parts) == 3 and parts[2].startswith("inner_size="):
+            return f"{COMPOSE}:{spec(parts[0])}+{spec(parts[1])}:{parts[2][len('inner_size='):]}"
+    raise ValueError(f"schedule {display!r} is not built by a registered name; register its "
+                     f"factory with fringe.schedules.register(name, factory, description=...)")
+
+
+def canonical(name: str) -> str:
+    """A spec in the one spelling :func:`spec` gives (``allgather:2`` -> ``allgather``);
+    validates it on the way (the argparse ``type=`` of the CLIs)."""
+    return spec(get(name))
+
+
+# ---- the built-ins ---------------------------------------------------------------------------
+
+def _head_split(n: int | None, heads: int | None, kv_heads: int | None, who: str) -> str | None:
+    if n is None or n == 1:
+        return None
+    if heads is not None and heads % n:
+        return f"{who} splits heads {n} ways: needs H % {n} == 0, got H={heads}"
+    if kv_heads is not None and kv_heads % n and n % kv_heads:
+        return (f"{who} splits heads {n} ways: needs G % {n} == 0 or {n} % G == 0, "
+                f"got G={kv_heads}")
+    return None
+
+
+def _ulysses_constraint(*, world_size=None, heads=None, kv_heads=None) -> str | None:
+    return _head_split(world_size, heads, kv_heads, "ulysses")
+
+
+for _e in (
+        Entry("ring", ring, "ring over the contiguous layout (causal work unbalanced)"),
+        Entry("zigzag", zigzag, "ring over the zigzag layout (rank r holds chunks r and 2P-1-r)"),
+        Entry("striped", striped, "ring over stripes of S tokens (default: the block size)",
+              arg="stripe"),
+        Entry("balanced", balanced, "ring over a mask-aware layout (packed documents, windows)"),
+        Entry("allgather", allgather, "all-gather of the kv a rank needs, in N pieces "
+                                      "(default 2), over the zigzag layout", arg="pieces"),
+        Entry("ulysses", ulysses, "all-to-all to head-sharded, full-sequence attention "
+                                  "(needs H % P == 0 and G % P == 0 or P % G == 0)",
+              constraint=_ulysses_constraint)):
+    _REGISTRY[_e.name] = _e
+    _BUILTIN.add(_e.name)
+del _e
