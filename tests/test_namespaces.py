@@ -6,15 +6,16 @@ import importlib
 import pytest
 
 PUBLIC = {
-    "fringe": ["CommTimeout", "DEFAULT_BLOCK_SIZE", "Layout", "Plan", "PlanStats", "RankMismatch",
-               "RunStats", "attention", "last_run", "launch", "layout", "masks", "ops", "padded_len",
+    "fringe": ["CommTimeout", "DEFAULT_BLOCK_SIZE", "KVPolicy", "Layout", "Plan", "PlanStats",
+               "RankMismatch", "RunStats", "attention", "last_run", "launch", "layout", "masks", "ops", "padded_len",
                "plan", "recording", "render", "runtime", "schedules", "simulate"],
     "fringe.masks": ["BlockKind", "BlockMap", "Mask", "MaskError", "MaskMod", "as_mask", "causal", "classify",
                      "digest", "document", "evaluate", "fn_digest", "full", "prefix_lm",
                      "reads_batch_head", "sliding_window", "snapshot"],
     "fringe.ops": ["KERNELS", "Kernel", "ReferenceKernel", "SdpaKernel", "attention", "check_qkv",
                    "get_kernel", "merge", "tile_backward", "tile_forward"],
-    "fringe.schedules": ["Collective", "Compute", "GradCompute", "Hop", "KV_MODES", "Program", "Recv",
+    "fringe.schedules": ["Collective", "Compute", "GradCompute", "Hop", "KV_MODES", "KVPolicy",
+                         "Program", "Recv",
                          "allgather", "balanced", "compose", "ulysses", "get", "names", "register",
                          "Schedule", "ScheduleError", "Send", "Step", "check", "lower", "parse_op",
                          "prune", "reverse", "ring", "ring_hops", "striped", "zigzag"],

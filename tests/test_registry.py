@@ -155,3 +155,42 @@ def test_registry_doctest():
     import doctest
     result = doctest.testmod(registry, optionflags=doctest.NORMALIZE_WHITESPACE)
     assert result.attempted >= 3 and result.failed == 0
+
+
+# ---- the kv memory policy -------------------------------------------------------------------
+
+def test_kv_policy_is_a_string_enum_with_todays_values():
+    from fringe import KVPolicy
+    assert KVPolicy is schedules.KVPolicy
+    assert [m.value for m in KVPolicy] == list(schedules.KV_MODES)
+    assert KVPolicy.RESEND == "resend" and KVPolicy.KEEP == "keep"
+    assert f"{KVPolicy.KEEP}" == "keep" and "kv=" + KVPolicy.KEEP == "kv=keep"
+    assert KVPolicy.parse("keep") is KVPolicy.KEEP
+    assert KVPolicy.parse(KVPolicy.RESEND) is KVPolicy.RESEND
+
+
+@pytest.mark.parametrize("bad", ["Keep", "resent", "", None, 1, ("keep",)])
+def test_kv_policy_parse_lists_the_valid_values(bad):
+    from fringe import KVPolicy
+    with pytest.raises(ValueError) as e:
+        KVPolicy.parse(bad)
+    assert "'resend', 'keep'" in str(e.value) and repr(bad) in str(e.value)
+
+
+@pytest.mark.parametrize("policy", ["resend", "keep"])
+def test_a_plan_takes_the_enum_or_its_string_alike(policy):
+    """The member and its string give the same plan (same digest) and the same gradients."""
+    from fringe import KVPolicy
+    from fringe.testing import make_qkv
+    mask = masks.causal()
+    kw = dict(seq_len=32, world_size=4, block_size=2)
+    a = fringe.plan(schedules.zigzag(), mask, kv=policy, **kw)
+    b = fringe.plan(schedules.zigzag(), mask, kv=KVPolicy.parse(policy), **kw)
+    assert a.digests() == b.digests() and a.backward == b.backward
+    grads = []
+    for p in (a, b):
+        q, k, v = make_qkv(B=1, H=2, G=1, S=32, D=4, seed=5, requires_grad=True)
+        fringe.simulate.attention(q, k, v, plan=p).square().sum().backward()
+        grads.append((q.grad, k.grad, v.grad))
+    for x, y in zip(*grads):
+        assert torch.equal(x, y)

@@ -7,6 +7,7 @@ from .ir import (Buffer as Buffer, Collective as Collective, Compute as Compute,
                  GradCompute as GradCompute, Program as Program, Recv as Recv, Send as Send, Step as Step,
                  format_programs as format_programs, parse_op as parse_op,
                  parse_programs as parse_programs)
+from .kv import KVPolicy as KVPolicy
 from .passes import (Hop as Hop, HopTable as HopTable, KV_MODES as KV_MODES,
                      ScheduleError as ScheduleError, check as check, lower as lower, prune as prune,
                      reverse as reverse)
@@ -14,5 +15,6 @@ from .registry import get as get, names as names, register as register
 from .rings import balanced as balanced, ring as ring, striped as striped, zigzag as zigzag
 
 __all__ = ["allgather", "balanced", "Collective", "compose", "Compute", "get", "GradCompute", "Hop",
-           "KV_MODES", "names", "Program", "Recv", "Schedule", "ScheduleError", "Send", "Step", "check", "lower", "parse_op", "prune", "register",
-           "reverse", "ring", "ring_hops", "striped", "ulysses", "zigzag"]
+           "KV_MODES", "KVPolicy", "names", "Program", "Recv", "register", "Schedule",
+           "ScheduleError", "Send", "Step", "check", "lower", "parse_op", "prune", "reverse",
+           "ring", "ring_hops", "striped", "ulysses", "zigzag"]
