@@ -36,7 +36,7 @@ import math
 
 import torch
 
-from .reference import REFERENCE, causal_mask, compute_dtype
+from .reference import REFERENCE, causal_mask, check_causal, compute_dtype
 
 _FWD = "_scaled_dot_product_flash_attention_for_cpu"
 _BWD = "_scaled_dot_product_flash_attention_for_cpu_backward"
@@ -152,13 +152,15 @@ class SdpaKernel:
                                      score_mod=score_mod, scale=scale, causal=causal)
         if causal and not self.native_causal:
             mask, causal = causal_mask(q, k, mask, causal), False
-        causal_mask(q, k, mask, causal)                       # validates a causal call
+        check_causal(q, k, mask, causal)
         return self._forward(q, k, v, q_pos=q_pos, kv_pos=kv_pos, mask=mask, scale=scale,
                              causal=causal)
 
     def backward(self, q, k, v, out, lse, dout, *, q_pos, kv_pos, mask=None, score_mod=None,
                  scale, dlse=None, score_params=(), causal=False):
         masked = mask is not None or causal
+        if dlse is not None and not bool(dlse.any()):
+            dlse = None            # autograd materialises a zero lse cotangent: nothing to fold
         if (not self._usable(q, score_mod) or score_params
                 or (dlse is not None and not self.exact_dlse)
                 or (masked and not _finite(q, k, v, out, dout, lse.clamp_min(0.0)))):
@@ -167,7 +169,7 @@ class SdpaKernel:
                                       score_params=score_params, causal=causal)
         if causal and not self.native_causal:
             mask, causal = causal_mask(q, k, mask, causal), False
-        causal_mask(q, k, mask, causal)
+        check_causal(q, k, mask, causal)
         return self._backward(q, k, v, out, lse, dout, q_pos=q_pos, kv_pos=kv_pos, mask=mask,
                               scale=scale, dlse=dlse, causal=causal)
 

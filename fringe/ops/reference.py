@@ -19,9 +19,9 @@ import torch
 ScoreMod = Callable[..., torch.Tensor]
 MaskMod = Callable[..., torch.Tensor]
 
-__all__ = ["attention", "apply_score_mod", "broadcast_agrees", "causal_mask", "check_qkv",
-           "compute_dtype", "grad_tile", "lse_dtype", "mask_for", "ReferenceKernel", "REFERENCE",
-           "ScoreModError"]
+__all__ = ["attention", "apply_score_mod", "broadcast_agrees", "causal_mask", "check_causal",
+           "check_qkv", "compute_dtype", "grad_tile", "lse_dtype", "mask_for", "ReferenceKernel",
+           "REFERENCE", "ScoreModError"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -474,12 +474,25 @@ def causal_mask(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None,
     """
     if not causal:
         return mask
+    check_causal(q, k, mask, causal)
+    Lq, Lk = q.shape[2], k.shape[2]
+    return torch.ones(Lq, Lk, dtype=torch.bool, device=q.device).tril()[None, None]
+
+
+def check_causal(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None,
+                 causal: bool) -> None:
+    """Validate a ``causal=True`` call without building its mask (see :func:`causal_mask`).
+
+    Raises:
+        ValueError: for ``causal`` with a mask too, or a sub-problem that is not square.
+    """
+    if not causal:
+        return
     Lq, Lk = q.shape[2], k.shape[2]
     if mask is not None or Lq != Lk:
         raise ValueError(f"causal=True needs a square sub-problem and no mask (got Lq={Lq}, "
                          f"Lk={Lk}, mask {'given' if mask is not None else 'None'}); split the "
                          f"call so the diagonal piece is square")
-    return torch.ones(Lq, Lk, dtype=torch.bool, device=q.device).tril()[None, None]
 
 
 REFERENCE = ReferenceKernel()
