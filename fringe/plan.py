@@ -20,7 +20,7 @@ import torch
 
 from . import masks as _masks
 from .layout import DEFAULT_BLOCK_SIZE, Layout
-from .schedules import KV_MODES, Program, Schedule, check, reverse
+from .schedules import KVPolicy, Program, Schedule, check, reverse
 from .schedules.ir import Compute, ProgramTable, Recv, Send, split_name
 
 BlockKind = _masks.BlockKind
@@ -42,7 +42,7 @@ class Plan:
             (small plans only).
         tiles: int8 ``[P, P]``: the kind of tile (q of rank i, kv of rank j).
         forward / backward: one program per rank.
-        kv: ``"resend"`` or ``"keep"`` (how the backward gets kv again).
+        kv: the :class:`~fringe.KVPolicy` (how the backward gets kv again).
         score_mod, scale, kernel: passed to the tile ops.
         batch_size, num_heads: the B and H the mask was classified for (None: the mask
             does not depend on b / h, as in FlexAttention's ``B=None, H=None``).
@@ -60,7 +60,7 @@ class Plan:
     tiles: torch.Tensor
     forward: tuple[Program, ...]
     backward: tuple[Program, ...]
-    kv: str = "resend"
+    kv: KVPolicy = KVPolicy.RESEND
     score_mod: Callable | None = None
     scale: float | None = None
     kernel: str | None = None
@@ -429,7 +429,8 @@ def _probe_reads_b(score_mod: Callable | None) -> bool:
 
 def plan(schedule: Schedule, mask_mod: Callable | None = None, *, seq_len: int,
          world_size: int, block_size: int = DEFAULT_BLOCK_SIZE,
-         score_mod: Callable | None = None, scale: float | None = None, kv: str = "resend",
+         score_mod: Callable | None = None, scale: float | None = None,
+         kv: KVPolicy | str = KVPolicy.RESEND,
          kernel: str | None = None, batch_size: int | None = None,
          num_heads: int | None = None, layout: Layout | None = None,
          score_params: tuple[torch.Tensor, ...] | None = None, tp_size: int = 1) -> Plan:
@@ -446,7 +447,8 @@ def plan(schedule: Schedule, mask_mod: Callable | None = None, *, seq_len: int,
         block_size: mask block in tokens (classification and kernel granularity).
         score_mod: optional ``score_mod(score, b, h, q_idx, kv_idx)`` (global positions).
         scale: softmax scale (default ``1/sqrt(D)``).
-        kv: ``"resend"`` (backward re-sends kv; O(L) memory) or ``"keep"``.
+        kv: a :class:`~fringe.KVPolicy` or its string: ``"resend"`` (backward re-sends kv;
+            O(L) memory) or ``"keep"``.
         kernel: tile kernel name (``None`` chooses; see :mod:`fringe.ops`).
         batch_size, num_heads: give them if the mask depends on b or h.
         layout: plan over this existing layout instead of the schedule's own (several
@@ -471,8 +473,7 @@ def plan(schedule: Schedule, mask_mod: Callable | None = None, *, seq_len: int,
     tp_size = _size("tp_size", tp_size)
     batch_size = None if batch_size is None else _size("batch_size", batch_size)
     num_heads = None if num_heads is None else _size("num_heads", num_heads)
-    if kv not in KV_MODES:
-        raise ValueError(f"kv must be one of {KV_MODES}, got {kv!r}")
+    kv = KVPolicy.parse(kv)        # a member or its string; the error lists the valid values
     if score_mod is not None and not callable(score_mod):
         raise TypeError(f"score_mod must be callable (score, b, h, q_idx, kv_idx) -> score, got "
                         f"{type(score_mod).__name__}")
