@@ -10,6 +10,8 @@ between the rows of a batch). Twice, from the same weights and data:
   from :func:`fringe.packing.shard_batch` (labels shifted on the global sequence before
   sharding, global RoPE positions restarting per document), its loss is its token-weighted
   share (sum over its targets / global target count) and gradients are SUMMED over ranks.
+  A ``--seq-len`` that does not fit the layout (e.g. 250 at block 32) is padded by fringe:
+  pad tokens attend to nothing and their labels are ignored, so the loss is the unpadded one.
 * one process: transformers' own ``sdpa`` attention on the whole batch, packed documents
   given as ``position_ids`` that restart per document (transformers then builds the
   document mask itself; ``use_cache=False``, since its packed-sequence detection turns off
@@ -168,7 +170,8 @@ def cp_step(rank: int, world_size: int, step: int) -> dict:
     opt.step()
     total = out.loss.detach().to(torch.float64)
     dist.all_reduce(total)
-    return dict(loss=total.item(), seconds=time.perf_counter() - t0, attention_calls=len(rec.runtimes))
+    return dict(loss=total.item(), seconds=time.perf_counter() - t0, attention_calls=len(rec.runtimes),
+                padded_len=plans.layout.seq_len)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -270,10 +273,14 @@ def run(cfg: Config, *, progress=print, timeout_s: float = 300.0, workers=None) 
         for step in range(cfg.steps):
             res = w.run(cp_step, step)
             cp.append(dict(loss=res[0]["loss"], seconds=max(r["seconds"] for r in res),
-                           attention_calls=res[0]["attention_calls"]))
+                           attention_calls=res[0]["attention_calls"], padded_len=res[0]["padded_len"]))
         cp_final = w.run(cp_params)[0]
     param_diff = max(float((cp_final[k] - final[k]).abs().max()) for k in final)
     diffs = [abs(a["loss"] - b["loss"]) for a, b in zip(cp, single)]
+    if cp and cp[0]["padded_len"] != cfg.seq_len:
+        progress(f"S={cfg.seq_len} does not fit the layout: fringe padded it to {cp[0]['padded_len']} "
+                 f"(pad tokens attend to nothing, their labels are ignored); the one-process run is "
+                 f"unpadded")
     ref = f"loss ({reference_attention(cfg)})"
     progress(f"{'step':>4}  {'loss (CP)':>12}  {ref:>12}  {'|diff|':>8}  "
              f"{'CP step s':>9}  {'1-proc step s':>13}")

@@ -41,6 +41,7 @@ from typing import Any, Callable
 import torch
 
 from . import masks as _masks
+from . import packing as _packing
 from .api import attention as _cp_attention
 from .plan import Plan, plan as _plan
 
@@ -89,12 +90,15 @@ class Plans:
         batch_fingerprint: the layout fingerprint of the batch the model runs on
             (:func:`model_inputs` sets it from the :class:`~fringe.packing.Shard`); every
             attention call checks it against its plan's.
+        real_len: the batch's real length S when :func:`plans` padded it to the layout's
+            (every plan's mask then removes the padding), else None.
     """
 
     layers: tuple[LayerPlan, ...]
     group: Any = None
     timeout_s: float | None = None
     batch_fingerprint: str | None = None
+    real_len: int | None = None
     layout_fingerprint: str = dataclasses.field(init=False)
 
     def __post_init__(self) -> None:
@@ -188,22 +192,34 @@ def plans(model, schedule, mask=None, *, seq_len: int, world_size: int, group=No
     layout balanced for the work of all layers together (each kind's block work times its
     number of layers); else the first kind's (layers without a window come first).
 
+    A ``seq_len`` the schedule's layout does not accept (not whole blocks on every rank,
+    zigzag's 2P chunks, or ``tp_size``) is padded to ``fringe.padded_len(S, P,
+    block_size=, tp_size=)`` (or to ``layout.seq_len``): the plans are made for the padded
+    length with ``packing.pad_mask(mask, real_len=S, ...)``, under which the pad tokens
+    attend to nothing and nothing attends to them, and :func:`fringe.packing.shard_batch`
+    pads the batch itself (ignored labels, so the loss counts real tokens only).
+
     Args:
         model: a transformers model (or anything :func:`layer_kinds` reads).
         schedule: e.g. ``schedules.zigzag()``.
         mask: the batch's mask on global positions (e.g. ``packing.document_mask(doc_ids)``),
             without causal / window (added per layer); None: full.
-        seq_len, world_size: S and P.
+        seq_len, world_size: S (the batch's real length) and P.
         group, timeout_s: for :func:`fringe.attention`.
         layout: a :class:`fringe.Layout` to plan over (default: from the first kind's plan).
         **plan_kwargs: passed to :func:`fringe.plan` (``block_size``, ``batch_size``, ``kv``,
-            ``kernel``...).
+            ``kernel``, ``tp_size``...).
 
     Returns:
-        :class:`Plans`.
+        :class:`Plans` (``real_len=S`` when padded).
     """
     kinds = sorted(layer_kinds(model), key=lambda k: (k["sliding_window"] is not None,
                                                        k["sliding_window"] or 0))
+    real_len = None
+    padded = _padded_len(schedule, seq_len, world_size, layout, plan_kwargs)
+    if padded != seq_len:
+        mask = _packing.pad_mask(mask, real_len=seq_len, padded_len=padded)
+        real_len, seq_len = seq_len, padded
     base = _masks.full() if mask is None else _masks.as_mask(mask)
     kind_masks = []
     for kind in kinds:
@@ -228,7 +244,32 @@ def plans(model, schedule, mask=None, *, seq_len: int, world_size: int, group=No
         layout = p.layout
         layers.append(LayerPlan(p, causal=kind["causal"], sliding_window=kind["sliding_window"],
                                 softcap=kind["softcap"]))
-    return Plans(tuple(layers), group=group, timeout_s=timeout_s)
+    return Plans(tuple(layers), group=group, timeout_s=timeout_s, real_len=real_len)
+
+
+def _padded_len(schedule, seq_len: int, world_size: int, layout, plan_kwargs: dict) -> int:
+    """``seq_len`` if the schedule's layout (or ``layout``) takes it, else the padded length."""
+    from .layout import DEFAULT_BLOCK_SIZE
+    from .plan import padded_len
+    if layout is not None:
+        if getattr(layout, "seq_len", seq_len) < seq_len:
+            raise ValueError(f"the given layout is for S={layout.seq_len} tokens, fewer than the "
+                             f"batch's seq_len={seq_len}")
+        return layout.seq_len
+    bs = plan_kwargs.get("block_size", DEFAULT_BLOCK_SIZE)
+    tp = plan_kwargs.get("tp_size", 1)
+    sizes = (seq_len, world_size, bs, tp)
+    if not hasattr(schedule, "make_layout") or not all(
+            isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in sizes):
+        return seq_len                                  # fringe.plan names the bad argument
+    if seq_len % (world_size * bs) == 0 and (seq_len // world_size) % tp == 0:
+        try:
+            work = torch.ones(seq_len // bs) if getattr(schedule, "mask_aware", False) else None
+            schedule.make_layout(seq_len, world_size, block_size=bs, block_work=work)
+            return seq_len
+        except ValueError:
+            pass
+    return padded_len(seq_len, world_size, block_size=bs, tp_size=tp)
 
 
 def _balanced_layout(schedule, kind_masks, counts, *, seq_len, world_size, plan_kwargs):
@@ -343,8 +384,9 @@ def mask_function(batch_size: int, q_length: int, kv_length: int, q_offset: int 
     if attention_mask is not None and not bool(attention_mask.all()):
         raise ValueError("fringe: the model got a 2-D attention_mask that pads tokens out; fringe never "
                          "sees that mask (transformers hands custom attention functions no padding "
-                         "mask), so it would be ignored. Put padding in the plan's mask instead (e.g. a "
-                         "document of its own, labels -100) and pass attention_mask=None")
+                         "mask), so it would be ignored. Put padding in the plan's mask instead "
+                         "(packing.pad_mask / packing.real_tokens; fringe.hf.plans pads a length "
+                         "that does not fit by itself) and pass attention_mask=None")
     if kv_length != q_length or q_offset or kv_offset:
         raise ValueError(f"fringe: {q_length} queries at offset {q_offset} against {kv_length} keys: a "
                          f"KV cache is not supported under context parallelism (pass use_cache=False)")

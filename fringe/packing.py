@@ -13,6 +13,12 @@ turns those into a mask_mod. :func:`shard_batch` takes the **global** packed bat
 labels **shifted before sharding** (shifting after sharding silently drops the target of the
 last token on every rank), global RoPE positions and the layout's fingerprint.
 
+A length the layout does not take is padded at the end (:func:`pad_batch`, or
+:func:`shard_batch` itself for plans made by :func:`pad_mask`): the pad tokens attend to
+nothing and nothing attends to them (:func:`real_tokens`, a structured rule, so blocks wholly
+in the padding are EMPTY: never computed, never sent), their labels are ignored and the
+loss counts real tokens only.
+
 >>> doc_ids_from_cu_seqlens(torch.tensor([0, 3, 5, 8])).tolist()
 [0, 0, 0, 1, 1, 2, 2, 2]
 >>> doc_ids_from_position_ids(torch.tensor([0, 1, 2, 0, 1, 0, 1, 2])).tolist()
@@ -25,6 +31,8 @@ Legend: B batch · S global sequence · L = S / P tokens on one rank · P world 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import operator
 from typing import Mapping, Sequence
 
 import torch
@@ -32,8 +40,9 @@ import torch
 from . import masks as _masks
 
 __all__ = ["IGNORE_INDEX", "Shard", "doc_ids_from_cu_seqlens", "doc_ids_from_position_ids",
-           "document_mask", "global_token_count", "loss_sum", "pad_batch", "positions_in_document",
-           "shard_batch", "shift_labels", "token_weighted_loss"]
+           "document_mask", "global_token_count", "loss_sum", "pad_batch", "pad_mask",
+           "positions_in_document", "real_len_of", "real_tokens", "shard_batch", "shift_labels",
+           "token_weighted_loss"]
 
 #: The label that cross-entropy ignores (torch's and transformers' default ``ignore_index``).
 IGNORE_INDEX = -100
@@ -197,18 +206,32 @@ class _RowDocuments:
         return cells
 
 
-def document_mask(doc_ids: torch.Tensor) -> _masks.Mask:
+def document_mask(doc_ids: torch.Tensor, *, real_len: int | None = None) -> _masks.Mask:
     """The mask_mod for packed documents: a token attends only within its document.
 
     Args:
         doc_ids: int ``[S]`` (every row of the batch has the same boundaries) or ``[B, S]``
             (per row). A ``[B, S]`` mask reads ``b``: plan it with ``batch_size=B``.
+        real_len: for a batch padded by :func:`pad_batch` (``out["real_len"]``): the tokens
+            at positions ``>= real_len`` attend to nothing and nothing attends to them
+            (``& real_tokens(real_len)``). None: no padding.
 
     Returns:
         ``masks.document(doc_ids)`` for ``[S]`` (or ``[B, S]`` with equal rows); for rows
         that differ, a mask with ``doc_ids[b, q] == doc_ids[b, kv]`` whose block
         classification is exact from per-row summaries (no S² evaluation).
     """
+    m = _document_mask(doc_ids)
+    if real_len is None:
+        return m
+    S = _int_tensor(doc_ids, "doc_ids").shape[-1]
+    if isinstance(real_len, bool) or not isinstance(real_len, int) or not 1 <= real_len <= S:
+        raise ValueError(f"document_mask: real_len must be an int in [1, S={S}] (the tokens before "
+                         f"padding), got {real_len!r}")
+    return m & real_tokens(real_len)
+
+
+def _document_mask(doc_ids: torch.Tensor) -> _masks.Mask:
     ids = _int_tensor(doc_ids, "doc_ids")
     if ids.dim() == 2 and bool((ids == ids[:1]).all()):
         ids = ids[0]
@@ -228,48 +251,228 @@ def document_mask(doc_ids: torch.Tensor) -> _masks.Mask:
     return _masks.Mask(mod=row_document_mod, name=name, bh_invariant=False, rule=_RowDocuments(ids))
 
 
-def pad_batch(input_ids: torch.Tensor, labels: torch.Tensor | None = None, *, multiple: int,
-              cu_seqlens=None, position_ids=None, pad_id: int = 0,
-              ignore_index: int = IGNORE_INDEX) -> dict:
-    """Pad a packed batch at the end to a multiple of ``multiple`` tokens; the padding is a
-    document of its own.
+# --------------------------------------------------------------------------------------
+# padding that attends to nothing
+# --------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _RealTokens:
+    """Block rule for ``q_idx < n and kv_idx < n`` (tokens at positions ``>= n`` are padding).
+
+    Exact for any position sets from the attained min / max of each side: FULL iff both
+    maxima are ``< n``; EMPTY iff either minimum is ``>= n``; otherwise a single block pair
+    holds an allowed pair (the two minima) and a masked one (a maximum), so it is PARTIAL,
+    and a quadtree node is refined.
+
+    Attributes:
+        n: the number of real tokens (a dataclass field: plan digests hash it).
+    """
+
+    n: int
+
+    def prepare(self, qt, kt):
+        """The quadtree rule of :func:`fringe.masks.classify`: ``cells(level, i, j)`` codes."""
+        n = self.n
+        E, P, F = (int(k) for k in (_masks.BlockKind.EMPTY, _masks.BlockKind.PARTIAL,
+                                    _masks.BlockKind.FULL))
+        U = _masks._UNKNOWN
+
+        def cells(level: int, i: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
+            full = (qt.hi[level][i] < n) & (kt.hi[level][j] < n)
+            empty = (qt.lo[level][i] >= n) | (kt.lo[level][j] >= n)
+            rest = torch.full(i.shape, P if level == 0 else U, dtype=torch.int8)
+            return torch.where(empty, E, torch.where(full, F, rest)).to(torch.int8)
+        return cells
+
+
+def real_tokens(n: int) -> _masks.Mask:
+    """The mask that removes padding: ``q_idx < n and kv_idx < n``.
+
+    Compose it with the batch's mask (``mask & real_tokens(S)``): the tokens at positions
+    ``>= n`` (the padding :func:`pad_batch` appends) then attend to nothing and nothing
+    attends to them. Their rows follow FlexAttention's semantics for a fully masked row
+    (out 0, lse -inf, gradients 0). Its block classification is exact from the blocks'
+    min / max positions, so blocks wholly in the padding are EMPTY: never computed, and a
+    rank's kv chunk that only padding would need is never sent.
+
+    Args:
+        n: the number of real tokens (S before padding), >= 1.
+
+    Returns:
+        a :class:`fringe.masks.Mask` with a structured block rule.
+    """
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"real_tokens: n must be an int >= 1 (the number of real tokens before "
+                         f"padding), got {n!r}")
+
+    def real_tokens_mod(b, h, q_idx, kv_idx):
+        return (q_idx < n) & (kv_idx < n)
+
+    name = f"real_tokens({n})"
+    real_tokens_mod.__name__ = name
+    return _masks.Mask(mod=real_tokens_mod, name=name, rule=_RealTokens(n))
+
+
+def real_len_of(mask) -> int | None:
+    """The ``n`` of a :func:`real_tokens` term ANDed into ``mask`` (the smallest if several),
+    or None when the mask does not remove padding."""
+    if not isinstance(mask, _masks.Mask):
+        return None
+    if mask.op == "leaf":
+        return mask.rule.n if isinstance(mask.rule, _RealTokens) else None
+    if mask.op != "and":
+        return None
+    found = [n for n in (real_len_of(c) for c in mask.children) if n is not None]
+    return min(found) if found else None
+
+
+def _extend_leaf(m: _masks.Mask, n: int, padded: int) -> _masks.Mask | None:
+    """``m`` over ``padded`` positions (None: ``m`` is already defined there)."""
+    rule = m.rule
+    if isinstance(rule, _RowDocuments):
+        ids = rule.row_doc_ids
+        fill = ids.max(dim=1, keepdim=True).values + 1                  # a document of its own
+        return document_mask(torch.cat([ids, fill.expand(-1, padded - n)], dim=1))
+    doc = getattr(rule, "doc_ids", None) if rule is not None else None
+    if isinstance(doc, torch.Tensor):                                     # masks.document
+        if doc.dim() != 1 or doc.numel() != n:
+            raise ValueError(f"pad_mask: {m.name} has {doc.shape[-1]} document ids but real_len={n}; "
+                             f"give one id per real token")
+        fill = (int(doc.max()) + 1) if doc.numel() else 0
+        return _masks.document(torch.cat([doc, doc.new_full((padded - n,), fill)]))
+    if rule is not None:     # band / prefix / real_tokens rules: arithmetic on positions, total
+        return None
+    return _clamped(m.mod, n, name=m.name, bh_invariant=m.bh_invariant)
+
+
+def _clamped(fn, n: int, *, name: str, bh_invariant: bool) -> _masks.Mask:
+    """``fn`` evaluated at positions clamped to ``n - 1`` (pads are removed by real_tokens, so
+    any in-range value is fine): a mask_mod that indexes a length-n tensor stays in range."""
+    def padded_mod(b, h, q_idx, kv_idx):
+        return fn(b, h, q_idx.clamp(max=n - 1), kv_idx.clamp(max=n - 1))
+    padded_mod.__name__ = name
+    return _masks.as_mask(padded_mod, name=name, bh_invariant=bh_invariant)
+
+
+def _extend(m, n: int, padded: int):
+    if not isinstance(m, _masks.Mask):
+        reads = any(_masks.reads_batch_head(m, seq_len=n))
+        return _clamped(m, n, name=getattr(m, "__name__", "mask_mod"), bh_invariant=not reads)
+    if m.op == "leaf":
+        return _extend_leaf(m, n, padded)
+    kids = [_extend(c, n, padded) for c in m.children]
+    if all(k is None for k in kids):
+        return None
+    kids = [c if k is None else k for c, k in zip(m.children, kids)]
+    return functools.reduce(operator.and_ if m.op == "and" else operator.or_, kids)
+
+
+def pad_mask(mask, *, real_len: int, padded_len: int) -> _masks.Mask:
+    """``mask`` (defined on ``real_len`` positions) over ``padded_len`` positions, padding removed.
+
+    The result is ``mask' & real_tokens(real_len)``, where ``mask'`` equals ``mask`` on the
+    real tokens and is defined on the padding too: document ids (:func:`fringe.masks.document`,
+    :func:`document_mask`) get the padding as a document of its own; causal / window / prefix
+    rules are arithmetic on positions and stay as they are; a mask_mod without a block rule
+    is evaluated at positions clamped to ``real_len - 1`` (so indexing a length-``real_len``
+    tensor stays in range; :func:`real_tokens` masks those pairs anyway). Block
+    classification stays exact and cheap.
+
+    Args:
+        mask: a :class:`fringe.masks.Mask` or mask_mod on global positions ``< real_len``
+            (None: full attention).
+        real_len: S, the real tokens per row.
+        padded_len: the padded length (e.g. :func:`fringe.padded_len`), >= ``real_len``.
+
+    Returns:
+        a :class:`fringe.masks.Mask` for ``fringe.plan(..., seq_len=padded_len)``.
+    """
+    for name, v in (("real_len", real_len), ("padded_len", padded_len)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"pad_mask: {name} must be an int >= 1, got {v!r}")
+    if padded_len < real_len:
+        raise ValueError(f"pad_mask: padded_len={padded_len} < real_len={real_len}; padding only "
+                         f"appends tokens")
+    base = _masks.full() if mask is None else mask
+    if not callable(base):
+        raise TypeError(f"pad_mask: mask must be a mask_mod (b, h, q_idx, kv_idx) -> bool tensor, "
+                        f"got {type(mask).__name__}")
+    ext = _extend(base, real_len, padded_len) if padded_len > real_len else None
+    return _masks.as_mask(base if ext is None else ext) & real_tokens(real_len)
+
+
+def pad_batch(input_ids: torch.Tensor, labels: torch.Tensor | None = None, *,
+              multiple: int | None = None, length: int | None = None, cu_seqlens=None,
+              position_ids=None, pad_id: int = 0, ignore_index: int = IGNORE_INDEX) -> dict:
+    """Pad a packed batch at the end to a length the layout accepts; the padding attends to
+    nothing.
 
     A layout needs ``S`` to be a multiple of its unit (``P * block_size``; zigzag
-    ``2 * P * block_size``). The pad tokens get ``pad_id``, ignored labels, and their own
-    document (appended to ``cu_seqlens``; ``position_ids`` restarting at 0), so with a
-    ``causal & document`` mask no real token attends to them, their targets never count,
-    and the real tokens' outputs and loss are those of the unpadded batch.
+    ``2 * P * block_size``; with sequence parallelism also ``P * tp_size``:
+    :func:`fringe.padded_len` gives the length). The pad tokens get ``pad_id`` and ignored
+    labels (so no target is a pad token and none counts in the loss), and the boundaries
+    put them in a document of their own (``cu_seqlens`` gets one more entry,
+    ``position_ids`` restart at 0), so no target crosses into them and RoPE positions stay
+    valid. The mask must also remove them: plan with ``document_mask(doc_ids,
+    real_len=out["real_len"])`` (or :func:`pad_mask` of the unpadded mask), under which pad
+    tokens attend to nothing and nothing attends to them. :func:`shard_batch` accepts the
+    result as keywords (``shard_batch(**out, plan=plan, rank=rank)``) and checks the plans'
+    masks remove the padding.
 
     Args:
         input_ids: int ``[B, S]``.
         labels: int ``[B, S]`` or None.
-        multiple: the padded length is the next multiple of this.
+        multiple: pad to the next multiple of this; or
+        length: pad to exactly this many tokens (>= S). Give one of the two.
         cu_seqlens / position_ids: the batch's boundaries (at most one), as for
             :func:`shard_batch`.
         pad_id: the token id of padding.
+        ignore_index: the label of padding.
 
     Returns:
-        ``dict(input_ids, labels, cu_seqlens or position_ids)`` padded (the keys given).
+        ``dict(input_ids, labels, cu_seqlens or position_ids, real_len)``: the padded tensors
+        (labels only if given; ``cu_seqlens`` per row when no boundaries were given and
+        padding was added) and ``real_len = S``.
+
+    Raises:
+        ValueError: neither or both of ``multiple`` / ``length``, a ``length`` below S, both
+            boundary conventions, or shapes that are not ``[B, S]``.
     """
     ids = _int_tensor(input_ids, "input_ids")
     if ids.dim() != 2:
         raise ValueError(f"input_ids must be [B, S], got shape {tuple(ids.shape)}")
-    if not isinstance(multiple, int) or multiple < 1:
+    B, S = ids.shape
+    if (multiple is None) == (length is None):
+        raise ValueError("pad_batch: give multiple= (e.g. 2*P*block_size) or length= (e.g. "
+                         "fringe.padded_len(S, P, block_size=, tp_size=)), exactly one")
+    if multiple is not None and (isinstance(multiple, bool) or not isinstance(multiple, int)
+                                 or multiple < 1):
         raise ValueError(f"multiple must be an int >= 1 (e.g. 2*P*block_size for zigzag), got {multiple!r}")
+    if length is not None and (isinstance(length, bool) or not isinstance(length, int) or length < S):
+        raise ValueError(f"pad_batch: length must be an int >= S={S} (the padded length, e.g. "
+                         f"fringe.padded_len(S, P, block_size=, tp_size=)), got {length!r}")
     if cu_seqlens is not None and position_ids is not None:
         raise ValueError("give the document boundaries once: cu_seqlens or position_ids, not both")
-    B, S = ids.shape
-    n = -S % multiple
+    n = (-S % multiple) if multiple is not None else length - S
     out: dict = {}
     out["input_ids"] = torch.cat([ids, ids.new_full((B, n), pad_id)], dim=1)
     if labels is not None:
         lab = _int_tensor(labels, "labels")
+        lab = lab.view(1, -1) if lab.dim() == 1 else lab
+        if tuple(lab.shape) != (B, S):
+            raise ValueError(f"labels must have the shape of input_ids {(B, S)}, got {tuple(lab.shape)}")
         out["labels"] = torch.cat([lab, lab.new_full((B, n), ignore_index)], dim=1)
     if position_ids is not None:
-        pos = _int_tensor(position_ids, "position_ids").view(-1, S)
+        pos = _int_tensor(position_ids, "position_ids")
+        if pos.shape[-1] != S:
+            raise ValueError(f"position_ids has {pos.shape[-1]} tokens per row, input_ids {S}")
+        pos = pos.reshape(-1, S)
         out["position_ids"] = torch.cat([pos, torch.arange(n).expand(pos.shape[0], n)], dim=1)
     elif n:
         cus = cu_seqlens if cu_seqlens is not None else [torch.tensor([0, S])] * B
+        if isinstance(cus, torch.Tensor) and cus.dim() == 2:
+            cus = list(cus)
         if isinstance(cus, (list, tuple)) and cus and not isinstance(cus[0], int):
             out["cu_seqlens"] = [torch.cat([_int_tensor(c, "cu_seqlens"), torch.tensor([S + n])])
                                  for c in cus]
@@ -281,6 +484,7 @@ def pad_batch(input_ids: torch.Tensor, labels: torch.Tensor | None = None, *, mu
             out["cu_seqlens"] = torch.cat([c, torch.tensor([S + n])])
     else:
         out["cu_seqlens"] = cu_seqlens
+    out["real_len"] = S
     return out
 
 
@@ -393,6 +597,8 @@ class Shard:
         num_items: non-ignored targets in the global batch (the loss denominator).
         layout_fingerprint: ``plan.layout.fingerprint()`` of the layout the tokens follow.
         rank: this rank.
+        real_len: the real tokens per row when the batch is padded (positions
+            ``>= real_len`` are padding: ignored targets, masked out of attention), else None.
     """
 
     input_ids: torch.Tensor
@@ -402,6 +608,7 @@ class Shard:
     num_items: int
     layout_fingerprint: str
     rank: int
+    real_len: int | None = None
 
     def model_inputs(self) -> dict:
         """Keyword arguments for a transformers causal LM: ``input_ids``, ``position_ids`` and,
@@ -414,14 +621,18 @@ class Shard:
         return out
 
 
-def _layout_of(plan):
+def _plans_of(plan) -> list:
     plans = list(plan.values()) if isinstance(plan, Mapping) else (
         list(plan) if isinstance(plan, Sequence) else [plan])
     if not plans:
         raise ValueError("shard_batch: give a plan (or plans over one layout), got none")
-    lays = [getattr(p, "layout", None) for p in plans]
-    if any(lay is None for lay in lays):
+    if any(getattr(p, "layout", None) is None for p in plans):
         raise TypeError("shard_batch: plan must be a fringe.Plan (or a list / dict of them)")
+    return plans
+
+
+def _layout_of(plan):
+    lays = [p.layout for p in _plans_of(plan)]
     fps = [lay.fingerprint() for lay in lays]
     if len(set(fps)) != 1:
         raise ValueError(f"shard_batch: the plans shard tokens by different layouts {sorted(set(fps))}; "
@@ -430,14 +641,36 @@ def _layout_of(plan):
     return lays[0]
 
 
+def _check_padding(plans: list, real_len: int, padded: int) -> None:
+    """Every plan's mask must remove the padding (``& real_tokens(real_len)``)."""
+    for p in plans:
+        got = real_len_of(p.mask_mod)
+        if got != real_len:
+            have = "no real_tokens term" if got is None else f"real_tokens({got})"
+            raise ValueError(
+                f"shard_batch: the batch has {real_len} real tokens per row padded to {padded}, but "
+                f"the plan's mask {p.mask_mod!r} has {have}, so padding would attend or be attended "
+                f"to; plan with packing.pad_mask(mask, real_len={real_len}, padded_len={padded}) "
+                f"(fringe.hf.plans does this when S does not fit) or "
+                f"packing.document_mask(doc_ids, real_len={real_len})")
+
+
 def shard_batch(input_ids: torch.Tensor, labels: torch.Tensor | None = None, *, plan, rank: int,
                 cu_seqlens=None, position_ids=None, restart_positions: bool = True,
+                real_len: int | None = None, pad_id: int = 0,
                 ignore_index: int = IGNORE_INDEX) -> Shard:
     """This rank's shard of a packed global batch.
 
     Give the document boundaries as ``cu_seqlens`` or as ``position_ids`` (not both; neither
     means one document per row). Labels are shifted on the global sequence FIRST
     (:func:`shift_labels`), then sharded.
+
+    Padding: a batch shorter than the plans' layout is padded here (:func:`pad_batch`) when
+    the plans were made for it, i.e. every plan's mask removes the padding
+    (``& real_tokens(S)``, as :func:`pad_mask` and ``fringe.hf.plans`` make it); an already
+    padded batch says so with ``real_len`` (``shard_batch(**pad_batch(...), plan=, rank=)``).
+    Either way pad tokens have no target, no target is a pad token, and ``num_items``
+    counts real targets only.
 
     Args:
         input_ids: int ``[B, S]`` (or ``[S]``) the global packed batch, same on every rank.
@@ -451,27 +684,45 @@ def shard_batch(input_ids: torch.Tensor, labels: torch.Tensor | None = None, *, 
             the RoPE positions (sharded as given).
         restart_positions: with ``cu_seqlens`` (or neither): RoPE positions restart at 0 per
             document (True, the varlen convention) or count over the whole row (False).
+        real_len: the real tokens per row of an already padded batch (``pad_batch``'s
+            ``real_len``); None: the batch's own length.
+        pad_id: the token id of the padding added here.
         ignore_index: the ignored label.
 
     Returns:
         a :class:`Shard`.
 
     Raises:
-        ValueError: both or invalid boundaries, sizes that do not match the plan, plans
-            over different layouts.
+        ValueError: both or invalid boundaries, sizes that do not match the plan, a padded
+            batch whose plans do not mask the padding out, plans over different layouts.
     """
-    lay = _layout_of(plan)
+    plans = _plans_of(plan)
+    lay = _layout_of(plans)
     ids = _int_tensor(input_ids, "input_ids")
     if ids.dim() == 1:
         ids = ids.view(1, -1)
     if ids.dim() != 2:
         raise ValueError(f"input_ids must be [B, S] or [S], got shape {tuple(ids.shape)}")
     B, S = ids.shape
-    if S != lay.seq_len:
-        raise ValueError(f"input_ids has S={S} tokens per row but the plan's layout is for "
-                         f"S={lay.seq_len}; plan for this batch's length")
     if cu_seqlens is not None and position_ids is not None:
         raise ValueError("give the document boundaries once: cu_seqlens or position_ids, not both")
+    if S < lay.seq_len and real_len is None and all(real_len_of(p.mask_mod) == S for p in plans):
+        padded = pad_batch(ids, labels, length=lay.seq_len, cu_seqlens=cu_seqlens,
+                           position_ids=position_ids, pad_id=pad_id, ignore_index=ignore_index)
+        ids, labels = padded["input_ids"], padded.get("labels")
+        cu_seqlens, position_ids = padded.get("cu_seqlens"), padded.get("position_ids")
+        real_len, S = S, lay.seq_len
+    if S != lay.seq_len:
+        fix = "" if S > lay.seq_len else (
+            f", or for padding it: plan with packing.pad_mask(mask, real_len={S}, "
+            f"padded_len={lay.seq_len}) (fringe.hf.plans pads a length that does not fit by itself)")
+        raise ValueError(f"input_ids has S={S} tokens per row but the plan's layout is for "
+                         f"S={lay.seq_len}; plan for this batch's length{fix}")
+    if real_len is not None:
+        if isinstance(real_len, bool) or not isinstance(real_len, int) or not 1 <= real_len <= S:
+            raise ValueError(f"shard_batch: real_len must be an int in [1, S={S}] (the tokens before "
+                             f"padding), got {real_len!r}")
+        _check_padding(plans, real_len, S)
     if position_ids is not None:
         pos = _int_tensor(position_ids, "position_ids")
         if pos.shape[-1] != S:
@@ -500,8 +751,11 @@ def shard_batch(input_ids: torch.Tensor, labels: torch.Tensor | None = None, *, 
         if tuple(lab.shape) != (B, S):
             raise ValueError(f"labels must have the shape of input_ids {(B, S)}, got {tuple(lab.shape)}")
         shifted = shift_labels(lab, doc, ignore_index=ignore_index)
+        if real_len is not None:        # no target is, or belongs to, a pad token
+            shifted[:, real_len - 1:] = ignore_index
         num = int((shifted != ignore_index).sum())
         tgt = lay.shard(shifted, rank, dim=1)
     return Shard(input_ids=lay.shard(ids, rank, dim=1), shift_labels=tgt,
                  position_ids=lay.shard(rope.contiguous(), rank, dim=1), doc_ids=doc,
-                 num_items=num, layout_fingerprint=lay.fingerprint(), rank=rank)
+                 num_items=num, layout_fingerprint=lay.fingerprint(), rank=rank,
+                 real_len=real_len)

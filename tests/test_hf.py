@@ -74,13 +74,14 @@ def test_hf_example_matches_sdpa_on_two_ranks():
         from fringe.launch import Workers
         lines = []
         with Workers(2, timeout_s=240) as w:
-            results = {m: hf_train.run(hf_train.Config(world_size=2, seq_len=128, batch_size=2,
+            # llama at S=120: fringe pads to 128 (2*P*block); the one-process run is unpadded
+            results = {m: hf_train.run(hf_train.Config(world_size=2, seq_len=S_, batch_size=2,
                                                        steps=steps, block_size=16, model=m, window=24,
                                                        boundaries=b, checkpointing=ckpt),
                                        progress=lines.append, workers=w)
-                       for m, b, steps, ckpt in (("llama", "cu_seqlens", 3, False),
-                                                 ("qwen2", "position_ids", 2, True),   # recompute
-                                                 ("gpt_oss", "cu_seqlens", 2, False))}
+                       for m, S_, b, steps, ckpt in (("llama", 120, "cu_seqlens", 3, False),
+                                                     ("qwen2", 128, "position_ids", 2, True),   # recompute
+                                                     ("gpt_oss", 128, "cu_seqlens", 2, False))}
     finally:
         sys.path.remove(str(EXAMPLES))
     for m, res in results.items():
@@ -89,10 +90,53 @@ def test_hf_example_matches_sdpa_on_two_ranks():
         assert res["param_diff"] < 1e-3, m                  # gradients (gpt-oss: of the sinks too)
         # 2 layers; with activation checkpointing (qwen2) each attention runs again in the backward
         assert {a["attention_calls"] for a in res["cp"]} == {4 if m == "qwen2" else 2}, m
+        assert {a["padded_len"] for a in res["cp"]} == {128}, m
         for a, b in zip(res["cp"], res["single"]):
             assert math.isfinite(a["loss"]) and abs(a["loss"] - b["loss"]) <= hf_train.TOLERANCE, (m, a, b)
         assert res["single"][0]["loss"] != res["single"][-1]["loss"]        # it trains
     assert lines[-1].startswith("max |loss diff|") and lines[-1].endswith("OK")
+    assert any(line.startswith("S=120 does not fit the layout: fringe padded it to 128") for line in lines)
+
+
+# ---- padding: a length that does not fit the layout ---------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_a_padded_batch_gives_the_unpadded_loss_in_one_process(kind):
+    """S=60 does not fit zigzag at block 8 (2*P*block = 16): fringe.hf.plans pads to 64 and
+    shard_batch pads the batch (pad tokens attend to nothing, their labels are ignored); the
+    loss and gradients equal transformers' sdpa on the unpadded batch (one gloo rank, so it
+    runs in this process)."""
+    import torch.distributed as dist
+    Sr, B = 60, 2
+    g = torch.Generator().manual_seed(12)
+    ids = torch.randint(0, 32, (B, Sr), generator=g)
+    cus = [torch.tensor([0, 21, Sr]), torch.tensor([0, 7, 40, Sr])]
+    doc = packing.doc_ids_from_cu_seqlens(cus)
+    model = _tiny(kind)
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        plans = fringe.hf.plans(model, schedules.zigzag(), packing.document_mask(doc), seq_len=Sr,
+                                world_size=1, block_size=BS, batch_size=B)
+        assert plans.real_len == Sr and plans.layout.seq_len == 64
+        assert all(packing.real_len_of(lp.plan.mask_mod) == Sr for lp in plans.layers)
+        shard = packing.shard_batch(ids, ids, plan=plans.plans, rank=0, cu_seqlens=cus)
+        assert shard.input_ids.shape == (B, 64) and (shard.shift_labels[:, Sr - 1:] == -100).all()
+        out = model(**fringe.hf.model_inputs(shard, plans), use_cache=False)
+        out.loss.backward()
+    finally:
+        dist.destroy_process_group()
+    ref = _tiny(kind, attn="sdpa")
+    targets = packing.shift_labels(ids, doc)
+    assert shard.num_items == int((targets != -100).sum())
+    want = ref(input_ids=ids, position_ids=packing.positions_in_document(doc), labels=targets,
+               shift_labels=targets, use_cache=False)
+    want.loss.backward()
+    assert torch.isfinite(out.loss) and abs(out.loss.item() - want.loss.item()) < 1e-5
+    for (name, a), b in zip(model.named_parameters(), ref.parameters()):
+        assert torch.isfinite(a.grad).all(), name
+        torch.testing.assert_close(a.grad, b.grad, atol=1e-5, rtol=1e-4, msg=name)
 
 
 # ---- what transformers passes, per layer and per call --------------------------------------
