@@ -1,64 +1,77 @@
-"""Command line: ``python -m fringe demo`` and ``python -m fringe show``.
+"""Command line: ``python -m fringe {demo,show,bench,predict}``.
 
 * ``demo``: trains a tiny LM with context parallelism on spawned CPU ranks (gloo) and in one
   process with dense attention, prints both losses per step, and exits 1 if they differ by
   more than the stated tolerance (see :mod:`fringe.demo`).
 * ``show``: prints a plan's step × rank grid and its per-rank work and traffic.
 * ``bench``: measures planning, attention speed and exposed communication (:mod:`fringe.bench`).
-* ``simulate``: predicts every schedule at scale with the cost model
-  (:mod:`fringe.runtime.costmodel`); ``--png`` writes the timeline.
+* ``predict``: predicts every schedule at scale with the **cost model**, computing nothing
+  (:mod:`fringe.runtime.costmodel`); ``--png`` writes the timeline. Its old name
+  ``simulate`` still works and says so. It is not :mod:`fringe.simulate`, which *runs* the
+  attention numerically on an in-process virtual mesh.
+
+Every ``--schedule`` takes a name from :mod:`fringe.schedules.registry`: ``zigzag``,
+``allgather:4``, ``compose:zigzag+ulysses:2``, ...
 """
 from __future__ import annotations
 
 import argparse
 import math
 import sys
+from typing import Callable
 
 from .layout import DEFAULT_BLOCK_SIZE
 
 
-def positive_int(text: str) -> int:
-    """argparse type: an integer >= 1 (sizes, counts, world sizes)."""
+def _number(cast: type, expected: str, ok: Callable[[float], bool]) -> Callable[[str], float]:
+    """An argparse ``type=``: ``cast(text)``, accepted when ``ok(value)``. Otherwise the error
+    says what was expected and what was given: quoted when it is not a number at all
+    (``got 'abc'``), as typed when it is one out of range (``got 0``)."""
+    def parse(text: str):
+        try:
+            value = cast(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text.strip()}")
+        return value
+    parse.__name__ = cast.__name__
+    return parse
+
+
+#: argparse types: sizes, counts and world sizes; seeds (64-bit); seconds and learning rates.
+positive_int = _number(int, "a positive integer (1, 2, ...)", lambda v: v >= 1)
+nonnegative_int = _number(int, "a non-negative integer below 2**63", lambda v: 0 <= v < 2 ** 63)
+positive_float = _number(float, "a positive, finite number", lambda v: v > 0 and math.isfinite(v))
+
+
+def schedule_name(text: str) -> str:
+    """argparse type: a schedule name from the registry, in its one spelling
+    (``fringe.schedules.registry``: ``zigzag``, ``allgather:4``, ``compose:zigzag+ulysses:2``)."""
+    from .schedules import registry
     try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer (1, 2, ...), "
-                                         f"got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer (1, 2, ...), got {value}")
-    return value
+        return registry.canonical(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def nonnegative_int(text: str) -> int:
-    """argparse type: an integer >= 0 that fits a 64-bit seed."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a non-negative integer (0, 1, ...), "
-                                         f"got {text!r}") from None
-    if not 0 <= value < 2 ** 63:
-        raise argparse.ArgumentTypeError(f"expected a non-negative integer below 2**63, "
-                                         f"got {value}")
-    return value
+def _schedule_help(default: str | None) -> str:
+    from .schedules import registry
+    tail = f" (default: {default})" if default else ""
+    return f"a schedule: {registry.syntax()}; see the list below{tail}".replace("%", "%%")
 
 
-def positive_float(text: str) -> float:
-    """argparse type: a finite number > 0 (seconds, learning rates)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive, finite number, "
-                                         f"got {text!r}") from None
-    if not (value > 0 and math.isfinite(value)):
-        raise argparse.ArgumentTypeError(f"expected a positive, finite number, got {text!r}")
-    return value
+def _schedule_epilog() -> str:
+    from .schedules import registry
+    return "schedules (fringe.schedules.names()):\n" + "\n".join(
+        "  " + line for line in registry.describe().splitlines())
 
 
 def _common(p: argparse.ArgumentParser, *, seq_len: int) -> None:
-    from .demo import DEFAULT_WINDOW, MASKS, SCHEDULES
+    from .demo import DEFAULT_WINDOW, MASKS
     p.add_argument("--world-size", type=positive_int, default=4, help="P, context-parallel ranks")
-    p.add_argument("--schedule", choices=SCHEDULES, default="zigzag",
-                   help="which ranks compute which tiles when (default: %(default)s)")
+    p.add_argument("--schedule", type=schedule_name, default="zigzag", metavar="NAME",
+                   help="which ranks compute which tiles when: " + _schedule_help("zigzag"))
     p.add_argument("--mask", choices=MASKS, default="document",
                    help="document = causal & document over packed docs (boundaries change "
                         "every batch); sliding_window is also within documents")
@@ -74,12 +87,16 @@ def _common(p: argparse.ArgumentParser, *, seq_len: int) -> None:
 
 
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m fringe",
-                                 description="Context-parallel attention for any mask_mod.")
+    ap = argparse.ArgumentParser(
+        prog="python -m fringe", description="Context-parallel attention for any mask_mod.",
+        epilog="'predict' (formerly 'simulate') is the cost model: it predicts times and "
+               "computes nothing. fringe.simulate, in Python, is something else: it runs the "
+               "attention numerically on an in-process virtual mesh.")
     sub = ap.add_subparsers(dest="command", required=True)
+    listed = dict(epilog=_schedule_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter)
 
     demo = sub.add_parser("demo", help="train a tiny LM under CP (CPU ranks, gloo) and check "
-                                       "it against one process")
+                                       "it against one process", **listed)
     _common(demo, seq_len=1024)
     demo.add_argument("--steps", type=positive_int, default=16,
                       help="optimizer steps (default: %(default)s)")
@@ -96,16 +113,17 @@ def parser() -> argparse.ArgumentParser:
                            "(default: %(default)s)")
 
     bench = sub.add_parser("bench", help="measure planning, attention speed and exposed "
-                                         "communication; prints targets beside the figures")
+                                         "communication; prints targets beside the figures",
+                           **listed)
     bench.add_argument("--seq-len", type=positive_int, default=8192,
                        help="S, global tokens of the attention benchmark (a multiple of "
                             "2 * P * 128 for every P; default: %(default)s)")
     bench.add_argument("--world-sizes", type=positive_int, nargs="+", default=[2, 4],
                        metavar="P", help="P values to run the attention benchmark on "
                                          "(default: 2 4)")
-    bench.add_argument("--schedule", choices=("ring", "zigzag", "striped", "balanced"),
-                       default="zigzag", help="schedule of the attention benchmark "
-                                              "(default: %(default)s)")
+    bench.add_argument("--schedule", type=schedule_name, default="zigzag", metavar="NAME",
+                       help="schedule of the attention benchmark (the planning benchmark plans "
+                            "every registered one): " + _schedule_help("zigzag"))
     bench.add_argument("--iters", type=positive_int, default=3,
                        help="timed repetitions after one warm-up; the median is reported "
                             "(default: %(default)s)")
@@ -113,23 +131,32 @@ def parser() -> argparse.ArgumentParser:
                        help="S, tokens for the planning benchmark (P=8 and 1024, block 128 "
                             "and 64: a multiple of 2*1024*128=262144; default: %(default)s)")
 
-    show = sub.add_parser("show", help="print a plan's step x rank grid and per-rank stats")
+    show = sub.add_parser("show", help="print a plan's step x rank grid and per-rank stats",
+                          **listed)
     _common(show, seq_len=1024)
     show.add_argument("--backward", action="store_true", help="show the backward programs too")
     show.add_argument("--png", metavar="FILE", help="also write the tile map to FILE and the "
                                                     "cost model's timeline to FILE's stem + "
                                                     "'.timeline.png' (matplotlib)")
 
-    sim = sub.add_parser("simulate", help="predict step time, balance, exposed communication, "
-                                          "bytes and memory per rank with the cost model")
+    sim = sub.add_parser(
+        "predict", aliases=["simulate"],
+        help="predict step time, balance, exposed communication, bytes and memory per rank "
+             "with the cost model, computing nothing ('simulate' is its old, deprecated name; "
+             "not fringe.simulate, the numeric in-process run)",
+        description="The cost model (fringe.runtime.costmodel): predicted times for P ranks on "
+                    "a hardware preset; nothing is computed. (fringe.simulate in Python is the "
+                    "numeric in-process run, a different thing.)", **listed)
     sim.add_argument("--world-size", type=positive_int, default=1024,
                      help="P, context-parallel ranks")
     sim.add_argument("--seq-len", type=positive_int, default=1 << 20, help="S, global tokens")
     sim.add_argument("--mask", default="document:1000",
                      help="causal, full, document:N (causal within N packed documents) or "
                           "window:W (causal sliding window of W tokens)")
-    sim.add_argument("--schedules", nargs="+", default=["ring", "zigzag", "striped", "balanced"],
-                     help="schedules to predict (default: ring zigzag striped balanced)")
+    sim.add_argument("--schedules", nargs="+", type=schedule_name, default=None, metavar="NAME",
+                     help="schedules to predict (default: every registered schedule that runs "
+                          "at --world-size with --heads and --kv-heads); each "
+                          + _schedule_help(None))
     sim.add_argument("--hardware", default="h100-ib",
                      help="a preset (h100-nvlink, h100-ib, cpu) or 'this' (calibrate here)")
     sim.add_argument("--block-size", type=positive_int, default=DEFAULT_BLOCK_SIZE,
@@ -196,8 +223,19 @@ def _show(args) -> int:
     return 0
 
 
-def _simulate(args) -> int:
+DEPRECATED_SIMULATE = ("note: 'python -m fringe simulate' is now 'python -m fringe predict' "
+                       "(the cost model; the old name will be removed). fringe.simulate in Python "
+                       "is the numeric in-process run.")
+
+
+def _predict(args) -> int:
     from .runtime import costmodel
+    from .schedules import registry
+    if args.command == "simulate":
+        print(DEPRECATED_SIMULATE, file=sys.stderr)
+    if args.schedules is None:
+        args.schedules = registry.names(world_size=args.world_size, heads=args.heads,
+                                        kv_heads=args.kv_heads)
     return costmodel.cli(args)
 
 
@@ -209,8 +247,8 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as e:             # --help (0) or a bad argument (2): argparse printed why
         return e.code if isinstance(e.code, int) else 2
     try:
-        return {"demo": _demo, "show": _show, "bench": _bench,
-                "simulate": _simulate}[args.command](args)
+        return {"demo": _demo, "show": _show, "bench": _bench, "predict": _predict,
+                "simulate": _predict}[args.command](args)
     except ValueError as e:             # bad sizes or names: the message says how to fix them
         print(f"error: {e}", file=sys.stderr)
         return 2

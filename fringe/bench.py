@@ -4,8 +4,10 @@ Speed and memory live here, never in the tests. Three measurements:
 
 1. **plan**: planning cost for a large packed-document batch (masks change every batch,
    so a plan must be cheap): S = 1,048,576 tokens, 1,000 documents, P = 8 and 1,024,
-   block 128 and 64: seconds, and peak memory above the process's resident memory before
-   the plan (Linux: the peak is reset through ``/proc/self/clear_refs``).
+   block 128 and 64, every registered schedule that runs at that P with H=32, G=8
+   (:data:`PLAN_HEADS`; ``fringe.schedules.names``): seconds, and peak memory above the
+   process's resident memory before the plan (Linux: the peak is reset through
+   ``/proc/self/clear_refs``).
 2. **attention**: forward + backward of one attention call on P gloo CPU ranks for a
    ``causal & document`` mask, against the same work on one process (fringe with P = 1, and
    torch's dense ``scaled_dot_product_attention`` with a bool mask).
@@ -27,11 +29,13 @@ import torch
 
 from . import masks, schedules
 from .plan import plan as make_plan
+from .schedules import registry
 
 PLAN_TARGET_S = {128: 1.0, 64: 2.0}   # 1M-token plan, one core, by block size
 PLAN_TARGET_MB = 300.0       # peak memory of one plan above the resident memory before it
 EXPOSED_TARGET = 0.25        # forward wait / (compute + wait) while P <= cores
 SPEEDUP_TARGET = 1.25        # P-rank CP step vs one process doing all the work, P <= cores
+PLAN_HEADS = (32, 8)         # H, G the planning benchmark assumes (Llama-3-8B): where ulysses runs
 # The backward has T+1 steps for T forward steps: its first step fetches the kv the last
 # ranks need (kv="resend") and nothing local is left to compute in its last step while the
 # final dkv comes home, so about 1/(T+1) of it is exposed by construction; it is printed
@@ -74,9 +78,12 @@ def peak_mb(fn):
 
 
 def bench_plan(*, S: int = 1 << 20, n_docs: int = 1000, P: int = 8, block_size: int = 128,
-               schedule_names=("ring", "zigzag", "striped", "balanced")):
-    """Plan every schedule for a ``causal & document`` mask; one row (seconds, peak MB, share
-    of empty blocks, work max/mean) per schedule."""
+               schedule_names=None):
+    """Plan each schedule for a ``causal & document`` mask; one row (seconds, peak MB, share
+    of empty blocks, work max/mean) per schedule. ``schedule_names``: registry names; default
+    every registered schedule that runs on P ranks with :data:`PLAN_HEADS` heads."""
+    if schedule_names is None:
+        schedule_names = registry.names(world_size=P, heads=PLAN_HEADS[0], kv_heads=PLAN_HEADS[1])
     ids = packed_docs(S, n_docs, 0)
     mask = masks.causal() & masks.document(ids)
     rows = []
@@ -85,7 +92,7 @@ def bench_plan(*, S: int = 1 << 20, n_docs: int = 1000, P: int = 8, block_size: 
     try:
         for name in schedule_names:
             t0 = time.perf_counter()
-            p, peak = peak_mb(lambda: make_plan(getattr(schedules, name)(), mask, seq_len=S,
+            p, peak = peak_mb(lambda: make_plan(schedules.get(name), mask, seq_len=S,
                                                 world_size=P, block_size=block_size))
             dt = time.perf_counter() - t0
             empty = p.block_map.count(masks.BlockKind.EMPTY) / (S // block_size) ** 2
@@ -99,6 +106,9 @@ def bench_plan(*, S: int = 1 << 20, n_docs: int = 1000, P: int = 8, block_size: 
 
 @dataclasses.dataclass(frozen=True)
 class AttnCase:
+    """The attention benchmark's sizes; ``schedule`` is a registry name
+    (``fringe.schedules.get``: ``"zigzag"``, ``"allgather:4"``, ``"compose:zigzag+ulysses:2"``)."""
+
     schedule: str = "zigzag"
     seq_len: int = 8192
     heads: int = 8
@@ -129,7 +139,7 @@ def _time(fn, iters: int) -> float:
 def _worker(rank: int, world_size: int, case: AttnCase):
     import fringe
     mask = masks.causal() & masks.document(packed_docs(case.seq_len, case.n_docs, 1))
-    p = make_plan(getattr(schedules, case.schedule)(), mask, seq_len=case.seq_len,
+    p = make_plan(schedules.get(case.schedule), mask, seq_len=case.seq_len,
                   world_size=world_size, block_size=case.block_size)
     q, k, v = (p.layout.shard(t, rank).requires_grad_() for t in _qkv(case))
 
@@ -204,6 +214,13 @@ def check_sizes(*, world_sizes, case: AttnCase, plan_size: int,
     if case.heads % case.kv_heads:
         raise ValueError(f"AttnCase.heads={case.heads} must be a multiple of "
                          f"kv_heads={case.kv_heads} (GQA)")
+    for P in world_sizes:                   # an unknown name raises here, listing the valid ones
+        where = dict(world_size=P, heads=case.heads, kv_heads=case.kv_heads)
+        reason = registry.why_not(case.schedule, **where)
+        if reason:
+            raise ValueError(f"AttnCase.schedule={case.schedule!r} cannot run on P={P} with "
+                             f"H={case.heads}, G={case.kv_heads}: {reason}; these can: "
+                             f"{registry.names(**where)}")
     if case.n_docs > case.seq_len:
         raise ValueError(f"AttnCase.n_docs={case.n_docs} documents do not fit in "
                          f"seq_len={case.seq_len} tokens")

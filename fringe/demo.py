@@ -38,11 +38,11 @@ from .api import attention as cp_attention, last_run
 from .layout import DEFAULT_BLOCK_SIZE
 from .ops import reference
 from .plan import plan as make_plan
+from .schedules import registry
 
 __all__ = ["DemoConfig", "DemoResult", "StepResult", "TinyLM", "TOLERANCE", "make_batch",
            "make_mask", "run_demo"]
 
-SCHEDULES = ("ring", "zigzag", "striped", "balanced")
 MASKS = ("document", "causal", "sliding_window")
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 IGNORE = -100
@@ -65,7 +65,9 @@ class DemoConfig:
 
     Args:
         world_size: P, CP ranks (CPU processes, gloo).
-        schedule: ``"ring"``, ``"zigzag"`` or ``"striped"``.
+        schedule: a registered schedule name (``fringe.schedules.names()``), with its
+            argument or in the 2D form: ``"zigzag"``, ``"allgather:4"``,
+            ``"compose:zigzag+ulysses:2"`` (see :mod:`fringe.schedules.registry`).
         mask: ``"document"`` (causal & document), ``"causal"``, or ``"sliding_window"``
             (causal window of ``window`` tokens, within documents).
         seq_len: S tokens per sequence (zigzag needs a multiple of 2·P·block_size).
@@ -95,7 +97,7 @@ class DemoConfig:
     lr: float = 1e-2
 
     def __post_init__(self) -> None:
-        for name, choices in (("schedule", SCHEDULES), ("mask", MASKS), ("dtype", tuple(DTYPES))):
+        for name, choices in (("mask", MASKS), ("dtype", tuple(DTYPES))):
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name} must be one of {choices}, got {getattr(self, name)!r}")
         for name in ("world_size", "seq_len", "block_size", "steps", "batch_size", "vocab",
@@ -107,6 +109,11 @@ class DemoConfig:
                              f"even head dim (RoPE rotates pairs)")
         if self.heads % self.kv_heads:
             raise ValueError(f"heads={self.heads} must be a multiple of kv_heads={self.kv_heads}")
+        where = dict(world_size=self.world_size, heads=self.heads, kv_heads=self.kv_heads)
+        reason = registry.why_not(self.schedule, **where)     # an unknown name raises here
+        if reason:
+            raise ValueError(f"schedule {self.schedule!r} cannot run this model: {reason}; "
+                             f"these can: {registry.names(**where)}")
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -170,10 +177,9 @@ def make_mask(kind: str, doc_ids: torch.Tensor, *, window: int = DEFAULT_WINDOW)
     raise ValueError(f"mask must be one of {MASKS}, got {kind!r}")
 
 
-def make_schedule(name: str):
-    if name not in SCHEDULES:
-        raise ValueError(f"schedule must be one of {SCHEDULES}, got {name!r}")
-    return getattr(schedules, name)()
+def make_schedule(name: str) -> schedules.Schedule:
+    """The schedule a name from the registry spells (``fringe.schedules.get``)."""
+    return schedules.get(name)
 
 
 # ---------------------------------------------------------------------------------------------

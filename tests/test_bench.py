@@ -7,7 +7,8 @@ import re
 
 import pytest
 
-from fringe.bench import (EXPOSED_TARGET, PLAN_BLOCKS, PLAN_TARGET_MB, PLAN_TARGET_S,
+from fringe import schedules
+from fringe.bench import (EXPOSED_TARGET, PLAN_BLOCKS, PLAN_HEADS, PLAN_TARGET_MB, PLAN_TARGET_S,
                           SPEEDUP_TARGET, AttnCase, check_sizes, packed_docs, run)
 
 SMALL = AttnCase(seq_len=512, heads=2, kv_heads=1, head_dim=16, n_docs=4, block_size=32, iters=1)
@@ -56,7 +57,8 @@ def test_bench_report_rows_figures_and_verdicts():
     assert plan_title.startswith("plan: S=4,096 tokens"), text
     assert plan_head == ["schedule", "P", "block", "seconds", "peak MB", "empty blocks",
                          "work max/mean", "target"]
-    names = ["ring", "zigzag", "striped", "balanced"]
+    names = schedules.names(world_size=2, heads=PLAN_HEADS[0], kv_heads=PLAN_HEADS[1])
+    assert names == schedules.names()              # at P=2 every built-in plans
     assert [(r[0], r[1], r[2]) for r in plan_rows] == \
         [(n, "2", str(bs)) for bs in PLAN_BLOCKS for n in names]
     for name, _, bs, seconds, peak, empty, balance, target in plan_rows:
@@ -105,6 +107,11 @@ def test_bench_report_rows_figures_and_verdicts():
     (dict(plan_size=4096, world_sizes=()), "world_sizes is empty"),
     (dict(plan_size=4096, case=AttnCase(iters=0)), "AttnCase.iters must be a positive integer"),
     (dict(plan_size=4096, case=AttnCase(heads=3, kv_heads=2)), "multiple of kv_heads=2"),
+    (dict(plan_size=4096, case=AttnCase(schedule="rng", seq_len=512, block_size=32)),
+     r"unknown schedule 'rng'; valid: ring, zigzag, .*ulysses"),
+    (dict(plan_size=4096, world_sizes=(2, 4), case=AttnCase(
+        schedule="compose:zigzag+ulysses:4", seq_len=512, heads=4, kv_heads=1, block_size=32)),
+     r"cannot run on P=2 with H=4, G=1: compose:zigzag\+ulysses:4 puts 4 ranks in a group"),
 ])
 def test_bench_rejects_sizes_it_cannot_use_before_any_work(kwargs, match):
     kwargs = dict(dict(world_sizes=(2,), case=SMALL, plan_world_sizes=(2,)), **kwargs)

@@ -21,9 +21,9 @@ BAD = [
     (["bench", "--world-sizes", "2", "0"], "argument --world-sizes: expected a positive integer"),
     (["bench", "--seq-len", "1.5"], "argument --seq-len: expected a positive integer (1, 2, ...), "
                                     "got '1.5'"),
-    (["demo", "--timeout", "-1"], "argument --timeout: expected a positive, finite number, got '-1'"),
-    (["demo", "--timeout", "inf"], "argument --timeout: expected a positive, finite number, got 'inf'"),
-    (["demo", "--lr", "nan"], "argument --lr: expected a positive, finite number, got 'nan'"),
+    (["demo", "--timeout", "-1"], "argument --timeout: expected a positive, finite number, got -1"),
+    (["demo", "--timeout", "inf"], "argument --timeout: expected a positive, finite number, got inf"),
+    (["demo", "--lr", "nan"], "argument --lr: expected a positive, finite number, got nan"),
     (["demo", "--lr", "fast"], "argument --lr: expected a positive, finite number, got 'fast'"),
     (["demo", "--steps", "0"], "argument --steps: expected a positive integer"),
     (["demo", "--batch-size", "-2"], "argument --batch-size: expected a positive integer"),

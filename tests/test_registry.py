@@ -194,3 +194,102 @@ def test_a_plan_takes_the_enum_or_its_string_alike(policy):
         grads.append((q.grad, k.grad, v.grad))
     for x, y in zip(*grads):
         assert torch.equal(x, y)
+
+
+# ---- the CLIs read the registry ---------------------------------------------------------------
+
+@pytest.mark.parametrize("command", ["demo", "show", "bench", "predict"])
+def test_cli_help_lists_every_registered_schedule(command, capsys):
+    from fringe.__main__ import main
+    assert main([command, "--help"]) == 0
+    out = capsys.readouterr().out
+    for name in schedules.names():
+        assert f"\n  {name} " in out, (name, out)
+    assert "compose:OUTER+INNER:K" in out and "allgather[:pieces]" in out
+
+
+@pytest.mark.parametrize("argv", [["show", "--schedule", "spiral"],
+                                  ["bench", "--schedule", "allgather:0"],
+                                  ["demo", "--schedule", "compose:zigzag"],
+                                  ["predict", "--schedules", "ring", "spiral"]])
+def test_cli_rejects_a_bad_schedule_listing_the_valid_ones(argv, capsys):
+    from fringe.__main__ import main
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "valid: ring, zigzag, striped[:stripe]" in err, err
+    for name in schedules.names():
+        assert name in err
+
+
+@pytest.mark.parametrize("argv, spec", [
+    (["bench", "--schedule", "compose:zigzag+ulysses:2"], "compose:zigzag+ulysses:2"),
+    (["bench", "--schedule", "allgather:4"], "allgather:4"),
+    (["bench", "--schedule", " allgather:2"], "allgather"),
+    (["show", "--schedule", "ulysses"], "ulysses"),
+    (["demo", "--schedule", "striped:8"], "striped:8")])
+def test_cli_accepts_compose_and_allgather_names(argv, spec):
+    from fringe.__main__ import parser
+    assert parser().parse_args(argv).schedule == spec
+
+
+def test_cli_show_runs_a_compose_schedule(capsys):
+    from fringe.__main__ import main
+    assert main(["show", "--schedule", "compose:zigzag+ulysses:2", "--world-size", "4",
+                 "--seq-len", "256", "--block-size", "16"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("compose(zigzag, ulysses, inner_size=2) · causal & document") and "A2A" in out
+
+
+def test_predict_is_the_cost_model_and_simulate_still_works_saying_so(capsys):
+    from fringe.__main__ import DEPRECATED_SIMULATE, main, parser
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert "predict (simulate)" in out and "fringe.simulate" in out and "cost model" in out
+    argv = ["--world-size", "4", "--seq-len", "1024", "--block-size", "64", "--heads", "4",
+            "--kv-heads", "2", "--mask", "causal", "--hardware", "h100-ib"]
+    assert parser().parse_args(["predict", *argv]).schedules is None      # all that run here
+    assert main(["predict", *argv, "--schedules", "zigzag"]) == 0
+    new = capsys.readouterr()
+    assert "zigzag" in new.out and "predict" not in new.err and "simulate" not in new.err
+    assert main(["simulate", *argv, "--schedules", "zigzag"]) == 0
+    old = capsys.readouterr()
+    assert old.out == new.out.replace(_cpu_seconds(new.out), _cpu_seconds(old.out))
+    assert DEPRECATED_SIMULATE in old.err and "python -m fringe predict" in old.err
+
+
+def _cpu_seconds(table: str) -> str:
+    return table.splitlines()[-2]      # the row of the one schedule: its plan/simulate seconds
+
+
+# ---- check_mask's default list comes from the registry ---------------------------------------
+
+def test_check_mask_runs_every_registered_schedule_where_it_runs():
+    from fringe.testing import CHECK_MASK_SCHEDULES, check_mask
+    mask = masks.causal() & masks.sliding_window(5)
+    n = check_mask(mask, world_sizes=(2, 3), block_sizes=(2,))         # H=2, G=1
+    # at P=2 all six and compose:zigzag+ulysses:2; at P=3 not ulysses (H % 3) nor compose
+    assert n == (len(schedules.names()) + len(CHECK_MASK_SCHEDULES)) + (len(schedules.names()) - 1)
+    assert "allgather" in schedules.names() and "ulysses" in schedules.names()
+
+
+def test_check_mask_takes_names_and_refuses_those_that_run_nowhere():
+    from fringe.testing import check_mask
+    assert check_mask(masks.causal(), world_sizes=(2,), block_sizes=(2,),
+                      schedules=["allgather:3", "ulysses"]) == 2
+    with pytest.raises(ValueError, match=r"'ulysses' runs at none of world_sizes=\(3,\).*H % 3"):
+        check_mask(masks.causal(), world_sizes=(3,), block_sizes=(2,), schedules=["ulysses"])
+    with pytest.raises(ValueError, match="unknown schedule 'spiral'"):
+        check_mask(masks.causal(), world_sizes=(2,), block_sizes=(2,), schedules=["spiral"])
+    with pytest.raises(TypeError, match=r"list of names, e.g. \['zigzag'\]"):
+        check_mask(masks.causal(), world_sizes=(2,), block_sizes=(2,), schedules="zigzag")
+
+
+def test_check_mask_runs_a_per_head_mask_under_the_head_splitting_schedules():
+    """ulysses and compose hand each rank a slice of heads: the mask must still see global
+    head indices, which check_mask's dense comparison would catch."""
+    from fringe.testing import check_mask
+
+    def per_head(b, h, q, kv):
+        return (kv <= q) & ((q - kv) <= 1 + 4 * h)
+    assert check_mask(per_head, world_sizes=(2, 4), block_sizes=(2,), heads=4, kv_heads=2,
+                      num_heads=4, schedules=["ulysses", "compose:zigzag+ulysses:2"]) == 4

@@ -7,7 +7,12 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["check_mask", "make_qkv", "mask_family", "seeds", "tolerances", "warm_up_cpu_math"]
+__all__ = ["CHECK_MASK_SCHEDULES", "check_mask", "make_qkv", "mask_family", "seeds", "tolerances",
+           "warm_up_cpu_math"]
+
+#: The schedules :func:`check_mask` tries by default, as registry names: every registered
+#: schedule (``fringe.schedules.names()``, read when check_mask runs) and this 2D one.
+CHECK_MASK_SCHEDULES = ("compose:zigzag+ulysses:2",)
 
 
 def warm_up_cpu_math() -> None:
@@ -108,7 +113,12 @@ def check_mask(mask_mod, *, seq_len: int | None = None, world_sizes=(1, 2, 3, 4)
         mask_mod: ``mask_mod(b, h, q_idx, kv_idx)`` on global positions.
         seq_len: S; default the smallest length every combination accepts (times 2).
         world_sizes, block_sizes: the P and block sizes to try.
-        schedules: ``{name: Schedule}``; default ring, zigzag, striped and balanced.
+        schedules: registry names (``["zigzag", "allgather:4", "compose:zigzag+ulysses:2"]``)
+            or ``{name: Schedule}``. Default: every registered schedule
+            (``fringe.schedules.names()``) and :data:`CHECK_MASK_SCHEDULES`. A named schedule
+            is tried only at the world sizes where it runs with ``heads`` / ``kv_heads``
+            (``fringe.schedules.registry.why_not``: ulysses needs H % P == 0, ...); a
+            ``Schedule`` at every one.
         score_mod: optional ``score_mod(score, b, h, q_idx, kv_idx)``.
         heads, kv_heads: H and G of the random q/k/v.
         num_heads: pass ``heads`` here if the mask reads ``h``.
@@ -119,6 +129,7 @@ def check_mask(mask_mod, *, seq_len: int | None = None, world_sizes=(1, 2, 3, 4)
 
     Raises:
         AssertionError: naming the first combination that differs, and by how much.
+        ValueError: an unknown schedule name, or one that runs at none of ``world_sizes``.
     """
     import math
 
@@ -127,11 +138,30 @@ def check_mask(mask_mod, *, seq_len: int | None = None, world_sizes=(1, 2, 3, 4)
     from .. import schedules as _schedules
     from .. import simulate
     from ..ops import reference
+    from ..schedules import registry
 
+    default = schedules is None
+    if default:
+        schedules = [*registry.names(), *CHECK_MASK_SCHEDULES]
+    if isinstance(schedules, str):
+        raise TypeError(f"schedules= takes a list of names, e.g. [{schedules!r}], or "
+                        f"{{name: Schedule}}; got the string {schedules!r}")
+    if isinstance(schedules, dict):                # (name, Schedule, world sizes it runs at)
+        cases = [(name, sched, tuple(world_sizes)) for name, sched in schedules.items()]
+    else:
+        cases = []
+        for name in schedules:
+            why = {P: registry.why_not(name, world_size=P, heads=heads, kv_heads=kv_heads)
+                   for P in world_sizes}
+            at = tuple(P for P in world_sizes if why[P] is None)
+            if at:
+                cases.append((name, _schedules.get(name), at))
+            elif not default:
+                raise ValueError(f"schedule {name!r} runs at none of world_sizes="
+                                 f"{tuple(world_sizes)} with heads={heads}, kv_heads={kv_heads} "
+                                 f"({'; '.join(why.values())}): give world sizes or heads it "
+                                 f"runs with, or leave it out")
     warm_up_cpu_math()
-    schedules = schedules or {"ring": _schedules.ring(), "zigzag": _schedules.zigzag(),
-                              "striped": _schedules.striped(),
-                              "balanced": _schedules.balanced()}
     if seq_len is None:
         unit = 1
         for P in world_sizes:
@@ -154,8 +184,8 @@ def check_mask(mask_mod, *, seq_len: int | None = None, world_sizes=(1, 2, 3, 4)
     want = torch.autograd.grad(ref, (q, k, v), dout)
     tol = tolerances(torch.float64)
     checked = 0
-    for name, sched in schedules.items():
-        for P in world_sizes:
+    for name, sched, at in cases:
+        for P in at:
             for bs in block_sizes:
                 where = f"schedule={name} P={P} block_size={bs} S={seq_len}"
                 p = _plan(sched, mask_mod, seq_len=seq_len, world_size=P, block_size=bs,
