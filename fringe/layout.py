@@ -23,8 +23,11 @@ Kinds (chunk = a contiguous run of global positions):
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
+import math
 
+import numpy as np
 import torch
 
 #: Default mask-block size (tokens per side of a classification block). A parameter
@@ -206,7 +209,7 @@ EXACT_BLOCKS = 512
 
 
 def balanced(seq_len: int, world_size: int, *, block_size: int = DEFAULT_BLOCK_SIZE,
-             block_work: torch.Tensor | None = None, natural: torch.Tensor | None = None,
+             block_work: torch.Tensor | None = None, natural=None,
              hardware="cpu", shape=None) -> Layout:
     """The layout with the least predicted step time for the mask, among a few candidates.
 
@@ -239,6 +242,18 @@ def balanced(seq_len: int, world_size: int, *, block_size: int = DEFAULT_BLOCK_S
     bytes it sends and receives, not overlapped) and the one whose slowest rank is fastest
     wins (ties: the earlier candidate in the list above).
 
+    Several masks at once (the layer kinds of one model: full causal and sliding-window
+    layers, sharing one layout): pass ``natural=[(map, weight), ...]``, e.g. each kind's map
+    with its number of layers. The predicted time of a rank is then the weighted sum of its
+    time under each map, block work is the weighted sum, segments are cut only where no map
+    crosses, and the mask counts as "no document structure" only if every map does. A single
+    pair ``[(map, 1)]`` gives the same layout as ``natural=map``.
+
+    Everything is computed from the sparse map (rectangles: per-row FULL / PARTIAL counts,
+    first and last non-empty block per row, runs of rows per kv chunk), so 1M tokens never
+    densify the ``(S/block)^2`` map; a dense map is only painted for the exact call count of
+    sequences of at most :data:`EXACT_BLOCKS` blocks.
+
     The constants come from ``hardware`` (a :class:`fringe.runtime.costmodel.Hardware` or a
     preset name) and are plain data, so every rank plans the same layout; values measured by
     ``costmodel.calibrate()`` differ from rank to rank and must be broadcast from rank 0
@@ -251,13 +266,16 @@ def balanced(seq_len: int, world_size: int, *, block_size: int = DEFAULT_BLOCK_S
         block_work: float/int ``[S / block_size]``: work of each q block. Used only without
             ``natural``: then blocks are dealt one by one, heaviest first, to the least loaded
             rank with room (LPT; each rank keeps its blocks in sequence order).
-        natural: int8 ``[S/block, S/block]`` block map of the mask in sequence order
-            (:func:`fringe.masks.classify` over ``arange(S)``; :func:`fringe.plan` passes it).
+        natural: the mask's block map in sequence order (``[S/block, S/block]`` blocks): a
+            :class:`fringe.masks.BlockMap` (``masks.classify(mask, arange(S), arange(S),
+            block_size=..., sparse=True)``; :func:`fringe.plan` passes it), the dense int8
+            map, or a list of ``(map, weight)`` pairs (weights > 0, e.g. layers per mask).
         hardware: cost constants (default the ``cpu`` preset).
         shape: a :class:`fringe.runtime.costmodel.Shape` (default :data:`BALANCE_SHAPE`).
 
     Raises:
         ValueError: sizes that do not divide, or a block map / work of the wrong size.
+        TypeError: ``natural`` of another type.
     """
     _check(seq_len, world_size)
     if seq_len % (world_size * block_size):
@@ -269,21 +287,16 @@ def balanced(seq_len: int, world_size: int, *, block_size: int = DEFAULT_BLOCK_S
             raise ValueError("balanced needs natural= (the mask's block map in sequence order, "
                              "from fringe.masks.classify) or block_work= (per-block work)")
         return _deal_blocks(seq_len, world_size, block_size, block_work)
-    natural = torch.as_tensor(natural)
-    if tuple(natural.shape) != (nb, nb):
-        raise ValueError(f"natural block map has shape {tuple(natural.shape)}; expected "
-                         f"[S/block_size, S/block_size] = [{nb}, {nb}]")
-    rows = _Rows.of(natural)
-    w = block_costs(natural, hardware=hardware, shape=shape)
+    rows = _rows_of(natural, nb)
+    w = _block_costs(rows, hardware, shape)
+    segs = _segments(rows)
     seen: list[torch.Tensor] = []
-    for _, blocks in candidates(natural, world_size, hardware=hardware, shape=shape):
+    for _, blocks in _candidates(w, segs, nb, world_size):
         if not any(torch.equal(blocks, b) for b in seen):
             seen.append(blocks)
     pair_max = [float(w[b].view(world_size, -1).sum(1).max()) for b in seen]
     floor = min(pair_max)
-    live = rows.first < nb
-    starts = rows.first[live]
-    plain = len(segments(natural)) == 1 and bool((starts == starts[:1]).all())   # e.g. causal
+    plain = len(segs) == 1 and all(r.plain for r in rows)        # e.g. causal
     best = None
     for blocks, pm in zip(seen, pair_max):
         if plain and pm > BALANCE_SLACK * floor + 1e-300:
@@ -321,24 +334,107 @@ def _model(hardware, shape):
     return costmodel, hw, sh
 
 
-def block_costs(natural: torch.Tensor, *, hardware="cpu", shape=None) -> torch.Tensor:
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Rows:
+    """What the prediction needs from one natural-order block map, computed once per map
+    from its rectangles (O(rectangles + blocks), no dense map)."""
+
+    bm: object                # fringe.masks.BlockMap [nb, nb] in sequence order
+    weight: float             # its weight in a sum of maps (1 for a single map)
+    first: torch.Tensor       # int64 [nb]: first non-empty kv block of each q block (nb: none)
+    end: torch.Tensor         # int64 [nb]: one past its last non-empty kv block (0: none)
+    full: torch.Tensor        # float64 [nb]: FULL blocks per q block
+    part: torch.Tensor        # float64 [nb]: PARTIAL blocks per q block
+
+    @classmethod
+    def of(cls, bm, weight: float = 1.0) -> _Rows:
+        first, end = bm.row_spans()
+        full, part = bm.row_kind_counts()
+        return cls(bm, float(weight), first, end, full.to(torch.float64), part.to(torch.float64))
+
+    @property
+    def nb(self) -> int:
+        return self.bm.shape[0]
+
+    @property
+    def plain(self) -> bool:
+        """Every non-empty q block's kv starts at the same block (causal, full, prefix-LM)."""
+        starts = self.first[self.first < self.nb]
+        return bool((starts == starts[:1]).all())
+
+    @functools.cached_property
+    def dense(self) -> torch.Tensor:
+        """The dense map (only for :data:`EXACT_BLOCKS`-sized sequences)."""
+        return self.bm.dense(limit=EXACT_BLOCKS * EXACT_BLOCKS)
+
+
+def _rows_of(natural, nb: int | None) -> list[_Rows]:
+    """``natural`` (a BlockMap, a dense map, or ``[(map, weight), ...]``) as per-map rows."""
+    from .masks import BlockMap
+
+    def one(m, where: str):
+        if isinstance(m, BlockMap):
+            bm = m
+        elif isinstance(m, torch.Tensor) or hasattr(m, "__array__"):
+            bm = BlockMap.from_dense(torch.as_tensor(m))
+        else:
+            raise TypeError(f"{where} must be a fringe.masks.BlockMap (masks.classify(..., "
+                            f"sparse=True)) or a dense int8 block map, got {type(m).__name__}")
+        if nb is not None and tuple(bm.shape) != (nb, nb):
+            raise ValueError(f"{where} block map has shape {tuple(bm.shape)}; expected "
+                             f"[S/block_size, S/block_size] = [{nb}, {nb}]")
+        if bm.shape[0] != bm.shape[1]:
+            raise ValueError(f"{where} block map has shape {tuple(bm.shape)}; a natural-order "
+                             f"map is square (q and kv are the same sequence)")
+        return bm
+
+    if isinstance(natural, (list, tuple)):
+        if not natural:
+            raise ValueError("natural=[] has no maps; give [(block_map, weight), ...]")
+        rows = []
+        for k, pair in enumerate(natural):
+            if not (isinstance(pair, (list, tuple)) and len(pair) == 2):
+                raise TypeError(f"natural[{k}] must be a (block_map, weight) pair, got "
+                                f"{type(pair).__name__}; pass natural=[(map, layers), ...]")
+            m, wt = pair
+            if isinstance(wt, bool) or not isinstance(wt, (int, float)) or not \
+                    math.isfinite(wt) or wt <= 0:
+                raise ValueError(f"natural[{k}] has weight {wt!r}; a weight is a finite number "
+                                 f"> 0 (e.g. the number of layers with that mask)")
+            bm = one(m, f"natural[{k}]")
+            if rows and bm.shape != rows[0].bm.shape:
+                raise ValueError(f"natural[{k}] block map has shape {tuple(bm.shape)} but "
+                                 f"natural[0] has {tuple(rows[0].bm.shape)}; classify every mask "
+                                 f"over the same sequence and block size")
+            rows.append(_Rows.of(bm, wt))
+        return rows
+    return [_Rows.of(one(natural, "natural"))]
+
+
+def _block_costs(rows: list[_Rows], hardware, shape) -> torch.Tensor:
+    cm, hw, sh = _model(hardware, shape)
+    BHD = sh.batch * sh.heads * sh.head_dim
+    unit = cm.FWD_FLOPS_PER_PAIR * BHD / hw.fwd_flops + cm.BWD_FLOPS_PER_PAIR * BHD / hw.bwd_flops
+    total = None
+    for r in rows:
+        w = r.weight * (unit * (r.full + hw.causal * r.part))   # per block_size**2 pairs
+        total = w if total is None else total + w             # (relative only); x * 1.0 == x
+    return total
+
+
+def block_costs(natural, *, hardware="cpu", shape=None) -> torch.Tensor:
     """Predicted seconds (forward + backward) of each q block's pairs, float64 ``[nb]``.
 
     Layout-independent (the pairs a q block needs do not depend on where it lives): FULL
     blocks cost a FULL pair each, PARTIAL blocks a causal one (most PARTIAL blocks of
     document and window masks are causal diagonals run with ``is_causal``). Kernel calls,
-    which do depend on the layout, are counted by :func:`predict`.
+    which do depend on the layout, are counted by :func:`predict`. ``natural`` as in
+    :func:`balanced` (a list of ``(map, weight)`` pairs: the weighted sum).
     """
-    cm, hw, sh = _model(hardware, shape)
-    BHD = sh.batch * sh.heads * sh.head_dim
-    unit = cm.FWD_FLOPS_PER_PAIR * BHD / hw.fwd_flops + cm.BWD_FLOPS_PER_PAIR * BHD / hw.bwd_flops
-    n = torch.as_tensor(natural)
-    full = (n == _FULL).sum(1).to(torch.float64)
-    part = (n == _PARTIAL).sum(1).to(torch.float64)
-    return unit * (full + hw.causal * part)       # per block_size**2 pairs: relative only
+    return _block_costs(_rows_of(natural, None), hardware, shape)
 
 
-def predict(natural: torch.Tensor, blocks: torch.Tensor, world_size: int, *,
+def predict(natural, blocks: torch.Tensor, world_size: int, *,
             block_size: int = DEFAULT_BLOCK_SIZE, hardware="cpu", shape=None) -> torch.Tensor:
     """Predicted seconds of one forward + backward per rank for a block order, float64 ``[P]``.
 
@@ -352,47 +448,49 @@ def predict(natural: torch.Tensor, blocks: torch.Tensor, world_size: int, *,
     not overlapped (on CPU gloo copies run on the same cores as the kernels).
 
     Args:
-        natural: int8 ``[nb, nb]`` block map in sequence order.
+        natural: the block map in sequence order, as in :func:`balanced`: a
+            :class:`fringe.masks.BlockMap`, the dense int8 ``[nb, nb]`` map, or a list of
+            ``(map, weight)`` pairs (then the weighted sum of the per-map times).
         blocks: int64 ``[nb]``: the layout's blocks, rank 0's first (``order // block_size``
             taken per block).
         world_size: P.
         block_size: tokens per block.
         hardware, shape: as in :func:`balanced`.
     """
-    return _predict(_Rows.of(torch.as_tensor(natural)), blocks, world_size,
-                    block_size=block_size, hardware=hardware, shape=shape)
+    blocks = torch.as_tensor(blocks, dtype=torch.int64).flatten()
+    rows = _rows_of(natural, None)
+    nb = rows[0].nb
+    if blocks.numel() != nb or nb % world_size:
+        raise ValueError(f"blocks has {blocks.numel()} entries for a map of {nb} blocks and "
+                         f"P={world_size}; expected a permutation of range({nb}), {nb} divisible "
+                         f"by P")
+    return _predict(rows, blocks, world_size, block_size=block_size, hardware=hardware,
+                    shape=shape)
 
 
-@dataclasses.dataclass(frozen=True)
-class _Rows:
-    """What :func:`_predict` needs from the natural block map, computed once per map."""
-
-    natural: torch.Tensor     # int8 [nb, nb]
-    nonempty: torch.Tensor    # bool [nb, nb]
-    first: torch.Tensor       # int64 [nb]: first non-empty kv block of each q block (nb: none)
-    full: torch.Tensor        # float64 [nb]: FULL blocks per q block
-    part: torch.Tensor        # float64 [nb]: PARTIAL blocks per q block
-
-    @classmethod
-    def of(cls, natural: torch.Tensor) -> _Rows:
-        nz = natural != _EMPTY
-        nb = natural.shape[0]
-        first = torch.where(nz, torch.arange(nb), nb).min(dim=1).values
-        return cls(natural, nz, first, (natural == _FULL).sum(1).to(torch.float64),
-                   (natural == _PARTIAL).sum(1).to(torch.float64))
-
-
-def _predict(rows: _Rows, blocks: torch.Tensor, P: int, *, block_size: int, hardware,
+def _predict(rows: list[_Rows], blocks: torch.Tensor, P: int, *, block_size: int, hardware,
              shape) -> torch.Tensor:
+    if len(rows) == 1 and rows[0].weight == 1.0:
+        return _predict_one(rows[0], blocks, P, block_size=block_size, hardware=hardware,
+                            shape=shape)
+    total = torch.zeros(P, dtype=torch.float64)
+    for r in rows:
+        total += r.weight * _predict_one(r, blocks, P, block_size=block_size, hardware=hardware,
+                                         shape=shape)
+    return total
+
+
+def _predict_one(rows: _Rows, blocks: torch.Tensor, P: int, *, block_size: int, hardware,
+                 shape) -> torch.Tensor:
     import types
 
     cm, hw, sh = _model(hardware, shape)
-    nb = rows.natural.shape[0]
+    nb = rows.nb
     n = nb // P
     L = n * block_size
     BHD = sh.batch * sh.heads * sh.head_dim
     if nb <= EXACT_BLOCKS:
-        bmap = rows.natural[blocks][:, blocks]
+        bmap = rows.dense[blocks][:, blocks]
         grid = bmap.view(P, n, P, n)
         nonempty = (grid != _EMPTY).any(dim=3).any(dim=1)
         full = (grid == _FULL).all(dim=3).all(dim=1)
@@ -403,8 +501,9 @@ def _predict(rows: _Rows, blocks: torch.Tensor, P: int, *, block_size: int, hard
             world_size=P, local_len=L, block_size=block_size, mask_mod=True, tiles=tiles,
             blocks=bmap, tile_blocks=lambda i, j: bmap[i * n:(i + 1) * n, j * n:(j + 1) * n])
         work = torch.as_tensor(cm.tile_work(fake)).sum(dim=1)               # [P, 4]
+        needer, chunk = torch.nonzero(nonempty, as_tuple=True)
     else:
-        work, nonempty = _approx_work(rows, blocks, P, block_size)
+        work, needer, chunk = _approx_work(rows, blocks, P, block_size)
     secs = torch.zeros(P, dtype=torch.float64)
     for bwd in (False, True):
         unit = (cm.BWD_FLOPS_PER_PAIR if bwd else cm.FWD_FLOPS_PER_PAIR) * BHD / \
@@ -412,65 +511,113 @@ def _predict(rows: _Rows, blocks: torch.Tensor, P: int, *, block_size: int, hard
         call = hw.bwd_call_s if bwd else hw.call_s
         calls, fp, mp, cp = (work[..., i] for i in range(4))
         secs += calls * call + unit * (fp + hw.masked * mp + hw.causal * cp)
-    # ring hops: chunk j goes to (j + 1), ..., (j + d_j) where d_j is the farthest needer
-    need = nonempty.clone()
-    need.fill_diagonal_(False)
-    dist = (torch.arange(P)[:, None] - torch.arange(P)[None, :]) % P      # [needer i, owner j]
-    hops = torch.where(need, dist, torch.zeros_like(dist)).max(dim=0).values   # [P] per chunk
-    moves = torch.zeros(P, dtype=torch.float64)        # sends + receives per rank
-    for j, d in enumerate(hops.tolist()):
-        for s in range(d):
-            moves[(j + s) % P] += 1
-            moves[(j + s + 1) % P] += 1
+    moves = _ring_moves(needer, chunk, P)
     kv = sh.buffer_bytes("kv", L)
     dkv = sh.buffer_bytes("dkv", L)
     per_move = 3 * hw.latency_s + (2 * kv + dkv) / hw.bandwidth
     return secs + moves * per_move
 
 
+def _ring_moves(needer: torch.Tensor, chunk: torch.Tensor, P: int) -> torch.Tensor:
+    """Sends + receives per rank, float64 ``[P]``, when kv chunk ``j`` goes round the ring
+    ``j -> j+1 -> ... -> j+d_j``, ``d_j`` the distance to the farthest rank that needs it
+    (``needer[k]`` needs ``chunk[k]``; a rank's own chunk travels nowhere)."""
+    off = needer != chunk
+    dist = (needer[off] - chunk[off]) % P
+    hops = torch.zeros(P, dtype=torch.int64).scatter_reduce_(0, chunk[off], dist, "amax")
+    j = torch.arange(P)
+    diff = torch.zeros(2 * P + 1, dtype=torch.int64)
+    for lo, hi in ((j, j + hops), (j + 1, j + hops + 1)):      # sends at j..j+d-1, receives j+1..j+d
+        diff.index_add_(0, lo, torch.ones(P, dtype=torch.int64))
+        diff.index_add_(0, hi, -torch.ones(P, dtype=torch.int64))
+    cnt = diff.cumsum(0)
+    return (cnt[:P] + cnt[P:2 * P]).to(torch.float64)
+
+
+def _runs(owner: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Runs of equal ``owner`` along the blocks: (start [R], end [R], run id of each block)."""
+    nb = owner.numel()
+    new = torch.ones(nb, dtype=torch.bool)
+    new[1:] = owner[1:] != owner[:-1]
+    start = torch.nonzero(new).flatten()
+    end = torch.cat([start[1:], torch.tensor([nb])])
+    return start, end, new.cumsum(0) - 1
+
+
+def _expand(lo: torch.Tensor, hi: torch.Tensor, rid: torch.Tensor):
+    """For intervals ``[lo, hi)`` of blocks: (interval index, run index) of every run each
+    interval touches."""
+    a, b = rid[lo], rid[hi - 1]
+    cnt = b - a + 1
+    idx = torch.repeat_interleave(torch.arange(lo.numel()), cnt)
+    run = a[idx] + torch.arange(idx.numel()) - torch.repeat_interleave(cnt.cumsum(0) - cnt, cnt)
+    return idx, run
+
+
 def _approx_work(rows: _Rows, blocks: torch.Tensor, P: int,
-                 block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+                 block_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``[P, 4]`` (calls, full, masked, causal pairs) per rank estimated from runs of blocks,
-    and the ``[P, P]`` non-empty tiles.
+    and the non-empty tiles as (q rank, kv rank) index pairs (possibly repeated).
 
     A tile's calls: runs of its q rows that are non-empty against the kv chunk, broken where
     the next row is not the next block of the sequence or starts a new document (its first
     non-empty kv block is itself); a run on the rank's own chunk counts two (the causal
     diagonal and the rectangle below it). Pairs: FULL blocks full, PARTIAL blocks causal.
+
+    Computed from the rectangles: each is split at the runs of kv blocks one rank holds,
+    the row intervals live against each kv chunk are merged, split at the runs of q blocks
+    one rank holds, and each piece counts one call plus one per break inside it.
     """
     nb = blocks.numel()
     n = nb // P
-    g = blocks.view(P, n)
-    # live[r, k, j]: row k of rank r has a non-empty block in chunk j
-    live = rows.nonempty[blocks][:, blocks].view(P, n, P, n).any(dim=3)
-    starts_doc = rows.first[g] >= g
-    consecutive = torch.zeros(P, n, dtype=torch.bool)
-    consecutive[:, 1:] = (g[:, 1:] == g[:, :-1] + 1) & ~starts_doc[:, 1:]
-    prev = torch.zeros_like(live)
-    prev[:, 1:] = live[:, :-1]
-    new_run = live & ~(prev & consecutive[:, :, None])
-    calls = new_run.sum(dim=1).to(torch.float64)                              # [P, P]
-    calls += torch.diag(torch.diagonal(calls))
+    pos = torch.empty(nb, dtype=torch.int64)
+    pos[blocks] = torch.arange(nb)               # layout row of each sequence block
+    owner = pos // n
+    rs, re, rid = _runs(owner)
+    # cont[g]: the row before g in the layout is g - 1, on the same rank, in the same document
+    cont = torch.zeros(nb, dtype=torch.bool)
+    cont[1:] = (pos[1:] % n != 0) & (pos[1:] - 1 == pos[:-1]) & \
+        (rows.first[1:] < torch.arange(1, nb))
+    brk = torch.cat([torch.zeros(1, dtype=torch.int64), (~cont).to(torch.int64).cumsum(0)])
+    # rows live against each kv chunk: rectangles x kv runs, merged per chunk
+    R = rows.bm.rects
+    k, run = _expand(R[:, 2], R[:, 3], rid)
+    j = owner[rs[run]]
+    key0 = j * (nb + 1) + R[k, 0]
+    key1 = j * (nb + 1) + R[k, 1]
+    order = torch.argsort(key0)
+    key0, key1 = key0[order], key1[order]
+    reach = torch.cummax(key1, 0).values
+    new = torch.ones(key0.numel(), dtype=torch.bool)
+    new[1:] = key0[1:] > reach[:-1]
+    grp = new.cumsum(0) - 1
+    ng = int(grp[-1]) + 1 if grp.numel() else 0
+    a = key0[new]
+    b = torch.zeros(ng, dtype=torch.int64).scatter_reduce_(0, grp, key1, "amax", include_self=False)
+    jj = torch.div(a, nb + 1, rounding_mode="floor")
+    a, b = a - jj * (nb + 1), b - jj * (nb + 1)
+    # split at the runs of q rows one rank holds
+    i, run = _expand(a, b, rid)
+    lo = torch.maximum(a[i], rs[run])
+    hi = torch.minimum(b[i], re[run])
+    q_rank, kv_rank = owner[rs[run]], jj[i]
+    count = 1 + brk[hi] - brk[lo + 1]            # the piece's first row and every break after it
+    count = count * (1 + (q_rank == kv_rank).to(torch.int64))
+    calls = torch.zeros(P, dtype=torch.float64).index_add_(0, q_rank, count.to(torch.float64))
     bs2 = float(block_size) ** 2
+    g = blocks.view(P, n)
     full = rows.full[g].sum(dim=1) * bs2
     part = rows.part[g].sum(dim=1) * bs2
-    work = torch.stack([calls.sum(dim=1), full, torch.zeros_like(full), part], dim=-1)
-    return work, live.any(dim=1)
+    work = torch.stack([calls, full, torch.zeros_like(full), part], dim=-1)
+    return work, q_rank, kv_rank
 
 
-def segments(natural: torch.Tensor) -> list[tuple[int, int]]:
-    """Runs ``[b0, b1)`` of blocks that no non-empty block pair crosses, in sequence order.
-
-    A cut before block ``i`` is free when no q block at or after ``i`` needs a kv block
-    before ``i`` and no q block before ``i`` needs one at or after ``i``: the boundaries of
-    packed documents that fall on block boundaries. Empty rows and columns never cross.
-    """
-    n = torch.as_tensor(natural) != _EMPTY
-    nb = n.shape[0]
+def _segments(rows: list[_Rows]) -> list[tuple[int, int]]:
+    lo, hi = rows[0].first, rows[0].end
+    for r in rows[1:]:
+        lo, hi = torch.minimum(lo, r.first), torch.maximum(hi, r.end)
+    nb = lo.numel()
     idx = torch.arange(nb)
-    live = n.any(dim=1)
-    lo = torch.where(live, torch.where(n, idx, nb).min(dim=1).values, torch.full_like(idx, nb))
-    hi = torch.where(live, torch.where(n, idx + 1, 0).max(dim=1).values, torch.zeros_like(idx))
     # suffix min of lo over rows >= i; prefix max of hi over rows < i
     suf = torch.flip(torch.cummin(torch.flip(lo, [0]), 0).values, [0])
     pre = torch.cummax(hi, 0).values
@@ -479,47 +626,64 @@ def segments(natural: torch.Tensor) -> list[tuple[int, int]]:
     return [(a, b) for a, b in zip(bounds[:-1], bounds[1:])]
 
 
-def candidates(natural: torch.Tensor, world_size: int, *, hardware="cpu",
+def segments(natural) -> list[tuple[int, int]]:
+    """Runs ``[b0, b1)`` of blocks that no non-empty block pair crosses, in sequence order.
+
+    A cut before block ``i`` is free when no q block at or after ``i`` needs a kv block
+    before ``i`` and no q block before ``i`` needs one at or after ``i``: the boundaries of
+    packed documents that fall on block boundaries. Empty rows and columns never cross.
+    ``natural`` as in :func:`balanced` (several maps: cut only where none crosses).
+    """
+    return _segments(_rows_of(natural, None))
+
+
+def candidates(natural, world_size: int, *, hardware="cpu",
                shape=None) -> list[tuple[str, torch.Tensor]]:
     """The block orders :func:`balanced` chooses from, as ``(name, blocks [nb])`` pairs."""
-    P, nb = world_size, natural.shape[0]
+    rows = _rows_of(natural, None)
+    return _candidates(_block_costs(rows, hardware, shape), _segments(rows), rows[0].nb,
+                       world_size)
+
+
+def _candidates(w: torch.Tensor, segs: list[tuple[int, int]], nb: int,
+                P: int) -> list[tuple[str, torch.Tensor]]:
     cap = nb // P
-    w = block_costs(natural, hardware=hardware, shape=shape)
     out = [("contiguous", torch.arange(nb))]
     if nb % (2 * P) == 0:
         half = nb // (2 * P)
         ch = torch.arange(nb).view(2 * P, half)
-        out.append(("zigzag", torch.cat([torch.cat([ch[r], ch[2 * P - 1 - r]]) for r in range(P)])))
-    out.append(("segments", _pack_segments(segments(natural), w, P, cap)))
+        out.append(("zigzag", torch.cat([ch[:P], ch.flip(0)[:P]], dim=1).reshape(-1)))
+    out.append(("segments", _pack_segments(segs, w, P, cap)))
     out.append(("laps", _laps(w, P, cap)))
     return out
 
 
 def _pack_segments(segs: list[tuple[int, int]], w: torch.Tensor, P: int, cap: int) -> torch.Tensor:
     """LPT over whole segments with capacity ``cap`` blocks; too-long ones cut in order."""
-    pre = torch.cat([torch.zeros(1, dtype=torch.float64), w.cumsum(0)]).tolist()
-    room = [cap] * P
-    load = [0.0] * P
-    members: list[list[int]] = [[] for _ in range(P)]
+    pre_t = torch.cat([torch.zeros(1, dtype=torch.float64), w.cumsum(0)])
+    pre = pre_t.tolist()
+    room = np.full(P, cap, dtype=np.int64)
+    load = np.zeros(P, dtype=np.float64)
+    owner = np.empty(P * cap, dtype=np.int64)
     order = sorted(segs, key=lambda s: (-(pre[s[1]] - pre[s[0]]), s[0]))
     for a, b in order:
-        fits = [r for r in range(P) if room[r] >= b - a]
-        if fits:
-            r = min(fits, key=lambda r: (load[r], r))
-            members[r].extend(range(a, b))
+        fits = room >= b - a
+        if fits.any():
+            r = int(np.argmin(np.where(fits, load, np.inf)))     # least load, then lowest rank
+            owner[a:b] = r
             room[r] -= b - a
             load[r] += pre[b] - pre[a]
             continue
         for r in range(P):              # too long: contiguous pieces on consecutive ranks
             if a == b:
                 break
-            take = min(room[r], b - a)
+            take = min(int(room[r]), b - a)
             if take:
-                members[r].extend(range(a, a + take))
+                owner[a:a + take] = r
                 room[r] -= take
                 load[r] += pre[a + take] - pre[a]
                 a += take
-    return torch.tensor([b for m in members for b in sorted(m)], dtype=torch.int64)
+    return torch.from_numpy(np.argsort(owner, kind="stable"))
 
 
 def _laps(w: torch.Tensor, P: int, cap: int) -> torch.Tensor:
@@ -528,27 +692,37 @@ def _laps(w: torch.Tensor, P: int, cap: int) -> torch.Tensor:
     Lap one covers blocks ``[0, X)``, lap two ``[X, nb)``; rank r holds ``s_r`` blocks of lap
     one and ``cap - s_r`` of lap two. For each X on a grid, the ``s_r`` are chosen rank by
     rank (scanning every feasible size) to bring the rank's work closest to the mean; the X
-    with the smallest max/mean wins.
+    with the smallest max/mean wins. (All X are searched at once, rank by rank.)
     """
     nb = P * cap
-    pre = torch.cat([torch.zeros(1, dtype=torch.float64), w.cumsum(0)])
+    pre = torch.cat([torch.zeros(1, dtype=torch.float64), w.cumsum(0)]).numpy()
     target = float(pre[-1]) / P
+    X = np.arange(0, nb + 1, max(1, nb // _LAP_OFFSETS))   # ~_LAP_OFFSETS starts tried
+    m = X.size
+    a, b = np.zeros(m, dtype=np.int64), X.copy()
+    ok = np.ones(m, dtype=bool)
+    worst = np.zeros(m, dtype=np.float64)
+    sizes = np.zeros((m, P), dtype=np.int64)
+    s = np.arange(cap + 1)
+    rows = np.arange(m)
+    for r in range(P):
+        lo = np.maximum(0, X - a - cap * (P - 1 - r))
+        hi = np.minimum(cap, X - a)
+        ok &= lo <= hi
+        f = pre[np.clip(a[:, None] + s, 0, nb)] - pre[a][:, None] + \
+            pre[np.clip(b[:, None] + cap - s, 0, nb)] - pre[b][:, None]
+        dev = np.abs(f - target)
+        dev[(s < lo[:, None]) | (s > hi[:, None])] = np.inf
+        k = np.argmin(dev, axis=1)
+        k = np.where(ok, k, 0)
+        sizes[:, r] = k
+        worst = np.maximum(worst, f[rows, k])
+        a = np.clip(a + k, 0, nb)
+        b = np.clip(b + cap - k, 0, nb)
     best = None
-    for X in range(0, nb + 1, max(1, nb // _LAP_OFFSETS)):   # ~_LAP_OFFSETS starts tried
-        a, b, sizes, worst = 0, X, [], 0.0
-        for r in range(P):
-            lo = max(0, X - a - cap * (P - 1 - r))
-            hi = min(cap, X - a)
-            if lo > hi:
-                break
-            s = torch.arange(lo, hi + 1)
-            f = pre[a + s] - pre[a] + pre[b + cap - s] - pre[b]
-            k = int(torch.argmin((f - target).abs()))
-            sizes.append(int(s[k]))
-            worst = max(worst, float(f[k]))
-            a, b = a + int(s[k]), b + cap - int(s[k])
-        if len(sizes) == P and (best is None or worst < best[0] - 1e-15):
-            best = (worst, X, sizes)
+    for x in range(m):
+        if ok[x] and (best is None or worst[x] < best[0] - 1e-15):
+            best = (float(worst[x]), int(X[x]), sizes[x].tolist())
     _, X, sizes = best
     parts, a, b = [], 0, X
     for s in sizes:

@@ -1138,6 +1138,74 @@ class BlockMap:
         diff.index_add_(0, self.rects[:, 1], -w)
         return diff.cumsum(0)[:nq]
 
+    def row_kind_counts(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """int64 ``[nQb]`` twice: the FULL and the PARTIAL blocks of each block row, in
+        O(rectangles + rows) (no dense map).
+
+        >>> bm = classify(causal(), torch.arange(8), torch.arange(8), block_size=2, sparse=True)
+        >>> [t.tolist() for t in bm.row_kind_counts()]
+        [[0, 1, 2, 3], [1, 1, 1, 1]]
+        """
+        nq = self.shape[0]
+        w = self.rects[:, 3] - self.rects[:, 2]
+        out = []
+        for kind in (_FULL, _PARTIAL):
+            sel = self.codes == kind
+            diff = torch.zeros(nq + 1, dtype=torch.int64)
+            diff.index_add_(0, self.rects[sel, 0], w[sel])
+            diff.index_add_(0, self.rects[sel, 1], -w[sel])
+            out.append(diff.cumsum(0)[:nq])
+        return out[0], out[1]
+
+    def row_spans(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """int64 ``[nQb]`` twice: the first non-empty block column of each block row and one
+        past its last (``nKb`` and ``0`` for an empty row), without a dense map.
+
+        Costs the row-rectangle incidences (the per-row runs: O(log) a row for the
+        structured masks).
+
+        >>> ids = torch.tensor([0] * 4 + [1] * 4)
+        >>> bm = classify(causal() & document(ids), torch.arange(8), torch.arange(8),
+        ...               block_size=2, sparse=True)
+        >>> [t.tolist() for t in bm.row_spans()]
+        [[0, 0, 2, 2], [1, 2, 3, 4]]
+        """
+        nq, nk = self.shape
+        first = torch.full((nq,), nk, dtype=torch.int64)
+        end = torch.zeros(nq, dtype=torch.int64)
+        R = self.rects
+        if len(R):
+            h = R[:, 1] - R[:, 0]
+            rep = torch.repeat_interleave(torch.arange(len(R)), h)
+            row = R[rep, 0] + torch.arange(rep.numel()) - torch.repeat_interleave(h.cumsum(0) - h, h)
+            first.scatter_reduce_(0, row, R[rep, 2], "amin")
+            end.scatter_reduce_(0, row, R[rep, 3], "amax")
+        return first, end
+
+    @staticmethod
+    def from_dense(dense: torch.Tensor) -> BlockMap:
+        """The sparse map of a dense int8 ``[nQb, nKb]`` map of :class:`BlockKind` codes (one
+        rectangle per run of equal codes along a row).
+
+        Raises:
+            ValueError: not a 2-D map of codes EMPTY / PARTIAL / FULL.
+        """
+        d = torch.as_tensor(dense)
+        if d.dim() != 2 or d.dtype.is_floating_point or d.dtype == torch.bool:
+            raise ValueError(f"a dense block map is a 2-D integer tensor of BlockKind codes "
+                             f"[nQb, nKb], got {d.dtype} shape={tuple(d.shape)}")
+        d = d.to(torch.int8)
+        if d.numel() and not bool(((d == _EMPTY) | (d == _PARTIAL) | (d == _FULL)).all()):
+            raise ValueError("a dense block map holds BlockKind codes only (0 EMPTY, 1 PARTIAL, "
+                             "2 FULL)")
+        nq, nk = d.shape
+        dp = torch.nn.functional.pad(d, (1, 1))                     # [nq, nk + 2], zero edges
+        edge = dp[:, 1:] != dp[:, :-1]                              # [nq, nk + 1]: code changes
+        r, c = torch.nonzero(edge & (dp[:, 1:] != _EMPTY), as_tuple=True)      # run starts
+        re, ce = torch.nonzero(edge & (dp[:, :-1] != _EMPTY), as_tuple=True)   # run ends
+        rects = torch.stack([r, r + 1, c, ce], dim=1)
+        return BlockMap.of((nq, nk), rects, d[r, c] if len(r) else torch.zeros(0, dtype=torch.int8))
+
     def pieces(self, q_index: torch.Tensor, kv_index: torch.Tensor, *,
                cut: int | None = None) -> int:
         """How many rectangles :meth:`permute` with these arguments makes (cheap)."""

@@ -525,9 +525,9 @@ def plan(schedule: Schedule, mask_mod: Callable | None = None, *, seq_len: int,
                                   block_size=block_size, B=batch_size, H=num_heads, sparse=True)
         work = natural.row_counts()
         import inspect
-        if "natural" in inspect.signature(schedule.layout).parameters:   # the dense map itself
+        if "natural" in inspect.signature(schedule.layout).parameters:   # the sparse map itself
             lay = schedule.layout(seq_len, world_size, block_size=block_size, block_work=work,
-                                  natural=natural.dense(limit=None))
+                                  natural=natural)
         else:
             lay = schedule.make_layout(seq_len, world_size, block_size=block_size,
                                        block_work=work)

@@ -135,3 +135,62 @@ def test_balanced_needs_a_block_map_of_the_right_size():
         layout.balanced(16, 2, block_size=2, natural=torch.zeros(4, 4, dtype=torch.int8))
     with pytest.raises(ValueError, match="balanced needs natural="):
         layout.balanced(16, 2, block_size=2)
+
+
+# ---- several maps at once (the layer kinds of one model) -----------------------------------
+def sparse(mask, S: int, bs: int) -> masks.BlockMap:
+    return masks.classify(mask, torch.arange(S), torch.arange(S), block_size=bs, sparse=True)
+
+
+@pytest.mark.parametrize("kind", ["document", "window", "causal"])
+def test_one_map_with_weight_one_is_the_single_map_layout(kind):
+    S, P, bs = 512, 4, 4
+    mask = make_mask(kind, S, seed=3)
+    bm = sparse(mask, S, bs)
+    ref = layout.balanced(S, P, block_size=bs, natural=bm)
+    assert torch.equal(layout.balanced(S, P, block_size=bs, natural=bm.dense()).order, ref.order)
+    assert torch.equal(layout.balanced(S, P, block_size=bs, natural=[(bm, 1)]).order, ref.order)
+    # doubling every weight scales every prediction exactly, so the choice cannot change
+    assert torch.equal(layout.balanced(S, P, block_size=bs, natural=[(bm, 2.0)]).order, ref.order)
+
+
+def test_weighted_maps_predict_the_weighted_sum():
+    P = 4
+    for S, bs in ((512, 4), (1024, 1)):    # 128 blocks: exact call count; 1024: estimated from runs
+        ids = packed(S, 9, 4)
+        both = [(sparse(masks.causal() & masks.document(ids), S, bs), 1),
+                (sparse(masks.sliding_window(40) & masks.document(ids), S, bs), 3)]
+        blocks = blocks_of(layout.zigzag(S, P, block_size=bs), bs)
+        t = layout.predict(both, blocks, P, block_size=bs)
+        parts = [w * layout.predict(m, blocks, P, block_size=bs) for m, w in both]
+        assert_close(t, parts[0] + parts[1], rtol=1e-12, atol=0)
+        assert_close(layout.block_costs(both),
+                     layout.block_costs(both[0][0]) + 3 * layout.block_costs(both[1][0]),
+                     rtol=1e-12, atol=0)
+        lay = layout.balanced(S, P, block_size=bs, natural=both)
+        t = lambda lay: float(layout.predict(both, blocks_of(lay, bs), P, block_size=bs).max())  # noqa: E731,B023
+        assert t(lay) <= min(t(layout.contiguous(S, P, block_size=bs)),
+                             t(layout.zigzag(S, P, block_size=bs))) * (1 + 1e-9)
+
+
+def test_segments_of_several_maps_cut_only_where_none_crosses():
+    ids = torch.repeat_interleave(torch.arange(3), torch.tensor([8, 6, 10]))     # 24 tokens
+    doc = natural(masks.causal() & masks.document(ids), 24, 2)
+    merged = natural(masks.causal() & masks.document((ids > 0).to(torch.int64)), 24, 2)
+    assert layout.segments([(doc, 1), (merged, 5)]) == [(0, 4), (4, 12)]
+    assert layout.segments([(doc, 1), (doc, 5)]) == layout.segments(doc) == [(0, 4), (4, 7), (7, 12)]
+
+
+def test_several_maps_bad_input_says_what_is_expected():
+    bm = sparse(masks.causal(), 16, 2)
+    with pytest.raises(ValueError, match=r"natural=\[\] has no maps"):
+        layout.balanced(16, 2, block_size=2, natural=[])
+    with pytest.raises(TypeError, match=r"natural\[0\] must be a \(block_map, weight\) pair"):
+        layout.balanced(16, 2, block_size=2, natural=[bm])
+    with pytest.raises(ValueError, match=r"natural\[1\] has weight -1; a weight is a finite number > 0"):
+        layout.balanced(16, 2, block_size=2, natural=[(bm, 1), (bm, -1)])
+    with pytest.raises(ValueError, match=r"natural\[1\] block map has shape \(4, 4\); expected "
+                                         r"\[S/block_size, S/block_size\] = \[8, 8\]"):
+        layout.balanced(16, 2, block_size=2, natural=[(bm, 1), (sparse(masks.causal(), 16, 4), 1)])
+    with pytest.raises(TypeError, match=r"natural\[0\] must be a fringe.masks.BlockMap"):
+        layout.balanced(16, 2, block_size=2, natural=[("causal", 1)])
