@@ -306,7 +306,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--block-size", type=int, default=d.block_size)
     ap.add_argument("--model", default=d.model, choices=["llama", "qwen2", "gpt_oss"])
     ap.add_argument("--window", type=int, default=d.window)
-    ap.add_argument("--schedule", default=d.schedule, choices=["ring", "zigzag", "striped", "balanced"])
+    from fringe.schedules import names as schedule_names        # the registry's names
+    ap.add_argument("--schedule", default=d.schedule, choices=schedule_names())
     ap.add_argument("--boundaries", default=d.boundaries, choices=["cu_seqlens", "position_ids"])
     ap.add_argument("--checkpointing", action="store_true", help="activation checkpointing on the CP side")
     a = ap.parse_args(argv)

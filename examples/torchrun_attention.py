@@ -18,13 +18,24 @@ import torch.distributed as dist
 import fringe
 from fringe import masks, schedules
 from fringe.ops import reference
+from fringe.schedules import registry
 from fringe.testing import make_qkv, tolerances
+
+H, G = 4, 2          # query and kv heads of the random q/k/v
+
+
+def _schedule_name(text: str) -> str:
+    try:
+        return registry.canonical(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--cuda", action="store_true", help="NCCL, one GPU per rank")
-    ap.add_argument("--schedule", default="zigzag", choices=["ring", "zigzag", "striped"])
+    ap.add_argument("--schedule", default="zigzag", type=_schedule_name, metavar="NAME",
+                    help="a schedule name: " + registry.syntax().replace("%", "%%"))
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--dtype", default="float64", choices=["float64", "float32", "bfloat16"])
     args = ap.parse_args()
@@ -40,9 +51,13 @@ def main() -> int:
     S = args.seq_len
     doc_ids = torch.arange(S) // (S // 3 + 1)                        # three packed documents
     mask = masks.causal() & masks.document(doc_ids)
-    plan = fringe.plan(getattr(schedules, args.schedule)(), mask, seq_len=S, world_size=P,
+    why = registry.why_not(args.schedule, world_size=P, heads=H, kv_heads=G)
+    if why:
+        raise SystemExit(f"--schedule {args.schedule}: {why}; on {P} ranks with H={H}, G={G} "
+                         f"these run: {registry.names(world_size=P, heads=H, kv_heads=G)}")
+    plan = fringe.plan(schedules.get(args.schedule), mask, seq_len=S, world_size=P,
                        block_size=16)
-    q, k, v = make_qkv(B=1, H=4, G=2, S=S, D=32, seed=0, dtype=dtype, device=device)
+    q, k, v = make_qkv(B=1, H=H, G=G, S=S, D=32, seed=0, dtype=dtype, device=device)
     ql, kl, vl = (plan.layout.shard(t, rank).requires_grad_() for t in (q, k, v))
     out = fringe.attention(ql, kl, vl, plan=plan)
     out.square().sum().backward()
