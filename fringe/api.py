@@ -15,6 +15,10 @@ _RECORDERS: list = []      # open recording() blocks
 
 def _group_key(group):
     import torch.distributed as dist
+
+    from .runtime.distributed import is_device_mesh, mesh_ranks
+    if is_device_mesh(group):
+        return ("mesh",) + mesh_ranks(group)
     return tuple(dist.get_process_group_ranks(group)) if group is not None else "default"
 
 
@@ -27,7 +31,14 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, plan, group=
         q: ``[B, H, L, D]`` this rank's queries, tokens in ``plan.layout.positions(rank)``
             order (``plan.layout.shard(q_global, rank)``); k, v: ``[B, G, L, D]``.
         plan: from :func:`fringe.plan`, identical on every rank.
-        group: the context-parallel process group (default: the default group).
+        group: the context-parallel process group (default: the default group), or a
+            ``torch.distributed.device_mesh.DeviceMesh``: 1D (the CP ranks, in mesh order) or,
+            for a plan of ``schedules.compose(outer, inner, inner_size=k)``, 2D with shape
+            ``(P // k, k)`` and dims (outer, inner), e.g. ``init_device_mesh("cpu", (m, k),
+            mesh_dim_names=("outer", "inner"))``. Plan rank ``g*k + p`` is ``mesh[g, p]``
+            (shard with ``(g, p) = mesh.get_coordinate()``); collectives inside a group and
+            across groups run on ``mesh.get_group(dim)``. A mesh of the wrong shape raises a
+            ValueError on every rank.
         timeout_s: how long to wait for a peer before :class:`~fringe.runtime.distributed.CommTimeout`
             (default ``FRINGE_TIMEOUT`` or 300 s; a finite number > 0).
         return_lse: also return the log-sum-exp ``[B, H, L]`` (differentiable).

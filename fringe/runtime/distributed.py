@@ -109,14 +109,85 @@ def subgroup(global_ranks: tuple[int, ...]):
 
     Creating a group is itself a collective, so schedules use a fixed mesh of groups (never one
     per mask): the first use creates it with ``use_local_synchronization=True`` (only its
-    members take part), later ones reuse it. The cache follows the default group: a new
-    ``init_process_group`` starts a new cache.
+    members take part), later ones reuse it. The groups of a ``DeviceMesh`` passed to
+    :func:`fringe.attention` are put in this cache first (:func:`register_mesh`), so a
+    composed schedule's collectives inside a group or across groups run on
+    ``mesh.get_group(dim)`` and nothing is created. The cache follows the default group: a
+    new ``init_process_group`` starts a new cache.
     """
     world = dist.group.WORLD
     key = (id(world), tuple(sorted(global_ranks)))
     if key not in _SUBGROUPS:
         _SUBGROUPS[key] = dist.new_group(list(key[1]), use_local_synchronization=True)
     return _SUBGROUPS[key]
+
+
+def is_device_mesh(obj) -> bool:
+    """True for a ``torch.distributed.device_mesh.DeviceMesh``."""
+    try:
+        from torch.distributed.device_mesh import DeviceMesh
+    except ImportError:                  # a torch built without distributed
+        return False
+    return isinstance(obj, DeviceMesh)
+
+
+def mesh_ranks(mesh) -> tuple[int, ...]:
+    """Global ranks of a 1D or 2D ``DeviceMesh`` in plan-rank order (row-major).
+
+    Plan rank ``g*k + p`` is ``mesh[g, p]`` of a mesh with dims (outer, inner): the p-th rank
+    of the g-th group of k, whatever the global rank order; the rank to shard for is
+    ``g*k + p`` with ``(g, p) = mesh.get_coordinate()``.
+
+    Raises:
+        ValueError: a mesh of more than two dimensions.
+    """
+    if mesh.ndim not in (1, 2):
+        raise ValueError(f"fringe.attention(group=mesh) takes a 1D DeviceMesh (the CP ranks) or a "
+                         f"2D one with dims (outer, inner) for a composed schedule; got a "
+                         f"{mesh.ndim}D mesh of shape {tuple(mesh.shape)} (names "
+                         f"{mesh.mesh_dim_names}): pass the CP sub-mesh, e.g. mesh['cp'] or "
+                         f"mesh['outer', 'inner']")
+    return tuple(int(r) for r in mesh.mesh.reshape(-1).tolist())
+
+
+def register_mesh(mesh) -> None:
+    """Put this rank's process group of every dimension of ``mesh`` in the subgroup cache.
+
+    Every member of a mesh group registers the same group, so the members agree on the group
+    a collective over them runs on.
+    """
+    world = dist.group.WORLD
+    for dim in range(mesh.ndim):
+        pg = mesh.get_group(dim)
+        ranks = tuple(sorted(dist.get_process_group_ranks(pg)))
+        _SUBGROUPS[(id(world), ranks)] = pg
+
+
+def check_mesh(mesh, plan) -> None:
+    """A 2D mesh must have the plan's grid: shape ``(P // k, k)`` for ``compose(..., inner_size=k)``.
+
+    Raises:
+        ValueError: the mesh does not fit the plan, naming the shape to build.
+    """
+    if mesh.ndim != 2:
+        return
+    from ..schedules.collectives import inner_size_of
+    P = plan.world_size
+    k = inner_size_of(plan.schedule)
+    shape = tuple(int(x) for x in mesh.shape)
+    names = mesh.mesh_dim_names
+    if k is None:
+        raise ValueError(f"a 2D DeviceMesh {shape} (dims {names}) runs a schedule made by "
+                         f"schedules.compose(outer, inner, inner_size=k), but the plan's schedule "
+                         f"is {plan.schedule.name!r}; pass a 1D mesh or process group for it "
+                         f"(e.g. group=mesh.get_group() of a 1D mesh), or plan a composed schedule "
+                         f"with inner_size={shape[1]}")
+    if shape != (P // k, k):
+        raise ValueError(f"the DeviceMesh has shape {shape} (dims {names}) but the plan "
+                         f"{plan.schedule.name!r} runs m={P // k} groups of k={k} ranks: build it "
+                         f"with init_device_mesh(device_type, ({P // k}, {k}), "
+                         f"mesh_dim_names=('outer', 'inner')) (dims (outer, inner), the inner "
+                         f"groups along the last dimension)")
 
 
 class DistTransport:
@@ -128,16 +199,22 @@ class DistTransport:
     interpreter's, in member order.
     """
 
-    def __init__(self, group, *, timeout_s: float, device: torch.device) -> None:
+    def __init__(self, group, *, timeout_s: float, device: torch.device,
+                 ranks: tuple[int, ...] | None = None) -> None:
         self.group = group
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.timeout_s = timeout_s
         self.cuda = device.type == "cuda"
         self.stream = torch.cuda.Stream(device=device) if self.cuda else None
-        self._ranks = (tuple(dist.get_process_group_ranks(group)) if group is not None
-                       else tuple(range(dist.get_world_size())))
+        self._mapped = ranks is not None        # plan rank -> global rank given (a DeviceMesh)
+        if ranks is None:
+            ranks = (tuple(dist.get_process_group_ranks(group)) if group is not None
+                     else tuple(range(dist.get_world_size())))
+        self._ranks = tuple(ranks)
 
     def _global(self, peer: int) -> int:
+        if self._mapped:
+            return self._ranks[peer]
         return dist.get_global_rank(self.group, peer) if self.group is not None else peer
 
     def _pg(self, members: tuple[int, ...]):
@@ -249,6 +326,11 @@ class DistRuntime(Runtime):
     """Drives this process's rank of a plan over torch.distributed.
 
     Cheap to build (no communication): :func:`fringe.attention` makes one per call.
+
+    ``group`` is a process group (None: the default one) or a ``DeviceMesh``: 1D (its ranks
+    in mesh order), or 2D with dims (outer, inner) for a schedule made by
+    :func:`fringe.schedules.compose` (plan rank ``g*k + p`` is ``mesh[g, p]``; collectives
+    inside a group and across groups run on ``mesh.get_group(dim)``).
     """
 
     def __init__(self, group=None, *, timeout_s: float | None = None) -> None:
@@ -256,9 +338,26 @@ class DistRuntime(Runtime):
             raise RuntimeError("fringe.attention needs an initialised process group: call "
                                "torch.distributed.init_process_group (or use fringe.launch) "
                                "first, or use fringe.simulate.attention on one process")
+        self.mesh = group if is_device_mesh(group) else None
+        self._ranks = None
+        if self.mesh is not None:
+            ranks = mesh_ranks(self.mesh)
+            me = dist.get_rank()
+            if me not in ranks:
+                raise ValueError(f"global rank {me} is not in the DeviceMesh {list(ranks)}; call "
+                                 f"fringe.attention only on the mesh's ranks")
+            register_mesh(self.mesh)
+            if sorted(ranks) == list(range(dist.get_world_size())):
+                group = None
+            else:
+                group = subgroup(ranks)
+            self._ranks = ranks
+            self.rank = ranks.index(me)
+            self.world_size = len(ranks)
+        else:
+            self.rank = dist.get_rank(group)
+            self.world_size = dist.get_world_size(group)
         self.group = group
-        self.rank = dist.get_rank(group)
-        self.world_size = dist.get_world_size(group)
         self.timeout_s = resolve_timeout(timeout_s)
         super().__init__([self.rank], self._transport)
 
@@ -283,6 +382,8 @@ class DistRuntime(Runtime):
                 raise ValueError(f"the plan is for world_size={plan.world_size} but the process "
                                  f"group has {self.world_size} ranks; plan with "
                                  f"world_size=dist.get_world_size(group)")
+            if self.mesh is not None:
+                check_mesh(self.mesh, plan)
             if sinks is not None:
                 check_sinks(sinks, q)
         except (ValueError, TypeError) as e:
@@ -309,10 +410,16 @@ class DistRuntime(Runtime):
                               f"complete within {self.timeout_s:g}s; is every rank calling "
                               f"fringe.attention? ({str(e).splitlines()[0][:200]})") from e
         rows = torch.stack(everyone).tolist()
+        if self._ranks is not None:     # rows by plan rank (a mesh may order ranks otherwise)
+            glob = [dist.get_global_rank(group, i) if group is not None else i
+                    for i in range(self.world_size)]
+            rows = [rows[glob.index(g)] for g in self._ranks]
         bad = [r for r, row in enumerate(rows) if row[len(_SHAPE_FIELDS) - 1]]
         if bad:                 # every rank sees the flags, so every rank joins this exchange
             msgs = [None] * self.world_size
             dist.all_gather_object(msgs, problem, group=group)
+            if self._ranks is not None:
+                msgs = [msgs[glob.index(g)] for g in self._ranks]
             r = bad[0]
             others = f" (also invalid on ranks {bad[1:]})" if len(bad) > 1 else ""
             raise ValueError(f"rank {r} of {self.world_size} got invalid input for "
@@ -329,7 +436,8 @@ class DistRuntime(Runtime):
                         f"score_mod, options) and the same local shapes")
 
     def _transport(self, device: torch.device) -> DistTransport:
-        return DistTransport(self.group, timeout_s=self.timeout_s, device=device)
+        return DistTransport(self.group, timeout_s=self.timeout_s, device=device,
+                             ranks=self._ranks)
 
 
 def check_sinks(sinks, q) -> None:

@@ -32,13 +32,18 @@ r0:
 """
 from __future__ import annotations
 
+import collections
+import weakref
+
 import numpy as np
+import torch
 
 from .. import layout as _layout
 from .base import Schedule
-from .ir import Buffer, Collective, Compute, Family, Program, Recv, Send, program_from_ops
+from .ir import (Buffer, Collective, Compute, Family, Program, Recv, Send, program_from_ops,
+                 steps_of)
 
-__all__ = ["allgather", "compose", "ulysses"]
+__all__ = ["allgather", "compose", "inner_size_of", "ulysses"]
 
 
 def _need(P: int, need: np.ndarray | None) -> np.ndarray:
@@ -210,36 +215,250 @@ def ulysses() -> Schedule:
                     build=lambda P, need: _composed_programs(None, P, P, need))
 
 
+# ---------------------------------------------------------------------------------------
+# 2D composition with a sequence schedule inside the groups (a double ring)
+# ---------------------------------------------------------------------------------------
+def _lift(op, a: int, b: int, k: int) -> list:
+    """Inner op of group a, computing with group b's kv, in global ranks and chunks.
+
+    An inner all-gather becomes the point-to-point transfers of the same pattern: what it
+    forwards arrived by an outer hop, and the passes follow a chunk's route through
+    point-to-point hops (a hop that only feeds a collective would be pruned, and re-issuing
+    a chain of collectives needs more than the backward's one prologue step).
+    """
+    def kv(buf: Buffer | None) -> Buffer | None:
+        if buf is None:
+            return None
+        if buf.family is not Family.KV or buf.heads is not None:
+            raise ValueError(f"compose: the inner schedule moves {buf}; an inner sequence "
+                             f"schedule may move only whole kv chunks (ring, zigzag, striped, "
+                             f"balanced, allgather), or use schedules.ulysses() inside")
+        return Buffer.of(Family.KV, b * k + buf.chunk)
+
+    if isinstance(op, Compute) and op.heads is None:
+        return [Compute(a * k + op.q, b * k + op.kv)]
+    if isinstance(op, (Send, Recv)):
+        return [type(op)(kv(op.buf), a * k + op.peer)]
+    if isinstance(op, Collective) and op.kind == "AG":     # the same pattern, point to point
+        return [Send(kv(x), a * k + peer) for peer, x in zip(op.group, op.sends) if x is not None] + [
+            Recv(kv(x), a * k + peer) for peer, x in zip(op.group, op.recvs) if x is not None]
+    raise ValueError(f"compose: the inner schedule's op {op} has no 2D form; inner sequence "
+                     f"schedules compute whole tiles and move kv (ring, zigzag, striped, "
+                     f"balanced, allgather)")
+
+
+def _outer_kv(op, k: int, p: int) -> Buffer | None:
+    """Slot p's part of an outer (group-level) kv buffer: group chunk b -> kv chunk b*k+p."""
+    if op is None:
+        return None
+    if op.family is not Family.KV or op.heads is not None:
+        raise ValueError(f"compose: the outer schedule moves {op}; an outer schedule may move "
+                         f"only whole kv chunks between groups (ring, zigzag, striped, balanced, "
+                         f"allgather)")
+    return Buffer.of(Family.KV, op.chunk * k + p)
+
+
+def _double_programs(outer: Schedule, inner: Schedule, k: int, P: int,
+                     need: np.ndarray | None) -> list[Program]:
+    """``inner`` (a sequence schedule) inside groups of k consecutive ranks, ``outer`` across.
+
+    Rank ``r = g*k + p`` is slot p of group g. The outer programs (over the m groups, pruned
+    by the group-level tile map) give, per outer step t, the group tiles to compute and the
+    group kv to move. Outer step t spans ``T_in`` global steps (the inner schedule's rounds):
+
+    * an outer compute ``C qa·kvb`` becomes the inner programs of group a run on group b's kv
+      (rank (a, p) holds kv chunk b*k+p; inner ``C qi·kvj`` is ``C q(a*k+i)·kv(b*k+j)``, inner
+      transfers move those chunks between members of group a), pruned by the rank-level
+      tile map of the (a, b) block;
+    * an outer transfer of group kv b is done by every slot p for its own chunk b*k+p, to or
+      from slot p of the peer group (an all-gather over groups is one all-gather per slot
+      plane), in the last of the T_in steps, which carries no inner communication.
+
+    The result is pruned by the tile map like any schedule (a rank that needs nothing of a
+    chunk receives nothing) and reversed by rule.
+    """
+    if P % k:
+        raise ValueError(f"2D context parallelism needs world_size divisible by inner_size: "
+                         f"P={P}, inner_size={k}; use P a multiple of {k}")
+    m = P // k
+    need = _need(P, need)
+    blocks = need.reshape(m, k, m, k).any(axis=(1, 3))           # [group a, group b]
+    outer_progs = outer.programs(m, torch.from_numpy(blocks))
+    T_in = max(1, steps_of(inner.programs(k)))
+    cache: dict[bytes, list[list[tuple[int, object]]]] = {}
+
+    def inner_ops(a: int, b: int) -> list[list[tuple[int, object]]]:
+        sub = np.ascontiguousarray(need[a * k:(a + 1) * k, b * k:(b + 1) * k])
+        key = sub.tobytes()
+        hit = cache.get(key)
+        if hit is None:
+            hit = cache[key] = [list(prog.ops()) for prog in inner.programs(k, torch.from_numpy(sub))]
+        return hit
+
+    def wants(a: int, j: int) -> bool:                       # group a computes with kv_j
+        return bool(need[a * k:(a + 1) * k, j].any())
+
+    ops: list[dict[int, list]] = [collections.defaultdict(list) for _ in range(P)]
+    outer_colls: dict[tuple, dict[int, Collective]] = collections.defaultdict(dict)
+    for prog in outer_progs:
+        a = prog.rank
+        seen: collections.Counter = collections.Counter()
+        for t, op in prog.ops():
+            base, last = t * T_in, t * T_in + T_in - 1
+            if isinstance(op, Compute) and op.heads is None:
+                for p, iops in enumerate(inner_ops(a, op.kv)):
+                    for s, iop in iops:
+                        ops[a * k + p][base + s].extend(_lift(iop, a, op.kv, k))
+            elif isinstance(op, (Send, Recv)):
+                for p in range(k):
+                    ops[a * k + p][last].append(type(op)(_outer_kv(op.buf, k, p), op.peer * k + p))
+            elif isinstance(op, Collective) and op.kind == "AG":
+                n = seen[(t, op.group)]
+                seen[(t, op.group)] += 1
+                outer_colls[(t, op.group, n)][a] = op
+                for p in range(k):
+                    ops[a * k + p][last].append(((t, op.group, n), p))       # placeholder
+            else:
+                raise ValueError(f"compose: the outer schedule's op {op} has no 2D form; the "
+                                 f"outer schedule must compute whole group tiles and move kv "
+                                 f"(ring, zigzag, striped, balanced, allgather)")
+    expanded: dict[tuple, Collective | None] = {}            # (key, p, group a) -> op
+    for key, sides in outer_colls.items():
+        t, group, _ = key
+        for p in range(k):
+            slots = {}
+            for a, op in sides.items():
+                me = group.index(a)
+                sends = tuple(None if x == me or buf is None or not wants(group[x], buf.chunk * k + p)
+                              else _outer_kv(buf, k, p) for x, buf in enumerate(op.sends))
+                recvs = tuple(None if x == me or buf is None or not wants(a, buf.chunk * k + p)
+                              else _outer_kv(buf, k, p) for x, buf in enumerate(op.recvs))
+                slots[a] = (sends, recvs)
+            live = any(b is not None for sends, _ in slots.values() for b in sends)
+            for a, (sends, recvs) in slots.items():
+                expanded[(key, p, a)] = (Collective("AG", tuple(x * k + p for x in group), sends,
+                                                    recvs) if live else None)
+    programs = []
+    for r in range(P):
+        g = r // k
+        steps = {}
+        for t, lst in ops[r].items():
+            out = []
+            for op in lst:
+                if isinstance(op, tuple):                     # an outer collective's slot plane
+                    op = expanded[(op[0], op[1], g)]
+                    if op is None:
+                        continue
+                out.append(op)
+            steps[t] = out
+        programs.append(program_from_ops(r, steps))
+    return programs
+
+
+def _is_sequence_schedule(s: Schedule) -> bool:
+    return s.name != "ulysses" and not s.name.startswith("compose(")
+
+
+#: Composed schedules and their inner size (what a 2D DeviceMesh is checked against).
+_INNER_SIZES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def inner_size_of(schedule: Schedule) -> int | None:
+    """k of a schedule made by :func:`compose` (``None`` for any other schedule).
+
+    ``fringe.attention(..., group=mesh)`` checks a 2D DeviceMesh against it: the mesh must
+    have shape ``(P // k, k)``.
+    """
+    try:
+        return _INNER_SIZES.get(schedule)
+    except TypeError:
+        return None
+
+
 def compose(outer: Schedule, inner: Schedule, *, inner_size: int) -> Schedule:
     """2D context parallelism: ``inner`` inside groups of ``inner_size`` consecutive ranks,
     ``outer`` across the groups.
 
-    ``inner`` must be :func:`ulysses` (head-parallel inside a group, the usual intra-node
-    dimension); ``outer`` any ring-family schedule or :func:`allgather`, which then moves head
-    slices of kv between the ranks holding the same slice in different groups. The layout is
-    the outer one over the groups, each group's tokens split evenly over its ranks.
+    Over ``P = k*m`` ranks, rank ``r = g*k + p`` is slot p of group g (with a 2D
+    ``DeviceMesh`` of shape ``(m, k)``: ``mesh[g, p]``, dims (outer, inner)).
+
+    * ``inner = schedules.ulysses()``: heads split inside a group (the usual intra-node
+      dimension); ``outer`` (ring, zigzag, striped, balanced or allgather) moves head slices
+      of kv between the ranks holding the same slice in different groups
+      (TransformerEngine's a2a+p2p, USP).
+    * ``inner`` a sequence schedule (ring, zigzag, striped, balanced or allgather): a double
+      ring (LoongTrain, TransformerEngine's hierarchical p2p). Outer step t of group g
+      ("compute group q g with group kv b; move group kv b to the next group") becomes the
+      inner programs of group g run on group b's kv (rank (g, p) holds kv chunk b*k+p and
+      the inner schedule moves those chunks inside the group), and every slot p moves its own
+      chunk b*k+p to slot p of the peer group. An all-gather outside gathers per slot plane
+      (all-gathers over ``(0,p), (1,p), ...``); an all-gather inside moves the same pattern
+      point to point (what it forwards arrived by an outer hop).
+
+    The layout: the outer layout over the m groups, and each group's S/m tokens (in that
+    order) split over its k ranks by the inner layout: evenly for ulysses and ring, by zigzag
+    for zigzag (2k pieces of the group's tokens, rank p holds pieces p and 2k-1-p, so
+    ``compose(zigzag(), zigzag(), inner_size=k)`` holds exactly the zigzag layout over P
+    ranks: chunks r and 2P-1-r), by stripes for striped, by the group's own block work for
+    balanced. Everything stays data: the backward is derived by
+    :func:`fringe.schedules.reverse`, and pruning by the mask drops what a rank does not need.
+
+    A double ring on a causal mask, 2 groups of 2 (kv chunks move inside a group every step,
+    between groups every second step):
+
+    >>> s = schedules.compose(schedules.zigzag(), schedules.zigzag(), inner_size=2)
+    >>> p = fringe.plan(s, masks.causal(), seq_len=32, world_size=4, block_size=2)
+    >>> print(render.table(p))
+    compose(zigzag, zigzag, inner_size=2) · causal · S=32 P=4 block=2 · forward
+    ┌────────┬──────────┬──────────┬──────────┬──────────┐
+    │ step   │ rank 0   │ rank 1   │ rank 2   │ rank 3   │
+    ├────────┼──────────┼──────────┼──────────┼──────────┤
+    │ t0     │ R kv1←r1 │ R kv0←r0 │ R kv3←r3 │ R kv2←r2 │
+    │        │ C q0·kv0 │ C q1·kv1 │ C q2·kv2 │ C q3·kv3 │
+    │        │ S kv0→r1 │ S kv1→r0 │ S kv2→r3 │ S kv3→r2 │
+    ├────────┼──────────┼──────────┼──────────┼──────────┤
+    │ t1     │ R kv2←r2 │ R kv3←r3 │ R kv0←r0 │ R kv1←r1 │
+    │        │ C q0·kv1 │ C q1·kv0 │ C q2·kv3 │ C q3·kv2 │
+    │        │ S kv0→r2 │ S kv1→r3 │ S kv2→r0 │ S kv3→r1 │
+    ├────────┼──────────┼──────────┼──────────┼──────────┤
+    │ t2     │ R kv3←r1 │ R kv2←r0 │ R kv1←r3 │ R kv0←r2 │
+    │        │ C q0·kv2 │ C q1·kv3 │ C q2·kv0 │ C q3·kv1 │
+    │        │ S kv2→r1 │ S kv3→r0 │ S kv0→r3 │ S kv1→r2 │
+    ├────────┼──────────┼──────────┼──────────┼──────────┤
+    │ t3     │ C q0·kv3 │ C q1·kv2 │ C q2·kv1 │ C q3·kv0 │
+    └────────┴──────────┴──────────┴──────────┴──────────┘
 
     Args:
-        outer: e.g. ``schedules.zigzag()``.
-        inner: ``schedules.ulysses()``.
-        inner_size: k, the ranks per group; P must be a multiple of it, and H of k.
+        outer: a sequence schedule across groups, e.g. ``schedules.zigzag()``.
+        inner: ``schedules.ulysses()`` or a sequence schedule inside a group.
+        inner_size: k, the ranks per group; P must be a multiple of it (and H of k with
+            ulysses inside).
 
     Raises:
-        ValueError: an inner schedule other than ulysses, or a bad ``inner_size``.
+        TypeError: outer or inner is not a schedule.
+        ValueError: an outer schedule that does not move sequence chunks (ulysses, another
+            compose), a compose inside, or a bad ``inner_size``; at planning time, a world
+            size that is not a multiple of k, or group sizes the inner layout cannot split.
     """
     if not isinstance(outer, Schedule) or not isinstance(inner, Schedule):
         raise TypeError("compose(outer, inner, inner_size=k) takes two schedules, e.g. "
                         "compose(schedules.zigzag(), schedules.ulysses(), inner_size=2)")
-    if inner.name != "ulysses":
-        raise ValueError(f"compose: the inner schedule must be schedules.ulysses() (heads split "
-                         f"inside a group), got {inner.name!r}; ring-family schedules and "
-                         f"allgather go outside: compose({inner.name}(), ulysses(), inner_size=k)")
-    if outer.name == "ulysses" or outer.name.startswith("compose("):
-        raise ValueError(f"compose: the outer schedule must move sequence chunks (ring, zigzag, "
-                         f"striped, balanced or allgather), got {outer.name!r}")
+    works = ("compose(outer, inner, inner_size=k) works with outer one of ring, zigzag, striped, "
+             "balanced, allgather (a schedule that moves sequence chunks between groups) and "
+             "inner one of ulysses, ring, zigzag, striped, balanced, allgather")
+    if not _is_sequence_schedule(outer):
+        raise ValueError(f"compose: the outer schedule must move sequence chunks between groups, "
+                         f"got {outer.name!r}; heads split inside a group: the inner schedule "
+                         f"must be schedules.ulysses() or a sequence schedule, e.g. "
+                         f"compose({inner.name if _is_sequence_schedule(inner) else 'zigzag'}(), "
+                         f"ulysses(), inner_size=k). {works}")
+    if inner.name.startswith("compose("):
+        raise ValueError(f"compose: the inner schedule cannot itself be composed, got "
+                         f"{inner.name!r}; {works}")
     if isinstance(inner_size, bool) or not isinstance(inner_size, int) or inner_size < 1:
         raise ValueError(f"inner_size must be an int >= 1, got {inner_size!r}")
     k = inner_size
+    heads = inner.name == "ulysses"
 
     def make(seq_len: int, world_size: int, *, block_size: int, block_work=None):
         if world_size % k:
@@ -248,9 +467,34 @@ def compose(outer: Schedule, inner: Schedule, *, inner_size: int) -> Schedule:
         m = world_size // k
         lay = (outer.make_layout(seq_len, m, block_size=block_size, block_work=block_work)
                if outer.mask_aware else outer.make_layout(seq_len, m, block_size=block_size))
-        return _layout.from_order(lay.order, world_size, kind=f"{lay.kind}x{k}",
+        if heads:
+            return _layout.from_order(lay.order, world_size, kind=f"{lay.kind}x{k}",
+                                      block_size=block_size)
+        Sm = seq_len // m
+        groups = lay.order.view(m, Sm)
+        parts, kinds = [], set()
+        for g in range(m):
+            try:
+                if inner.mask_aware:          # the group's blocks, in group order, by work
+                    w = torch.as_tensor(block_work)[groups[g] // block_size]
+                    w = w.reshape(-1, block_size).to(torch.float64).mean(1)
+                    il = inner.make_layout(Sm, k, block_size=block_size, block_work=w)
+                elif g == 0:
+                    il = inner.make_layout(Sm, k, block_size=block_size)
+            except ValueError as e:
+                raise ValueError(f"{name}: each of the m={m} groups holds S/m={Sm} tokens, "
+                                 f"split over its k={k} ranks by the {inner.name} layout, "
+                                 f"which says: {e} (pad S so that S/m fits)") from e
+            kinds.add(il.kind)
+            parts.append(groups[g][il.order])
+        return _layout.from_order(torch.cat(parts), world_size,
+                                  kind=f"{lay.kind}x{k}:{'/'.join(sorted(kinds))}",
                                   block_size=block_size)
 
-    return Schedule(f"compose({outer.name}, {inner.name}, inner_size={k})", layout=make,
-                    build=lambda P, need: _composed_programs(outer, k, P, need),
-                    mask_aware=outer.mask_aware)
+    name = f"compose({outer.name}, {inner.name}, inner_size={k})"
+    build = ((lambda P, need: _composed_programs(outer, k, P, need)) if heads else
+             (lambda P, need: _double_programs(outer, inner, k, P, need)))
+    sched = Schedule(name, layout=make, build=build,
+                     mask_aware=outer.mask_aware or inner.mask_aware)
+    _INNER_SIZES[sched] = k
+    return sched
