@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
 import time
 from typing import Sequence
 
@@ -123,6 +122,26 @@ class Hardware:
         if self.node_size < 0:
             raise ValueError(f"Hardware {self.name!r}: node_size must be >= 0 (0 = one node)")
 
+    def collective_s(self, n, nbytes, intra):
+        """Seconds of collectives over ``n`` members moving ``nbytes`` (arrays), ``intra``:
+        all members on one node (NVLink), else across nodes (the slower link bounds a ring).
+
+        ``(n - 1) * latency + nbytes / bandwidth``: the alpha-beta cost of a ring all-gather or
+        reduce-scatter and of a pairwise all-to-all, n - 1 rounds each (Thakur, Rabenseifner
+        and Gropp, "Optimization of Collective Communication Operations in MPICH", IJHPCA
+        2005, sec. 4; NCCL's ring algorithms, nccl-tests doc/PERFORMANCE.md "bus bandwidth").
+        ``nbytes`` is what the busiest member moves, counting only non-empty contributions:
+        for an all-gather the bytes a member receives (in a ring every byte it gathers enters
+        it once), for a reduce-scatter the bytes a member sends (its adjoint), for an
+        all-to-all the larger of the two. A full all-gather of b bytes per member gives the
+        textbook ``(n - 1) * (latency + b / bandwidth)``.
+        """
+        n = np.asarray(n, dtype=np.float64)
+        intra = np.asarray(intra, dtype=bool)
+        lat = np.where(intra, self.latency_s, self.inter_latency_s)
+        bw = np.where(intra, self.bandwidth, self.inter_bandwidth)
+        return np.maximum(n - 1, 0) * lat + np.asarray(nbytes, dtype=np.float64) / bw
+
     def link(self, src: np.ndarray, dst: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(latency, bandwidth) arrays for transfers ``src[i] -> dst[i]``."""
         if not self.node_size:
@@ -214,9 +233,21 @@ class Shape:
         """Accumulators (out/lse, dq, dkv) are float32, float64 for float64."""
         return 8 if self.dtype == "float64" else 4
 
-    def buffer_bytes(self, kind: str, L: int) -> int:
-        """Bytes of one buffer of ``kind`` (kv, dkv, q, dq, out) holding ``L`` tokens."""
+    def buffer_bytes(self, kind: str, L: int, *, split: int = 1) -> int:
+        """Bytes of one buffer of ``kind`` (kv, dkv, q, dq, out, dout) holding ``L`` tokens.
+
+        With ``split=k``, one head slice of k (``q3h1/4``): H/k query heads, and for kv the
+        kv heads those read (G/k of them, or one when k % G == 0, as the interpreter holds
+        them).
+
+        Raises:
+            ValueError: H and G cannot be split k ways (the interpreter's rule).
+        """
         B, H, G, D = self.batch, self.heads, self.kv_heads, self.head_dim
+        if split != 1:
+            from .interpreter import check_head_split
+            check_head_split(split, H, G, what=f"a head slice of {split} (H={H}, G={G})")
+            H, G = H // split, (G // split if G % split == 0 else 1)
         if kind == "kv":
             return 2 * B * G * L * D * self.itemsize
         if kind == "dkv":
@@ -276,58 +307,149 @@ def tile_work(plan) -> np.ndarray:
     """Per tile: ``[P, P, 4]`` (calls, full, masked, causal pairs); zero for EMPTY tiles.
 
     Tiles with the same block map share one evaluation, so this costs the number of
-    *distinct* maps, all grouped in one call of the tile grouping.
+    *distinct* maps, all grouped in one call of the tile grouping. A plan's maps are read
+    from the rectangles of its sparse ``block_map`` (only the PARTIAL tiles are painted,
+    one distinct map once); plan-like objects with a dense ``blocks`` map work too.
     """
     P, L, bs = plan.world_size, plan.local_len, plan.block_size
     n = L // bs
     masked_ok = plan.mask_mod is not None
-    tiles = plan.tiles.to(torch.int64).numpy()
+    tiles = torch.as_tensor(plan.tiles).to(torch.int64).numpy().reshape(P, P)
     work = np.zeros((P, P, 4), dtype=np.float64)
     full_tiles = tiles == _FULL
     if full_tiles.any():
         work[full_tiles] = _maps_work(torch.full((1, n, n), _FULL, dtype=torch.int8), L=L,
                                       block_size=bs, masked_ok=masked_ok)[0]
-    part = np.argwhere(tiles == _PARTIAL)                   # sorted by q rank, then kv rank
+    part = np.flatnonzero(tiles.reshape(-1) == _PARTIAL)      # tile keys i * P + j, sorted
     if len(part):
-        W = -(-(n * n) // 32)
-        words = torch.empty(len(part), W, dtype=torch.int64)
-        shifts = 2 * torch.arange(32, dtype=torch.int64)
-        band = max(1, _BAND_BLOCKS // (n * n * P))          # q ranks painted at once
-        starts = np.searchsorted(part[:, 0], np.arange(0, P + band, band))
-        for k, i0 in enumerate(range(0, P, band)):
-            lo, hi = starts[k], starts[k + 1]
-            if lo == hi:
-                continue
-            i1 = min(P, i0 + band)
-            grid = _rows(plan, i0 * n, i1 * n).view(i1 - i0, n, P, n)
-            pi = torch.as_tensor(part[lo:hi, 0] - i0)
-            pj = torch.as_tensor(part[lo:hi, 1])
-            for a in range(0, hi - lo, _CHUNK):          # bounded memory: _CHUNK maps at a time
-                maps = grid[pi[a:a + _CHUNK], :, pj[a:a + _CHUNK], :]              # [N, n, n]
-                flat = torch.nn.functional.pad(maps.reshape(len(maps), n * n).to(torch.int64),
-                                               (0, W * 32 - n * n))
-                words[lo + a:lo + a + len(maps)] = (flat.view(len(maps), W, 32) << shifts).sum(-1)
-        key = np.zeros(len(part), dtype=np.int64)        # exact: re-rank after each word
-        for w in words.numpy().T:
-            _, wi = np.unique(w, return_inverse=True)
-            _, key = np.unique(key * (int(wi.max()) + 1) + wi, return_inverse=True)
-        inv = key.reshape(-1)
-        firsts = np.zeros(int(inv.max()) + 1, dtype=np.int64)
-        firsts[inv] = np.arange(len(part))
-        maps = torch.stack([_tile(plan, int(part[f, 0]), int(part[f, 1]), n) for f in firsts])
-        per_map = _maps_work(maps.to(torch.int8), L=L, block_size=bs, masked_ok=masked_ok)
-        work[part[:, 0], part[:, 1]] = per_map[inv]
+        found = None
+        bm = getattr(plan, "block_map", None)
+        if bm is not None and hasattr(bm, "rects"):
+            found = _distinct_maps_from_rects(bm, tiles.reshape(-1), part, P, n)
+        if found is None:
+            found = _distinct_maps_dense(plan, part, P, n)
+        maps, inv = found
+        per_map = _maps_work(maps, L=L, block_size=bs, masked_ok=masked_ok)
+        work.reshape(P * P, 4)[part] = per_map[inv]
     return work
 
 
+def _mix64(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser: a well-spread uint64 hash of each element (wrapping)."""
+    x = x.astype(np.uint64, copy=True)
+    with np.errstate(over="ignore"):
+        x ^= x >> np.uint64(30)
+        x *= np.uint64(0xBF58476D1CE4E5B9)
+        x ^= x >> np.uint64(27)
+        x *= np.uint64(0x94D049BB133111EB)
+        x ^= x >> np.uint64(31)
+    return x
+
+
+def _distinct_maps_from_rects(bm, tiles_flat: np.ndarray, part: np.ndarray, P: int, n: int):
+    """``(maps [U, n, n] int8, inv [len(part)])``: the distinct block maps of the PARTIAL
+    tiles ``part`` and which one each tile has, from the block map's rectangles.
+
+    A tile's rectangles (relative to its corner, in the map's (r0, c0) order) are its
+    signature; tiles are grouped by (count, hash of the signature) and every group is then
+    checked element by element against its first tile, so equal maps are found exactly.
+    Returns None when a rectangle crosses a tile boundary (the caller paints densely).
+    """
+    R = bm.rects.numpy() if isinstance(bm.rects, torch.Tensor) else np.asarray(bm.rects)
+    C = (bm.codes.numpy() if isinstance(bm.codes, torch.Tensor) else np.asarray(bm.codes))
+    R = R.astype(np.int64, copy=False)
+    if not len(R) or n + 1 > 1 << 14:
+        return None
+    ti, tj = R[:, 0] // n, R[:, 2] // n
+    if ((R[:, 1] - 1) // n != ti).any() or ((R[:, 3] - 1) // n != tj).any():
+        return None                                   # rectangles across tiles: paint densely
+    key = ti * P + tj
+    sel = tiles_flat[key] == _PARTIAL
+    key, R, C, ti, tj = key[sel], R[sel], C[sel].astype(np.int64), ti[sel], tj[sel]
+    order = np.argsort(key, kind="stable")            # keeps the (r0, c0) order inside a tile
+    key, R, C, ti, tj = key[order], R[order], C[order], ti[order], tj[order]
+    tile = np.searchsorted(part, key)                 # index into part of each rectangle
+    m = n + 1
+    enc = ((((R[:, 0] - ti * n) * m + (R[:, 1] - ti * n)) * m + (R[:, 2] - tj * n)) * m
+           + (R[:, 3] - tj * n)) * 4 + C
+    cnt = np.bincount(tile, minlength=len(part))
+    start = np.cumsum(cnt) - cnt
+    k = np.arange(len(tile)) - start[tile]
+    h = _mix64(enc * np.int64(1 << 20) + k)           # position-dependent: order matters
+    tile_hash = np.zeros(len(part), dtype=np.uint64)
+    nz = cnt > 0
+    if nz.any():
+        with np.errstate(over="ignore"):
+            tile_hash[nz] = np.add.reduceat(h, start[nz])
+    sig = np.stack([cnt.astype(np.int64), tile_hash.view(np.int64)], axis=1)
+    _, first, inv = np.unique(sig, axis=0, return_index=True, return_inverse=True)
+    inv = inv.reshape(-1)
+    rep = first[inv]                                  # each tile's representative tile
+    same = enc == enc[start[rep[tile]] + k]
+    if not same.all():                                # a hash collision: group by content
+        width = int(cnt.max())
+        pad = np.full((len(part), width), -1, dtype=np.int64)
+        pad[tile, k] = enc
+        _, first, inv = np.unique(np.concatenate([cnt[:, None], pad], axis=1), axis=0,
+                                  return_index=True, return_inverse=True)
+        inv = inv.reshape(-1)
+    U = len(first)
+    uid = np.full(len(part), -1, dtype=np.int64)
+    uid[first] = np.arange(U)
+    keep = uid[tile] >= 0                             # the representatives' rectangles
+    u, rr, cc = uid[tile[keep]], R[keep], C[keep].astype(np.int8)
+    r0, r1 = rr[:, 0] - ti[keep] * n, rr[:, 1] - ti[keep] * n
+    c0, c1 = rr[:, 2] - tj[keep] * n, rr[:, 3] - tj[keep] * n
+    diff = np.zeros(U * m * m, dtype=np.int8)
+    base = u * (m * m)
+    for rows, cols, sign in ((r0, c0, cc), (r0, c1, -cc), (r1, c0, -cc), (r1, c1, cc)):
+        np.add.at(diff, base + rows * m + cols, sign)
+    maps = diff.reshape(U, m, m).cumsum(1, dtype=np.int8).cumsum(2, dtype=np.int8)[:, :n, :n]
+    return torch.from_numpy(np.ascontiguousarray(maps)), inv
+
+
+def _distinct_maps_dense(plan, part: np.ndarray, P: int, n: int):
+    """As :func:`_distinct_maps_from_rects`, from dense block rows (plan-like objects)."""
+    pi_all, pj_all = part // P, part % P
+    W = -(-(n * n) // 32)
+    words = torch.empty(len(part), W, dtype=torch.int64)
+    shifts = 2 * torch.arange(32, dtype=torch.int64)
+    band = max(1, _BAND_BLOCKS // (n * n * P))          # q ranks painted at once
+    starts = np.searchsorted(pi_all, np.arange(0, P + band, band))
+    for b, i0 in enumerate(range(0, P, band)):
+        lo, hi = starts[b], starts[b + 1]
+        if lo == hi:
+            continue
+        i1 = min(P, i0 + band)
+        grid = _rows(plan, i0 * n, i1 * n).view(i1 - i0, n, P, n)
+        pi = torch.as_tensor(pi_all[lo:hi] - i0)
+        pj = torch.as_tensor(pj_all[lo:hi])
+        for a in range(0, hi - lo, _CHUNK):          # bounded memory: _CHUNK maps at a time
+            maps = grid[pi[a:a + _CHUNK], :, pj[a:a + _CHUNK], :]              # [N, n, n]
+            flat = torch.nn.functional.pad(maps.reshape(len(maps), n * n).to(torch.int64),
+                                           (0, W * 32 - n * n))
+            words[lo + a:lo + a + len(maps)] = (flat.view(len(maps), W, 32) << shifts).sum(-1)
+    _, first, inv = np.unique(words.numpy(), axis=0, return_index=True, return_inverse=True)
+    maps = torch.stack([_tile(plan, int(pi_all[f]), int(pj_all[f]), n) for f in first])
+    return maps.to(torch.int8), inv.reshape(-1)
+
+
 def tile_costs(plan, hardware: str | Hardware = "cpu", shape: Shape = Shape(), *,
-               backward: bool = False) -> np.ndarray:
-    """Seconds each tile (q of rank i, kv of rank j) takes, ``[P, P]``; 0 for EMPTY tiles."""
+               backward: bool = False, split: int = 1) -> np.ndarray:
+    """Seconds each tile (q of rank i, kv of rank j) takes, ``[P, P]``; 0 for EMPTY tiles.
+
+    With ``split=k`` the cost of computing one head slice of k (``C q·kv h i/k``): the
+    kernel calls cost as much, the pairs and rows 1/k.
+    """
     hw = get_hardware(hardware)
-    return _costs(tile_work(plan), plan.local_len, hw, shape, backward)
+    fixed, heads = _costs(tile_work(plan), plan.local_len, hw, shape, backward)
+    return fixed + heads / split
 
 
-def _costs(work: np.ndarray, L: int, hw: Hardware, shape: Shape, backward: bool) -> np.ndarray:
+def _costs(work: np.ndarray, L: int, hw: Hardware, shape: Shape,
+           backward: bool) -> tuple[np.ndarray, np.ndarray]:
+    """``(fixed, per_heads)`` seconds per tile ``[P, P]``: the kernel calls, which a head
+    slice pays in full, and the pairs and rows, of which a slice of 1/k of the heads pays 1/k."""
     BH_D = shape.batch * shape.heads * shape.head_dim
     if backward:
         unit, call = BWD_FLOPS_PER_PAIR * BH_D / hw.bwd_flops, hw.bwd_call_s
@@ -335,146 +457,421 @@ def _costs(work: np.ndarray, L: int, hw: Hardware, shape: Shape, backward: bool)
         unit, call = FWD_FLOPS_PER_PAIR * BH_D / hw.fwd_flops, hw.call_s
     calls, full, masked, causal = (work[..., i] for i in range(4))
     mf = hw.bwd_masked if backward and hw.bwd_masked is not None else hw.masked
-    cost = calls * call + unit * (full + mf * masked + hw.causal * causal)
-    return np.where(calls > 0, cost + hw.row_s * L * BH_D, 0.0)
+    some = calls > 0
+    fixed = np.where(some, calls * call, 0.0)
+    heads = np.where(some, unit * (full + mf * masked + hw.causal * causal)
+                     + hw.row_s * L * BH_D, 0.0)
+    return fixed, heads
 
 
-_BUF = re.compile(r"^([a-z_]*?)(\d+)$")
+#: Collective kinds in the columns: all-gather, reduce-scatter, all-to-all.
+_COLL_KINDS = {"AG": 0, "RS": 1, "A2A": 2}
 
 
-def _buf_kind(buf) -> str:
-    m = _BUF.match(str(getattr(buf, "name", buf)))
-    return m.group(1) if m else str(buf)
+@dataclasses.dataclass
+class _Cols:
+    """One direction's programs as integer columns (one pass over the ops).
+
+    ``comp``: ``(rank, step, grad, q, kv, split)`` per tile compute (``split`` k: one head
+    slice of k; 1: all heads). ``send``: ``(rank, step, peer, bytes)`` per point-to-point
+    send. ``touch``: ``(rank, step, buffer id, start)``: an op on a buffer another rank owns
+    (``start``: it arrives or is first written there). ``coll``: ``(rank, step, group id,
+    ordinal, kind, sent bytes, received bytes)`` per member side of a collective; ``ordinal``
+    counts the collectives on the same group earlier in that step. ``groups``: the groups by
+    id; ``buf_bytes``: bytes by buffer id; ``splits``: the head splits the programs use.
+    """
+
+    P: int
+    comp: tuple
+    send: tuple
+    touch: tuple
+    coll: tuple
+    groups: list
+    buf_bytes: np.ndarray
+    splits: tuple
+
+
+def _i64(x) -> np.ndarray:
+    return np.asarray(x, dtype=np.int64)
+
+
+def _family_codes():
+    from ..schedules import ir
+    fams = list(ir.Family)
+    return ir, fams, {f: c for c, f in enumerate(fams)}
+
+
+def _fam_bytes(fams, L: int, shape: Shape) -> np.ndarray:
+    return _i64([shape.buffer_bytes(f.value, L) for f in fams])
+
+
+def _columns(programs: Sequence, L: int, shape: Shape) -> _Cols:
+    """Programs as :class:`_Cols`: from the IR's :class:`~fringe.schedules.ir.ProgramTable`
+    without building an op (P=1024 rings have millions), else by walking the ops once
+    (collectives and head slices, which the table has no column for)."""
+    ir, fams, code = _family_codes()
+    table_cls = getattr(ir, "ProgramTable", None)
+    if table_cls is not None:
+        try:
+            t = table_cls.of(list(programs))
+        except TypeError:             # ops without a column form (collectives, head slices)
+            t = None
+        if t is not None:
+            return _table_columns(t, len(programs), L, shape, fams, code)
+    return _walk_columns(programs, L, shape, ir, fams, code)
+
+
+def _compute_touches(P, rank, step, grad, q, kv, code):
+    """Touch rows of tile computes on buffers other ranks own (all heads, ``bufid = family
+    code * P + chunk``): a forward compute reads q, kv and writes out; its VJP reads q, kv,
+    out, dout and writes dq, dkv. Written buffers start there."""
+    from ..schedules.ir import Family as F
+    out = []
+    for g, fam_chunks in ((0, ((F.Q, 0, 0), (F.KV, 1, 0), (F.OUT, 0, 1))),
+                          (1, ((F.Q, 0, 0), (F.KV, 1, 0), (F.OUT, 0, 0), (F.DOUT, 0, 0),
+                               (F.DQ, 0, 1), (F.DKV, 1, 1)))):
+        sel = grad == g
+        if not sel.any():
+            continue
+        r, s, cq, ck = rank[sel], step[sel], q[sel], kv[sel]
+        remote = (cq != r, ck != r)
+        for fam, which, start in fam_chunks:
+            m = remote[which]
+            if m.any():
+                ch = (cq, ck)[which][m]
+                out.append((r[m], s[m], code[fam] * P + ch, np.full(int(m.sum()), bool(start))))
+    return out
+
+
+def _table_columns(t, P: int, L: int, shape: Shape, fams, code) -> _Cols:
+    """Columns of a :class:`~fringe.schedules.ir.ProgramTable`: from its *parts* when it has
+    them (computes, and one row per send and its receive: no sort into rank order needed),
+    else from its rows."""
+    fam_bytes = _fam_bytes(fams, L, shape)
+    parts = getattr(t, "_parts", None)
+    if parts is not None:
+        comp, xfer = parts
+        c = tuple(_i64(comp[k]) for k in ("rank", "step", "kind", "q", "kv"))
+        src_, dst, step, fam, chunk = (_i64(xfer[k]) for k in ("src", "dst", "step", "fam", "chunk"))
+        sends = (src_, step, dst, fam_bytes[fam])
+        xfers = [(src_, False), (dst, True)]
+    else:
+        comp = t.kind <= 1
+        c = (t.rank[comp], t.step[comp], t.kind[comp], t.a[comp], t.b[comp])
+        send = t.kind == 2
+        sends = (t.rank[send], t.step[send], t.c[send], fam_bytes[t.a[send]])
+        step, fam, chunk = t.step, t.a, t.b
+        xfers = [(t.rank, t.kind == 3)]
+    touches = _compute_touches(P, *c, code)
+    for rank, start in xfers:                     # a transfer touches a buffer another rank owns
+        sel = chunk != rank
+        if not isinstance(start, bool):
+            sel &= t.kind >= 2
+            start = start[sel]
+        else:
+            start = np.full(int(sel.sum()), start)
+        touches.append((rank[sel], step[sel], fam[sel] * P + chunk[sel], start))
+    touch = tuple(np.concatenate([x[i] for x in touches]) if touches else
+                  np.zeros(0, dtype=bool if i == 3 else np.int64) for i in range(4))
+    e = np.zeros(0, dtype=np.int64)
+    comp_cols = (*c, np.ones(len(c[0]), dtype=np.int64))
+    return _Cols(P, comp_cols, sends, touch, (e,) * 7, [], np.repeat(fam_bytes, P), (1,))
+
+
+def _walk_columns(programs: Sequence, L: int, shape: Shape, ir, fams, code) -> _Cols:
+    """Columns by walking every op (programs with collectives or head slices)."""
+    P = len(programs)
+    fam_bytes = _fam_bytes(fams, L, shape)
+    base = len(fams) * P
+    sliced: dict[tuple, int] = {}                      # (family code, chunk, (i, n)) -> id
+    sliced_bytes: list[int] = []
+    splits = {1}
+    Compute, GradCompute, Send, Recv = ir.Compute, ir.GradCompute, ir.Send, ir.Recv
+    Collective = ir.Collective
+    F = ir.Family
+    fwd_fams = ((F.Q, 0, False), (F.KV, 1, False), (F.OUT, 0, True))
+    bwd_fams = ((F.Q, 0, False), (F.KV, 1, False), (F.OUT, 0, False), (F.DOUT, 0, False),
+                (F.DQ, 0, True), (F.DKV, 1, True))
+    cache: dict = {}
+
+    def bid(fc: int, chunk: int, heads) -> int:
+        if heads is None:
+            return fc * P + chunk
+        k = (fc, chunk, heads)
+        hit = sliced.get(k)
+        if hit is None:
+            n = heads[1]
+            splits.add(n)
+            hit = sliced[k] = base + len(sliced_bytes)
+            sliced_bytes.append(shape.buffer_bytes(fams[fc].value, L, split=n))
+        return hit
+
+    def of_buffer(b) -> tuple[int, int, int]:
+        """(id, bytes, chunk) of a Buffer, cached."""
+        hit = cache.get(b)
+        if hit is None:
+            fc, chunk, heads = code[b.family], b.chunk, b.heads
+            if chunk >= P:
+                raise ValueError(f"buffer {b} names chunk {chunk}, but the programs are for "
+                                 f"P={P} ranks")
+            i = bid(fc, chunk, heads)
+            hit = cache[b] = (i, int(fam_bytes[fc]) if heads is None else sliced_bytes[i - base],
+                              chunk)
+        return hit
+
+    comp, send, touch, coll = [], [], [], []
+    groups: dict[tuple, int] = {}
+    for prog in programs:
+        r = prog.rank
+        for step in prog.steps:
+            t = step.index
+            seen: dict[int, int] = {}
+            for op in step.ops:
+                tp = type(op)
+                if tp is Compute or tp is GradCompute:
+                    h = op.heads
+                    g = tp is GradCompute
+                    comp.append((r, t, g, op.q, op.kv, 1 if h is None else h[1]))
+                    if op.q != r or op.kv != r:
+                        for fam, which, start in (bwd_fams if g else fwd_fams):
+                            chunk = op.kv if which else op.q
+                            if chunk != r:
+                                touch.append((r, t, bid(code[fam], chunk, h), start))
+                elif tp is Send or tp is Recv:
+                    i, nbytes, chunk = of_buffer(op.buf)
+                    if tp is Send:
+                        send.append((r, t, op.peer, nbytes))
+                    if chunk != r:
+                        touch.append((r, t, i, tp is Recv))
+                elif tp is Collective:
+                    gid = groups.setdefault(op.group, len(groups))
+                    if r not in op.group:
+                        raise ValueError(f"rank {r}, step {t}: {op.ascii()} does not list rank "
+                                         f"{r} in its group {list(op.group)}")
+                    me = op.group.index(r)
+                    sent = got = 0
+                    for k, b in enumerate(op.sends):
+                        if b is not None and k != me:
+                            i, nbytes, chunk = of_buffer(b)
+                            sent += nbytes
+                            if chunk != r:
+                                touch.append((r, t, i, False))
+                    for k, b in enumerate(op.recvs):
+                        if b is not None and k != me:
+                            i, nbytes, chunk = of_buffer(b)
+                            got += nbytes
+                            if chunk != r:
+                                touch.append((r, t, i, True))
+                    ordinal = seen.get(gid, 0)
+                    seen[gid] = ordinal + 1
+                    coll.append((r, t, gid, ordinal, _COLL_KINDS[op.kind], sent, got))
+                else:
+                    raise ValueError(
+                        f"the cost model does not model {type(op).__name__} ops (rank {r}, step "
+                        f"{t}: {op}); it runs compute, send, receive and collective (AG, RS, A2A) "
+                        f"ops")
+
+    def cols(rows, width):
+        return tuple(np.array(rows, dtype=np.int64).reshape(-1, width).T)
+
+    tc = cols(touch, 4)
+    touch_cols = (tc[0], tc[1], tc[2], tc[3].astype(bool))
+    buf_bytes = np.concatenate([np.repeat(fam_bytes, P), _i64(sliced_bytes)])
+    return _Cols(P, cols(comp, 6), cols(send, 4), touch_cols, cols(coll, 7),
+                 [g for g, _ in sorted(groups.items(), key=lambda x: x[1])], buf_bytes,
+                 tuple(sorted(splits)))
 
 
 @dataclasses.dataclass
 class _Flat:
-    """One direction's programs as flat arrays (one pass over the ops)."""
+    """One direction's programs as flat arrays, ready to run."""
 
     steps: np.ndarray            # sorted distinct global step indices
     active: np.ndarray           # [P, T] bool: rank has a step at that index
     tiles: np.ndarray            # [P, T] tiles computed
     compute: np.ndarray          # [P, T] seconds
     sends: tuple                 # (rank, step position, peer, bytes) arrays
-    live_peak: np.ndarray        # [P] peak bytes of received buffers alive at once
+    colls: tuple                 # collective sides: (rank, position, instance) + instances
+    live_peak: np.ndarray        # [P] peak bytes of other ranks' buffers alive at once
 
 
-def _columns(programs: Sequence) -> tuple:
-    """Programs as op columns ``(rank, step, kind, a, b, c, families)``.
-
-    ``kind``: 0 compute, 1 grad compute, 2 send, 3 receive; ``(a, b, c)`` is ``(q, kv, -1)``
-    for a compute and ``(family index, chunk, peer)`` for a transfer, ``families`` the family
-    names by index. The IR's own :class:`~fringe.schedules.ir.ProgramTable` gives them without
-    building an op (P=1024 rings have millions); otherwise the ops are walked once.
-    """
-    from ..schedules import ir
-    table_cls = getattr(ir, "ProgramTable", None)
-    if table_cls is not None and hasattr(ir, "Family"):
-        try:
-            t = table_cls.of(list(programs))
-        except TypeError:             # ops without a column form (collectives): walk them
-            t = None
-        if t is not None:
-            return t.rank, t.step, t.kind, t.a, t.b, t.c, [f.value for f in ir.Family]
-    families: dict[str, int] = {}
-    rows = []
-    for prog in programs:
-        for step in prog.steps:
-            for op in step.ops:
-                if not isinstance(op, (ir.Compute, ir.GradCompute, ir.Send, ir.Recv)):
-                    raise ValueError(
-                        f"the cost model does not model {type(op).__name__} ops yet (rank "
-                        f"{prog.rank}, step {step.index}: {op}); it runs programs of compute, "
-                        f"send and receive ops (ring, zigzag, striped, balanced, hand-written)")
-                if isinstance(op, (ir.Compute, ir.GradCompute)):
-                    rows.append((prog.rank, step.index, int(isinstance(op, ir.GradCompute)),
-                                 op.q, op.kv, -1))
-                else:
-                    m = _BUF.match(str(op.buf))
-                    fam = families.setdefault(m.group(1), len(families))
-                    rows.append((prog.rank, step.index, 2 if isinstance(op, ir.Send) else 3, fam,
-                                 int(m.group(2)), op.peer))
-    cols = np.array(rows, dtype=np.int64).reshape(-1, 6).T
-    return (*cols, list(families))
-
-
-def _flatten(programs: Sequence, cost: np.ndarray, L: int, shape: Shape) -> _Flat:
-    P = len(programs)
-    rank, step, kind, a, b, c, families = _columns(programs)
-    steps = np.unique(step)
+def _flatten(cols: _Cols, fixed: np.ndarray, per_heads: np.ndarray, hw: Hardware) -> _Flat:
+    P = cols.P
+    c_rank, c_step, _, c_q, c_kv, c_split = cols.comp
+    s_rank, s_step, s_peer, s_bytes = cols.send
+    u_rank, u_step, u_buf, u_start = cols.touch
+    k_rank, k_step, k_gid, k_ord, k_kind, k_sent, k_recv = cols.coll
+    every = (c_step, s_step, k_step, u_step)
+    present = np.zeros(1 + max((int(s.max()) for s in every if len(s)), default=-1), dtype=bool)
+    for s in every:
+        present[s] = True
+    steps = np.flatnonzero(present)
     T = len(steps)
-    lut = np.zeros(int(steps.max()) + 1 if T else 1, dtype=np.int64)
+    lut = np.zeros(max(len(present), 1), dtype=np.int64)
     lut[steps] = np.arange(T)
-    pos = lut[step]
-    active = np.zeros((P, T), dtype=bool)
-    active[rank, pos] = True
-    comp = kind <= 1
-    cell = rank[comp] * T + pos[comp]
-    compute = np.bincount(cell, weights=cost[a[comp], b[comp]], minlength=P * T).reshape(P, T)
+    s_pos, u_pos = lut[s_step], lut[u_step]
+    active = np.zeros(P * T, dtype=bool)
+    for r, pos in ((c_rank, lut[c_step]), (s_rank, s_pos), (k_rank, lut[k_step]), (u_rank, u_pos)):
+        active[r * T + pos] = True
+    active = active.reshape(P, T)
+    cell = c_rank * T + lut[c_step]
+    w = fixed[c_q, c_kv] + (per_heads[c_q, c_kv] if (c_split == 1).all()
+                            else per_heads[c_q, c_kv] / c_split)
+    compute = np.bincount(cell, weights=w, minlength=P * T).reshape(P, T)
     tiles = np.bincount(cell, minlength=P * T).reshape(P, T)
-    fam_bytes = np.array([shape.buffer_bytes(f, L) for f in families] or [0], dtype=np.int64)
-    send = kind == 2
-    sends = (rank[send], pos[send], c[send], fam_bytes[a[send]])
-    # buffers: id = family * P + chunk; a compute touches kv<kv> (and the dkv it writes)
-    kv = families.index("kv") if "kv" in families else len(families)
-    buf = np.where(comp, kv * P + b, a * P + b)
-    recv = kind == 3
-    nfam = max(len(families), kv + 1)
-    size_of = np.zeros(nfam * P, dtype=np.int64)
-    size_of[:len(families) * P] = np.repeat(fam_bytes[:len(families)], P)
-    live_peak = _live_peak(P, T, rank[recv], pos[recv], buf[recv], rank[~recv], pos[~recv],
-                           buf[~recv], size_of)
-    return _Flat(steps, active, tiles, compute, sends, live_peak)
+    sends = (s_rank, s_pos, s_peer, s_bytes)
+    colls = _instances(cols, lut, hw)
+    live = _live_peak(P, T, u_rank, u_pos, u_buf, u_start, cols.buf_bytes)
+    return _Flat(steps, active, tiles, compute, sends, colls, live)
 
 
-def _live_peak(P, T, r, start, bufs, tr, tpos, tbufs, size_of) -> np.ndarray:
-    """Peak bytes of received buffers alive at once on each rank (received → last use)."""
+def _instances(cols: _Cols, lut: np.ndarray, hw: Hardware) -> tuple:
+    """Collective sides grouped into instances (one per step, group and ordinal).
+
+    Returns ``(rank, pos, sent, recv, inst, waves, duration)``: the sides sorted by (step,
+    ordinal, instance); ``waves`` maps a step position to its ``(side start, side stop,
+    instance starts)`` runs, one per ordinal; ``duration`` per instance (see
+    :meth:`Hardware.collective_s`).
+    """
+    k_rank, k_step, k_gid, k_ord, k_kind, k_sent, k_recv = cols.coll
+    if not len(k_rank):
+        return None
+    pos = lut[k_step]
+    G = len(cols.groups)
+    O = int(k_ord.max()) + 1
+    key = (pos * O + k_ord) * G + k_gid
+    order = np.argsort(key, kind="stable")
+    key, rank, pos, gid = key[order], k_rank[order], pos[order], k_gid[order]
+    kind, sent, recv, ordv = k_kind[order], k_sent[order], k_recv[order], k_ord[order]
+    head = np.r_[True, key[1:] != key[:-1]]
+    starts = np.flatnonzero(head)
+    inst = np.cumsum(head) - 1
+    sizes = _i64([len(g) for g in cols.groups])
+    ns = hw.node_size
+    intra = np.array([not ns or len({m // ns for m in g}) == 1 for g in cols.groups])
+    ikind, igid = kind[starts], gid[starts]
+    load = np.where(ikind == 0, np.maximum.reduceat(recv, starts),
+                    np.where(ikind == 1, np.maximum.reduceat(sent, starts),
+                             np.maximum(np.maximum.reduceat(recv, starts),
+                                        np.maximum.reduceat(sent, starts))))
+    dur = hw.collective_s(sizes[igid], load.astype(np.float64), intra[igid])
+    waves: dict[int, list] = {}
+    wkey = pos * O + ordv
+    wstart = np.flatnonzero(np.r_[True, wkey[1:] != wkey[:-1]])
+    wstop = np.r_[wstart[1:], len(wkey)]
+    for a, b in zip(wstart.tolist(), wstop.tolist()):
+        i0, i1 = int(inst[a]), int(inst[b - 1]) + 1
+        waves.setdefault(int(pos[a]), []).append((a, b, i0, starts[i0:i1] - a))
+    return rank, pos, sent, recv, inst, waves, dur
+
+
+def _live_peak(P: int, T: int, r, pos, buf, start, size_of) -> np.ndarray:
+    """Peak bytes of other ranks' buffers alive at once on each rank: a buffer lives from the
+    first step it arrives or is written there to the last step an op touches it."""
     peak = np.zeros(P, dtype=np.int64)
-    if not len(r):
+    if not len(r) or not start.any():
         return peak
-    NB = len(size_of)
-    last = np.full(P * NB, -1, dtype=np.int64)
-    key = tr * NB + tbufs                                 # last use: max position per key
-    order = np.lexsort((tpos, key))
-    ks = key[order]
-    tail = np.r_[ks[1:] != ks[:-1], True] if len(ks) else np.zeros(0, dtype=bool)
-    last[ks[tail]] = tpos[order][tail]
-    end = np.maximum(last[r * NB + bufs], start)       # a buffer nothing touches lives one step
-    sz = size_of[bufs].astype(np.float64)
-    delta = (np.bincount(r * (T + 1) + start, weights=sz, minlength=P * (T + 1))
-             - np.bincount(r * (T + 1) + end + 1, weights=sz, minlength=P * (T + 1)))
+    used = np.zeros(len(size_of), dtype=bool)
+    used[buf] = True
+    ids = np.flatnonzero(used)                        # the buffers touched anywhere
+    remap = np.cumsum(used) - 1
+    NB = len(ids)
+    key = r * NB + remap[buf]
+    if P * NB > 1 << 24:                              # compact the keys (large sliced plans)
+        uniq, key = np.unique(key, return_inverse=True)
+        key = key.reshape(-1)
+        nk = len(uniq)
+    else:
+        uniq, nk = None, P * NB
+    first = np.full(nk, T, dtype=np.int64)
+    np.minimum.at(first, key[start], pos[start])
+    last = np.full(nk, -1, dtype=np.int64)
+    np.maximum.at(last, key, pos)
+    live = np.flatnonzero(first < T)
+    full_key = live if uniq is None else uniq[live]
+    lr, lb = full_key // NB, ids[full_key % NB]
+    s, e = first[live], np.maximum(last[live], first[live])
+    sz = size_of[lb].astype(np.float64)
+    delta = (np.bincount(lr * (T + 1) + s, weights=sz, minlength=P * (T + 1))
+             - np.bincount(lr * (T + 1) + e + 1, weights=sz, minlength=P * (T + 1)))
     return np.cumsum(delta.reshape(P, T + 1), axis=1).max(axis=1).round().astype(np.int64)
 
 
+def _counts(index: np.ndarray, weights: np.ndarray, n: int) -> np.ndarray:
+    """``np.bincount`` with float64 weights, float64 even when empty."""
+    return np.bincount(index, weights=np.asarray(weights, dtype=np.float64),
+                       minlength=n).astype(np.float64, copy=False)
+
+
+def _one_peer(key: np.ndarray, peer: np.ndarray, n: int) -> bool:
+    """Whether every ``key`` (a rank's step) has one ``peer``."""
+    if not len(key):
+        return True
+    lo, hi = np.full(n, 1 << 62), np.full(n, -1)
+    np.minimum.at(lo, key, peer)
+    np.maximum.at(hi, key, peer)
+    seen = hi >= 0
+    return bool((lo[seen] == hi[seen]).all())
+
+
 def _run(flat: _Flat, hw: Hardware, P: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Event simulation: ``(issue, wait, sent, recv)``, each ``[P, T]``."""
+    """Event simulation: ``(issue, wait, sent, recv)``, each ``[P, T]``.
+
+    At each step every active rank issues its transfers and collectives at its clock,
+    computes, then waits for all of them (the interpreter's order). A point-to-point
+    transfer starts when both ends have issued it and takes latency + bytes / bandwidth of
+    the busier end's traffic in that step. A collective starts when every member has issued
+    it (and finished its earlier collectives of the step: they run one after the other) and
+    takes :meth:`Hardware.collective_s`. A step ends when its compute and all its
+    communication are done.
+    """
     T = len(flat.steps)
     issue = np.zeros((P, T))
     wait = np.zeros((P, T))
-    sent = np.zeros((P, T))
-    recv = np.zeros((P, T))
     src, spos, dst, nbytes = flat.sends
-    order = np.argsort(spos, kind="stable")
+    order = np.argsort(spos.astype(np.int16 if T < 1 << 15 else np.int64), kind="stable")  # radix
     src, spos, dst, nbytes = src[order], spos[order], dst[order], nbytes[order].astype(np.float64)
+    sent = _counts(src * T + spos, nbytes, P * T).reshape(P, T)
+    recv = _counts(dst * T + spos, nbytes, P * T).reshape(P, T)
     lat, bw = hw.link(src, dst)
-    bounds = np.searchsorted(spos, np.arange(T + 1))
-    sent += np.bincount(src * T + spos, weights=nbytes, minlength=P * T).reshape(P, T)
-    recv += np.bincount(dst * T + spos, weights=nbytes, minlength=P * T).reshape(P, T)
+    dur = lat + np.maximum(sent[src, spos], recv[dst, spos]) / bw   # the busier end's link
+    bounds = np.searchsorted(spos, np.arange(T + 1)).tolist()
+    waves = {}
+    if flat.colls is not None:
+        c_rank, c_pos, c_sent, c_recv, _, waves, c_dur = flat.colls
+        sent += _counts(c_rank * T + c_pos, c_sent, P * T).reshape(P, T)
+        recv += _counts(c_rank * T + c_pos, c_recv, P * T).reshape(P, T)
+    # in rings a rank sends to one peer and receives from one peer a step (maybe several
+    # buffers, which then finish together): plain assignment then takes the max
+    once = _one_peer(src * T + spos, dst, P * T) and _one_peer(dst * T + spos, src, P * T)
+    compute = np.ascontiguousarray(flat.compute.T)                   # [T, P]
+    issue_t, wait_t = np.zeros((T, P)), np.zeros((T, P))
     clock = np.zeros(P)
     for i in range(T):
-        act = flat.active[:, i]
-        issue[:, i] = clock
-        done = clock + flat.compute[:, i]
+        issue_t[i] = clock
+        done = clock + compute[i]
         a, b = bounds[i], bounds[i + 1]
         if b > a:
             s, d = src[a:b], dst[a:b]
-            start = np.maximum(clock[s], clock[d])
-            load = np.maximum(sent[s, i], recv[d, i])     # the busier end shares its link
-            fin = start + lat[a:b] + load / bw[a:b]
-            np.maximum.at(done, s, fin)
-            np.maximum.at(done, d, fin)
-        wait[:, i] = np.where(act, done - clock - flat.compute[:, i], 0.0)
-        clock = np.where(act, done, clock)
+            fin = np.maximum(clock[s], clock[d])
+            fin += dur[a:b]
+            if once:
+                done[s] = np.maximum(done[s], fin)
+                done[d] = np.maximum(done[d], fin)
+            else:
+                np.maximum.at(done, s, fin)
+                np.maximum.at(done, d, fin)
+        if i in waves:
+            ready = clock.copy()
+            for a, b, i0, rel in waves[i]:
+                m = c_rank[a:b]
+                fin = np.maximum.reduceat(ready[m], rel) + c_dur[i0:i0 + len(rel)]
+                fin_m = np.repeat(fin, np.diff(np.r_[rel, b - a]))
+                np.maximum.at(ready, m, fin_m)
+                np.maximum.at(done, m, fin_m)
+        wait_t[i] = done - clock - compute[i]        # exactly 0 where the rank has no step
+        clock = done
+    issue, wait = issue_t.T, wait_t.T
     return issue, wait, sent, recv
 
 
@@ -575,15 +972,28 @@ def simulate(plan, hardware: str | Hardware = "cpu", shape: Shape = Shape(), *,
 
     Returns:
         A :class:`Prediction`; ``.records("forward")`` are :class:`StepRecord` values.
+
+    Raises:
+        ValueError: the plan splits heads in a way ``shape`` does not allow (Ulysses over
+            more ranks than heads), saying what would.
     """
+    from .interpreter import check_head_split
     hw = get_hardware(hardware)
     P, L = plan.world_size, plan.local_len
+    label = name or plan.schedule.name
+    cols = {which: _columns(progs, L, shape)
+            for which, progs in (("forward", plan.forward), ("backward", plan.backward))}
+    for n in sorted({k for c in cols.values() for k in c.splits} | {
+            int(k) for c in cols.values() for k in np.unique(c.comp[5])}):
+        if n > 1:
+            check_head_split(n, shape.heads, shape.kv_heads,
+                             what=f"schedule {label!r} (heads split {n} ways)")
     work = tile_work(plan)
     out = dict(steps={}, compute={}, wait={}, sent={}, recv={}, tiles={}, active={})
     peak = np.zeros(P, dtype=np.int64)
-    for which, progs in (("forward", plan.forward), ("backward", plan.backward)):
-        cost = _costs(work, L, hw, shape, which == "backward")
-        flat = _flatten(progs, cost, L, shape)
+    for which, c in cols.items():
+        fixed, per_heads = _costs(work, L, hw, shape, which == "backward")
+        flat = _flatten(c, fixed, per_heads, hw)
         _, wait, sent, recv = _run(flat, hw, P)
         out["steps"][which] = flat.steps
         out["compute"][which] = flat.compute
@@ -597,15 +1007,10 @@ def simulate(plan, hardware: str | Hardware = "cpu", shape: Shape = Shape(), *,
     resident = (2 * shape.buffer_bytes("q", L) + shape.buffer_bytes("kv", L)
                 + shape.buffer_bytes("out", L) + shape.buffer_bytes("dq", L)
                 + shape.buffer_bytes("dkv", L))
-    return Prediction(name or plan.schedule.name, hw, shape, P, plan.seq_len,
-                      memory=peak + resident, **out)
+    return Prediction(label, hw, shape, P, plan.seq_len, memory=peak + resident, **out)
 
 
 # ---- command line --------------------------------------------------------------------------------
-
-#: Schedules ``simulate`` knows by name (those present in :mod:`fringe.schedules`).
-KNOWN_SCHEDULES = ("ring", "zigzag", "striped", "balanced", "allgather", "all_gather")
-
 
 def mask_from_spec(spec: str, seq_len: int):
     """``causal``, ``full``, ``document:N`` (causal within N packed documents, lengths drawn
@@ -634,17 +1039,23 @@ def cli(args) -> int:
     """``python -m fringe simulate``: one row per schedule, optionally the timeline as PNG."""
     from tabulate import tabulate
 
-    from .. import schedules as _schedules
     from ..plan import plan as make_plan
-    known = [n for n in KNOWN_SCHEDULES if callable(getattr(_schedules, n, None))]
+    from ..schedules import registry
     for name, value in (("--world-size", args.world_size), ("--seq-len", args.seq_len),
                         ("--block-size", args.block_size), ("--heads", args.heads),
                         ("--kv-heads", args.kv_heads), ("--head-dim", args.head_dim)):
         if value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value}")
-    bad = [n for n in args.schedules if n not in known]
-    if bad:
-        raise ValueError(f"unknown schedule(s) {bad}; choose from {known}")
+    made = {}
+    for name in args.schedules:               # unknown names raise, listing the valid ones
+        made[name] = registry.get(name)
+        why = registry.why_not(name, world_size=args.world_size, heads=args.heads,
+                               kv_heads=args.kv_heads)
+        if why:
+            ok = registry.names(world_size=args.world_size, heads=args.heads,
+                                kv_heads=args.kv_heads)
+            raise ValueError(f"--schedules {name}: {why}; choose from {ok} or "
+                             f"compose:OUTER+ulysses:K with K dividing H={args.heads}")
     if args.png and not args.png.lower().endswith(".png"):
         raise ValueError(f"--png {args.png!r}: give a file name ending in .png")
     shape = Shape(heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
@@ -654,7 +1065,7 @@ def cli(args) -> int:
     rows, preds = [], []
     for name in args.schedules:
         t0 = time.process_time()
-        p = make_plan(getattr(_schedules, name)(), mask, seq_len=args.seq_len,
+        p = make_plan(made[name], mask, seq_len=args.seq_len,
                       world_size=args.world_size, block_size=args.block_size)
         t1 = time.process_time()
         pred = simulate(p, hw, shape, name=name)
@@ -797,7 +1208,7 @@ def _validation_plan(schedule: str, mask: str, seq_len: int, world_size: int, bl
         m = m & masks.document(packed_docs(seq_len, n_docs, 1))
     elif mask != "causal":
         raise ValueError(f"validation mask must be 'causal' or 'document', got {mask!r}")
-    return make_plan(getattr(schedules, schedule)(), m, seq_len=seq_len, world_size=world_size,
+    return make_plan(schedules.get(schedule), m, seq_len=seq_len, world_size=world_size,
                      block_size=block_size)
 
 
