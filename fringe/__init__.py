@@ -17,5 +17,5 @@ from .schedules.kv import KVPolicy as KVPolicy
 __version__ = "0.1.0"
 
 __all__ = ["CommTimeout", "DEFAULT_BLOCK_SIZE", "KVPolicy", "Layout", "Plan", "PlanStats",
-           "RankMismatch", "RunStats", "attention", "last_run", "launch", "layout", "masks", "ops", "padded_len",
-           "plan", "recording", "render", "runtime", "schedules", "simulate"]
+           "RankMismatch", "RunStats", "attention", "last_run", "launch", "layout", "masks", "ops",
+           "padded_len", "plan", "recording", "render", "runtime", "schedules", "simulate"]

@@ -7,8 +7,8 @@ import pytest
 
 PUBLIC = {
     "fringe": ["CommTimeout", "DEFAULT_BLOCK_SIZE", "KVPolicy", "Layout", "Plan", "PlanStats",
-               "RankMismatch", "RunStats", "attention", "last_run", "launch", "layout", "masks", "ops", "padded_len",
-               "plan", "recording", "render", "runtime", "schedules", "simulate"],
+               "RankMismatch", "RunStats", "attention", "last_run", "launch", "layout", "masks", "ops",
+               "padded_len", "plan", "recording", "render", "runtime", "schedules", "simulate"],
     "fringe.masks": ["BlockKind", "BlockMap", "Mask", "MaskError", "MaskMod", "as_mask", "causal", "classify",
                      "digest", "document", "evaluate", "fn_digest", "full", "prefix_lm",
                      "reads_batch_head", "sliding_window", "snapshot"],

@@ -10,7 +10,7 @@ from fringe.schedules import registry
 
 SPECS = ["ring", "zigzag", "striped", "striped:4", "balanced", "allgather", "allgather:3",
          "ulysses", "compose:zigzag+ulysses:2", "compose:allgather:3+ulysses:2",
-         "compose:balanced+ulysses:2"]
+         "compose:balanced+ulysses:2", "compose:zigzag+ring:2", "compose:ring+allgather:3:2"]
 
 
 def test_every_builtin_is_registered_once_with_a_description():
