@@ -697,6 +697,8 @@ def _laps(w: torch.Tensor, P: int, cap: int) -> torch.Tensor:
     nb = P * cap
     pre = torch.cat([torch.zeros(1, dtype=torch.float64), w.cumsum(0)]).numpy()
     target = float(pre[-1]) / P
+    # offsets that become infeasible run on with indices up to 2 nb + cap: pad, do not clip
+    pre = np.concatenate([pre, np.full(nb + cap, pre[-1])])
     X = np.arange(0, nb + 1, max(1, nb // _LAP_OFFSETS))   # ~_LAP_OFFSETS starts tried
     m = X.size
     a, b = np.zeros(m, dtype=np.int64), X.copy()
@@ -709,16 +711,15 @@ def _laps(w: torch.Tensor, P: int, cap: int) -> torch.Tensor:
         lo = np.maximum(0, X - a - cap * (P - 1 - r))
         hi = np.minimum(cap, X - a)
         ok &= lo <= hi
-        f = pre[np.clip(a[:, None] + s, 0, nb)] - pre[a][:, None] + \
-            pre[np.clip(b[:, None] + cap - s, 0, nb)] - pre[b][:, None]
+        f = pre[a[:, None] + s] - pre[a][:, None] + pre[b[:, None] + (cap - s)] - pre[b][:, None]
         dev = np.abs(f - target)
         dev[(s < lo[:, None]) | (s > hi[:, None])] = np.inf
         k = np.argmin(dev, axis=1)
         k = np.where(ok, k, 0)
         sizes[:, r] = k
         worst = np.maximum(worst, f[rows, k])
-        a = np.clip(a + k, 0, nb)
-        b = np.clip(b + cap - k, 0, nb)
+        a = a + k
+        b = b + (cap - k)
     best = None
     for x in range(m):
         if ok[x] and (best is None or worst[x] < best[0] - 1e-15):

@@ -111,6 +111,16 @@ def test_sparse_classify_densifies_to_the_exact_block_map(seed, bs, nq, nk, qk, 
     i, j = bm.nonzero(BlockKind.PARTIAL)
     assert torch.equal(torch.stack([i, j]), (want == int(BlockKind.PARTIAL)).nonzero().t())
     assert torch.equal(bm.row_counts(), (want != 0).sum(dim=1))
+    full, part = bm.row_kind_counts()
+    assert torch.equal(full, (want == int(BlockKind.FULL)).sum(dim=1))
+    assert torch.equal(part, (want == int(BlockKind.PARTIAL)).sum(dim=1))
+    first, end = bm.row_spans()
+    idx = torch.arange(nk)
+    assert torch.equal(first, torch.where(want != 0, idx, nk).min(dim=1).values)
+    assert torch.equal(end, torch.where(want != 0, idx + 1, 0).max(dim=1).values)
+    again = BlockMap.from_dense(want)
+    check_rects(again)
+    assert torch.equal(again.dense(), want)
     rows, cols = torch.randint(0, nq, (5,), generator=g), torch.randint(0, nk, (7,), generator=g)
     assert torch.equal(bm.take(rows, cols), want[rows][:, cols])
     r0, c0 = rng.randrange(nq), rng.randrange(nk)
@@ -229,3 +239,30 @@ def test_million_token_plan_holds_no_dense_map():
     assert int(p.tiles[0, 7]) == int(BlockKind.EMPTY)           # no document spans them
     assert torch.equal(p.block_map.dense(rows=(3 * n + 100, 3 * n + 102),
                                          cols=(3 * n, 4 * n)), want)
+
+
+def test_from_dense_rejects_what_is_not_a_map_of_codes():
+    with pytest.raises(ValueError, match=r"2-D integer tensor of BlockKind codes"):
+        BlockMap.from_dense(torch.zeros(4))
+    with pytest.raises(ValueError, match=r"BlockKind codes only \(0 EMPTY, 1 PARTIAL, 2 FULL\)"):
+        BlockMap.from_dense(torch.full((2, 2), 3, dtype=torch.int8))
+    assert len(BlockMap.from_dense(torch.zeros(3, 5, dtype=torch.int8))) == 0
+
+
+def test_million_token_balanced_plan_never_densifies(monkeypatch):
+    """The balanced layout at S = 2^20 (1,000 packed documents, P = 8, block 128) is chosen
+    from the rectangles: no dense map, not even of the (S/block)^2 = 8192^2 natural order."""
+    S, P, bs = 1 << 20, 8, 128
+    g = torch.Generator().manual_seed(0)
+    cuts = torch.randperm(S - 1, generator=g)[:999].sort().values + 1
+    ids = torch.zeros(S, dtype=torch.int64)
+    ids[cuts] = 1
+    mask = M.causal() & M.document(ids.cumsum(0))
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("densified a block map")
+    monkeypatch.setattr(BlockMap, "dense", refuse)
+    monkeypatch.setattr(BlockMap, "from_dense", staticmethod(refuse))
+    p = fringe.plan(schedules.balanced(), mask, seq_len=S, world_size=P, block_size=bs)
+    assert p.layout.kind == "balanced" and p.block_map.shape == (S // bs, S // bs)
+    assert p.stats().balance < 1.1
