@@ -189,8 +189,9 @@ def plans(model, schedule, mask=None, *, seq_len: int, world_size: int, group=No
     the layer's own ``scaling`` and softcap (as a score_mod). Every kind is planned over one
     layout (the tokens are sharded once per batch), each keeping its own pruning: ``layout``
     if given; for a mask-aware schedule (``schedules.balanced()``) with several kinds, the
-    layout balanced for the work of all layers together (each kind's block work times its
-    number of layers); else the first kind's (layers without a window come first).
+    layout balanced for all layers together, by the same predicted step time
+    :func:`fringe.plan` minimises for one mask, summed over the kinds weighted by their
+    numbers of layers; else the first kind's (layers without a window come first).
 
     A ``seq_len`` the schedule's layout does not accept (not whole blocks on every rank,
     zigzag's 2P chunks, or ``tp_size``) is padded to ``fringe.padded_len(S, P,
@@ -273,14 +274,22 @@ def _padded_len(schedule, seq_len: int, world_size: int, layout, plan_kwargs: di
 
 
 def _balanced_layout(schedule, kind_masks, counts, *, seq_len, world_size, plan_kwargs):
-    """A mask-aware schedule's layout for the work of every layer: the sum over layer kinds
-    of (layers of that kind) x (non-empty kv blocks of each q block), in sequence order."""
+    """A mask-aware schedule's layout for the work of every layer, by the prediction
+    :func:`fringe.plan` uses for one mask: each kind's sparse block map in sequence order,
+    weighted by its number of layers (``layout.balanced(natural=[(map, layers), ...])``:
+    the predicted step time is the weighted sum over the maps). A mask-aware layout that
+    does not take ``natural=`` (e.g. a composed schedule's) gets the weighted block work."""
+    import inspect
+
     from .layout import DEFAULT_BLOCK_SIZE
     bs = plan_kwargs.get("block_size", DEFAULT_BLOCK_SIZE)
     pos = torch.arange(seq_len)
-    work = sum(n * (_masks.classify(m, pos, pos, block_size=bs, B=plan_kwargs.get("batch_size"),
-                                    H=plan_kwargs.get("num_heads")) != _masks.BlockKind.EMPTY).sum(dim=1)
-               for m, n in zip(kind_masks, counts))
+    maps = [(_masks.classify(m, pos, pos, block_size=bs, B=plan_kwargs.get("batch_size"),
+                             H=plan_kwargs.get("num_heads"), sparse=True), n)
+            for m, n in zip(kind_masks, counts)]
+    work = sum(n * bm.row_counts() for bm, n in maps)
+    if "natural" in inspect.signature(schedule.layout).parameters:
+        return schedule.layout(seq_len, world_size, block_size=bs, block_work=work, natural=maps)
     return schedule.make_layout(seq_len, world_size, block_size=bs, block_work=work)
 
 

@@ -27,6 +27,18 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 S, P, BS = 64, 2, 8
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """The models here are tiny (S <= 128, hidden <= 64): one intra-op thread runs them as fast
+    as two, and far faster on a loaded machine, where OpenMP threads wait for a core (measured
+    at load 11 on 2 cores: hf_train's one-process gpt-oss steps 0.45 s with 1 thread, 17.9 s
+    with 2; llama 0.27 s vs 6.9 s). The gloo ranks already run one thread each."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def _tiny(kind: str, attn: str = "fringe", **over):
     kw = dict(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=S,
@@ -223,6 +235,22 @@ def test_softcap_dropout_and_layout_mismatches_raise():
         llama(**inputs)
 
 
+def test_balanced_hf_plans_use_fringe_plans_prediction():
+    # one layer kind: the layout fringe.plan picks for the same mask
+    model = _tiny("llama")
+    doc = packing.doc_ids_from_cu_seqlens([0, 13, 40, S])
+    mask = packing.document_mask(doc)
+    plans = fringe.hf.plans(model, schedules.balanced(), mask, seq_len=S, world_size=P, block_size=BS)
+    alone = fringe.plan(schedules.balanced(), mask & masks.causal(), seq_len=S, world_size=P,
+                        block_size=BS)
+    assert plans.layout.fingerprint() == alone.layout.fingerprint()
+    # two kinds with equal masks (a window >= S): the layout of that one mask, however weighted
+    same = [mask & masks.causal(), mask & masks.sliding_window(S)]
+    lay = fringe.hf._balanced_layout(schedules.balanced(), same, [1, 3], seq_len=S, world_size=P,
+                                     plan_kwargs=dict(block_size=BS))
+    assert lay.fingerprint() == alone.layout.fingerprint()
+
+
 def test_plans_over_different_layouts_are_refused():
     a = fringe.plan(schedules.zigzag(), masks.causal(), seq_len=S, world_size=P, block_size=BS)
     b = fringe.plan(schedules.striped(), masks.sliding_window(16), seq_len=S, world_size=P, block_size=BS)
@@ -238,12 +266,14 @@ def test_per_layer_plans_share_one_layout_and_match_dense(kind):
                             world_size=P, block_size=BS)
     assert len(plans.layers) == 2
     assert len({lp.plan.layout.fingerprint() for lp in plans.layers}) == 1
-    # balanced for the work of both layers together, not for the first kind's mask alone
+    # balanced for both layers together by fringe.plan's prediction (each kind's sequence-order
+    # block map weighted by its number of layers), not for the first kind's mask alone
     pos = torch.arange(S)
-    work = sum((masks.classify(lp.plan.mask_mod, pos, pos, block_size=BS) != masks.BlockKind.EMPTY).sum(1)
-               for lp in plans.layers)
+    layers = {(k["sliding_window"], k["softcap"]): len(k["layers"]) for k in fringe.hf.layer_kinds(model)}
+    maps = [(masks.classify(lp.plan.mask_mod, pos, pos, block_size=BS, sparse=True),
+             layers[(lp.sliding_window, lp.softcap)]) for lp in plans.layers]
     assert plans.layout.fingerprint() == fringe.layout.balanced(S, P, block_size=BS,
-                                                                block_work=work).fingerprint()
+                                                                natural=maps).fingerprint()
     q, k, v = make_qkv(B=1, H=4, G=2, S=S, D=8, seed=3)
     for lp in plans.layers:
         mask = masks.document(doc) & (masks.sliding_window(lp.sliding_window) if lp.sliding_window
