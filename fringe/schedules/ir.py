@@ -104,6 +104,9 @@ _COTANGENT = {Family.Q: Family.DQ, Family.KV: Family.DKV, Family.OUT: Family.DOU
 _BY_PREFIX = {f.value: f for f in Family}
 _NAME = re.compile(r"^(dout|dkv|dq|out|kv|q|acc)(\d+)(?:h(\d+)/(\d+))?$")
 _INTERNED: dict[str, Buffer] = {}
+#: Every interned buffer of the input (q, kv), output and gradient families, so that the
+#: passes ask a collective's slots by set operations (in C) instead of slot by slot.
+_BUFS_OF: dict[str, set] = {"input": set(), "out": set(), "gradient": set()}
 _FIELDS: dict[str, tuple[Family, int, tuple[int, int] | None]] = {}
 _COT_CACHE: dict[str, Buffer] = {}
 
@@ -139,8 +142,15 @@ class Buffer(str):
                 raise ValueError(f"buffer {name!r}: head slice h{heads[0]}/{heads[1]} needs "
                                  f"0 <= i < n")
         self = str.__new__(cls, name)
-        _FIELDS[name] = (_BY_PREFIX[m.group(1)], int(m.group(2)), heads)
+        family = _BY_PREFIX[m.group(1)]
+        _FIELDS[name] = (family, int(m.group(2)), heads)
         _INTERNED[name] = self
+        if family in (Family.Q, Family.KV):
+            _BUFS_OF["input"].add(self)
+        elif family is Family.OUT:
+            _BUFS_OF["out"].add(self)
+        if family.is_gradient:
+            _BUFS_OF["gradient"].add(self)
         return self
 
     @classmethod
@@ -409,33 +419,50 @@ class Collective(_Op):
     group: tuple[int, ...]
     sends: tuple[Buffer | None, ...]
     recvs: tuple[Buffer | None, ...]
+    _io: tuple | None = dataclasses.field(default=None, init=False, repr=False, compare=False,
+                                          hash=False)
 
     def __post_init__(self) -> None:
         if self.kind not in COLLECTIVE_ADJOINT:
             raise ValueError(f"collective kind must be one of {sorted(COLLECTIVE_ADJOINT)}, got "
                              f"{self.kind!r}")
-        group = tuple(int(r) for r in self.group)
-        if len(set(group)) != len(group) or not group or min(group) < 0:
-            raise ValueError(f"collective group must be distinct ranks >= 0, got {self.group!r}")
+        group = _GROUPS.get(self.group) if type(self.group) is tuple else None
+        if group is None:               # a group not seen before: check it once
+            group = tuple(map(int, self.group))
+            if len(set(group)) != len(group) or not group or min(group) < 0:
+                raise ValueError(f"collective group must be distinct ranks >= 0, got "
+                                 f"{self.group!r}")
+            if len(_GROUPS) < _GROUPS_KEPT:
+                _GROUPS[group] = group
         if len(self.sends) != len(group) or len(self.recvs) != len(group):
             raise ValueError(f"{self.kind}{list(group)}: one send and one receive slot per member "
                              f"({len(group)}), got {len(self.sends)} and {len(self.recvs)}")
-        conv = lambda xs: tuple(None if x is None else Buffer(x) for x in xs)  # noqa: E731
         object.__setattr__(self, "group", group)
-        object.__setattr__(self, "sends", conv(self.sends))
-        object.__setattr__(self, "recvs", conv(self.recvs))
+        object.__setattr__(self, "sends", _slots(self.sends))
+        object.__setattr__(self, "recvs", _slots(self.recvs))
 
     def reads(self) -> tuple[Buffer, ...]:
-        return tuple(dict.fromkeys(b for b in self.sends if b is not None))
+        if self._io is None:
+            object.__setattr__(self, "_io", (_distinct(self.sends), _distinct(self.recvs)))
+        return self._io[0]
 
     def writes(self) -> tuple[Buffer, ...]:
-        return tuple(dict.fromkeys(b for b in self.recvs if b is not None))
+        if self._io is None:
+            object.__setattr__(self, "_io", (_distinct(self.sends), _distinct(self.recvs)))
+        return self._io[1]
+
+    def received(self, rank: int) -> set[Buffer]:
+        """The buffers ``rank`` (a member) receives from the other members."""
+        me = self.group.index(rank) if rank in self.group else -1
+        got = set(self.recvs) if me < 0 else set(self.recvs[:me]) | set(self.recvs[me + 1:])
+        got.discard(None)
+        return got
 
     def adjoint(self) -> Collective:
         """``AG`` becomes ``RS`` of the cotangents (and back); ``A2A`` its inverse."""
-        cot = lambda xs: tuple(None if x is None else x.cotangent for x in xs)  # noqa: E731
-        return Collective(COLLECTIVE_ADJOINT[self.kind], self.group, cot(self.recvs),
-                          cot(self.sends))
+        cot = _COTANGENTS.__getitem__
+        return Collective(COLLECTIVE_ADJOINT[self.kind], self.group,
+                          tuple(map(cot, self.recvs)), tuple(map(cot, self.sends)))
 
     def transposed(self) -> Collective:
         """The same buffers moving the other way (re-sending merged outputs in a backward)."""
@@ -462,6 +489,38 @@ class Collective(_Op):
         span = (f"{g[0]}-{g[-1]}" if len(g) > 2 and g == tuple(range(g[0], g[-1] + 1))
                 else ",".join(map(str, g)))
         return f"{self.kind}[{span}] {_brief(self.sends)} ⇄ {_brief(self.recvs)}"
+
+
+_SLOT_TYPES = frozenset({Buffer, type(None)})
+#: Collective groups already checked (one tuple shared by every op over the same group).
+_GROUPS: dict[tuple, tuple[int, ...]] = {}
+_GROUPS_KEPT = 4096
+
+
+def _slots(xs) -> tuple[Buffer | None, ...]:
+    """A collective's slots as a tuple of interned buffers and None (no per-slot work in
+    Python when they are already)."""
+    xs = tuple(xs)
+    if set(map(type, xs)) <= _SLOT_TYPES:
+        return xs
+    return tuple(None if x is None else Buffer(x) for x in xs)
+
+
+def _distinct(xs) -> tuple[Buffer, ...]:
+    d = dict.fromkeys(xs)
+    d.pop(None, None)
+    return tuple(d)
+
+
+class _Cotangents(dict):
+    """``buffer -> buffer.cotangent`` (None -> None), filled on first use."""
+
+    def __missing__(self, b: Buffer) -> Buffer:
+        c = self[b] = b.cotangent
+        return c
+
+
+_COTANGENTS = _Cotangents({None: None})
 
 
 def _brief(slots) -> str:
@@ -683,26 +742,82 @@ class ProgramTable:
     ``tuple(Family)``). A plan's passes run on these columns with numpy (a causal ring at
     P=1024 is about four million ops); :meth:`programs` gives :class:`Program` values that
     build their steps when first looked at.
+
+    The passes build their tables from *parts* instead (:meth:`_of_parts`): computes, and
+    transfers with one row for a send and its receive, each with an order key that places
+    the op within its rank's step. The rows above are then derived when first read, and one
+    rank's steps are cut from the parts without deriving every rank's rows.
     """
 
     def __init__(self, world_size: int, rank, step, kind, a, b, c) -> None:
         import numpy as np
-        self.world_size = world_size
         cols = [np.ascontiguousarray(x, dtype=np.int64) for x in (rank, step, kind, a, b, c)]
         if len({len(x) for x in cols}) != 1:
             raise ValueError(f"ProgramTable columns must have one length, got {[len(x) for x in cols]}")
-        self.rank, self.step, self.kind, self.a, self.b, self.c = cols
-        dr, ds = np.diff(self.rank), np.diff(self.step)
-        if len(self.rank) and (self.rank.min() < 0 or self.rank.max() >= world_size
-                               or (dr < 0).any() or ((dr == 0) & (ds < 0)).any()):
+        rank, step = cols[0], cols[1]
+        dr, ds = np.diff(rank), np.diff(step)
+        if len(rank) and (rank.min() < 0 or rank.max() >= world_size
+                          or (dr < 0).any() or ((dr == 0) & (ds < 0)).any()):
             raise ValueError(f"ProgramTable rows must be sorted by rank (each in [0, {world_size})), "
                              f"then by step")
-        bounds = np.searchsorted(self.rank, np.arange(world_size + 1))
-        self._bounds = bounds.tolist()
+        self._init(world_size, cols, None)
+
+    def _init(self, world_size: int, cols, parts) -> None:
+        self.world_size = world_size
+        self._cols = cols
+        self._parts = parts
+        self._bounds = None
+        self._index = None
         self._programs = tuple(Program._from_table(self, r) for r in range(world_size))
 
+    @classmethod
+    def _of_parts(cls, world_size: int, comp: dict, xfer: dict) -> ProgramTable:
+        """A table from computes ``comp`` (``rank, step, kind, q, kv, order``) and transfers
+        ``xfer`` (``step, src, dst, fam, chunk, order``: a send on ``src`` and its receive on
+        ``dst``). Within a rank's step ops go by ``order`` (computes first on ties, then
+        sends, then receives); the row columns are derived on first use."""
+        self = object.__new__(cls)
+        self._init(world_size, None, (comp, xfer))
+        return self
+
+    # ---- the row columns (derived from parts on first use) ------------------------------
+    def _rows(self):
+        if self._cols is None:
+            import numpy as np
+            comp, xfer = self._parts
+            rank, step, kind, a, b, c, order = self._part_rows(comp, xfer)
+            o = np.lexsort((order, step, rank))
+            self._cols = [np.ascontiguousarray(x[o], dtype=np.int64)
+                          for x in (rank, step, kind, a, b, c)]
+        return self._cols
+
+    @staticmethod
+    def _part_rows(comp, xfer, cs=slice(None), ss=slice(None), rs=slice(None)):
+        """Rows (rank, step, kind, a, b, c, order) of the selected computes, sends, receives
+        (``cs, ss, rs``: index arrays or slices into the parts)."""
+        import numpy as np
+        cat = np.concatenate
+        n_c, n_s, n_r = len(comp["rank"][cs]), len(xfer["src"][ss]), len(xfer["src"][rs])
+        return (cat([comp["rank"][cs], xfer["src"][ss], xfer["dst"][rs]]),
+                cat([comp["step"][cs], xfer["step"][ss], xfer["step"][rs]]),
+                cat([comp["kind"][cs], np.full(n_s, S_), np.full(n_r, R_)]),
+                cat([comp["q"][cs], xfer["fam"][ss], xfer["fam"][rs]]),
+                cat([comp["kv"][cs], xfer["chunk"][ss], xfer["chunk"][rs]]),
+                cat([np.full(n_c, -1), xfer["dst"][ss], xfer["src"][rs]]),
+                cat([comp["order"][cs], xfer["order"][ss], xfer["order"][rs]]))
+
+    rank = property(lambda self: self._rows()[0])
+    step = property(lambda self: self._rows()[1])
+    kind = property(lambda self: self._rows()[2])
+    a = property(lambda self: self._rows()[3])
+    b = property(lambda self: self._rows()[4])
+    c = property(lambda self: self._rows()[5])
+
     def __len__(self) -> int:
-        return len(self.rank)
+        if self._cols is None:
+            comp, xfer = self._parts
+            return len(comp["rank"]) + 2 * len(xfer["src"])
+        return len(self._cols[0])
 
     def programs(self) -> tuple[Program, ...]:
         """One (lazily built) program per rank."""
@@ -716,15 +831,34 @@ class ProgramTable:
         """
         import hashlib
         h = hashlib.sha1(f"programs/{self.world_size}/".encode())
-        for col in (self.rank, self.step, self.kind, self.a, self.b, self.c):
+        for col in self._rows():
             h.update(col.tobytes())
         return h.hexdigest()
 
+    def _rank_cols(self, rank: int):
+        """Columns (step, kind, a, b, c) of one rank's rows, in order."""
+        import numpy as np
+        if self._cols is not None:
+            if self._bounds is None:
+                self._bounds = np.searchsorted(self._cols[0],
+                                               np.arange(self.world_size + 1)).tolist()
+            lo, hi = self._bounds[rank], self._bounds[rank + 1]
+            return [x[lo:hi] for x in self._cols[1:]]
+        comp, xfer = self._parts
+        if self._index is None:      # rows of each rank, by computes / sends / receives
+            ix = []
+            for col in (comp["rank"], xfer["src"], xfer["dst"]):
+                o = np.argsort(col, kind="stable")
+                ix.append((o, np.searchsorted(col[o], np.arange(self.world_size + 1))))
+            self._index = ix
+        sel = [o[b[rank]:b[rank + 1]] for o, b in self._index]
+        _, step, kind, a, b, c, order = self._part_rows(comp, xfer, *sel)
+        o = np.lexsort((order, step))
+        return [x[o] for x in (step, kind, a, b, c)]
+
     def _steps_of(self, rank: int) -> tuple[Step, ...]:
-        lo, hi = self._bounds[rank], self._bounds[rank + 1]
-        step, kind = self.step[lo:hi].tolist(), self.kind[lo:hi].tolist()
-        a, b, c = self.a[lo:hi].tolist(), self.b[lo:hi].tolist(), self.c[lo:hi].tolist()
-        steps, i, n = [], 0, hi - lo
+        step, kind, a, b, c = (x.tolist() for x in self._rank_cols(rank))
+        steps, i, n = [], 0, len(step)
         while i < n:
             t, ops = step[i], []
             while i < n and step[i] == t:

@@ -17,7 +17,8 @@ import numpy as np
 import torch
 
 from .ir import (C_, G_, R_, S_, Buffer, Collective, Compute, Family, GradCompute, Op, Program,
-                 ProgramTable, Recv, Send, _buf, marked, program_from_ops, steps_of)
+                 ProgramTable, Recv, Send, _BUFS_OF, _buf, marked, program_from_ops,
+                 steps_of)
 
 
 class ScheduleError(ValueError):
@@ -25,6 +26,9 @@ class ScheduleError(ValueError):
 
 
 _INPUTS = frozenset({Family.Q, Family.KV})      # what computes read; pruning may drop their moves
+# every interned buffer of the input, gradient and output families (set operations on a
+# collective's slots run in C)
+_INPUT_BUFS, _GRADS, _OUTS = _BUFS_OF["input"], _BUFS_OF["gradient"], _BUFS_OF["out"]
 _FAMILIES = tuple(Family)
 _FAMILY_CODE = {f: n for n, f in enumerate(_FAMILIES)}
 _F = len(_FAMILIES)
@@ -128,8 +132,10 @@ def lower(world_size: int, hops: Mapping[int, Sequence[Hop]], *,
     tab = HopTable.of(hops)
     sel = (tab.chunk >= 0) & (tab.chunk < P)
     j, s, src, dst = tab.chunk[sel], tab.step[sel], tab.src[sel], tab.dst[sel]
-    order = np.lexsort((np.arange(len(j)), s, j))         # by chunk, then step, stable
-    j, s, src, dst = j[order], s[order], src[order], dst[order]
+    dj, ds = np.diff(j), np.diff(s)
+    if not ((dj > 0) | ((dj == 0) & (ds >= 0))).all():  # by chunk, then step, stable
+        order = np.lexsort((np.arange(len(j)), s, j))
+        j, s, src, dst = j[order], s[order], src[order], dst[order]
     _validate_hops(P, j, s, src, dst)
     n = len(j)
     if need is None:
@@ -140,37 +146,35 @@ def lower(world_size: int, hops: Mapping[int, Sequence[Hop]], *,
     k = np.nonzero(keep)[0]
     diag = np.nonzero(np.diagonal(use))[0]
     arrive = k[use[j[k], dst[k]]]
-    # one row per op: (rank, step, emission key, kind 0=C 1=S 2=R, chunk, peer)
-    rank = np.concatenate([diag, src[k], dst[k], dst[arrive]])
-    step = np.concatenate([np.zeros(len(diag), np.int64), s[k], s[k], s[arrive] + 1])
-    key = np.concatenate([np.full(len(diag), -1, np.int64), k, k, arrive])
-    kind = np.concatenate([np.zeros(len(diag), np.int64), np.full(len(k), 1), np.full(len(k), 2),
-                           np.zeros(len(arrive), np.int64)])
-    chunk = np.concatenate([diag, j[k], j[k], j[arrive]])
-    peer = np.concatenate([diag, dst[k], src[k], dst[arrive]])
-    rows = np.lexsort((key, step, rank))
-    return _programs_from_rows(P, rank[rows], step[rows], kind[rows], chunk[rows], peer[rows])
+    # within a rank's step, ops go by emission key: the local tile (-1), then hop k's send,
+    # receive and the tile computed on its arrival (key k); order = key + 1
+    crank = np.concatenate([diag, dst[arrive]])
+    comp = dict(rank=crank, step=np.concatenate([np.zeros(len(diag), np.int64), s[arrive] + 1]),
+                kind=np.full(len(crank), C_, np.int64), q=crank,
+                kv=np.concatenate([diag, j[arrive]]),
+                order=np.concatenate([np.zeros(len(diag), np.int64), arrive + 1]))
+    xfer = dict(step=s[k], src=src[k], dst=dst[k], fam=np.full(len(k), _FAMILY_CODE[Family.KV]),
+                chunk=j[k], order=k + 1)
+    return list(ProgramTable._of_parts(P, comp, xfer).programs())
 
 
 def _validate_hops(P: int, j, s, src, dst) -> None:
     """Raise the first error the hops (sorted by chunk, then step) would hit, in that order."""
-    bad = np.zeros(len(j), dtype=bool)
+    n = len(j)
     out = (src < 0) | (src >= P) | (dst < 0) | (dst >= P)
-    bad |= out
-    arrival = np.full((P, P), np.iinfo(np.int64).max, dtype=np.int64)    # [chunk, rank]
-    arrival[np.arange(P), np.arange(P)] = 0
     ok = ~out
-    first = np.zeros(len(j), dtype=bool)
-    if ok.any():
-        idx = np.nonzero(ok)[0]
-        _, at = np.unique(j[idx] * P + dst[idx], return_index=True)
-        first[idx[at]] = True
+    idx = np.arange(n)
+    key = np.where(ok, j * P + dst, P * P)            # out-of-range hops: a spare cell
+    first_at = np.full(P * P + 1, n, dtype=np.int64)  # [chunk * P + rank]: its first delivery
+    _assign_min(first_at, key, idx)
+    first = ok & (first_at[key] == idx)
     twice = ok & (~first | (dst == j))
+    arrival = np.full(P * P, np.iinfo(np.int64).max, dtype=np.int64)    # [chunk * P + rank]
+    arrival[np.arange(P) * (P + 1)] = 0
     fi = first & (dst != j)
-    arrival[j[fi], dst[fi]] = s[fi] + 1
-    early = np.zeros(len(j), dtype=bool)
-    early[ok] = arrival[j[ok], src[ok]] > s[ok]
-    bad |= twice | early
+    arrival[key[fi]] = s[fi] + 1
+    early = ok & (arrival[np.where(ok, j * P + src, 0)] > s)
+    bad = out | twice | early
     if not bad.any():
         return
     i = int(np.nonzero(bad)[0][0])
@@ -183,31 +187,33 @@ def _validate_hops(P: int, j, s, src, dst) -> None:
     raise ScheduleError(f"kv{jj} reaches rank {hop.dst} twice (again at step {hop.step})")
 
 
+def _by_step(s: np.ndarray, *, descending: bool = False) -> np.ndarray:
+    """A stable argsort of step numbers (a radix sort when they fit 16 bits)."""
+    if not len(s):
+        return np.zeros(0, np.int64)
+    lo, hi = int(s.min()), int(s.max())
+    key = hi - s if descending else s - lo
+    if hi - lo < 1 << 16:
+        key = key.astype(np.uint16)
+    return np.argsort(key, kind="stable")
+
+
 def _keep_hops(P: int, j, s, src, dst, use) -> np.ndarray:
     """A hop is kept when its receiver, or anyone it forwards to later, computes with it."""
     keep = np.zeros(len(j), dtype=bool)
-    live = np.zeros((P, P), dtype=bool)        # [chunk, rank]: a kept hop leaves rank later
-    by_step = np.argsort(-s, kind="stable")
-    steps, starts = _runs(-s[by_step])
+    use = use.ravel()
+    live = np.zeros(P * P, dtype=bool)         # [chunk * P + rank]: a kept hop leaves rank later
+    at_dst, at_src = j * P + dst, j * P + src
+    by_step = _by_step(s, descending=True)
+    _, starts = _runs(s[by_step])
     ends = list(starts[1:]) + [len(by_step)]
-    for a, b in zip(starts, ends):             # latest step first; one step at a time
+    for a, b in zip(starts.tolist(), ends):    # latest step first; one step at a time
         g = by_step[a:b]
-        kg = use[j[g], dst[g]] | live[j[g], dst[g]]
+        d = at_dst[g]
+        kg = use[d] | live[d]
         keep[g] = kg
-        live[j[g[kg]], src[g[kg]]] = True
+        live[at_src[g[kg]]] = True
     return keep
-
-
-def _programs_from_rows(P: int, rank, step, kind, chunk, peer) -> list[Program]:
-    """Programs (cut from one table) from lowered op rows sorted by (rank, step, emission).
-
-    ``kind``: 0 compute ``(peer=q, chunk=kv)``, 1 send, 2 receive of ``kv{chunk}``.
-    """
-    comm = kind > 0
-    tab_kind = np.where(kind == 0, C_, np.where(kind == 1, S_, R_))
-    a = np.where(comm, _FAMILY_CODE[Family.KV], peer)
-    c = np.where(comm, peer, -1)
-    return list(ProgramTable(P, rank, step, tab_kind, a, chunk, c).programs())
 
 
 def _need_array(need: torch.Tensor, P: int) -> np.ndarray:
@@ -312,7 +318,9 @@ def reverse(programs: Sequence[Program], *, kv: str = "resend") -> list[Program]
         raise ValueError(f"kv must be one of {KV_MODES}, got {kv!r}")
     tab = _table(programs)
     if tab is not None:
-        fast = _reverse_table(tab, kv)
+        fast = _reverse_parts(tab, kv) if tab._parts is not None else None
+        if fast is None:
+            fast = _reverse_table(tab, kv)
         if fast is not None:
             return fast
     P = len(programs)
@@ -329,8 +337,8 @@ def reverse(programs: Sequence[Program], *, kv: str = "resend") -> list[Program]
         for t, op in prog.ops():
             if isinstance(op, GradCompute) or (isinstance(op, (Send, Recv))
                                                and op.buf.family.is_gradient) or (
-                    isinstance(op, Collective)
-                    and any(b.family.is_gradient for b in op.reads() + op.writes())):
+                    isinstance(op, Collective) and not (_GRADS.isdisjoint(op.sends)
+                                                        and _GRADS.isdisjoint(op.recvs))):
                 raise ScheduleError(f"rank {r}, step {t}: reverse takes forward programs; found "
                                     f"{op}\n{marked(prog, t)}")
             ops[r][T - t].append(op.adjoint())
@@ -344,12 +352,9 @@ def reverse(programs: Sequence[Program], *, kv: str = "resend") -> list[Program]
                 elif fam in _INPUTS:
                     in_hop[(r, op.buf)] = Hop(t, op.peer, r)
             elif isinstance(op, Collective):
-                if any(b.family is Family.OUT for b in op.reads() + op.writes()):
+                if not (_OUTS.isdisjoint(op.sends) and _OUTS.isdisjoint(op.recvs)):
                     ops[r][T - t].append(op.transposed())
-                me = op.group.index(r) if r in op.group else -1
-                for k, b in enumerate(op.recvs):
-                    if b is not None and k != me and b.family in _INPUTS:
-                        by_collective.add((r, b))
+                by_collective.update((r, b) for b in _INPUT_BUFS.intersection(op.received(r)))
                 key = (t, op.group, seen[(t, op.group)])
                 seen[(t, op.group)] += 1
                 collectives[key][r] = op
@@ -374,13 +379,9 @@ def _reissue(T, ops, collectives, reads_at, kv: str) -> None:
     brought: dict[tuple[int, Buffer], tuple] = {}
     when: dict[tuple, int] = {}
     for key, sides in collectives.items():
-        group = key[1]
         firsts, families = [], set()
         for r, op in sides.items():
-            me = group.index(r) if r in group else -1
-            for k, b in enumerate(op.recvs):
-                if b is None or k == me or b.family not in _INPUTS:
-                    continue
+            for b in _INPUT_BUFS.intersection(op.received(r)):
                 brought[(r, b)] = key
                 families.add(b.family)
                 at = reads_at.get((r, b))
@@ -482,8 +483,13 @@ def check(programs: Sequence[Program], *, need: torch.Tensor | None = None,
         if prog.rank != r:
             raise ScheduleError(f"program {r} is for rank {prog.rank}; pass programs in rank order")
     tab = _table(programs)
-    if tab is not None and _table_ok(tab, None if need is None else _need_array(need, P), backward, kv):
-        return                                   # else the op-by-op checks below name the fault
+    if tab is not None:
+        arr = None if need is None else _need_array(need, P)
+        ok = _parts_ok(tab, arr, backward, kv) if tab._parts is not None else None
+        if ok is None:
+            ok = _table_ok(tab, arr, backward, kv)
+        if ok:
+            return                               # else the op-by-op checks below name the fault
     posted: collections.Counter = collections.Counter()
     for prog in programs:
         r = prog.rank
@@ -521,15 +527,20 @@ def _check_collectives(programs: Sequence[Program]) -> None:
     what one member sends another receives (the same buffer, or nothing on both sides)."""
     P = len(programs)
     issued: dict[tuple, dict[int, list]] = collections.defaultdict(lambda: collections.defaultdict(list))
+    member: dict[int, tuple[tuple, dict[int, int], int]] = {}     # id(group) -> index, max
     for prog in programs:
         r = prog.rank
         for step in prog.steps:
             for op in step.collectives:
-                if r not in op.group:
+                hit = member.get(id(op.group))
+                if hit is None or hit[0] is not op.group:
+                    hit = member[id(op.group)] = (op.group, {m: i for i, m in enumerate(op.group)},
+                                                  max(op.group))
+                if r not in hit[1]:
                     _fail(programs, r, step.index, f"'{op}': rank {r} is not a member of its group")
-                if max(op.group) >= P:
+                if hit[2] >= P:
                     _fail(programs, r, step.index, f"'{op}' names a rank outside [0, {P})")
-                me = op.group.index(r)
+                me = hit[1][r]
                 if op.sends[me] != op.recvs[me]:
                     _fail(programs, r, step.index, f"'{op}': the slot of rank {r} itself must hold "
                                                    f"the same buffer on both sides (or '-')")
@@ -550,7 +561,11 @@ def _check_collectives(programs: Sequence[Program]) -> None:
                 m = next(m for m in group if ops[m].kind != ops[group[0]].kind)
                 _fail(programs, m, t, f"'{ops[m]}' is collective #{n} over group {list(group)} "
                                       f"here, but rank {group[0]} issues '{ops[group[0]]}'")
+            # what a sends to each member is what each member receives from a
+            from_a = list(zip(*(ops[m].recvs for m in group)))    # [a_i][b_i]
             for a_i, a in enumerate(group):
+                if ops[a].sends == from_a[a_i]:
+                    continue
                 for b_i, b in enumerate(group):
                     if a != b and ops[a].sends[b_i] != ops[b].recvs[a_i]:
                         got = ops[b].recvs[a_i]
@@ -571,7 +586,11 @@ def _check_presence(programs: Sequence[Program], *, backward: bool, kv: str) -> 
         for step in prog.steps:
             arriving = []
             for op in step.ops:
-                for b in op.reads():
+                reads = op.reads()
+                if present.issuperset(reads):
+                    arriving.extend(op.writes())
+                    continue
+                for b in reads:
                     if b not in present and b.parent not in present:
                         if isinstance(op, Send):
                             what = f"'{op}' sends {b}, which is not on rank {r} yet"
@@ -809,3 +828,161 @@ def _resend_rows(P, T, rank, step, kind, a, b, c):
 def _no_rows():
     z = np.zeros(0, np.int64)
     return dict(rank=z, step=z, kind=z, a=z, b=z, c=z, group=z, seq=z)
+
+
+# ---------------------------------------------------------------------------------------
+# the passes on a table's parts (computes, and transfers with one row per send/receive pair):
+# what lower and reverse produce; dense [family, rank, chunk] arrays instead of sorting
+# ---------------------------------------------------------------------------------------
+#: Above this many (family, rank, chunk) cells the passes on parts use the sorted row columns.
+DENSE_CELLS = 1 << 26
+
+
+def _assign_min(arr: np.ndarray, idx: np.ndarray, val: np.ndarray) -> None:
+    """``arr[idx] = min(arr[idx], val)`` over repeated indices, by a plain assignment when
+    that is already the minimum (checked), else by ``np.minimum.at``."""
+    arr[idx] = np.minimum(arr[idx], val)
+    if len(idx) and not (arr[idx] <= val).all():
+        np.minimum.at(arr, idx, val)
+
+
+def _parts_ok(tab: ProgramTable, need: np.ndarray | None, backward: bool, kv: str) -> bool | None:
+    """:func:`_table_ok` on parts: True when every check passes, False to let the op-by-op
+    check name the fault, None when the table is too large for the dense arrays."""
+    P = tab.world_size
+    comp, xfer = tab._parts
+    if _F * P * P > DENSE_CELLS:
+        return None
+    cr, ct, ck, cq, ckv = comp["rank"], comp["step"], comp["kind"], comp["q"], comp["kv"]
+    xt, xs, xd, xf, xc = xfer["step"], xfer["src"], xfer["dst"], xfer["fam"], xfer["chunk"]
+    if not len(cr) and not len(xs):
+        return need is None or not need.any()
+    for lo, hi, col in ((0, P, cr), (0, P, cq), (0, P, ckv), (0, P, xs), (0, P, xd),
+                        (0, P, xc), (0, _F, xf), (C_, G_ + 1, ck)):
+        if len(col) and (int(col.min()) < lo or int(col.max()) >= hi):
+            return False
+    if (len(ct) and int(ct.min()) < 0) or (len(xt) and int(xt.min()) < 0) or (xs == xd).any():
+        return False
+    Q, KV, OUT, DQ, DKV, DOUT = (_FAMILY_CODE[f] for f in (Family.Q, Family.KV, Family.OUT,
+                                                           Family.DQ, Family.DKV, Family.DOUT))
+    isc, isg = ck == C_, ck == G_
+
+    def cell(fam, r, chunk):
+        return (fam * P + r) * P + chunk
+    ranks = np.arange(P)
+    owned = [Q, KV] + ([OUT, DOUT] if backward else [])
+    w_idx = [cell(f, ranks, ranks) for f in owned]
+    w_val = [np.zeros(P, np.int64) for _ in owned]
+    w_idx += [cell(OUT, cr[isc], cq[isc]), cell(DQ, cr[isg], cq[isg]), cell(DKV, cr[isg], ckv[isg]),
+              cell(xf, xd, xc)]
+    w_val += [ct[isc] + 1, ct[isg] + 1, ct[isg] + 1, xt + 1]
+    if backward and kv == "keep":
+        w_idx.append(cell(KV, cr[isg], ckv[isg]))
+        w_val.append(np.zeros(int(isg.sum()), np.int64))
+    avail = np.full(_F * P * P, np.iinfo(np.int64).max, dtype=np.int64)
+    _assign_min(avail, np.concatenate(w_idx), np.concatenate(w_val))
+    reads = [(cell(Q, cr, cq), ct), (cell(KV, cr, ckv), ct), (cell(OUT, cr[isg], cq[isg]), ct[isg]),
+             (cell(DOUT, cr[isg], cq[isg]), ct[isg]), (cell(xf, xs, xc), xt)]
+    for idx, t in reads:
+        if not (avail[idx] <= t).all():
+            return False
+    if need is not None:
+        count = np.bincount(cq * P + ckv, minlength=P * P).reshape(P, P)
+        if not np.array_equal(count, need.astype(np.int64)):
+            return False
+    return True
+
+
+def _reverse_parts(tab: ProgramTable, kv: str) -> list[Program] | None:
+    """:func:`reverse` on parts (forward programs that move kv only, each rank computing its
+    own queries); None when the row columns must decide."""
+    P = tab.world_size
+    comp, xfer = tab._parts
+    KV = _FAMILY_CODE[Family.KV]
+    cr, ct, ck, cq, ckv = comp["rank"], comp["step"], comp["kind"], comp["q"], comp["kv"]
+    xt, xs, xd, xf, xc = xfer["step"], xfer["src"], xfer["dst"], xfer["fam"], xfer["chunk"]
+    if P * P > DENSE_CELLS or (ck != C_).any() or (cq != cr).any() or (xf != KV).any():
+        return None
+    if not len(cr) and not len(xs):
+        return list(ProgramTable._of_parts(P, comp, xfer).programs())
+    T = max(int(ct.max()) if len(ct) else -1, int(xt.max()) if len(xt) else -1) + 1
+    bcomp = dict(rank=cr, step=T - ct, kind=np.full(len(cr), G_, np.int64), q=cq, kv=ckv,
+                 order=comp["order"])
+    bx = [dict(step=T - xt, src=xd, dst=xs, fam=np.full(len(xs), _FAMILY_CODE[Family.DKV]),
+               chunk=xc, order=xfer["order"])]
+    if kv == "resend":
+        extra = _resend_parts(P, T, cr, ct, ckv, xt, xs, xd, xc, xfer["order"])
+        if extra is None:
+            return None
+        bx.append(extra)
+    bxfer = {k: np.concatenate([x[k] for x in bx]) for k in bx[0]}
+    return list(ProgramTable._of_parts(P, bcomp, bxfer).programs())
+
+
+def _resend_parts(P, T, cr, ct, ckv, xt, xs, xd, xc, xorder):
+    """:func:`_resend_rows` on dense ``[chunk, rank]`` arrays: the kv re-sends of the
+    backward as transfers (order after every adjoint op), or None to fall back."""
+    NONE = np.int64(1) << 40
+    K = P * P
+    in_key, out_key = xc * P + xd, xc * P + xs
+    if len(in_key) and np.bincount(in_key, minlength=K).max() > 1:
+        return None                                 # a rank receives a chunk twice: rows decide
+    maxread = np.full(K, -1, np.int64)
+    rk = ckv * P + cr
+    maxread[rk] = np.maximum(maxread[rk], ct)
+    if len(rk) and not (maxread[rk] >= ct).all():
+        np.maximum.at(maxread, rk, ct)
+    arr = np.full(K, -1, np.int64)
+    arr[in_key] = xt
+    src = np.full(K, -1, np.int64)
+    src[in_key] = xs
+    # each (chunk, rank)'s latest hop onwards (first in program order among the latest)
+    if len(out_key) and np.bincount(out_key, minlength=K).max() > 1:
+        o = np.lexsort((xorder, -xt, out_key))
+        o = o[_runs(out_key[o])[1]]                 # the latest, first in program order
+    else:
+        o = slice(None)
+    sup_t = np.full(K, -1, np.int64)
+    sup_d = np.full(K, -1, np.int64)
+    sup_t[out_key[o]] = xt[o]
+    sup_d[out_key[o]] = xd[o]
+    hold = (maxread >= 0) | (arr >= 0)
+    hold[np.arange(P) * (P + 1)] = False            # the owner holds its own chunk
+    hk = np.flatnonzero(hold)                       # (chunk, rank) order: the op rules' order
+    if not len(hk):
+        return _no_xfer()
+    chunk, r = hk // P, hk % P
+    s, at = src[hk], arr[hk]
+    up = chunk * P + np.maximum(s, 0)
+    # r relays b up: its upstream's latest hop of b went to r, so r re-sends b to it
+    relay_up = (at >= 0) & (s != chunk) & hold[up] & (sup_d[up] == r)
+    if (relay_up & (arr[up] >= at)).any():
+        return None                                 # not a tree in time: the op rules decide
+    # r needs b when it reads it, or when it relays b up to a rank that needs it; upstream
+    # ranks received b earlier, so a pass in forward arrival order settles every rank
+    defined = np.zeros(P * P, dtype=bool)
+    defined[hk] = maxread[hk] >= 0
+    g = np.nonzero(relay_up)[0]
+    g = g[_by_step(at[g])]
+    gh, gu = hk[g], up[g]
+    _, starts = _runs(at[g])
+    for lo, hi in zip(starts.tolist(), starts[1:].tolist() + [len(g)]):
+        defined[gh[lo:hi]] |= defined[gu[lo:hi]]
+    e = np.minimum(np.where(maxread[hk] >= 0, T - maxread[hk], NONE),
+                   np.where(relay_up & defined[up], T - at - 1, NONE))
+    emit = np.nonzero(e != NONE)[0]
+    key, e, c_, r_ = hk[emit], e[emit], chunk[emit], r[emit]
+    d = sup_d[key]
+    dk = c_ * P + np.maximum(d, 0)
+    relay = (d >= 0) & (T - sup_t[key] <= e) & hold[dk] & defined[dk]
+    if ((~relay) & (e - 1 < 0)).any():
+        return None
+    frm = np.where(relay, d, c_)
+    u = np.where(relay, T - sup_t[key] - 1, e - 1)
+    return dict(step=u, src=frm, dst=r_, fam=np.full(len(emit), _FAMILY_CODE[Family.KV]),
+                chunk=c_, order=NONE + np.arange(len(emit)))
+
+
+def _no_xfer():
+    z = np.zeros(0, np.int64)
+    return dict(step=z, src=z, dst=z, fam=z, chunk=z, order=z)
