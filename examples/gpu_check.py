@@ -67,8 +67,8 @@ def virtual_mesh(dev: torch.device) -> None:
     q, k, v = make_qkv(B=1, H=4, G=2, S=S, D=16, seed=1, device=dev, requires_grad=True)
     ref = reference.attention(q, k, v, mask_mod=mask)[0]
     want = torch.autograd.grad(ref.square().sum(), (q, k, v))
-    for name in ("ring", "zigzag", "striped"):
-        p = fringe.plan(getattr(schedules, name)(), mask, seq_len=S, world_size=4, block_size=8)
+    for name in schedules.names(world_size=4, heads=4, kv_heads=2):
+        p = fringe.plan(schedules.get(name), mask, seq_len=S, world_size=4, block_size=8)
         out = fringe.simulate.attention(q, k, v, plan=p)
         got = torch.autograd.grad(out.square().sum(), (q, k, v))
         err = max([max_err(out, ref)] + [max_err(a, b) for a, b in zip(got, want)])

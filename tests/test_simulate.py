@@ -264,9 +264,15 @@ def test_check_mask_passes_for_good_masks_and_names_what_breaks():
     from fringe.testing import check_mask
     n = check_mask(masks.prefix_lm(5) | masks.sliding_window(3, causal=False),
                    world_sizes=(1, 2, 3), block_sizes=(1, 2))
-    assert n == 4 * 3 * 2
+    # every registered schedule that runs at P (ulysses needs H % P == 0: heads=2, so P = 1, 2;
+    # compose:zigzag+ulysses:2 needs P even) x P in (1, 2, 3) x two block sizes
+    from fringe.schedules import registry
+    from fringe.testing import CHECK_MASK_SCHEDULES
+    want = sum(1 for P in (1, 2, 3) for name in [*registry.names(), *CHECK_MASK_SCHEDULES]
+               if registry.why_not(name, world_size=P, heads=2, kv_heads=1) is None) * 2
+    assert n == want == 36
     stripes = lambda b, h, q, kv: ((q // 3) % 2 == (kv // 3) % 2) & (kv <= q)   # noqa: E731
-    assert check_mask(stripes, world_sizes=(2,), block_sizes=(2,)) == 4
+    assert check_mask(stripes, world_sizes=(2,), block_sizes=(2,)) == 7
     # a mask whose block rule disagrees with its mask_mod: check_mask must catch it
     import dataclasses
     liar = dataclasses.replace(masks.causal(), mod=lambda b, h, q, kv: q >= 0 * kv)
