@@ -466,6 +466,65 @@ def test_fused_calls_equal_reference_float64(case):
         assert_close(got, want_g, **TIGHT)
 
 
+@pytest.mark.parametrize("case", ["causal", "docs_shifted", "window"])
+def test_fused_calls_on_packed_strided_out_and_zero_dlse_float64(case):
+    """What the runtime passes: out/dout as strided views of packed ``[.., D+1]`` buffers and a
+    zero lse cotangent (autograd materialises it). One call over the whole tile (causal) returns
+    the kernel's result as is; several calls accumulate by first-touch copies (docs, window)."""
+    S, B, H, G, D, bs = 96, 1, 4, 2, 8, 16
+    _, mod, q_pos, kv_pos = next(c for c in fused_cases(S) if c[0] == case)
+    q, k, v = make_qkv(B=B, H=H, G=G, S=S, D=D, seed=66)
+    q, k, v = q[:, :, q_pos], k[:, :, kv_pos], v[:, :, kv_pos]
+    gen = torch.Generator().manual_seed(67)
+    kw = dict(q_pos=q_pos, kv_pos=kv_pos, mask_mod=mod)
+    want_o, want_l = tile_forward(q, k, v, kernel="reference", **kw)
+    packed = torch.randn(q.shape[:3] + (D + 1,), generator=gen, dtype=q.dtype)
+    packed[..., :D] = want_o
+    dpacked = torch.randn(q.shape[:3] + (D + 1,), generator=gen, dtype=q.dtype)
+    dpacked[..., D] = 0.0
+    out, dout, dlse = packed[..., :D], dpacked[..., :D], dpacked[..., D]
+    assert not out.is_contiguous() and not dout.is_contiguous()
+    want_g = tile_backward(q, k, v, want_o, want_l, dout.contiguous(), kernel="reference", **kw)
+    blocks = block_map(mod, q_pos, kv_pos, B=B, H=H, block_size=bs)
+    extra = dict(blocks=blocks, block_size=bs, kernel="sdpa")
+    assert_close(tile_forward(q, k, v, **kw, **extra), (want_o, want_l), **TIGHT)
+    got = tile_backward(q, k, v, out, want_l, dout, dlse=dlse, **kw, **extra)
+    assert_close(got, want_g, **TIGHT)
+
+
+def test_row_accumulator_first_touch_and_zero_rows():
+    from fringe.ops.tile import _Rows
+
+    acc = _Rows((1, 2, 10, 3), torch.float64, "cpu")
+    acc.add(slice(2, 4), torch.ones(1, 2, 2, 3, dtype=torch.float64))
+    acc.add(slice(3, 7), torch.full((1, 2, 4, 3), 2.0, dtype=torch.float64))  # half seen
+    acc.add(slice(8, 9), torch.ones(1, 2, 1, 3, dtype=torch.float64))
+    want = torch.tensor([0, 0, 1, 3, 2, 2, 2, 0, 1, 0], dtype=torch.float64)
+    assert torch.equal(acc.result(torch.float64), want.view(1, 1, 10, 1).expand(1, 2, 10, 3))
+
+
+def test_causal_checks_run_only_when_squares_would_be_chosen():
+    """The element-level tril check (a mask evaluation per diagonal block) is skipped where
+    the block pattern alone already rules the is_causal squares out (a narrow window)."""
+    from fringe.ops import tile as T
+
+    S, bs = 96, 16
+    pos = torch.arange(S)
+    for name, expect_checks in (("causal", True), ("window", False)):
+        _, mod, q_pos, kv_pos = next(c for c in fused_cases(S) if c[0] == name)
+        blocks = block_map(mod, q_pos, kv_pos, B=1, H=1, block_size=bs)
+        checked = []
+        real = T._tril_check(mod, pos, pos, B=1, H=1, block_size=bs)
+
+        def check(i, j, _real=real):
+            checked.append((i, j))
+            return _real(i, j)
+
+        groups = T._plan(blocks, Lq=S, Lk=S, block_size=bs, fused=True, causal_block=check)
+        assert bool(checked) == expect_checks
+        assert any(g.causal for g in groups) == expect_checks
+
+
 def test_fused_calls_are_the_ones_the_kernel_likes(monkeypatch):
     import fringe.ops._fast as fast
 

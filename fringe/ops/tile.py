@@ -89,6 +89,12 @@ def _plan(blocks: torch.Tensor, *, Lq: int, Lk: int, block_size: int, fused: boo
     if not fused:
         return _row_groups(blocks, Lq=Lq, Lk=Lk, block_size=bs)
     base = _row_groups(blocks, Lq=Lq, Lk=Lk, block_size=bs)
+    if causal_block is not None:
+        # the element checks cost a mask evaluation per diagonal block: run them only when the
+        # block pattern alone already gives a plan that would be chosen (window masks: never)
+        hope = _plan(blocks, Lq=Lq, Lk=Lk, block_size=bs, fused=True)
+        if not any(g.causal for g in hope):
+            return hope
     runs = _causal_runs(blocks, Lq=Lq, Lk=Lk, block_size=bs, check=causal_block)
     work = blocks.clone()
     squares = []
@@ -474,10 +480,14 @@ class _Rows:
 
     def _zero_unseen(self, sl: slice) -> None:
         s = self.seen[sl]
-        if not bool(s.all()):
-            idx = (~s).nonzero().flatten() + (sl.start or 0)
-            self.t.index_fill_(2, idx.to(self.t.device), 0.0)
-            self.seen[idx] = True
+        if bool(s.all()):
+            return
+        start = sl.start or 0
+        edges = torch.diff(s.to(torch.int8), prepend=s.new_ones(1, dtype=torch.int8),
+                           append=s.new_ones(1, dtype=torch.int8)).nonzero().flatten().tolist()
+        for a, b in zip(edges[::2], edges[1::2]):     # runs of unseen rows: [a, b)
+            self.t[:, :, start + a:start + b].zero_()
+        self.seen[sl] = True
 
     def result(self, dtype: torch.dtype) -> torch.Tensor:
         self._zero_unseen(slice(0, self.t.shape[2]))
