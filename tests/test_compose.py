@@ -20,7 +20,7 @@ from fringe import layout, masks, render, schedules
 from fringe.launch import Workers
 from fringe.ops import reference
 from fringe.runtime import RankState, VirtualMesh, execute
-from fringe.schedules import Collective, GradCompute, Recv, Send, check, parse_op, reverse
+from fringe.schedules import Collective, GradCompute, Send, check, parse_op, reverse
 from fringe.schedules.ir import Buffer, Family, format_programs, parse_programs, steps_of
 from fringe.testing import make_qkv, mask_family, tolerances
 
@@ -142,7 +142,7 @@ def _moves(progs):
 def test_forward_traffic_crosses_groups_only_between_equal_slots(outer, inner):
     m, k = 3, 2
     p = _plan(outer, inner, m, k, masks.causal())
-    assert inner_uses(p, k)
+    assert _inner_uses(p, k)
     cross = [(s, d) for _, s, d, _ in _moves(p.forward) if s // k != d // k]
     assert cross and all(s % k == d % k for s, d in cross)
     # the backward is derived: every forward op's adjoint at the mirrored step
@@ -159,7 +159,7 @@ def test_forward_traffic_crosses_groups_only_between_equal_slots(outer, inner):
                 assert parse_op(op.ascii()) == op
 
 
-def inner_uses(p, k):
+def _inner_uses(p, k):
     """True when some forward transfer stays inside a group (the inner schedule moves kv)."""
     return any(s // k == d // k for _, s, d, _ in _moves(p.forward))
 
@@ -178,7 +178,7 @@ def test_a_group_that_needs_nothing_of_another_receives_nothing(outer, inner):
     p = _plan(outer, inner, m, k, masks.causal() & masks.document(ids), S=S)
     assert not [(s, d) for _, s, d, _ in _moves(p.forward) if s // k != d // k]
     assert not [(s, d) for _, s, d, _ in _moves(p.backward) if s // k != d // k]
-    assert inner_uses(p, k)
+    assert _inner_uses(p, k)
     # causal: group 0 needs nothing of group 1 and receives none of its kv
     c = _plan(outer, inner, m, k, masks.causal(), S=S)
     got = {(r, b.chunk) for _, _, r, b in _moves(c.forward)}
