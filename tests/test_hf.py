@@ -151,6 +151,20 @@ def test_a_padded_batch_gives_the_unpadded_loss_in_one_process(kind):
         torch.testing.assert_close(a.grad, b.grad, atol=1e-5, rtol=1e-4, msg=name)
 
 
+def test_plans_pad_only_a_length_the_layout_does_not_take():
+    model = _tiny("llama")
+
+    def plans(schedule, seq_len, **kw):
+        return fringe.hf.plans(model, schedule, None, seq_len=seq_len, world_size=P, block_size=BS, **kw)
+    assert plans(schedules.zigzag(), 64).real_len is None                  # fits: 2*P*block = 32
+    assert plans(schedules.ring(), 48).real_len is None                    # fits ring: P*block = 16
+    p = plans(schedules.ring(), 40)                                         # padded_len(40, 2, block=8)
+    assert (p.real_len, p.layout.seq_len) == (40, 64)
+    p = plans(schedules.zigzag(), 64, tp_size=3)                            # L % 3: lcm(32, 2*3) = 96
+    assert (p.real_len, p.layout.seq_len, p.layout.local_len % 3) == (64, 96, 0)
+    assert all(packing.real_len_of(lp.plan.mask_mod) == 64 for lp in p.layers)
+
+
 # ---- what transformers passes, per layer and per call --------------------------------------
 
 
