@@ -32,9 +32,7 @@ def ring_hops(world_size: int) -> HopTable:
     A :class:`HopTable` (a compact ``{chunk: [Hop, ...]}``): ``ring_hops(4)[1]`` is
     ``[Hop(0, 1, 2), Hop(1, 2, 3), Hop(2, 3, 0)]``.
     """
-    P = world_size
-    j, s = np.divmod(np.arange(P * max(P - 1, 0), dtype=np.int64), max(P - 1, 1))
-    return HopTable(j, s, (j + s) % P, (j + s + 1) % P)
+    return HopTable._of_ring(world_size)
 
 
 @dataclasses.dataclass(frozen=True)

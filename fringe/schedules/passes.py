@@ -72,8 +72,30 @@ class HopTable(Mapping):
         arrs = [np.asarray(a, dtype=np.int64).reshape(-1) for a in (chunk, step, src, dst)]
         if len({a.shape for a in arrs}) != 1:
             raise ValueError(f"HopTable arrays must have one length, got {[len(a) for a in arrs]}")
-        self.chunk, self.step, self.src, self.dst = arrs
+        self._arrays = arrs
+        self._ring: int | None = None
         self._index: dict[int, np.ndarray] | None = None
+
+    @classmethod
+    def _of_ring(cls, world_size: int) -> HopTable:
+        """The ring on P ranks (:func:`fringe.schedules.ring_hops`): chunk j moves j → j+1 →
+        ... (mod P), one hop per step. :func:`lower` lowers it without the P(P-1) hop arrays,
+        which are built only when read."""
+        self = object.__new__(cls)
+        self._arrays, self._ring, self._index = None, world_size, None
+        return self
+
+    def _cols(self) -> list[np.ndarray]:
+        if self._arrays is None:
+            P = self._ring
+            j, s = np.divmod(np.arange(P * max(P - 1, 0), dtype=np.int64), max(P - 1, 1))
+            self._arrays = [j, s, (j + s) % P, (j + s + 1) % P]
+        return self._arrays
+
+    chunk = property(lambda self: self._cols()[0])
+    step = property(lambda self: self._cols()[1])
+    src = property(lambda self: self._cols()[2])
+    dst = property(lambda self: self._cols()[3])
 
     @classmethod
     def of(cls, hops: Mapping[int, Sequence[Hop]]) -> HopTable:
@@ -130,20 +152,27 @@ def lower(world_size: int, hops: Mapping[int, Sequence[Hop]], *,
     """
     P = world_size
     tab = HopTable.of(hops)
-    sel = (tab.chunk >= 0) & (tab.chunk < P)
-    j, s, src, dst = tab.chunk[sel], tab.step[sel], tab.src[sel], tab.dst[sel]
-    dj, ds = np.diff(j), np.diff(s)
-    if not ((dj > 0) | ((dj == 0) & (ds >= 0))).all():  # by chunk, then step, stable
-        order = np.lexsort((np.arange(len(j)), s, j))
-        j, s, src, dst = j[order], s[order], src[order], dst[order]
-    _validate_hops(P, j, s, src, dst)
-    n = len(j)
     if need is None:
         use = np.ones((P, P), dtype=bool)
     else:
         use = _need_array(need, P).T.copy()              # use[j, r]: rank r computes with kv_j
-    keep = np.ones(n, dtype=bool) if need is None else _keep_hops(P, j, s, src, dst, use)
-    k = np.nonzero(keep)[0]
+    if tab._ring == P:          # the ring: chunk j goes as far as the farthest rank using it
+        dist = (np.arange(P)[None, :] - np.arange(P)[:, None]) % P
+        last = np.where(use, dist, 0).max(axis=1)
+        j = np.repeat(np.arange(P), last)
+        s = np.arange(len(j)) - np.repeat(np.cumsum(last) - last, last)
+        src, dst = (j + s) % P, (j + s + 1) % P
+        k = np.arange(len(j))
+    else:
+        sel = (tab.chunk >= 0) & (tab.chunk < P)
+        j, s, src, dst = tab.chunk[sel], tab.step[sel], tab.src[sel], tab.dst[sel]
+        dj, ds = np.diff(j), np.diff(s)
+        if not ((dj > 0) | ((dj == 0) & (ds >= 0))).all():  # by chunk, then step, stable
+            order = np.lexsort((np.arange(len(j)), s, j))
+            j, s, src, dst = j[order], s[order], src[order], dst[order]
+        _validate_hops(P, j, s, src, dst)
+        keep = np.ones(len(j), dtype=bool) if need is None else _keep_hops(P, j, s, src, dst, use)
+        k = np.nonzero(keep)[0]
     diag = np.nonzero(np.diagonal(use))[0]
     arrive = k[use[j[k], dst[k]]]
     # within a rank's step, ops go by emission key: the local tile (-1), then hop k's send,
