@@ -330,17 +330,19 @@ def real_len_of(mask) -> int | None:
 def _extend_leaf(m: _masks.Mask, n: int, padded: int) -> _masks.Mask | None:
     """``m`` over ``padded`` positions (None: ``m`` is already defined there)."""
     rule = m.rule
-    if isinstance(rule, _RowDocuments):
-        ids = rule.row_doc_ids
-        fill = ids.max(dim=1, keepdim=True).values + 1                  # a document of its own
-        return document_mask(torch.cat([ids, fill.expand(-1, padded - n)], dim=1))
-    doc = getattr(rule, "doc_ids", None) if rule is not None else None
-    if isinstance(doc, torch.Tensor):                                     # masks.document
-        if doc.dim() != 1 or doc.numel() != n:
-            raise ValueError(f"pad_mask: {m.name} has {doc.shape[-1]} document ids but real_len={n}; "
-                             f"give one id per real token")
-        fill = (int(doc.max()) + 1) if doc.numel() else 0
-        return _masks.document(torch.cat([doc, doc.new_full((padded - n,), fill)]))
+    ids = rule.row_doc_ids if isinstance(rule, _RowDocuments) else (
+        getattr(rule, "doc_ids", None) if rule is not None else None)
+    if isinstance(ids, torch.Tensor):                       # document ids: one per position
+        if ids.shape[-1] == padded:                         # already over the padded length
+            return None
+        if ids.shape[-1] != n:
+            raise ValueError(f"pad_mask: {m.name} has {ids.shape[-1]} document ids per row but "
+                             f"real_len={n} (padded_len={padded}); give one id per real token")
+        if isinstance(rule, _RowDocuments):
+            fill = ids.max(dim=1, keepdim=True).values + 1                  # a document of its own
+            return document_mask(torch.cat([ids, fill.expand(-1, padded - n)], dim=1))
+        fill = (int(ids.max()) + 1) if ids.numel() else 0
+        return _masks.document(torch.cat([ids, ids.new_full((padded - n,), fill)]))
     if rule is not None:     # band / prefix / real_tokens rules: arithmetic on positions, total
         return None
     return _clamped(m.mod, n, name=m.name, bh_invariant=m.bh_invariant)

@@ -206,3 +206,10 @@ def test_padding_errors_say_how_to_fix():
         packing.document_mask(doc_p, real_len=40)
     with pytest.raises(TypeError, match="mask must be a mask_mod"):
         packing.pad_mask(3, real_len=S, padded_len=Sp)
+    with pytest.raises(ValueError, match="has 20 document ids per row but real_len=27"):
+        packing.pad_mask(packing.document_mask(torch.zeros(20, dtype=torch.long)), real_len=S, padded_len=Sp)
+    # document ids already over the padded length are kept (the padding is removed all the same)
+    kept = packing.pad_mask(packing.document_mask(doc_p[0]), real_len=S, padded_len=Sp)
+    want = packing.document_mask(doc_p[0], real_len=S)
+    pos = torch.arange(Sp)
+    assert torch.equal(masks.evaluate(kept, pos, pos), masks.evaluate(want, pos, pos))
