@@ -400,7 +400,7 @@ def pad_mask(mask, *, real_len: int, padded_len: int) -> _masks.Mask:
     if not callable(base):
         raise TypeError(f"pad_mask: mask must be a mask_mod (b, h, q_idx, kv_idx) -> bool tensor, "
                         f"got {type(mask).__name__}")
-    ext = _extend(base, real_len, padded_len) if padded_len > real_len else None
+    ext = _extend(base, real_len, padded_len)
     return _masks.as_mask(base if ext is None else ext) & real_tokens(real_len)
 
 

@@ -130,6 +130,9 @@ def test_pad_mask_of_a_plain_mask_mod_indexing_real_tokens():
     def by_row(b, h, q, kv):
         return (bias[q] + b) % 3 != bias[kv]
 
+    # padded_len == real_len: nothing to pad, and a mask_mod that reads b still plans (B=2)
+    m = packing.pad_mask(by_row, real_len=S, padded_len=S)
+    assert not m.bh_invariant and packing.real_len_of(m) == S
     for fn, B in ((same_class, None), (by_row, 2)):
         m = packing.pad_mask(fn, real_len=S, padded_len=Sp)
         plan = fringe.plan(schedules.zigzag(), m, seq_len=Sp, world_size=2, block_size=4, batch_size=B)
