@@ -124,25 +124,25 @@ def test_zigzag_on_a_thousand_documents_at_1024_ranks_checks_and_reverses_on_col
     assert len(hops) > P * (P - 1) // 2
     count = np.bincount(a[kind == C_] * P + b[kind == C_], minlength=P * P).reshape(P, P)
     assert np.array_equal(count, need.numpy().astype(np.int64))      # every tile once
-    for kv in ("resend", "keep"):
-        bwd = reverse(fwd, kv=kv)
-        assert bwd[0].table is not None
-        check(bwd, need=need, backward=True, kv=kv)
-        bkind, brank, ba, bb, bc = _cols(bwd)
-        dkv = (bkind == S_) & (ba == FAMILY_CODE[Family.DKV])
-        grads = np.sort((bc[dkv] * P + brank[dkv]) * P + bb[dkv])    # dkv goes back hop by hop
-        assert np.array_equal(grads, hops)
-        g = bkind == G_
-        # each rank gets a remote kv it computes with again exactly once (kept with "keep")
-        moved = (bkind == S_) & (ba == FAMILY_CODE[Family.KV])
-        got = np.unique(bc[moved] * P + bb[moved], return_counts=True)       # (rank, chunk)
-        remote = np.unique((brank * P + bb)[g & (brank != bb)])
-        if kv == "keep":
-            assert not moved.any()
-        else:
-            assert got[1].max() == 1 and np.isin(remote, got[0]).all()
-        count = np.bincount(ba[g] * P + bb[g], minlength=P * P).reshape(P, P)
-        assert np.array_equal(count, need.numpy().astype(np.int64))
+    keep = reverse(fwd, kv="keep")
+    check(keep, need=need, backward=True, kv="keep")
+    assert len(keep[0].table) == len(fwd[0].table)        # one adjoint per op, nothing more
+    bwd = reverse(fwd)
+    assert bwd[0].table is not None
+    check(bwd, need=need, backward=True)
+    bkind, brank, ba, bb, bc = _cols(bwd)
+    dkv = (bkind == S_) & (ba == FAMILY_CODE[Family.DKV])
+    grads = np.sort((bc[dkv] * P + brank[dkv]) * P + bb[dkv])    # dkv goes back hop by hop
+    assert np.array_equal(grads, hops)
+    g = bkind == G_
+    count = np.bincount(ba[g] * P + bb[g], minlength=P * P).reshape(P, P)
+    assert np.array_equal(count, need.numpy().astype(np.int64))
+    # each rank gets a remote kv it computes with again exactly once, before it needs it
+    moved = (bkind == S_) & (ba == FAMILY_CODE[Family.KV])
+    got = np.unique(bc[moved] * P + bb[moved], return_counts=True)       # (rank, chunk)
+    remote = np.unique((brank * P + bb)[g & (brank != bb)])
+    assert got[1].max() == 1 and np.isin(remote, got[0]).all()
+    assert len(bwd[0].table) == len(fwd[0].table) + 2 * int(moved.sum())
     r = P // 3                                 # one rank's program, built from the columns
     assert bwd[r].steps[0].index >= 0 and all(isinstance(op, (GradCompute, Send, Recv))
                                               for _, op in bwd[r].ops())
@@ -158,15 +158,13 @@ def test_allgather_on_a_thousand_documents_at_1024_ranks_reverses_to_reduce_scat
     received = sum(len(op.received(prog.rank)) for prog in fwd for _, op in prog.ops()
                    if isinstance(op, Collective))
     assert received == int(need.sum()) - int(need.diagonal().sum())   # only what is needed
-    for kv in ("resend", "keep"):
-        bwd = reverse(fwd, kv=kv)
-        check(bwd, need=need, backward=True, kv=kv)
-        colls = collections.Counter(op.kind for prog in bwd for _, op in prog.ops()
-                                    if isinstance(op, Collective))
-        # every gather becomes a reduce-scatter; with resend the gathers come again for kv
-        assert colls["RS"] == len(gathers)
-        assert colls["AG"] == (len(gathers) if kv == "resend" else 0)
-        assert tiles(bwd, GradCompute) == tiles(fwd, Compute)
+    bwd = reverse(fwd)
+    check(bwd, need=need, backward=True)
+    colls = collections.Counter(op.kind for prog in bwd for _, op in prog.ops()
+                                if isinstance(op, Collective))
+    # every gather becomes a reduce-scatter, and comes again to bring kv back for the backward
+    assert colls == {"RS": len(gathers), "AG": len(gathers)}
+    assert tiles(bwd, GradCompute) == tiles(fwd, Compute)
 
 
 def _random_tree_hops(P: int, gen: torch.Generator) -> dict:

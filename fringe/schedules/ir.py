@@ -261,8 +261,34 @@ def _check_heads(op, heads) -> None:
                          f"got {heads!r}")
 
 
+class _Tile(_Op):
+    """What ``Compute`` and ``GradCompute`` share: tile (q chunk ``q``, kv chunk ``kv``), an
+    optional head slice, and the text form ``<letter> q3·kv5 [h1/4]``."""
+
+    __slots__ = ()
+    _LETTER = ""
+
+    def __post_init__(self) -> None:
+        if self.heads is not None:
+            _check_heads(self, self.heads)
+            object.__setattr__(self, "heads", (int(self.heads[0]), int(self.heads[1])))
+
+    def _bufs(self, *families: Family) -> tuple[Buffer, ...]:
+        """This tile's buffers of ``families`` (q-side ones of chunk q, kv-side of chunk kv)."""
+        if self.heads is None:
+            return tuple(_buf(f, self.kv if f in (_KV, _DKV) else self.q) for f in families)
+        return tuple(Buffer.of(f, self.kv if f in (_KV, _DKV) else self.q, self.heads)
+                     for f in families)
+
+    def __str__(self) -> str:
+        return f"{self._LETTER} q{self.q}·kv{self.kv}{_heads_suffix(self.heads)}"
+
+    def ascii(self) -> str:
+        return f"{self._LETTER} q{self.q}.kv{self.kv}{_heads_suffix(self.heads)}"
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
-class Compute(_Op):
+class Compute(_Tile):
     """Tile forward of q chunk ``q`` against kv chunk ``kv``: merges into ``out{q}``.
 
     With ``heads=(i, n)`` only head slice i of n is computed (reading ``q{q}h{i}/{n}`` and
@@ -273,65 +299,37 @@ class Compute(_Op):
     q: int
     kv: int
     heads: tuple[int, int] | None = None
-
-    def __post_init__(self) -> None:
-        if self.heads is not None:
-            _check_heads(self, self.heads)
-            object.__setattr__(self, "heads", (int(self.heads[0]), int(self.heads[1])))
+    _LETTER = "C"
 
     def reads(self) -> tuple[Buffer, ...]:
-        if self.heads is None:
+        if self.heads is None:                  # the passes' hot path
             return _buf(_Q, self.q), _buf(_KV, self.kv)
-        return Buffer.of(_Q, self.q, self.heads), Buffer.of(_KV, self.kv, self.heads)
+        return self._bufs(_Q, _KV)
 
     def writes(self) -> tuple[Buffer, ...]:
-        if self.heads is None:
-            return (_buf(_OUT, self.q),)
-        return (Buffer.of(_OUT, self.q, self.heads),)
+        return self._bufs(_OUT)
 
     def adjoint(self) -> GradCompute:
         return GradCompute(self.q, self.kv, self.heads)
 
-    def __str__(self) -> str:
-        return f"C q{self.q}·kv{self.kv}{_heads_suffix(self.heads)}"
-
-    def ascii(self) -> str:
-        return f"C q{self.q}.kv{self.kv}{_heads_suffix(self.heads)}"
-
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class GradCompute(_Op):
+class GradCompute(_Tile):
     """The VJP of ``Compute(q, kv)``: accumulates ``dq{q}`` and the travelling ``dkv{kv}``."""
 
     q: int
     kv: int
     heads: tuple[int, int] | None = None
-
-    def __post_init__(self) -> None:
-        if self.heads is not None:
-            _check_heads(self, self.heads)
-            object.__setattr__(self, "heads", (int(self.heads[0]), int(self.heads[1])))
+    _LETTER = "G"
 
     def reads(self) -> tuple[Buffer, ...]:
-        if self.heads is None:
-            return _buf(_Q, self.q), _buf(_KV, self.kv), _buf(_OUT, self.q), _buf(_DOUT, self.q)
-        h = self.heads
-        return (Buffer.of(_Q, self.q, h), Buffer.of(_KV, self.kv, h), Buffer.of(_OUT, self.q, h),
-                Buffer.of(_DOUT, self.q, h))
+        return self._bufs(_Q, _KV, _OUT, _DOUT)
 
     def writes(self) -> tuple[Buffer, ...]:
-        if self.heads is None:
-            return _buf(_DQ, self.q), _buf(_DKV, self.kv)
-        return Buffer.of(_DQ, self.q, self.heads), Buffer.of(_DKV, self.kv, self.heads)
+        return self._bufs(_DQ, _DKV)
 
     def adjoint(self) -> Compute:
         return Compute(self.q, self.kv, self.heads)
-
-    def __str__(self) -> str:
-        return f"G q{self.q}·kv{self.kv}{_heads_suffix(self.heads)}"
-
-    def ascii(self) -> str:
-        return f"G q{self.q}.kv{self.kv}{_heads_suffix(self.heads)}"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -786,7 +784,7 @@ class ProgramTable:
             import numpy as np
             comp, xfer = self._parts
             rank, step, kind, a, b, c, order = self._part_rows(comp, xfer)
-            o = np.lexsort((order, step, rank))
+            o = _row_order(rank, step, order)
             self._cols = [np.ascontiguousarray(x[o], dtype=np.int64)
                           for x in (rank, step, kind, a, b, c)]
         return self._cols
@@ -853,7 +851,7 @@ class ProgramTable:
             self._index = ix
         sel = [o[b[rank]:b[rank + 1]] for o, b in self._index]
         _, step, kind, a, b, c, order = self._part_rows(comp, xfer, *sel)
-        o = np.lexsort((order, step))
+        o = _row_order(np.zeros(0, np.int64), step, order)
         return [x[o] for x in (step, kind, a, b, c)]
 
     def _steps_of(self, rank: int) -> tuple[Step, ...]:
@@ -899,6 +897,22 @@ class ProgramTable:
         if len(arr) and (np.diff(arr[:, 0]) < 0).any():
             raise ValueError("ProgramTable.of: pass programs in rank order")
         return cls(len(programs), *arr.T)
+
+
+def _row_order(rank, step, order):
+    """A stable sort of rows by (rank, step, order); ``rank`` empty: by (step, order)."""
+    import numpy as np
+    if not len(step):
+        return np.zeros(0, np.int64)
+    cols = ([rank] if len(rank) else []) + [step, order]
+    lo = [int(x.min()) for x in cols]
+    span = [int(x.max()) - m + 1 for x, m in zip(cols, lo)]
+    if min(lo) < 0 or np.prod([float(w) for w in span]) >= 2.0 ** 62:
+        return np.lexsort(cols[::-1])
+    key = cols[0] - lo[0]
+    for x, m, w in zip(cols[1:], lo[1:], span[1:]):
+        key = key * w + (x - m)
+    return np.argsort(key, kind="stable")
 
 
 def format_programs(programs: Iterable[Program], *, ascii: bool = True) -> str:

@@ -940,7 +940,8 @@ def _reverse_parts(tab: ProgramTable, kv: str) -> list[Program] | None:
     bx = [dict(step=T - xt, src=xd, dst=xs, fam=np.full(len(xs), _FAMILY_CODE[Family.DKV]),
                chunk=xc, order=xfer["order"])]
     if kv == "resend":
-        extra = _resend_parts(P, T, cr, ct, ckv, xt, xs, xd, xc, xfer["order"])
+        after = 1 + max([int(x["order"].max()) for x in (comp, xfer) if len(x["order"])])
+        extra = _resend_parts(P, T, cr, ct, ckv, xt, xs, xd, xc, xfer["order"], after)
         if extra is None:
             return None
         bx.append(extra)
@@ -948,9 +949,10 @@ def _reverse_parts(tab: ProgramTable, kv: str) -> list[Program] | None:
     return list(ProgramTable._of_parts(P, bcomp, bxfer).programs())
 
 
-def _resend_parts(P, T, cr, ct, ckv, xt, xs, xd, xc, xorder):
+def _resend_parts(P, T, cr, ct, ckv, xt, xs, xd, xc, xorder, after):
     """:func:`_resend_rows` on dense ``[chunk, rank]`` arrays: the kv re-sends of the
-    backward as transfers (order after every adjoint op), or None to fall back."""
+    backward as transfers (orders from ``after`` on: after every adjoint op), or None to
+    fall back."""
     NONE = np.int64(1) << 40
     K = P * P
     in_key, out_key = xc * P + xd, xc * P + xs
@@ -1009,7 +1011,7 @@ def _resend_parts(P, T, cr, ct, ckv, xt, xs, xd, xc, xorder):
     frm = np.where(relay, d, c_)
     u = np.where(relay, T - sup_t[key] - 1, e - 1)
     return dict(step=u, src=frm, dst=r_, fam=np.full(len(emit), _FAMILY_CODE[Family.KV]),
-                chunk=c_, order=NONE + np.arange(len(emit)))
+                chunk=c_, order=after + np.arange(len(emit)))
 
 
 def _no_xfer():
