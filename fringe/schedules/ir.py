@@ -774,8 +774,15 @@ class ProgramTable:
         ``xfer`` (``step, src, dst, fam, chunk, order``: a send on ``src`` and its receive on
         ``dst``). Within a rank's step ops go by ``order`` (computes first on ties, then
         sends, then receives); the row columns are derived on first use."""
+        import numpy as np
+
+        def small(x):                    # int32 where it fits: half the memory at P=1024
+            x = np.asarray(x)
+            fits = not len(x) or (int(x.min()) >= -2 ** 31 and int(x.max()) < 2 ** 31)
+            return np.ascontiguousarray(x, dtype=np.int32 if fits else np.int64)
         self = object.__new__(cls)
-        self._init(world_size, None, (comp, xfer))
+        self._init(world_size, None, ({k: small(v) for k, v in comp.items()},
+                                      {k: small(v) for k, v in xfer.items()}))
         return self
 
     # ---- the row columns (derived from parts on first use) ------------------------------
@@ -909,7 +916,7 @@ def _row_order(rank, step, order):
     span = [int(x.max()) - m + 1 for x, m in zip(cols, lo)]
     if min(lo) < 0 or np.prod([float(w) for w in span]) >= 2.0 ** 62:
         return np.lexsort(cols[::-1])
-    key = cols[0] - lo[0]
+    key = cols[0].astype(np.int64) - lo[0]
     for x, m, w in zip(cols[1:], lo[1:], span[1:]):
         key = key * w + (x - m)
     return np.argsort(key, kind="stable")

@@ -896,20 +896,28 @@ def _parts_ok(tab: ProgramTable, need: np.ndarray | None, backward: bool, kv: st
                                                            Family.DQ, Family.DKV, Family.DOUT))
     isc, isg = ck == C_, ck == G_
 
-    def cell(fam, r, chunk):
-        return (fam * P + r) * P + chunk
     ranks = np.arange(P)
     owned = [Q, KV] + ([OUT, DOUT] if backward else [])
-    w_idx = [cell(f, ranks, ranks) for f in owned]
-    w_val = [np.zeros(P, np.int64) for _ in owned]
-    w_idx += [cell(OUT, cr[isc], cq[isc]), cell(DQ, cr[isg], cq[isg]), cell(DKV, cr[isg], ckv[isg]),
-              cell(xf, xd, xc)]
-    w_val += [ct[isc] + 1, ct[isg] + 1, ct[isg] + 1, xt + 1]
+    writes = [(f, ranks, ranks, np.zeros(P, np.int64)) for f in owned]
+    writes += [(OUT, cr[isc], cq[isc], ct[isc] + 1), (DQ, cr[isg], cq[isg], ct[isg] + 1),
+               (DKV, cr[isg], ckv[isg], ct[isg] + 1)]
     if backward and kv == "keep":
-        w_idx.append(cell(KV, cr[isg], ckv[isg]))
-        w_val.append(np.zeros(int(isg.sum()), np.int64))
-    avail = np.full(_F * P * P, np.iinfo(np.int64).max, dtype=np.int64)
-    _assign_min(avail, np.concatenate(w_idx), np.concatenate(w_val))
+        writes.append((KV, cr[isg], ckv[isg], np.zeros(int(isg.sum()), np.int64)))
+    # one [rank, chunk] plane per family written (int32 steps), the others never present
+    fams = sorted({f for f, r, _, _ in writes if len(r)} | set(np.unique(xf).tolist()))
+    plane = np.full(_F + 1, len(fams), dtype=np.int64)
+    plane[fams] = np.arange(len(fams))
+    if int(max(ct.max() if len(ct) else 0, xt.max() if len(xt) else 0)) + 1 >= 2 ** 31 - 1:
+        return None
+    never = np.iinfo(np.int32).max
+    avail = np.full((len(fams) + 1) * P * P, never, dtype=np.int32)
+
+    def cell(fam, r, chunk):
+        return (plane[fam] * P + r) * P + chunk
+    for f, r, chunk, t in writes:
+        _assign_min(avail, cell(f, r, chunk), t)
+    _assign_min(avail, cell(xf, xd, xc), xt + 1)
+    avail[len(fams) * P * P:] = never            # the plane of families nothing writes
     reads = [(cell(Q, cr, cq), ct), (cell(KV, cr, ckv), ct), (cell(OUT, cr[isg], cq[isg]), ct[isg]),
              (cell(DOUT, cr[isg], cq[isg]), ct[isg]), (cell(xf, xs, xc), xt)]
     for idx, t in reads:
