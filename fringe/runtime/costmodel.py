@@ -981,14 +981,22 @@ def simulate(plan, hardware: str | Hardware = "cpu", shape: Shape = Shape(), *,
     hw = get_hardware(hardware)
     P, L = plan.world_size, plan.local_len
     label = name or plan.schedule.name
-    cols = {which: _columns(progs, L, shape)
-            for which, progs in (("forward", plan.forward), ("backward", plan.backward))}
+    # what does not depend on the hardware is kept on the plan (several presets, one plan)
+    cache = plan.__dict__.setdefault("_costmodel_cache", {}) if hasattr(plan, "__dict__") else {}
+    cols = {}
+    for which, progs in (("forward", plan.forward), ("backward", plan.backward)):
+        key = (which, L, shape, id(progs))
+        if key not in cache:
+            cache[key] = _columns(progs, L, shape)
+        cols[which] = cache[key]
     for n in sorted({k for c in cols.values() for k in c.splits} | {
             int(k) for c in cols.values() for k in np.unique(c.comp[5])}):
         if n > 1:
             check_head_split(n, shape.heads, shape.kv_heads,
                              what=f"schedule {label!r} (heads split {n} ways)")
-    work = tile_work(plan)
+    if ("work", id(plan.tiles)) not in cache:
+        cache["work", id(plan.tiles)] = tile_work(plan)
+    work = cache["work", id(plan.tiles)]
     out = dict(steps={}, compute={}, wait={}, sent={}, recv={}, tiles={}, active={})
     peak = np.zeros(P, dtype=np.int64)
     for which, c in cols.items():
