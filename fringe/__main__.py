@@ -6,8 +6,8 @@
 * ``show``: prints a plan's step × rank grid and its per-rank work and traffic.
 * ``bench``: measures planning, attention speed and exposed communication (:mod:`fringe.bench`).
 * ``predict``: predicts every schedule at scale with the **cost model**, computing nothing
-  (:mod:`fringe.runtime.costmodel`); ``--png`` writes the timeline. Its old name
-  ``simulate`` still works and says so. It is not :mod:`fringe.simulate`, which *runs* the
+  (:mod:`fringe.runtime.costmodel`); ``--png`` writes the timeline. ``simulate`` is the
+  same command (the name the cost model's issue uses), and says so. It is not :mod:`fringe.simulate`, which *runs* the
   attention numerically on an in-process virtual mesh.
 
 Every ``--schedule`` takes a name from :mod:`fringe.schedules.registry`: ``zigzag``,
@@ -89,7 +89,7 @@ def _common(p: argparse.ArgumentParser, *, seq_len: int) -> None:
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="python -m fringe", description="Context-parallel attention for any mask_mod.",
-        epilog="'predict' (formerly 'simulate') is the cost model: it predicts times and "
+        epilog="'predict' (also 'simulate') is the cost model: it predicts times and "
                "computes nothing. fringe.simulate, in Python, is something else: it runs the "
                "attention numerically on an in-process virtual mesh.")
     sub = ap.add_subparsers(dest="command", required=True)
@@ -142,7 +142,7 @@ def parser() -> argparse.ArgumentParser:
     sim = sub.add_parser(
         "predict", aliases=["simulate"],
         help="predict step time, balance, exposed communication, bytes and memory per rank "
-             "with the cost model, computing nothing ('simulate' is its old, deprecated name; "
+             "with the cost model, computing nothing ('simulate' is the same command; "
              "not fringe.simulate, the numeric in-process run)",
         description="The cost model (fringe.runtime.costmodel): predicted times for P ranks on "
                     "a hardware preset; nothing is computed. (fringe.simulate in Python is the "
@@ -223,9 +223,9 @@ def _show(args) -> int:
     return 0
 
 
-DEPRECATED_SIMULATE = ("note: 'python -m fringe simulate' is now 'python -m fringe predict' "
-                       "(the cost model; the old name will be removed). fringe.simulate in Python "
-                       "is the numeric in-process run.")
+DEPRECATED_SIMULATE = ("note: 'python -m fringe simulate' is the cost model, also called "
+                       "'python -m fringe predict'; it computes nothing. fringe.simulate in Python "
+                       "is something else: the numeric in-process run.")
 
 
 def _predict(args) -> int:
