@@ -156,7 +156,7 @@ def test_one_map_with_weight_one_is_the_single_map_layout(kind):
 
 def test_weighted_maps_predict_the_weighted_sum():
     P = 4
-    for S, bs in ((512, 4), (1024, 1)):    # 128 blocks: exact call count; 1024: estimated from runs
+    for S, bs in ((256, 4), (1024, 1)):     # 64 blocks: exact call count; 1024: estimated from runs
         ids = packed(S, 9, 4)
         both = [(sparse(masks.causal() & masks.document(ids), S, bs), 1),
                 (sparse(masks.sliding_window(40) & masks.document(ids), S, bs), 3)]
@@ -194,3 +194,71 @@ def test_several_maps_bad_input_says_what_is_expected():
         layout.balanced(16, 2, block_size=2, natural=[(bm, 1), (sparse(masks.causal(), 16, 4), 1)])
     with pytest.raises(TypeError, match=r"natural\[0\] must be a fringe.masks.BlockMap"):
         layout.balanced(16, 2, block_size=2, natural=[("causal", 1)])
+
+
+# ---- the sparse prediction against the dense computation it replaced -----------------------
+def dense_approx_work(nat: torch.Tensor, blocks: torch.Tensor, P: int, bs: int):
+    """The dense-map estimate (calls, full, masked, causal pairs per rank; non-empty tiles)."""
+    nb = nat.shape[0]
+    n = nb // P
+    nz = nat != masks.BlockKind.EMPTY
+    first = torch.where(nz, torch.arange(nb), nb).min(dim=1).values
+    g = blocks.view(P, n)
+    live = nz[blocks][:, blocks].view(P, n, P, n).any(dim=3)
+    consecutive = torch.zeros(P, n, dtype=torch.bool)
+    consecutive[:, 1:] = (g[:, 1:] == g[:, :-1] + 1) & ~(first[g] >= g)[:, 1:]
+    prev = torch.zeros_like(live)
+    prev[:, 1:] = live[:, :-1]
+    calls = (live & ~(prev & consecutive[:, :, None])).sum(dim=1).to(torch.float64)
+    calls += torch.diag(torch.diagonal(calls))
+    full = (nat == masks.BlockKind.FULL).sum(1).to(torch.float64)[g].sum(1) * bs * bs
+    part = (nat == masks.BlockKind.PARTIAL).sum(1).to(torch.float64)[g].sum(1) * bs * bs
+    return torch.stack([calls.sum(1), full, torch.zeros_like(full), part], -1), live.any(dim=1)
+
+
+def dense_ring_moves(need: torch.Tensor, P: int) -> torch.Tensor:
+    need = need.clone()
+    need.fill_diagonal_(False)
+    dist = (torch.arange(P)[:, None] - torch.arange(P)[None, :]) % P
+    moves = torch.zeros(P, dtype=torch.float64)
+    for j, d in enumerate(torch.where(need, dist, 0).max(dim=0).values.tolist()):
+        for s in range(d):
+            moves[(j + s) % P] += 1
+            moves[(j + s + 1) % P] += 1
+    return moves
+
+
+@settings(deadline=None, max_examples=12)
+@given(st.sampled_from(["document", "causal", "window", "lambda", "doc-only"]),
+       st.integers(2, 5), st.integers(1, 6), st.sampled_from(["contiguous", "zigzag", "random",
+                                                               "candidates"]), seeds())
+def test_sparse_work_estimate_equals_the_dense_one(kind, P, m, order, seed):
+    S, bs = 2 * P * m * 4, 2
+    ids = packed(S, 1 + seed % 6, seed)
+    mask = {"document": masks.causal() & masks.document(ids), "causal": masks.causal(),
+            "window": masks.sliding_window(1 + seed % 9), "doc-only": masks.document(ids),
+            "lambda": masks.as_mask(lambda b, h, q, kv: (q >= kv) & ((q - kv) % 5 != 1),
+                                    name="not5")}[kind]
+    bm = sparse(mask, S, bs)
+    nat = bm.dense()
+    nb = S // bs
+    if order == "random":
+        orders = [torch.randperm(nb, generator=torch.Generator().manual_seed(seed))]
+    elif order == "candidates":
+        orders = [b for _, b in layout.candidates(bm, P)]
+    else:
+        orders = [blocks_of(getattr(layout, order)(S, P, block_size=bs), bs)]
+    rows = layout._Rows.of(bm)
+    assert rows.first.tolist() == torch.where(nat != 0, torch.arange(nb), nb).min(1).values.tolist()
+    for blocks in orders:
+        work, qr, kr = layout._approx_work(rows, blocks, P, bs)
+        want, need = dense_approx_work(nat, blocks, P, bs)
+        assert torch.equal(work, want), (work, want)
+        got = torch.zeros(P, P, dtype=torch.bool)
+        got[qr, kr] = True
+        assert torch.equal(got, need)
+        assert torch.equal(layout._ring_moves(qr, kr, P), dense_ring_moves(need, P))
+    segs = layout.segments(bm)
+    assert segs == layout.segments(nat)
+    assert segs[0][0] == 0 and segs[-1][1] == nb
+    assert all(a < b for a, b in segs)
