@@ -113,8 +113,9 @@ render.timeline_figure(big, max_ranks=32)
 # %% [markdown]
 # ## The same plan on three machines
 #
-# 32 ranks: all on one NVLink fabric, or 4 nodes of 8 over InfiniBand, or this CPU (the `cpu` preset, measured here
-# with `costmodel.calibrate()`: fused CPU attention on one thread, gloo between processes).
+# 32 ranks: all on one NVLink fabric, or 4 nodes of 8 over InfiniBand, or this CPU (the `cpu`
+# preset, measured here with `costmodel.calibrate()`: fused CPU attention on one thread, gloo
+# between processes).
 
 # %%
 plan = fringe.plan(schedules.zigzag(), MASKS["document"], seq_len=S, world_size=32,
@@ -127,7 +128,76 @@ print(tabulate(hw_rows, headers=["hardware", "step ms", "exposed"]))
 assert float(hw_rows[0][1]) < float(hw_rows[1][1]) < float(hw_rows[2][1])
 
 # %% [markdown]
-# Not here yet: all-gather and Ulysses (inside `compose`) as schedules; once they exist, the
-# same loop finds where each crosses ring on each preset. On this machine the cost model was
-# checked against measured gloo runs at P = 2 (`costmodel.validate()`; the README gives the
-# error).
+# ## Ring, all-gather or Ulysses: where the crossover falls
+#
+# All-gather (Llama-3 style, kv gathered in two ring collectives) and Ulysses inside
+# `compose` (all-to-all of heads inside groups of 8 ranks, a zigzag ring across the groups)
+# are programs of collectives; the cost model prices a ring all-gather or reduce-scatter as
+# (n − 1)·latency + bytes / bandwidth of its busiest member, an all-to-all pairwise the same
+# way, on NVLink when the group is inside one node of 8 and on the inter-node link otherwise,
+# and a head-sliced tile at 1/k of the heads. S = 32,768 tokens (block 32); P from 8 to 64 here
+# (planning all-gather and compose at P = 1,024 takes minutes today; `python -m fringe simulate
+# --world-size 1024 --schedules ring zigzag allgather compose:zigzag+ulysses:8` predicts it).
+# Each plan is made once and simulated on every preset.
+
+# %%
+S2, BLOCK2 = 1 << 15, 32
+CROSS_P = (8, 16, 32, 64)
+CROSS = ("ring", "zigzag", "allgather", "compose:zigzag+ulysses:8")
+PRESETS = ("h100-nvlink", "h100-ib", "cpu")
+MASKS2 = {"causal": masks.causal(),
+          "document": masks.causal() & masks.document(packed_docs(S2, 64, 0))}
+cross, t0 = {}, time.process_time()
+for mname, m in MASKS2.items():
+    for spec in CROSS:
+        for P in CROSS_P:
+            plan = fringe.plan(schedules.get(spec), m, seq_len=S2, world_size=P, block_size=BLOCK2)
+            for hw in PRESETS:
+                cross[hw, mname, spec, P] = costmodel.simulate(plan, hw, shape).step_s
+print(f"{len(cross)} predictions in {time.process_time() - t0:.1f} s of CPU")
+
+# %%
+fig = Figure(figsize=(13, 7), layout="constrained")
+axes = fig.subplots(len(MASKS2), len(PRESETS))
+for row, mname in zip(axes, MASKS2):
+    for ax, hw in zip(row, PRESETS):
+        for spec in CROSS:
+            ax.plot(CROSS_P, [cross[hw, mname, spec, P] * 1e3 for P in CROSS_P], marker="o",
+                    label=spec)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_title(f"{mname} · {hw}")
+        ax.set_xlabel("ranks P")
+        ax.set_ylabel("predicted step ms")
+axes[0][0].legend(fontsize=8)
+fig
+
+# %% [markdown]
+# Which schedule is fastest at each P, and where the lead changes, computed from the
+# predictions above:
+
+# %%
+def crossovers(hw: str, mname: str) -> str:
+    best = [min(CROSS, key=lambda s: cross[hw, mname, s, P]) for P in CROSS_P]
+    runs, start = [], 0
+    for i in range(1, len(best) + 1):
+        if i == len(best) or best[i] != best[start]:
+            lo, hi = CROSS_P[start], CROSS_P[i - 1]
+            runs.append(f"{best[start]} at P={lo}" if lo == hi else
+                        f"{best[start]} for P={lo}-{hi}")
+            start = i
+    where = (f"the crossover falls between P={CROSS_P[len(best) - 1 - best[::-1].index(best[0])]} "
+             f"and P={CROSS_P[best.index(best[-1])]}" if best[0] != best[-1] else "no crossover")
+    return f"{hw}, {mname} mask: fastest is " + ", then ".join(runs) + f" ({where})."
+
+
+SENTENCES = [crossovers(hw, mname) for mname in MASKS2 for hw in PRESETS]
+print("\n".join(SENTENCES))
+assert all(v > 0 for v in cross.values()) and len(SENTENCES) == len(MASKS2) * len(PRESETS)
+for mname in MASKS2:       # in one node (P=8) NVLink and InfiniBand presets agree
+    for spec in CROSS:
+        assert cross["h100-nvlink", mname, spec, 8] == cross["h100-ib", mname, spec, 8]
+
+# %% [markdown]
+# On this machine the cost model was checked against measured gloo runs at P = 2
+# (`costmodel.validate()`; the README gives the error).
