@@ -2,9 +2,30 @@
 
 No tensors are made. Each tile costs what a work model says, each transfer latency plus
 bytes over bandwidth, and overlap follows the interpreter's real order (see
-:mod:`fringe.runtime.interpreter`): at every step a rank *issues* its transfers, *computes*
-its tiles, then *waits*; a step ends when both its compute and its transfers are done, and a
-transfer cannot start before both ends have issued it. The result carries the same
+:mod:`fringe.runtime.interpreter`): at every step a rank *issues* its transfers and
+collectives, *computes* its tiles, then *waits* for all of them; a step ends when both its
+compute and its communication are done, a transfer cannot start before both ends have issued
+it, and a collective not before every member has (a rank's collectives of one step run one
+after the other).
+
+Communication, per step (the alpha-beta model; :meth:`Hardware.collective_s` gives sources):
+
+* point to point: ``latency + bytes / bandwidth``, where bytes is the busier end's traffic in
+  that step (a rank's sends share its link);
+* all-gather (AG) and reduce-scatter (RS), ring: ``(n - 1) * latency + bytes / bandwidth``
+  with bytes the most one member receives (AG) or sends (RS), empty contributions (``-``)
+  counting nothing: a full AG of b bytes each is the textbook ``(n - 1) * (latency + b /
+  bandwidth)``;
+* all-to-all (A2A), pairwise: ``(n - 1) * latency + max(bytes sent, bytes received) /
+  bandwidth`` of the busiest member;
+* the link: ``latency_s`` / ``bandwidth`` (NVLink on H100) when both ends, or every member of a
+  collective, sit in one node of ``node_size`` consecutive ranks (8 on the H100 presets), else
+  ``inter_latency_s`` / ``inter_bandwidth`` (InfiniBand on ``h100-ib``).
+
+A head-sliced tile (``C q3·kv5 h1/4``, Ulysses) pays its kernel calls in full and 1/k of the
+pairs and rows; a head-sliced buffer moves 1/k of the query heads (kv: the kv heads they read).
+
+The result carries the same
 :class:`~fringe.runtime.interpreter.StepRecord` values a measured run leaves behind, so the
 reports and figures of :mod:`fringe.render` work for both.
 
