@@ -34,7 +34,6 @@ import argparse
 import dataclasses
 import datetime
 import gc
-import inspect
 import json
 import math
 import os
@@ -115,25 +114,13 @@ def dense_bool_mask(kind: str, S: int) -> torch.Tensor:
 
 
 def schedule_names() -> tuple[list[str], dict[str, str]]:
-    """Schedules in ``fringe.schedules.__all__`` that build with no arguments, and why not."""
+    """The registered schedules (``fringe.schedules.names()``) that run at this H and G, and the
+    ones not run with why (the 2D ``compose:OUTER+INNER:K`` forms need arguments)."""
     from fringe import schedules
-    names, skipped = [], {}
-    for name in schedules.__all__:
-        obj = getattr(schedules, name)
-        if not inspect.isfunction(obj) or not name[:1].islower():
-            continue
-        try:
-            sig = inspect.signature(obj)
-            if any(p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD,
-                                                       p.KEYWORD_ONLY)
-                   for p in sig.parameters.values()):
-                if name not in ("check", "lower", "prune", "reverse", "parse_op", "ring_hops"):
-                    skipped[name] = "needs arguments"
-                continue
-            if isinstance(obj(), schedules.Schedule):
-                names.append(name)
-        except Exception as e:          # noqa: BLE001 - reported, not fatal
-            skipped[name] = f"{type(e).__name__}: {e}"
+    names = schedules.names(heads=HEADS, kv_heads=KV_HEADS)
+    skipped = {"compose": "a 2D form compose:OUTER+INNER:K; needs arguments"}
+    skipped.update({n: schedules.registry.why_not(n, heads=HEADS, kv_heads=KV_HEADS)
+                    for n in schedules.names() if n not in names})
     order = {"ring": 0, "zigzag": 1, "striped": 2, "balanced": 3}
     return sorted(names, key=lambda n: (order.get(n, 9), n)), skipped
 
@@ -227,7 +214,7 @@ def _w_setup(rank: int, world: int, cfg: dict) -> dict:
         if f"fringe {name}" in exclude:
             continue
         try:
-            plan = fringe.plan(getattr(schedules, name)(), mask, seq_len=S, world_size=world)
+            plan = fringe.plan(schedules.get(name), mask, seq_len=S, world_size=world)
             systems[f"fringe {name}"] = _Fringe(plan, rank, q, k, v)
         except Exception as e:          # noqa: BLE001 - reported in the table
             errors[f"fringe {name}"] = f"{type(e).__name__}: {e}"[:200]
@@ -432,6 +419,8 @@ class Config:
     flex_eager_worlds: tuple = (2,)      # P=4: oversubscribed and ~minutes per cell
     flex_eager_max_S: int = 4096         # S=8192 P=2: a rank was OOM-killed (dense [L, S] math)
     memory: bool = True
+    memory_masks: tuple = MASKS           # --quick: causal only (the only memory target)
+    flex_eager_rounds: int | None = None  # --quick: 1 (W2 is dense math, ~15x a fringe step)
     profile: bool = True
     precision_S: int = 2048
     quick: bool = False
@@ -544,6 +533,9 @@ def _cell(pools, cfg: Config, names, kind: str, S: int) -> dict:
         for P, name, bwd in order:
             if (P, name, bwd) not in jobs:
                 continue
+            if (name == "torch CP" and kind != "causal" and cfg.flex_eager_rounds is not None
+                    and r > cfg.flex_eager_rounds):
+                continue
             try:
                 res = pools[P].run(_w_step, name, bwd, r == 0)
             except Exception as e:      # noqa: BLE001
@@ -576,7 +568,7 @@ def _cell(pools, cfg: Config, names, kind: str, S: int) -> dict:
                                     check=checks.get((P, name, bwd), {}),
                                     warmup_seconds=warmup.get((P, name, bwd)),
                                     sent_bytes=bytes_.get((P, name)) if bwd else None)
-    if cfg.memory:
+    if cfg.memory and kind in cfg.memory_masks:
         _log(f"cell {kind} S={S}: memory")
         for P, name, bwd in jobs:
             # torch's flex path trains through dense math ([L, S] scores): not a memory peer
@@ -878,7 +870,9 @@ def target_lines(result: dict) -> list[str]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="S=4096, P=2, 3 rounds (< 3 min)")
+    ap.add_argument("--quick", action="store_true",
+                    help="S=4096, P=2, 3 rounds (torch eager flex: 1), memory on causal only, "
+                         "no compiled flex, no profiles, precision at S=1024 (< 3 min quiet)")
     ap.add_argument("--rounds", type=int, default=None)
     ap.add_argument("--seq-lens", type=int, nargs="+", default=None)
     ap.add_argument("--worlds", type=int, nargs="+", default=None)
@@ -896,7 +890,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.quick:
         cfg = Config(seq_lens=(4096,), worlds=(2,), rounds=3, compiled_worlds=(),
-                     flex_eager_worlds=(2,), profile=False, precision_S=1024, quick=True)
+                     flex_eager_worlds=(2,), profile=False, precision_S=1024, quick=True,
+                     memory_masks=("causal",), flex_eager_rounds=1)
     else:
         cfg = Config()
     if args.rounds:

@@ -86,16 +86,25 @@ def _plan(blocks: torch.Tensor, *, Lq: int, Lk: int, block_size: int, fused: boo
     or merge (out, lse) to the unsplit ones.
     """
     bs = block_size
-    if not fused:
-        return _row_groups(blocks, Lq=Lq, Lk=Lk, block_size=bs)
     base = _row_groups(blocks, Lq=Lq, Lk=Lk, block_size=bs)
-    if causal_block is not None:
-        # the element checks cost a mask evaluation per diagonal block: run them only when the
-        # block pattern alone already gives a plan that would be chosen (window masks: never)
-        hope = _plan(blocks, Lq=Lq, Lk=Lk, block_size=bs, fused=True)
-        if not any(g.causal for g in hope):
-            return hope
-    runs = _causal_runs(blocks, Lq=Lq, Lk=Lk, block_size=bs, check=causal_block)
+    if not fused:
+        return base
+    # the element checks cost a mask evaluation per diagonal block: run them only when the
+    # block pattern alone already gives a plan that would be chosen (a window never does)
+    runs = _causal_runs(blocks, Lq=Lq, Lk=Lk, block_size=bs, check=None)
+    plan = _fused_plan(blocks, base, runs, Lq=Lq, Lk=Lk, block_size=bs)
+    if causal_block is None or not any(g.causal for g in plan):
+        return plan
+    if all(causal_block(i + t, j + t) for i, j, n in runs for t in range(n)):
+        return plan
+    checked = _causal_runs(blocks, Lq=Lq, Lk=Lk, block_size=bs, check=causal_block)
+    return _fused_plan(blocks, base, checked, Lq=Lq, Lk=Lk, block_size=bs)
+
+
+def _fused_plan(blocks: torch.Tensor, base: list[_Group], runs: list[tuple[int, int, int]], *,
+                Lq: int, Lk: int, block_size: int) -> list[_Group]:
+    """Steps 1-3 of :func:`_plan` for given causal ``runs``."""
+    bs = block_size
     work = blocks.clone()
     squares = []
     for i, j, n in runs:
