@@ -5,7 +5,7 @@ measures, on long-lived gloo CPU ranks (:class:`fringe.launch.Workers`, one pool
 for the whole run):
 
 - **speed**: forward + backward of one attention call, B=1, H=G=8, D=64, float32, for every
-  fringe schedule in ``fringe.schedules.__all__`` that builds with no arguments, torch's CP
+  fringe schedule in the registry (``fringe.schedules.names()``), torch's CP
   (SDPA path for causal: workaround W1; flex path for document / window masks: eager dense
   math with the CPU-backward guard bypassed, W2; see ``benchmarks/torch_cp.py``) and one
   process doing all the work (dense SDPA with ``is_causal`` or a bool mask, and fringe with
