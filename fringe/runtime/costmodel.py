@@ -670,19 +670,17 @@ def _walk_columns(programs: Sequence, L: int, shape: Shape, ir, fams, code) -> _
                         raise ValueError(f"rank {r}, step {t}: {op.ascii()} does not list rank "
                                          f"{r} in its group {list(op.group)}")
                     me = op.group.index(r)
-                    sent = got = 0
-                    for k, b in enumerate(op.sends):
-                        if b is not None and k != me:
-                            i, nbytes, chunk = of_buffer(b)
-                            sent += nbytes
+                    moved = [0, 0]
+                    for side, slots in ((0, op.sends), (1, op.recvs)):
+                        own = slots[me]               # stays in place: not moved
+                        for b in [b for b in slots if b is not None]:   # most slots are empty
+                            i, nbytes, chunk = cache.get(b) or of_buffer(b)
+                            moved[side] += nbytes
                             if chunk != r:
-                                touch.append((r, t, i, False))
-                    for k, b in enumerate(op.recvs):
-                        if b is not None and k != me:
-                            i, nbytes, chunk = of_buffer(b)
-                            got += nbytes
-                            if chunk != r:
-                                touch.append((r, t, i, True))
+                                touch.append((r, t, i, bool(side)))
+                        if own is not None:           # (its touch, if any, is harmless)
+                            moved[side] -= (cache.get(own) or of_buffer(own))[1]
+                    sent, got = moved
                     ordinal = seen.get(gid, 0)
                     seen[gid] = ordinal + 1
                     coll.append((r, t, gid, ordinal, _COLL_KINDS[op.kind], sent, got))
