@@ -451,21 +451,32 @@ class Collective(_Op):
 
     def received(self, rank: int) -> set[Buffer]:
         """The buffers ``rank`` (a member) receives from the other members."""
-        me = self.group.index(rank) if rank in self.group else -1
-        got = set(self.recvs) if me < 0 else set(self.recvs[:me]) | set(self.recvs[me + 1:])
-        got.discard(None)
+        got = set(self.writes())
+        if rank in self.group:          # its own slot stays in place
+            mine = self.recvs[self.group.index(rank)]
+            if mine is not None and self.recvs.count(mine) == 1:
+                got.discard(mine)
         return got
+
+    @classmethod
+    def _checked(cls, kind: str, group: tuple[int, ...], sends: tuple, recvs: tuple) -> Collective:
+        """A collective from parts already checked (an op's own group and slots)."""
+        self = object.__new__(cls)
+        for name, value in (("kind", kind), ("group", group), ("sends", sends),
+                            ("recvs", recvs), ("_io", None)):
+            object.__setattr__(self, name, value)
+        return self
 
     def adjoint(self) -> Collective:
         """``AG`` becomes ``RS`` of the cotangents (and back); ``A2A`` its inverse."""
         cot = _COTANGENTS.__getitem__
-        return Collective(COLLECTIVE_ADJOINT[self.kind], self.group,
-                          tuple(map(cot, self.recvs)), tuple(map(cot, self.sends)))
+        return Collective._checked(COLLECTIVE_ADJOINT[self.kind], self.group,
+                                   tuple(map(cot, self.recvs)), tuple(map(cot, self.sends)))
 
     def transposed(self) -> Collective:
         """The same buffers moving the other way (re-sending merged outputs in a backward)."""
-        return Collective("A2A" if self.kind == "A2A" else COLLECTIVE_ADJOINT[self.kind],
-                          self.group, self.recvs, self.sends)
+        return Collective._checked("A2A" if self.kind == "A2A" else COLLECTIVE_ADJOINT[self.kind],
+                                   self.group, self.recvs, self.sends)
 
     def _text(self, arrow: str) -> str:
         fmt = lambda xs: ",".join("-" if x is None else str(x) for x in xs)  # noqa: E731

@@ -366,8 +366,8 @@ def reverse(programs: Sequence[Program], *, kv: str = "resend") -> list[Program]
         for t, op in prog.ops():
             if isinstance(op, GradCompute) or (isinstance(op, (Send, Recv))
                                                and op.buf.family.is_gradient) or (
-                    isinstance(op, Collective) and not (_GRADS.isdisjoint(op.sends)
-                                                        and _GRADS.isdisjoint(op.recvs))):
+                    isinstance(op, Collective) and not (_GRADS.isdisjoint(op.reads())
+                                                        and _GRADS.isdisjoint(op.writes()))):
                 raise ScheduleError(f"rank {r}, step {t}: reverse takes forward programs; found "
                                     f"{op}\n{marked(prog, t)}")
             ops[r][T - t].append(op.adjoint())
@@ -381,7 +381,7 @@ def reverse(programs: Sequence[Program], *, kv: str = "resend") -> list[Program]
                 elif fam in _INPUTS:
                     in_hop[(r, op.buf)] = Hop(t, op.peer, r)
             elif isinstance(op, Collective):
-                if not (_OUTS.isdisjoint(op.sends) and _OUTS.isdisjoint(op.recvs)):
+                if not (_OUTS.isdisjoint(op.reads()) and _OUTS.isdisjoint(op.writes())):
                     ops[r][T - t].append(op.transposed())
                 by_collective.update((r, b) for b in _INPUT_BUFS.intersection(op.received(r)))
                 key = (t, op.group, seen[(t, op.group)])
