@@ -402,12 +402,14 @@ def _distinct_maps_from_rects(bm, tiles_flat: np.ndarray, part: np.ndarray, P: i
     if nz.any():
         with np.errstate(over="ignore"):
             tile_hash[nz] = np.add.reduceat(h, start[nz])
-    sig = np.stack([cnt.astype(np.int64), tile_hash.view(np.int64)], axis=1)
-    _, first, inv = np.unique(sig, axis=0, return_index=True, return_inverse=True)
+    with np.errstate(over="ignore"):
+        sig = _mix64(tile_hash + cnt.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15))
+    _, first, inv = np.unique(sig.view(np.int64), return_index=True, return_inverse=True)
     inv = inv.reshape(-1)
     rep = first[inv]                                  # each tile's representative tile
-    same = enc == enc[start[rep[tile]] + k]
-    if not same.all():                                # a hash collision: group by content
+    same = (cnt == cnt[rep]).all() and (enc == enc[np.minimum(start[rep[tile]] + k,
+                                                               len(enc) - 1)]).all()
+    if not same:                                      # a hash collision: group by content
         width = int(cnt.max())
         pad = np.full((len(part), width), -1, dtype=np.int64)
         pad[tile, k] = enc
