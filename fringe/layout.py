@@ -30,9 +30,7 @@ import math
 import numpy as np
 import torch
 
-#: Default mask-block size (tokens per side of a classification block). A parameter
-#: everywhere; this is only its default.
-DEFAULT_BLOCK_SIZE = 64
+from .masks import DEFAULT_BLOCK_SIZE as DEFAULT_BLOCK_SIZE  # masks does not import layout
 
 #: How many starting offsets the "laps" candidate of :func:`balanced` tries (a search budget).
 _LAP_OFFSETS = 128  # not a block size
@@ -200,7 +198,7 @@ BALANCE_SHAPE = dict(batch=1, heads=8, kv_heads=8, head_dim=64, dtype="float32")
 #: candidate; calls and bytes decide among those.
 BALANCE_SLACK = 1.05
 
-_EMPTY, _PARTIAL, _FULL = 0, 1, 2      # fringe.masks.BlockKind codes (masks imports this module)
+_EMPTY, _PARTIAL, _FULL = 0, 1, 2      # fringe.masks.BlockKind codes, as plain ints for numpy
 
 #: :func:`predict` splits tiles into kernel calls exactly (the tile grouping of
 #: :mod:`fringe.ops.tile`, through the cost model) up to this many blocks in the sequence, and

@@ -61,7 +61,10 @@ from typing import Callable
 
 import torch
 
-from .layout import DEFAULT_BLOCK_SIZE  # the one default block size (tokens per side)
+#: Default mask-block size (tokens per side of a classification block). A parameter
+#: everywhere; this is only its default. (Defined here, the lowest module that uses it;
+#: :mod:`fringe.layout` re-exports it, so masks never imports layout.)
+DEFAULT_BLOCK_SIZE = 64
 
 MaskMod = Callable[..., torch.Tensor]
 

@@ -42,3 +42,15 @@ def test_no_private_torch_imports_outside_the_fast_path():
     offenders = [str(p.relative_to(root)) for p in root.rglob("*.py")
                  if p.name != "_fast.py" and pattern.search(p.read_text())]
     assert offenders == [], f"private torch API outside fringe/ops/_fast.py: {offenders}"
+
+
+def test_masks_does_not_import_layout():
+    """masks sits below layout (layout re-exports masks.DEFAULT_BLOCK_SIZE): no cycle."""
+    import ast
+    import pathlib
+
+    import fringe.masks
+    tree = ast.parse(pathlib.Path(fringe.masks.__file__).read_text())
+    imported = {node.module for node in ast.walk(tree)
+                if isinstance(node, ast.ImportFrom) and node.module}
+    assert not any(m == "layout" or m.endswith(".layout") for m in imported), imported
