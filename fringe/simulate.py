@@ -18,6 +18,8 @@ from .runtime.virtual import VirtualRuntime
 
 def _stack(plan, x: torch.Tensor) -> torch.Tensor:
     """Global ``[..., S, D]`` -> rank-stacked ``[P, ..., L, D]`` in the plan's layout."""
+    if plan.world_size == 1:                   # one rank: no stack copy
+        return plan.layout.shard(x, 0).unsqueeze(0)
     return torch.stack([plan.layout.shard(x, r) for r in range(plan.world_size)])
 
 

@@ -204,7 +204,7 @@ def forward(plan, ranks: Sequence[int], q: torch.Tensor, k: torch.Tensor, v: tor
         out.append(full[..., :D].to(q.dtype))       # no tile: out 0, lse -inf
         lse.append(full[..., D].contiguous())
     kept = [[states[r].get(name) for name in kept_names(plan, r)] for r in ranks]
-    return torch.stack(out), torch.stack(lse), kept, states
+    return _stack(out), _stack(lse), kept, states
 
 
 def backward(plan, ranks: Sequence[int], q, k, v, out, lse, dout, dlse, kept,
@@ -268,7 +268,13 @@ def backward(plan, ranks: Sequence[int], q, k, v, out, lse, dout, dlse, kept,
         dk.append(g[0].to(k.dtype))
         dv.append(g[1].to(v.dtype))
     dparams = tuple(g.to(p.dtype) for g, p in zip(dparams, params))
-    return torch.stack(dq), torch.stack(dk), torch.stack(dv), dparams, states
+    return _stack(dq), _stack(dk), _stack(dv), dparams, states
+
+
+def _stack(ts: list) -> torch.Tensor:
+    """``torch.stack`` of per-rank results (each freshly made here); for one rank (every real
+    rank runs only itself) no copy unless the result is strided (callers may ``.view`` it)."""
+    return ts[0].contiguous().unsqueeze(0) if len(ts) == 1 else torch.stack(ts)
 
 
 class Runtime:
