@@ -54,3 +54,18 @@ def test_masks_does_not_import_layout():
     imported = {node.module for node in ast.walk(tree)
                 if isinstance(node, ast.ImportFrom) and node.module}
     assert not any(m == "layout" or m.endswith(".layout") for m in imported), imported
+
+
+def test_no_import_cycle_inside_ops():
+    """tile imports the kernel registry from fringe.ops.kernels at module level; nothing in ops
+    imports the package back."""
+    import ast
+    import pathlib
+
+    import fringe.ops
+    for path in pathlib.Path(fringe.ops.__file__).parent.glob("*.py"):
+        if path.name == "__init__.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 1:
+                assert node.module is not None, f"{path.name} imports the ops package back"

@@ -31,53 +31,10 @@ Semantics every kernel keeps (tested in ``tests/test_ops_semantics.py``):
 """
 from __future__ import annotations
 
-from typing import Protocol
-
-import torch
-
-from ._fast import SDPA, SdpaKernel
-from .reference import REFERENCE, ReferenceKernel, attention, check_qkv
-
-
-class Kernel(Protocol):
-    """One dense sub-problem's forward and backward (see the module docstring)."""
-
-    name: str
-
-    def available(self, device: torch.device | str | None = None) -> tuple[bool, str]: ...
-
-    def forward(self, q, k, v, *, q_pos, kv_pos, mask=None, score_mod=None, scale): ...
-
-    def backward(self, q, k, v, out, lse, dout, *, q_pos, kv_pos, mask=None, score_mod=None,
-                 scale, dlse=None, score_params=()): ...
-
-
-KERNELS: dict[str, Kernel] = {"reference": REFERENCE, "sdpa": SDPA}
-
-
-def get_kernel(name: str | Kernel | None = None, *, score_mod=None,
-               device: torch.device | str | None = None) -> Kernel:
-    """Look up a kernel by name, or choose one when ``name`` is None.
-
-    The automatic choice is ``sdpa`` when it is available on ``device`` and there is no
-    score_mod, else ``reference``. A kernel object is returned as is.
-
-    Raises:
-        KeyError: for an unknown name, listing the known ones.
-    """
-    if name is None:
-        if score_mod is None and SDPA.available(device)[0]:
-            return SDPA
-        return REFERENCE
-    if not isinstance(name, str):
-        return name
-    try:
-        return KERNELS[name]
-    except KeyError:
-        raise KeyError(f"unknown kernel {name!r}; choose one of {sorted(KERNELS)}") from None
-
-
-from .tile import merge, tile_backward, tile_forward  # noqa: E402  (tile looks up get_kernel)
+from ._fast import SdpaKernel
+from .kernels import KERNELS, Kernel, get_kernel
+from .reference import ReferenceKernel, attention, check_qkv
+from .tile import merge, tile_backward, tile_forward
 
 __all__ = ["KERNELS", "Kernel", "ReferenceKernel", "SdpaKernel", "attention", "check_qkv",
            "get_kernel", "merge", "tile_backward", "tile_forward"]

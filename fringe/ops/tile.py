@@ -34,6 +34,7 @@ import torch
 
 from fringe.masks import BlockKind
 
+from .kernels import get_kernel
 from .reference import (MaskMod, ScoreMod, check_qkv, compute_dtype, default_scale, mask_for)
 
 __all__ = ["check_qkv", "merge", "tile_backward", "tile_forward", "GROUP_SLACK"]
@@ -314,7 +315,6 @@ def _prepare(q, k, v, *, q_pos, kv_pos, kind, blocks, block_size, kernel, score_
                              f"got {list(blocks.shape)}")
     else:
         blocks = None
-    from . import get_kernel
 
     kern = get_kernel(kernel, score_mod=score_mod, device=q.device)
     return (B, H, G, Lq, Lk, D), kind, blocks, kern, default_scale(D, scale)
