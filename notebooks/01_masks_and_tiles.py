@@ -110,11 +110,18 @@ render.tile_map_figure(mine)
 # %% [markdown]
 # ## Property-test it against dense attention before training with it
 #
-# `check_mask` plans it on every schedule, world size and block size, checks the block
+# `check_mask` plans it on every registered schedule (those that run at each world size:
+# Ulysses needs the heads to split), world size and block size, checks the block
 # classification against the dense mask, and runs forward and backward on the virtual mesh
 # against the dense reference in float64.
 
 # %%
+from fringe.schedules import registry
+from fringe.testing import CHECK_MASK_SCHEDULES
+
 n = check_mask(every_third_token_sees_the_past, world_sizes=(2, 4), block_sizes=(4,))
 print(f"{n} (schedule, P, block) combinations match dense attention")
-assert n == 4 * 2 * 1
+runs = {P: [s for s in [*registry.names(), *CHECK_MASK_SCHEDULES]
+            if registry.why_not(s, world_size=P, heads=2, kv_heads=1) is None] for P in (2, 4)}
+print({P: names for P, names in runs.items()})
+assert n == sum(len(names) for names in runs.values())
