@@ -19,10 +19,9 @@ import fringe
 from fringe import layout, masks, render, schedules
 from fringe.launch import Workers
 from fringe.ops import reference
-from fringe.runtime import RankState, VirtualMesh, execute
-from fringe.schedules import Collective, GradCompute, Send, check, parse_op, reverse
-from fringe.schedules.ir import Buffer, Family, format_programs, parse_programs, steps_of
-from fringe.testing import make_qkv, mask_family, tolerances
+from fringe.schedules import Collective, Send, check, parse_op, reverse
+from fringe.schedules.ir import format_programs, parse_programs, steps_of
+from fringe.testing import make_qkv, mask_family, probe_adjoint, tolerances
 
 BLOCK = 2
 MASKS = ["causal", "document", "window", "lambda", "per_head"]
@@ -185,50 +184,6 @@ def test_a_group_that_needs_nothing_of_another_receives_nothing(outer, inner):
     assert got and all(bool(c.tiles[r // k * k:(r // k + 1) * k, j].ne(0).any()) for r, j in got)
 
 
-def _probe_run(p, *, seed: int):
-    """Forward and backward with probe tiles on the virtual mesh: <A x, y> and <x, A^T y>.
-
-    Forward tile (i, j) reads kv_j as it arrived; backward tile (i, j) adds y_ij into dkv_j.
-    """
-    P, L = p.world_size, 3
-    g = torch.Generator().manual_seed(seed)
-    x = {j: torch.randn(2, 1, 1, L, 1, generator=g, dtype=torch.float64) for j in range(P)}
-    y = {(i, j): torch.randn(2, 1, 1, L, 1, generator=g, dtype=torch.float64)
-         for i in range(P) for j in range(P)}
-    seen_fwd, seen_bwd = {}, {}
-    kv = lambda j: Buffer.of(Family.KV, j)          # noqa: E731
-    dkv = lambda j: Buffer.of(Family.DKV, j)        # noqa: E731
-
-    def states(progs, backward):
-        out = {}
-        for r in range(P):
-            st_ = RankState(r, progs[r], like=lambda b: ((2, 1, 1, L, 1), torch.float64),
-                            heads=(1, 1), device="cpu", protect={kv(r), dkv(r)})
-            st_.bufs[kv(r)] = x[r].clone()
-            if backward and p.kv == "keep":
-                for _, op in progs[r].ops():
-                    if isinstance(op, GradCompute):
-                        st_.bufs[kv(op.kv)] = x[op.kv].clone()
-            out[r] = st_
-        return out
-
-    def fwd(st_, op):
-        seen_fwd[(op.q, op.kv)] = st_.bufs[kv(op.kv)].clone()
-
-    def bwd(st_, op):
-        seen_bwd[(op.q, op.kv)] = st_.bufs[kv(op.kv)].clone()
-        st_.accumulate(dkv(op.kv), y[(op.q, op.kv)])
-
-    execute({r: p.forward[r] for r in range(P)}, states(p.forward, False), VirtualMesh(P), fwd)
-    bst = states(p.backward, True)
-    execute({r: p.backward[r] for r in range(P)}, bst, VirtualMesh(P), bwd)
-    ax_y = sum(float((seen_fwd[t] * y[t]).sum()) for t in seen_fwd)
-    x_aty = sum(float((x[j] * bst[j].bufs[dkv(j)]).sum()) for j in range(P) if dkv(j) in bst[j].bufs)
-    leftovers = {(r, n) for r in range(P) for n in bst[r].bufs
-                 if n.family is Family.DKV and n != dkv(r)}
-    return ax_y, x_aty, seen_fwd, seen_bwd, x, leftovers
-
-
 @pytest.mark.parametrize("outer,inner,m,k,mask_kind,kv", [
     ("ring", "ring", 2, 2, "causal", "resend"), ("zigzag", "zigzag", 2, 3, "window", "keep"),
     ("allgather", "ring", 4, 2, "document", "resend"), ("ring", "allgather", 2, 3, "lambda", "resend"),
@@ -237,7 +192,7 @@ def test_backward_communication_is_the_adjoint_and_gradients_return_home(outer, 
                                                                          mask_kind, kv):
     S = 2 * m * k * BLOCK * 2
     p = _plan(outer, inner, m, k, mask_family(mask_kind, S), S=S, kv=kv)
-    ax_y, x_aty, seen_fwd, seen_bwd, x, leftovers = _probe_run(p, seed=m * k)
+    ax_y, x_aty, seen_fwd, seen_bwd, x, leftovers = probe_adjoint(p, seed=m * k)
     assert ax_y == pytest.approx(x_aty, rel=1e-12, abs=1e-12)
     assert set(seen_fwd) == set(seen_bwd) == {tuple(ij) for ij in p.tiles.ne(0).nonzero().tolist()}
     for (i, j), val in list(seen_fwd.items()) + list(seen_bwd.items()):

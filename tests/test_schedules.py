@@ -11,7 +11,7 @@ from hypothesis import given, settings, strategies as st
 
 import fringe
 from fringe import masks, render, schedules
-from fringe.runtime import RankState, VirtualMesh, execute
+from fringe.testing import probe_adjoint
 from fringe.runtime.engine import kept_names
 from fringe.schedules import (Compute, GradCompute, Program, Recv, ScheduleError, Send, Step,
                               check, parse_op, reverse)
@@ -150,57 +150,12 @@ def test_ops_answer_buffer_use_as_the_runtime_worked_it_out(args):
         assert kept_names(p, r) == (sorted(want) if kv == "keep" else [])
 
 
-def _probe_run(p, *, seed: int):
-    """Run forward and backward programs with probe tiles on the virtual mesh.
-
-    Forward tile (i, j) reads kv_j as it arrived; backward tile (i, j) adds a random y_ij
-    into dkv_j. Returns (<A x, y>, <x, A^T y>, kv values seen in the backward).
-    """
-    P, L = p.world_size, 3
-    g = torch.Generator().manual_seed(seed)
-    x = {j: torch.randn(2, 1, 1, L, 1, generator=g, dtype=torch.float64) for j in range(P)}
-    y = {(i, j): torch.randn(2, 1, 1, L, 1, generator=g, dtype=torch.float64)
-         for i in range(P) for j in range(P)}
-    seen_fwd, seen_bwd = {}, {}
-
-    def states(progs, backward):
-        out = {}
-        for r in range(P):
-            st_ = RankState(r, progs[r], like=lambda b: ((2, 1, 1, L, 1), torch.float64),
-                            heads=(1, 1), device="cpu",
-                            protect={buffer_name("kv", r), buffer_name("dkv", r)})
-            st_.bufs[buffer_name("kv", r)] = x[r].clone()
-            if backward and p.kv == "keep":
-                for _, op in progs[r].ops():
-                    if isinstance(op, GradCompute):
-                        st_.bufs[buffer_name("kv", op.kv)] = x[op.kv].clone()
-            out[r] = st_
-        return out
-
-    def fwd(st_, op):
-        seen_fwd[(op.q, op.kv)] = st_.bufs[buffer_name("kv", op.kv)].clone()
-
-    def bwd(st_, op):
-        seen_bwd[(op.q, op.kv)] = st_.bufs[buffer_name("kv", op.kv)].clone()
-        st_.accumulate(buffer_name("dkv", op.kv), y[(op.q, op.kv)])
-
-    execute({r: p.forward[r] for r in range(P)}, states(p.forward, False), VirtualMesh(P), fwd)
-    bst = states(p.backward, True)
-    execute({r: p.backward[r] for r in range(P)}, bst, VirtualMesh(P), bwd)
-    ax_y = sum(float((seen_fwd[t] * y[t]).sum()) for t in seen_fwd)
-    x_aty = sum(float((x[j] * bst[j].bufs[buffer_name("dkv", j)]).sum())
-                for j in range(P) if buffer_name("dkv", j) in bst[j].bufs)
-    leftovers = {(r, n) for r in range(P) for n in bst[r].bufs
-                 if n.family is Family.DKV and n != buffer_name("dkv", r)}
-    return ax_y, x_aty, seen_fwd, seen_bwd, x, leftovers
-
-
 @settings(deadline=None, max_examples=60)
 @given(plans)
 def test_backward_communication_is_the_adjoint_and_gradients_return_home(args):
     name, seed, P, kv = args
     p = build(name, seed, P, kv=kv)
-    ax_y, x_aty, seen_fwd, seen_bwd, x, leftovers = _probe_run(p, seed=seed)
+    ax_y, x_aty, seen_fwd, seen_bwd, x, leftovers = probe_adjoint(p, seed=seed)
     assert ax_y == pytest.approx(x_aty, rel=1e-12, abs=1e-12)
     # every tile saw the right kv in both passes (forward routes and backward re-sends)
     assert set(seen_fwd) == set(seen_bwd)

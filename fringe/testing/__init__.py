@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["CHECK_MASK_SCHEDULES", "check_mask", "make_qkv", "mask_family", "seeds", "tolerances",
-           "warm_up_cpu_math"]
+__all__ = ["CHECK_MASK_SCHEDULES", "check_mask", "make_qkv", "mask_family", "probe_adjoint",
+           "seeds", "tolerances", "warm_up_cpu_math"]
 
 #: The schedules :func:`check_mask` tries by default, as registry names: every registered
 #: schedule (``fringe.schedules.names()``, read when check_mask runs) and this 2D one.
@@ -230,3 +230,58 @@ def _difference(got: torch.Tensor, want: torch.Tensor, tol: dict[str, float]) ->
     err = (got - want)[finite].abs().max().item() if finite.any() else 0.0
     extra = f", {inf_mismatch} infinities differ" if inf_mismatch else ""
     return f"max |diff| {err:.3g}{extra}"
+
+
+def probe_adjoint(p, *, seed: int):
+    """The adjoint dot-product probe: run a plan's forward and backward programs with probe
+    tiles on the virtual mesh (the real interpreter), with no attention math.
+
+    Forward tile (i, j) reads kv_j as it arrived (x_j); backward tile (i, j) adds a random
+    y_ij into dkv_j. The backward's communication is the adjoint of the forward's when
+    ``<A x, y> == <x, A^T y>``.
+
+    Returns:
+        ``(<A x, y>, <x, A^T y>, kv seen by each forward tile, kv seen by each backward
+        tile, x, dkv buffers left on a rank that does not own them)``.
+    """
+    from ..runtime import RankState, VirtualMesh, execute
+    from ..schedules import GradCompute
+    from ..schedules.ir import Family, buffer_name
+
+    P, L = p.world_size, 3
+    g = torch.Generator().manual_seed(seed)
+    x = {j: torch.randn(2, 1, 1, L, 1, generator=g, dtype=torch.float64) for j in range(P)}
+    y = {(i, j): torch.randn(2, 1, 1, L, 1, generator=g, dtype=torch.float64)
+         for i in range(P) for j in range(P)}
+    seen_fwd, seen_bwd = {}, {}
+
+    def states(progs, backward):
+        out = {}
+        for r in range(P):
+            st_ = RankState(r, progs[r], like=lambda b: ((2, 1, 1, L, 1), torch.float64),
+                            heads=(1, 1), device="cpu",
+                            protect={buffer_name("kv", r), buffer_name("dkv", r)})
+            st_.bufs[buffer_name("kv", r)] = x[r].clone()
+            if backward and p.kv == "keep":
+                for _, op in progs[r].ops():
+                    if isinstance(op, GradCompute):
+                        st_.bufs[buffer_name("kv", op.kv)] = x[op.kv].clone()
+            out[r] = st_
+        return out
+
+    def fwd(st_, op):
+        seen_fwd[(op.q, op.kv)] = st_.bufs[buffer_name("kv", op.kv)].clone()
+
+    def bwd(st_, op):
+        seen_bwd[(op.q, op.kv)] = st_.bufs[buffer_name("kv", op.kv)].clone()
+        st_.accumulate(buffer_name("dkv", op.kv), y[(op.q, op.kv)])
+
+    execute({r: p.forward[r] for r in range(P)}, states(p.forward, False), VirtualMesh(P), fwd)
+    bst = states(p.backward, True)
+    execute({r: p.backward[r] for r in range(P)}, bst, VirtualMesh(P), bwd)
+    ax_y = sum(float((seen_fwd[t] * y[t]).sum()) for t in seen_fwd)
+    x_aty = sum(float((x[j] * bst[j].bufs[buffer_name("dkv", j)]).sum())
+                for j in range(P) if buffer_name("dkv", j) in bst[j].bufs)
+    leftovers = {(r, n) for r in range(P) for n in bst[r].bufs
+                 if n.family is Family.DKV and n != buffer_name("dkv", r)}
+    return ax_y, x_aty, seen_fwd, seen_bwd, x, leftovers
