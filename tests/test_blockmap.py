@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import fringe
+from fringe.bench import packed_docs
 from fringe import masks as M
 from fringe import schedules
 from fringe.masks import BlockKind, BlockMap
@@ -219,11 +220,7 @@ def test_million_token_plan_holds_no_dense_map():
     """S = 2^20 tokens, 1,000 packed documents, causal & document, zigzag on 8 ranks: the plan
     keeps ~1 MB of rectangles instead of the 64 MiB dense map, which it never builds."""
     S, P, bs = 1 << 20, 8, 128
-    g = torch.Generator().manual_seed(0)
-    cuts = torch.randperm(S - 1, generator=g)[:999].sort().values + 1
-    ids = torch.zeros(S, dtype=torch.int64)
-    ids[cuts] = 1
-    mask = M.causal() & M.document(ids.cumsum(0))
+    mask = M.causal() & M.document(packed_docs(S, 1000, seed=0))
     p = fringe.plan(schedules.zigzag(), mask, seq_len=S, world_size=P, block_size=bs)
     nb = S // bs
     assert p.block_map.shape == (nb, nb)
@@ -254,11 +251,7 @@ def test_balanced_plan_never_densifies_the_block_map(monkeypatch):
     natural order (S = 2^18, 250 packed documents, block 64: 4096^2 blocks dense; the same
     code plans S = 2^20 in about a second, see ``fringe.bench.bench_plan``)."""
     S, P, bs = 1 << 18, 8, 64
-    g = torch.Generator().manual_seed(0)
-    cuts = torch.randperm(S - 1, generator=g)[:249].sort().values + 1
-    ids = torch.zeros(S, dtype=torch.int64)
-    ids[cuts] = 1
-    mask = M.causal() & M.document(ids.cumsum(0))
+    mask = M.causal() & M.document(packed_docs(S, 250, seed=0))
 
     def refuse(*args, **kwargs):
         raise AssertionError("densified a block map")
