@@ -124,6 +124,17 @@ def allgather(pieces: int = 2) -> Schedule:
 # ---------------------------------------------------------------------------------------
 # Ulysses and 2D composition
 # ---------------------------------------------------------------------------------------
+def _groups(P: int, k: int, need: np.ndarray | None) -> tuple[int, np.ndarray, np.ndarray]:
+    """``(m, need, blocks)`` for groups of k consecutive ranks: m = P/k groups, the rank-level
+    tile map, and the group-level one (``blocks[a, b]``: group a needs some kv of group b)."""
+    if P % k:
+        raise ValueError(f"2D context parallelism needs world_size divisible by inner_size: "
+                         f"P={P}, inner_size={k}; use P a multiple of {k}")
+    m = P // k
+    need = _need(P, need)
+    return m, need, need.reshape(m, k, m, k).any(axis=(1, 3))
+
+
 def _outer_programs(outer: Schedule | None, m: int, need: np.ndarray) -> list[Program]:
     if outer is None:                   # one group: everything is computed at step 0
         return [program_from_ops(0, {0: [Compute(0, 0)] if need[0, 0] else []})]
@@ -133,12 +144,7 @@ def _outer_programs(outer: Schedule | None, m: int, need: np.ndarray) -> list[Pr
 def _composed_programs(outer: Schedule | None, k: int, P: int,
                        need: np.ndarray | None) -> list[Program]:
     """Ulysses inside groups of k consecutive ranks, ``outer`` across the P/k groups."""
-    if P % k:
-        raise ValueError(f"2D context parallelism needs world_size divisible by inner_size: "
-                         f"P={P}, inner_size={k}; use P a multiple of {k}")
-    m = P // k
-    need = _need(P, need)
-    blocks = need.reshape(m, k, m, k).any(axis=(1, 3))           # [group a, group b]
+    m, need, blocks = _groups(P, k, need)
     outer_progs = _outer_programs(outer, m, blocks)
     rows, cols = need.any(axis=1), need.any(axis=0)
     ops: list[dict[int, list]] = [{} for _ in range(P)]
@@ -288,12 +294,7 @@ def _double_programs(outer: Schedule, inner: Schedule, k: int, P: int,
     The result is pruned by the tile map like any schedule (a rank that needs nothing of a
     chunk receives nothing) and reversed by rule.
     """
-    if P % k:
-        raise ValueError(f"2D context parallelism needs world_size divisible by inner_size: "
-                         f"P={P}, inner_size={k}; use P a multiple of {k}")
-    m = P // k
-    need = _need(P, need)
-    blocks = need.reshape(m, k, m, k).any(axis=(1, 3))           # [group a, group b]
+    m, need, blocks = _groups(P, k, need)
     outer_progs = outer.programs(m, torch.from_numpy(blocks))
     T_in = max(1, steps_of(inner.programs(k)))
     cache: dict[bytes, list[list[tuple[int, object]]]] = {}
