@@ -16,12 +16,13 @@ import math
 import operator
 from typing import Callable
 
+import numpy as np
 import torch
 
 from . import masks as _masks
 from .layout import DEFAULT_BLOCK_SIZE, Layout
 from .schedules import KVPolicy, Program, Schedule, check, reverse
-from .schedules.ir import Compute, ProgramTable, Recv, Send, split_name
+from .schedules.ir import C_, R_, S_, Compute, Family, ProgramTable, Recv, Send, split_name
 
 BlockKind = _masks.BlockKind
 
@@ -222,7 +223,9 @@ class PlanStats:
 
     ``blocks`` counts non-empty (q-block, kv-block) pairs a rank computes (FULL and PARTIAL
     blocks alike); FLOPs are 4·block²·D·H·B per block for the forward and 2.5x that for
-    the backward; bytes are what the programs send.
+    the backward; bytes are what the programs' point-to-point ``Send`` / ``Recv`` ops move
+    (kv at ``dtype``, gradients at float32; collectives are not counted). Read from the
+    programs' table columns without building an op (a P=1024 plan has millions).
     """
 
     rows: tuple[dict, ...]
@@ -234,34 +237,28 @@ class PlanStats:
         kv_bytes = 2 * batch * kv_heads * plan.local_len * head_dim * itemsize
         grad_bytes = 2 * batch * kv_heads * plan.local_len * head_dim * 4
         bs2 = plan.block_size ** 2
+        P = plan.world_size
+        fwd, bwd = _op_counts(plan.forward, P), _op_counts(plan.backward, P)
+        rank, q, kv = (torch.from_numpy(x) for x in fwd.computes)
+        kind = plan.tiles[q, kv].long()
+        full = torch.bincount(rank[kind == BlockKind.FULL], minlength=P).tolist()
+        partial = torch.bincount(rank[kind == BlockKind.PARTIAL], minlength=P).tolist()
+        work = plan.tile_block_counts()[q, kv]
+        blocks = torch.zeros(P, dtype=torch.int64).index_add_(0, rank, work).tolist()
+        price = np.array([kv_bytes, grad_bytes], dtype=np.int64)     # [non-gradient, gradient]
+        fwd_sent, fwd_recv, bwd_sent, bwd_recv = (
+            (x * price).sum(1).tolist() for x in (fwd.sent, fwd.recv, bwd.sent, bwd.recv))
+        steps = fwd.steps.tolist()
         rows = []
-        counts = plan.tile_block_counts().tolist()
-        for r in range(plan.world_size):
-            full = partial = blocks = 0
-            for _, op in plan.forward[r].ops():
-                if isinstance(op, Compute):
-                    kind = plan.tile_kind(op.q, op.kv)
-                    full += kind == BlockKind.FULL
-                    partial += kind == BlockKind.PARTIAL
-                    blocks += counts[op.q][op.kv]
-            fwd_flops = 4 * blocks * bs2 * head_dim * heads * batch
-
-            def volume(progs, kind_cls):
-                total = 0
-                for _, op in progs[r].ops():
-                    if isinstance(op, kind_cls):
-                        total += grad_bytes if split_name(op.buf)[0].startswith("d") else kv_bytes
-                return total
-            rows.append(dict(rank=r, full_tiles=full, partial_tiles=partial, blocks=blocks,
-                             fwd_flops=fwd_flops, bwd_flops=int(2.5 * fwd_flops),
-                             fwd_sent=volume(plan.forward, Send),
-                             fwd_recv=volume(plan.forward, Recv),
-                             bwd_sent=volume(plan.backward, Send),
-                             bwd_recv=volume(plan.backward, Recv),
-                             steps=len(plan.forward[r].steps)))
-        work = [row["blocks"] for row in rows]
-        mean = sum(work) / len(work)
-        balance = max(work) / mean if mean else 1.0
+        for r in range(P):
+            fwd_flops = 4 * blocks[r] * bs2 * head_dim * heads * batch
+            rows.append(dict(rank=r, full_tiles=full[r], partial_tiles=partial[r],
+                             blocks=blocks[r], fwd_flops=fwd_flops,
+                             bwd_flops=int(2.5 * fwd_flops), fwd_sent=fwd_sent[r],
+                             fwd_recv=fwd_recv[r], bwd_sent=bwd_sent[r], bwd_recv=bwd_recv[r],
+                             steps=steps[r]))
+        mean = sum(blocks) / len(blocks)
+        balance = max(blocks) / mean if mean else 1.0
         return cls(tuple(rows), balance)
 
     def table(self) -> str:
@@ -273,6 +270,113 @@ class PlanStats:
 
     def __str__(self) -> str:
         return self.table()
+
+
+@dataclasses.dataclass(frozen=True)
+class _OpCounts:
+    """What :class:`PlanStats` reads from one direction's programs, per rank.
+
+    ``computes``: ``(rank, q, kv)`` int64 arrays, one entry per ``Compute`` op (forward tile;
+    ``GradCompute`` and head slices' own sizes are not told apart). ``sent`` / ``recv``:
+    int64 ``[P, 2]`` point-to-point ``Send`` / ``Recv`` ops per rank, column 0 for buffers of
+    a non-gradient family (q, kv, out, acc), column 1 for the ``d`` families (dq, dkv, dout).
+    Collectives are not counted. ``steps``: int64 ``[P]``, steps in each rank's program.
+    """
+
+    computes: tuple
+    sent: np.ndarray
+    recv: np.ndarray
+    steps: np.ndarray
+
+
+#: Family code (``tuple(Family)`` order, as in :class:`ProgramTable`) -> 1 for the ``d``
+#: (gradient-carrying) families whose transfers PlanStats prices at float32.
+_D_FAMILY = np.array([f.value.startswith("d") for f in Family], dtype=np.int64)
+
+
+def _shared_table(programs) -> ProgramTable | None:
+    """The table every program was cut from (rank r from row r), else None."""
+    src = programs[0].table if len(programs) else None
+    if src is None or src.world_size != len(programs):
+        return None
+    if all(p.table is src and p.rank == r for r, p in enumerate(programs)):
+        return src
+    return None
+
+
+def _op_counts(programs, P: int) -> _OpCounts:
+    """:class:`_OpCounts` of ``programs`` from their :class:`ProgramTable` columns (no op
+    is built: millions at P=1024), else by walking the ops (collectives, head slices)."""
+    table = _shared_table(programs)
+    if table is None:
+        return _walk_counts(programs, P)
+    parts = getattr(table, "_parts", None)
+    if parts is not None and table._cols is None:     # computes + one row per transfer
+        comp, xfer = parts
+        c_rank, c_step, c_kind = (np.asarray(comp[k], dtype=np.int64)
+                                  for k in ("rank", "step", "kind"))
+        is_c = c_kind == C_
+        computes = (c_rank[is_c], np.asarray(comp["q"], dtype=np.int64)[is_c],
+                    np.asarray(comp["kv"], dtype=np.int64)[is_c])
+        src, dst, step = (np.asarray(xfer[k], dtype=np.int64) for k in ("src", "dst", "step"))
+        grad = _D_FAMILY[np.asarray(xfer["fam"], dtype=np.int64)]
+        sent = np.bincount(src * 2 + grad, minlength=2 * P).reshape(P, 2)
+        recv = np.bincount(dst * 2 + grad, minlength=2 * P).reshape(P, 2)
+        ranks, steps = (c_rank, src, dst), (c_step, step, step)
+    else:                                             # the row columns
+        rank, step, kind, a, b = table.rank, table.step, table.kind, table.a, table.b
+        is_c = kind == C_
+        computes = (rank[is_c], a[is_c], b[is_c])
+        counts = []
+        for k in (S_, R_):
+            sel = kind == k
+            counts.append(np.bincount(rank[sel] * 2 + _D_FAMILY[a[sel]],
+                                      minlength=2 * P).reshape(P, 2))
+        sent, recv = counts
+        ranks, steps = (rank,), (step,)
+    return _OpCounts(computes, sent.astype(np.int64), recv.astype(np.int64),
+                     _distinct_steps(np.concatenate(ranks), np.concatenate(steps), P))
+
+
+def _distinct_steps(rank: np.ndarray, step: np.ndarray, P: int) -> np.ndarray:
+    """int64 ``[P]``: distinct step indices among each rank's rows (its program's steps)."""
+    if not len(rank):
+        return np.zeros(P, dtype=np.int64)
+    lo = int(step.min())
+    span = int(step.max()) - lo + 1
+    key = rank * span + (step - lo)
+    if P * span <= 1 << 26:                           # a presence plane: no sort
+        seen = np.zeros(P * span, dtype=bool)
+        seen[key] = True
+        return seen.reshape(P, span).sum(1, dtype=np.int64)
+    key = np.sort(key)
+    first = np.ones(len(key), dtype=bool)
+    first[1:] = key[1:] != key[:-1]
+    return np.bincount(key[first] // span, minlength=P).astype(np.int64)
+
+
+def _walk_counts(programs, P: int) -> _OpCounts:
+    """:class:`_OpCounts` by walking every op (programs that are not one table's)."""
+    rank, q, kv = [], [], []
+    sent = np.zeros((P, 2), dtype=np.int64)
+    recv = np.zeros((P, 2), dtype=np.int64)
+    steps = np.zeros(P, dtype=np.int64)
+    grad_buf: dict = {}
+    for r, prog in enumerate(programs):           # rank r: the r-th program, as plan.forward[r]
+        steps[r] = len(prog.steps)
+        for step in prog.steps:
+            for op in step.ops:
+                if isinstance(op, Compute):
+                    rank.append(r)
+                    q.append(op.q)
+                    kv.append(op.kv)
+                elif isinstance(op, (Send, Recv)):
+                    g = grad_buf.get(op.buf)
+                    if g is None:
+                        g = grad_buf[op.buf] = int(split_name(op.buf)[0].startswith("d"))
+                    (sent if isinstance(op, Send) else recv)[r, g] += 1
+    return _OpCounts(tuple(np.array(x, dtype=np.int64) for x in (rank, q, kv)), sent, recv,
+                     steps)
 
 
 def _tile_areas(bm: _masks.BlockMap, P: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
