@@ -16,8 +16,18 @@ A kernel that sets ``fused_calls = True`` also takes ``causal=True`` (with ``mas
 square sub-problems whose mask is exactly lower-triangular; :mod:`fringe.ops.tile` then splits
 tiles into is_causal squares, unmasked FULL pieces and masked pieces (see ``tile._plan``).
 
-Kernels: ``reference`` (einsum, any dtype / mask / score_mod) and ``sdpa`` (the fused CPU op,
-falls back to ``reference`` with a reason where it cannot run; see ``fringe/ops/_fast.py``).
+A kernel that sets ``wants_blocks = True`` takes the whole tile with its block map and
+mask_mod instead of a dense mask (``blocks``, ``block_size``, ``mask_mod`` replace ``mask``; see
+``fringe/ops/flex.py``)::
+
+    kernel.forward(q, k, v, *, q_pos, kv_pos, blocks, block_size, mask_mod, score_mod, scale)
+    kernel.backward(q, k, v, out, lse, dout, *, q_pos, kv_pos, blocks, block_size, mask_mod,
+                    score_mod, scale, dlse=None, score_params=())
+
+Kernels: ``reference`` (einsum, any dtype / mask / score_mod), ``sdpa`` (the fused CPU op,
+falls back to ``reference`` with a reason where it cannot run; see ``fringe/ops/_fast.py``) and
+``flex`` (compiled FlexAttention on CUDA, block-sparse by fringe's block map, chosen by name
+only; see ``fringe/ops/flex.py``).
 
 Semantics every kernel keeps (tested in ``tests/test_ops_semantics.py``):
 

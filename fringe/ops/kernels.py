@@ -7,11 +7,16 @@ from typing import Protocol
 import torch
 
 from ._fast import SDPA
+from .flex import FLEX
 from .reference import REFERENCE
 
 
 class Kernel(Protocol):
-    """One dense sub-problem's forward and backward (see the module docstring)."""
+    """One dense sub-problem's forward and backward (see :mod:`fringe.ops`).
+
+    A kernel with ``wants_blocks = True`` takes the whole tile instead, with ``blocks``,
+    ``block_size`` and ``mask_mod`` in place of ``mask`` (see :mod:`fringe.ops.flex`).
+    """
 
     name: str
 
@@ -23,7 +28,7 @@ class Kernel(Protocol):
                  scale, dlse=None, score_params=()): ...
 
 
-KERNELS: dict[str, Kernel] = {"reference": REFERENCE, "sdpa": SDPA}
+KERNELS: dict[str, Kernel] = {"reference": REFERENCE, "sdpa": SDPA, "flex": FLEX}
 
 
 def get_kernel(name: str | Kernel | None = None, *, score_mod=None,
@@ -31,7 +36,8 @@ def get_kernel(name: str | Kernel | None = None, *, score_mod=None,
     """Look up a kernel by name, or choose one when ``name`` is None.
 
     The automatic choice is ``sdpa`` when it is available on ``device`` and there is no
-    score_mod, else ``reference``. A kernel object is returned as is.
+    score_mod, else ``reference`` (``flex`` is chosen by name only). A kernel object is
+    returned as is.
 
     Raises:
         KeyError: for an unknown name, listing the known ones.

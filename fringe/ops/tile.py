@@ -19,6 +19,10 @@ the GLOBAL positions of both (``q_pos [Lq]``, ``kv_pos [Lk]``) so that ``mask_mo
   tile, fwd+bwd CPU time, busy machine so +-10%): causal 2.33 s -> 1.65 s (0.71x, one is_causal
   call instead of 8 masked ones); 16 equal documents & causal 0.36 -> 0.29 s (0.80x, 48 -> 16
   calls); 8 ragged documents 0.96x-1.0x (22 calls either way); window 512: plain grouping kept.
+- Kernels with ``wants_blocks`` (``flex``) get the whole tile instead: its block map (all
+  FULL for a FULL tile, all PARTIAL without a map) and mask_mod, and follow the map themselves
+  (see :mod:`fringe.ops.flex`); where such a kernel is not available (flex on CPU) the
+  automatic choice runs the tile, with a warning once.
 - ``tile_backward`` takes the GLOBAL merged out/lse (flash-attention style), so partial
   gradients over several kv tiles sum to the exact gradient.
 
@@ -27,12 +31,13 @@ Legend: B batch · H query heads · G kv heads (H % G == 0) · L tokens · D hea
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
-from fringe.masks import BlockKind
+from fringe.masks import DEFAULT_BLOCK_SIZE, BlockKind
 
 from .kernels import get_kernel
 from .reference import (MaskMod, ScoreMod, check_qkv, compute_dtype, default_scale, mask_for)
@@ -317,7 +322,37 @@ def _prepare(q, k, v, *, q_pos, kv_pos, kind, blocks, block_size, kernel, score_
         blocks = None
 
     kern = get_kernel(kernel, score_mod=score_mod, device=q.device)
+    if getattr(kern, "wants_blocks", False):
+        ok, why = kern.available(q.device)
+        if not ok:                            # e.g. flex on CPU: the automatic choice, once told
+            _warn_once(kern, q.device, why)
+            kern = get_kernel(None, score_mod=score_mod, device=q.device)
     return (B, H, G, Lq, Lk, D), kind, blocks, kern, default_scale(D, scale)
+
+
+_WARNED: set = set()
+
+
+def _warn_once(kern, device, why: str) -> None:
+    key = (getattr(kern, "name", type(kern).__name__), torch.device(device).type, why)
+    if key not in _WARNED:
+        _WARNED.add(key)
+        warnings.warn(f"kernel {key[0]!r} is not available on {key[1]}: {why}; using the "
+                      f"automatic choice instead", RuntimeWarning, stacklevel=4)
+
+
+def _whole_tile(kind: BlockKind, blocks: torch.Tensor | None, block_size: int | None,
+                mask_mod: MaskMod | None, *, Lq: int, Lk: int) -> dict:
+    """Block arguments for a ``wants_blocks`` kernel: always a block map (all FULL for a FULL
+    tile, all PARTIAL for a PARTIAL tile without one; block size DEFAULT_BLOCK_SIZE when none
+    is given) and the mask_mod (None for a FULL tile: nothing to evaluate)."""
+    if blocks is None:
+        block_size = int(block_size) if block_size else DEFAULT_BLOCK_SIZE
+        code = BlockKind.FULL if kind == BlockKind.FULL else BlockKind.PARTIAL
+        blocks = torch.full((-(-Lq // block_size), -(-Lk // block_size)), int(code),
+                            dtype=torch.int8)
+    return dict(blocks=blocks, block_size=block_size,
+                mask_mod=mask_mod if kind == BlockKind.PARTIAL else None)
 
 
 def tile_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, q_pos: torch.Tensor,
@@ -353,6 +388,10 @@ def tile_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, q_pos: to
         q, k, v, q_pos=q_pos, kv_pos=kv_pos, kind=kind, blocks=blocks, block_size=block_size,
         kernel=kernel, score_mod=score_mod, scale=scale)
     kw = dict(score_mod=score_mod, scale=scale)
+    if getattr(kern, "wants_blocks", False):  # the whole tile, its block map and mask_mod
+        o, l = kern.forward(q, k, v, q_pos=q_pos, kv_pos=kv_pos, **kw, **_whole_tile(
+            kind, blocks, block_size, mask_mod, Lq=Lq, Lk=Lk))
+        return o.to(q.dtype), l.to(compute_dtype(q.dtype))
     if blocks is None:
         mask = mask_for(mask_mod, q_pos, kv_pos, B=B, H=H) if kind == BlockKind.PARTIAL else None
         return kern.forward(q, k, v, q_pos=q_pos, kv_pos=kv_pos, **_whole(kern, mask), **kw)
@@ -425,6 +464,11 @@ def tile_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.
         raise ValueError(f"score_params given ({len(score_params)} tensors) without a score_mod;"
                          f" they are the tensors a score_mod closes over")
     kw = dict(score_mod=score_mod, scale=scale, dlse=dlse, score_params=score_params)
+    if getattr(kern, "wants_blocks", False):  # the whole tile, its block map and mask_mod
+        res = kern.backward(q, k, v, out, lse, dout, q_pos=q_pos, kv_pos=kv_pos, **kw,
+                            **_whole_tile(kind, blocks, block_size, mask_mod, Lq=Lq, Lk=Lk))
+        grads = (res[0].to(q.dtype), res[1].to(k.dtype), res[2].to(v.dtype))
+        return (*grads, tuple(res[3])) if score_params else grads
     if blocks is None:
         mask = mask_for(mask_mod, q_pos, kv_pos, B=B, H=H) if kind == BlockKind.PARTIAL else None
         return kern.backward(q, k, v, out, lse, dout, q_pos=q_pos, kv_pos=kv_pos,

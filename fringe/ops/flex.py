@@ -1,0 +1,329 @@
+"""The ``flex`` kernel: FlexAttention (its public API) over a whole tile, sparse by fringe's map.
+
+Legend: B batch · H query heads · G kv heads (H % G == 0) · L tokens · D head dim.
+
+A kernel with ``wants_blocks = True`` gets the whole tile from :mod:`fringe.ops.tile` with its
+block map and mask_mod instead of dense sub-problems with dense masks::
+
+    kernel.forward(q, k, v, *, q_pos, kv_pos, blocks, block_size, mask_mod, score_mod, scale)
+        -> (out [B, H, Lq, D], lse [B, H, Lq])
+    kernel.backward(q, k, v, out, lse, dout, *, q_pos, kv_pos, blocks, block_size, mask_mod,
+                    score_mod, scale, dlse=None, score_params=())
+        -> (dq, dk, dv) or (dq, dk, dv, dparams)     # out, lse: the GLOBAL merged ones
+
+``blocks`` is always given (int8 ``[ceil(Lq/block_size), ceil(Lk/block_size)]`` of
+``BlockKind`` codes: all FULL for a FULL tile, all PARTIAL for a PARTIAL tile without a map).
+
+**Block sparsity follows fringe's classification** (:func:`block_mask`): FULL blocks become
+FlexAttention's ``full_kv`` blocks (no mask_mod evaluated), PARTIAL blocks its partial blocks
+(mask_mod applied), EMPTY blocks are absent. The BlockMask's block size is fringe's
+``block_size`` when that is a multiple of ``sparse_multiple`` (default 128), else the smallest
+common multiple, made by merging fringe's blocks exactly (a merged block is FULL when all its
+blocks are FULL, absent when all are EMPTY, PARTIAL otherwise). Why 128: the Triton kernels
+need the sparse block to be a multiple of their tile sizes, and the default backward configs
+in torch 2.13's inductor for sm90 (H100/H200) with 64 < D <= 128 use BLOCK_N1 = 128 and skip
+any config that does not divide the sparse block, so a 64-token BlockMask leaves the backward
+with no config there. ``FlexKernel(sparse_multiple=None)`` keeps fringe's block size exactly
+and sets the forward's ``BLOCK_M`` / ``BLOCK_N`` to divide it; ``examples/gpu_check.py`` runs
+both (read from inductor's source, not yet run on a GPU).
+
+**Global positions**: FlexAttention calls mask_mod / score_mod with local row indices; they
+are wrapped so fringe's mods see ``q_pos[q_idx]`` / ``kv_pos[kv_idx]`` (indices clamped into
+range: the compiled kernel may evaluate a mod on the padded tail of a last partial block).
+
+**Backward through public autograd** (:func:`tile_vjp`): FlexAttention has no public backward
+that takes the GLOBAL out/lse, so the tile's forward is recomputed under autograd and the
+tile's cotangents are composed from the global ones. With ``w = exp(lse_t - lse)`` (0 where
+either is -inf), ``delta = rowsum(dout * out)``, ``delta_t = rowsum(dout * out_t)``::
+
+    d out_t = w * dout
+    d lse_t = w * (delta_t - delta + dlse)
+
+Through the tile's softmax (``p_t = exp(s - lse_t)``, ``w * p_t = p = exp(s - lse)``) this gives
+``ds = p * (dp - (delta - dlse))``, the flash-attention backward every fringe kernel computes;
+FlexAttention's own backward folds the lse cotangent into its delta, so it computes
+``w * (delta - dlse)`` there. Cost: one extra tile forward per backward (the recompute).
+
+**Compiled, static shapes**: on CUDA, FlexAttention runs through
+``torch.compile(flex_attention, dynamic=False)`` (one compiled function per kernel object);
+a tile keeps its shape from call to call in a plan, and the block map, positions and mask
+tensors are inputs, not constants, so a new batch's document ids do not recompile (measured on
+CPU with a counting backend, ``tests/test_flex.py``). A mask whose *Python constants* change
+(``sliding_window(5)`` then ``sliding_window(7)``) does recompile, as in FlexAttention.
+
+**CPU**: FlexAttention has no CPU backward (torch 2.13: "FlexAttention does not support
+backward on CPU") and its eager path is dense math over the whole score matrix that ignores
+the block map, so ``available("cpu")`` is False and :mod:`fringe.ops.tile` falls back to the
+automatic choice there. ``FlexKernel(backend=None, devices=("cpu",))`` runs the eager forward on
+CPU; the tests use it to check the wrapping, GQA, scale, score_mod and lse against the
+reference in float64, and a stand-in whose differentiable tile forward is the reference
+restricted to the BlockMask's own semantics to check block sparsity and the backward.
+"""
+from __future__ import annotations
+
+import importlib.util
+import math
+from typing import Callable
+
+import torch
+
+from fringe.masks import BlockKind, Mask
+
+from .reference import compute_dtype
+
+__all__ = ["FLEX", "FlexKernel", "block_mask", "flex_block_size", "on_global", "tile_vjp"]
+
+#: The sparse block of a BlockMask is a multiple of this many tokens by default (see the module
+#: docstring): FlexAttention's own default block size, which its default Triton configs divide.
+SPARSE_MULTIPLE = 128
+
+_EMPTY, _FULL = int(BlockKind.EMPTY), int(BlockKind.FULL)
+
+
+def flex_block_size(block_size: int, sparse_multiple: int | None = SPARSE_MULTIPLE) -> int:
+    """The BlockMask block size for fringe's ``block_size``: the least common multiple with
+    ``sparse_multiple`` (``block_size`` itself when ``sparse_multiple`` is None)."""
+    block_size = int(block_size)
+    if block_size <= 0:
+        raise ValueError(f"block_size={block_size} must be positive")
+    if not sparse_multiple:
+        return block_size
+    return block_size * sparse_multiple // math.gcd(block_size, sparse_multiple)
+
+
+def _merge_blocks(blocks: torch.Tensor, factor: int) -> torch.Tensor:
+    """Merge ``factor x factor`` groups of block codes exactly: FULL when every block is FULL,
+    EMPTY when every block is EMPTY, PARTIAL otherwise. Blocks past the map's edge (the padded
+    tail) count as either."""
+    if factor == 1:
+        return blocks
+    nq, nk = blocks.shape
+    mq, mk = -(-nq // factor), -(-nk // factor)
+    pad = torch.full((mq * factor, mk * factor), -1, dtype=blocks.dtype)
+    pad[:nq, :nk] = blocks
+    g = pad.view(mq, factor, mk, factor)
+    outside = g == -1
+    full = ((g == _FULL) | outside).all(3).all(1)
+    empty = ((g == _EMPTY) | outside).all(3).all(1)
+    out = torch.full((mq, mk), int(BlockKind.PARTIAL), dtype=blocks.dtype)
+    out[full] = _FULL
+    out[empty] = _EMPTY                           # a group wholly outside never occurs
+    return out
+
+
+def _ordered(sel: torch.Tensor, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dense bool ``[nq, nk]`` -> (num_blocks ``[1, 1, nq]``, indices ``[1, 1, nq, nk]``) int32,
+    the selected kv blocks of each row first, in increasing order."""
+    num = sel.sum(-1, dtype=torch.int32)
+    idx = torch.argsort((~sel).to(torch.int8), dim=-1, stable=True).to(torch.int32)
+    return num[None, None].to(device), idx[None, None].to(device)
+
+
+def on_global(mod: Callable | None, q_pos: torch.Tensor, kv_pos: torch.Tensor, *,
+              score: bool = False) -> Callable | None:
+    """``mod`` on global positions, called with FlexAttention's local indices.
+
+    ``mask_mod(b, h, q_pos[q_idx], kv_pos[kv_idx])`` (``score_mod(score, b, h, ...)`` with
+    ``score=True``); indices are clamped into ``[0, L)`` (see the module docstring).
+    """
+    if mod is None:
+        return None
+    if isinstance(mod, Mask):
+        mod = mod.mod
+    qmax, kmax = q_pos.numel() - 1, kv_pos.numel() - 1
+    if score:
+        def global_score_mod(s, b, h, q_idx, kv_idx):
+            return mod(s, b, h, q_pos[q_idx.clamp(0, qmax)], kv_pos[kv_idx.clamp(0, kmax)])
+        return global_score_mod
+
+    def global_mask_mod(b, h, q_idx, kv_idx):
+        return mod(b, h, q_pos[q_idx.clamp(0, qmax)], kv_pos[kv_idx.clamp(0, kmax)])
+    return global_mask_mod
+
+
+def block_mask(blocks: torch.Tensor, *, block_size: int, q_pos: torch.Tensor,
+               kv_pos: torch.Tensor, mask_mod: Callable | None,
+               sparse_multiple: int | None = SPARSE_MULTIPLE):
+    """A FlexAttention ``BlockMask`` for one tile from fringe's block map.
+
+    Args:
+        blocks: int8 ``[ceil(Lq/block_size), ceil(Lk/block_size)]`` of ``BlockKind`` codes.
+        block_size: the block size ``blocks`` was built with.
+        q_pos: global positions of the tile's q rows, ``[Lq]`` (on the tile's device).
+        kv_pos: global positions of its kv rows, ``[Lk]``.
+        mask_mod: fringe's mask_mod (global positions), or None (PARTIAL blocks unmasked).
+        sparse_multiple: see :func:`flex_block_size`.
+
+    Returns:
+        a ``BlockMask`` of shape ``[1, 1, Lq, Lk]`` (broadcast over b, h): FULL blocks in
+        ``full_kv_*``, PARTIAL (and any other non-EMPTY code) in ``kv_*``, EMPTY absent;
+        ``mask_mod`` wrapped by :func:`on_global`.
+    """
+    from torch.nn.attention.flex_attention import BlockMask
+
+    Lq, Lk = q_pos.numel(), kv_pos.numel()
+    want = (-(-Lq // block_size), -(-Lk // block_size))
+    if tuple(blocks.shape) != want:
+        raise ValueError(f"blocks must have shape [ceil(Lq/block_size), ceil(Lk/block_size)] = "
+                         f"{list(want)} for Lq={Lq}, Lk={Lk}, block_size={block_size}; got "
+                         f"{list(blocks.shape)}")
+    fb = flex_block_size(block_size, sparse_multiple)
+    codes = _merge_blocks(blocks.detach().cpu().to(torch.int8), fb // block_size)
+    full = codes == _FULL
+    partial = (codes != _FULL) & (codes != _EMPTY)
+    dev = q_pos.device
+    kv_num, kv_idx = _ordered(partial, dev)
+    full_num, full_idx = _ordered(full, dev)
+    return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=fb,
+                                    mask_mod=on_global(mask_mod, q_pos, kv_pos),
+                                    seq_lengths=(Lq, Lk))
+
+
+def tile_vjp(fwd: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor, *,
+             dlse: torch.Tensor | None = None,
+             score_params: tuple[torch.Tensor, ...] = ()) -> tuple:
+    """A tile's gradient given the GLOBAL ``out`` / ``lse``, through public autograd.
+
+    Args:
+        fwd: ``fwd(q, k, v) -> (out_t, lse_t)``, the tile's forward, differentiable.
+        q, k, v: the tile's inputs (``[B, H, Lq, D]``, ``[B, G, Lk, D]``, ``[B, G, Lk, D]``).
+        out: global merged output of these rows, ``[B, H, Lq, D]``.
+        lse: global merged lse, ``[B, H, Lq]``.
+        dout: cotangent of ``out``.
+        dlse: cotangent of the global ``lse`` (None = 0).
+        score_params: tensors ``fwd``'s score_mod closes over that require grad.
+
+    Returns:
+        ``(dq, dk, dv)`` in the inputs' dtypes, plus a tuple of ``dparams`` when
+        ``score_params`` is given (see the module docstring for the composition).
+    """
+    ct = compute_dtype(q.dtype)
+    with torch.enable_grad():
+        qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
+        out_t, lse_t = fwd(qg, kg, vg)
+    lse_g = lse.to(ct)
+    lt = lse_t.detach().to(ct)
+    dead = torch.isneginf(lse_g) | torch.isneginf(lt)
+    zero = torch.zeros((), dtype=ct, device=q.device)
+    w = torch.where(dead, zero, torch.exp(torch.where(dead, zero, lt - lse_g)))
+    dout_c = dout.to(ct)
+    delta = (dout_c * out.to(ct)).sum(-1)
+    delta_t = (dout_c * out_t.detach().to(ct)).sum(-1)
+    g_lse = delta_t - delta
+    if dlse is not None:
+        g_lse = g_lse + dlse.to(ct)
+    g_lse = torch.where(dead, zero, w * g_lse)
+    g_out = w.unsqueeze(-1) * dout_c
+    inputs = (qg, kg, vg, *score_params)
+    grads = torch.autograd.grad((out_t, lse_t), inputs,
+                                (g_out.to(out_t.dtype), g_lse.to(lse_t.dtype)), allow_unused=True)
+    grads = [torch.zeros_like(x) if gr is None else gr for x, gr in zip(inputs, grads)]
+    res = (grads[0].to(q.dtype), grads[1].to(k.dtype), grads[2].to(v.dtype))
+    return (*res, tuple(grads[3:])) if score_params else res
+
+
+class FlexKernel:
+    """FlexAttention over a whole tile with fringe's block map (see the module docstring).
+
+    Args:
+        backend: ``torch.compile`` backend for ``flex_attention`` (``"inductor"``: the fused
+            Triton kernels); None runs FlexAttention's eager path (dense math, forward only on
+            CPU: for tests).
+        devices: device types on which :meth:`available` may say yes.
+        sparse_multiple: the BlockMask block is a multiple of this (see :func:`flex_block_size`);
+            None keeps fringe's block size and sets the forward's BLOCK_M / BLOCK_N to divide it.
+        kernel_options: extra FlexAttention ``kernel_options`` (merged over the block ones).
+    """
+
+    name = "flex"
+    #: tile.py hands this kernel the whole tile with its block map and mask_mod.
+    wants_blocks = True
+
+    def __init__(self, *, backend: str | Callable | None = "inductor",
+                 devices: tuple[str, ...] = ("cuda",),
+                 sparse_multiple: int | None = SPARSE_MULTIPLE,
+                 kernel_options: dict | None = None) -> None:
+        self.backend = backend
+        self.devices = tuple(devices)
+        self.sparse_multiple = sparse_multiple
+        self.kernel_options = dict(kernel_options or {})
+        self._fn = None
+
+    # -- availability --------------------------------------------------------------------------
+
+    def available(self, device: torch.device | str | None = None) -> tuple[bool, str]:
+        """``(ok, reason)`` on ``device`` (default CPU)."""
+        dev = torch.device(device if device is not None else "cpu").type
+        try:
+            from torch.nn.attention.flex_attention import AuxRequest, BlockMask  # noqa: F401
+        except ImportError as e:
+            return False, (f"torch {torch.__version__} has no public FlexAttention with "
+                           f"AuxRequest ({e}); use 'sdpa' or 'reference'")
+        if dev not in self.devices:
+            return False, (f"flex runs compiled FlexAttention on {'/'.join(self.devices)}, not "
+                           f"{dev}: FlexAttention has no CPU backward (torch "
+                           f"{torch.__version__}) and its eager path is dense math that ignores "
+                           f"the block map; use 'sdpa' or 'reference' on CPU")
+        if dev == "cuda":
+            if not torch.cuda.is_available():
+                return False, "no CUDA device is available"
+            if self.backend == "inductor" and importlib.util.find_spec("triton") is None:
+                return False, "torch.compile(flex_attention) on CUDA needs triton, not installed"
+        how = ("eager (uncompiled)" if self.backend is None
+               else f"torch.compile(backend={getattr(self.backend, '__name__', self.backend)!s})")
+        return True, f"FlexAttention, {how}, block sparsity from fringe's block map"
+
+    # -- the FlexAttention call ----------------------------------------------------------------
+
+    def _flex(self):
+        from torch.nn.attention.flex_attention import flex_attention
+
+        if self.backend is None:
+            return flex_attention
+        if self._fn is None:
+            self._fn = torch.compile(flex_attention, backend=self.backend, dynamic=False)
+        return self._fn
+
+    def _options(self, fb: int) -> dict | None:
+        opts = {}
+        if self.backend is not None and fb % SPARSE_MULTIPLE:
+            tile = min(64, fb & -fb)                     # largest power of 2 dividing fb, <= 64
+            opts.update(BLOCK_M=tile, BLOCK_N=tile)
+        opts.update(self.kernel_options)
+        return opts or None
+
+    def _attend(self, q, k, v, *, block_mask, score_mod, scale):
+        """FlexAttention on one tile: ``(out, lse)``, differentiable where flex is."""
+        from torch.nn.attention.flex_attention import AuxRequest
+
+        out, aux = self._flex()(q, k, v, score_mod=score_mod, block_mask=block_mask,
+                                scale=scale, enable_gqa=q.shape[1] != k.shape[1],
+                                kernel_options=self._options(block_mask.BLOCK_SIZE[0]),
+                                return_aux=AuxRequest(lse=True))
+        return out, aux.lse
+
+    def _tile(self, *, q_pos, kv_pos, blocks, block_size, mask_mod, score_mod, scale):
+        bm = block_mask(blocks, block_size=block_size, q_pos=q_pos, kv_pos=kv_pos,
+                        mask_mod=mask_mod, sparse_multiple=self.sparse_multiple)
+        sm = on_global(score_mod, q_pos, kv_pos, score=True)
+        return lambda q, k, v: self._attend(q, k, v, block_mask=bm, score_mod=sm, scale=scale)
+
+    # -- kernel interface (wants_blocks) -------------------------------------------------------
+
+    def forward(self, q, k, v, *, q_pos, kv_pos, blocks, block_size, mask_mod=None,
+                score_mod=None, scale):
+        fwd = self._tile(q_pos=q_pos, kv_pos=kv_pos, blocks=blocks, block_size=block_size,
+                         mask_mod=mask_mod, score_mod=score_mod, scale=scale)
+        with torch.no_grad():
+            out, lse = fwd(q, k, v)
+        return out.to(q.dtype), lse.to(compute_dtype(q.dtype))
+
+    def backward(self, q, k, v, out, lse, dout, *, q_pos, kv_pos, blocks, block_size,
+                 mask_mod=None, score_mod=None, scale, dlse=None, score_params=()):
+        fwd = self._tile(q_pos=q_pos, kv_pos=kv_pos, blocks=blocks, block_size=block_size,
+                         mask_mod=mask_mod, score_mod=score_mod, scale=scale)
+        return tile_vjp(fwd, q, k, v, out, lse, dout, dlse=dlse, score_params=score_params)
+
+
+FLEX = FlexKernel()
