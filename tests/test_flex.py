@@ -22,6 +22,7 @@ Legend: B batch · H query heads · G kv heads · S sequence · L tokens · D he
 """
 from __future__ import annotations
 
+import functools
 import warnings
 
 import pytest
@@ -31,7 +32,8 @@ from torch.testing import assert_close
 from fringe import masks
 from fringe.masks import BlockKind
 from fringe.ops import KERNELS, get_kernel, merge, reference, tile_backward, tile_forward
-from fringe.ops.flex import FlexKernel, _merge_blocks, block_mask, flex_block_size, tile_vjp
+from fringe.ops.flex import (FlexKernel, _merge_blocks, block_mask, flex_block_size, on_device,
+                             tile_vjp)
 from fringe.testing import make_qkv, tolerances
 
 TIGHT = tolerances(torch.float64)
@@ -389,3 +391,41 @@ def test_flex_is_registered_never_chosen_automatically_and_falls_back_on_cpu(mon
     want_o, want_l = tile_forward(q, k, v, kernel="reference", **kw)
     assert_close(out, want_o, **TIGHT)
     assert_close(lse, want_l, **TIGHT)
+
+
+def test_on_device_moves_captured_tensors_but_not_parameters():
+    table = torch.arange(6)
+    bias = torch.nn.Parameter(torch.zeros(3, dtype=torch.float64))
+
+    def custom(b, h, q_idx, kv_idx):
+        return table[q_idx] >= table[kv_idx]
+
+    picky = functools.partial(lambda t, b, h, q_idx, kv_idx: t[q_idx] > 0, table)
+    mask = masks.causal() & masks.document(torch.tensor([0, 0, 1, 1, 2, 2])) & custom
+    for mod in (mask, picky, lambda s, b, h, q_idx, kv_idx: s + bias[h]):
+        assert on_device(mod, "cpu") is (mod.mod if isinstance(mod, masks.Mask) else mod)
+        moved = on_device(mod, "meta")
+        found = list(captured(moved))
+        assert found, mod
+        for t in found:
+            assert t.device.type == ("cpu" if t is bias else "meta"), (mod, t)
+    assert table.device.type == "cpu" and {t.device.type for t in captured(mask.mod)} == {"cpu"}
+
+
+def captured(obj, seen=None):
+    """Every tensor reachable from a mod's closures, partial args and containers."""
+    seen = set() if seen is None else seen
+    if id(obj) in seen:
+        return
+    seen.add(id(obj))
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, functools.partial):
+        for x in (obj.func, *obj.args):
+            yield from captured(x, seen)
+    elif callable(obj) and hasattr(obj, "__closure__"):
+        for c in obj.__closure__ or ():
+            yield from captured(c.cell_contents, seen)
+    elif isinstance(obj, (tuple, list)):
+        for x in obj:
+            yield from captured(x, seen)

@@ -392,7 +392,7 @@ def test_tiled_function_under_torch_func_grad_with_score_mod():
 
 
 def test_kernel_registry():
-    assert set(ops.KERNELS) >= {"reference", "sdpa"}
+    assert set(ops.KERNELS) >= {"reference", "sdpa", "flex"}
     ok, reason = ops.KERNELS["sdpa"].available("cpu")
     assert isinstance(reason, str) and reason
     assert get_kernel(None).name == ("sdpa" if ok else "reference")
@@ -403,6 +403,94 @@ def test_kernel_registry():
     assert set(ops.__all__) == {"KERNELS", "Kernel", "ReferenceKernel", "SdpaKernel",
                                 "attention", "check_qkv", "get_kernel", "merge",
                                 "tile_backward", "tile_forward"}
+
+
+class BlocksKernel:
+    """A ``wants_blocks`` kernel: records what tile.py hands it, computes with the reference
+    over the element mask its block map means (FULL True, PARTIAL mask_mod, EMPTY False) and
+    returns float64 so that tile.py's casts show."""
+
+    name = "blocks"
+    wants_blocks = True
+
+    def __init__(self):
+        self.seen = []
+
+    def available(self, device=None):
+        return True, "test"
+
+    def _mask(self, q_pos, kv_pos, blocks, block_size, mask_mod):
+        e = blocks.repeat_interleave(block_size, 0).repeat_interleave(block_size, 1)
+        e = e[:q_pos.numel(), :kv_pos.numel()]
+        m = torch.ones(1, 1, *e.shape, dtype=torch.bool) if mask_mod is None else \
+            reference.mask_for(mask_mod, q_pos, kv_pos, B=1, H=1)
+        return (e == BlockKind.FULL) | ((e == BlockKind.PARTIAL) & m)
+
+    def forward(self, q, k, v, *, q_pos, kv_pos, blocks, block_size, mask_mod, score_mod,
+                scale):
+        self.seen.append(dict(blocks=blocks, block_size=block_size, mask_mod=mask_mod))
+        mask = self._mask(q_pos, kv_pos, blocks, block_size, mask_mod)
+        o, l = ops.KERNELS["reference"].forward(q, k, v, q_pos=q_pos, kv_pos=kv_pos, mask=mask,
+                                                score_mod=score_mod, scale=scale)
+        return o.double(), l.double()
+
+    def backward(self, q, k, v, out, lse, dout, *, q_pos, kv_pos, blocks, block_size, mask_mod,
+                 score_mod, scale, dlse=None, score_params=()):
+        self.seen.append(dict(blocks=blocks, block_size=block_size, mask_mod=mask_mod, out=out,
+                              lse=lse, dout=dout, dlse=dlse))
+        mask = self._mask(q_pos, kv_pos, blocks, block_size, mask_mod)
+        res = ops.KERNELS["reference"].backward(q, k, v, out, lse, dout, q_pos=q_pos,
+                                                kv_pos=kv_pos, mask=mask, score_mod=score_mod,
+                                                scale=scale, dlse=dlse)
+        return tuple(t.double() for t in res)
+
+
+def test_wants_blocks_kernels_get_the_whole_tile_with_its_block_map():
+    from fringe.masks import DEFAULT_BLOCK_SIZE, classify, document
+
+    kern = BlocksKernel()
+    Lq, Lk = 48, 72                          # not multiples of the default block, nor Lk of 16
+    q, k, v = make_qkv(B=1, H=4, G=2, S=Lq, Lk=Lk, D=4, seed=9, dtype=torch.float32)
+    q_pos, kv_pos = torch.arange(50, 50 + Lq), torch.arange(Lk)
+    mask = document(torch.arange(128) // 30)
+    base = dict(q_pos=q_pos, kv_pos=kv_pos, scale=0.4)
+    blocks = classify(mask, q_pos, kv_pos, block_size=8)
+    cases = {   # kind/blocks arguments -> (block_size, block code everywhere or the map itself)
+        "full": (dict(kind=BlockKind.FULL, mask_mod=mask), DEFAULT_BLOCK_SIZE, BlockKind.FULL),
+        "partial": (dict(kind=BlockKind.PARTIAL, mask_mod=mask), DEFAULT_BLOCK_SIZE,
+                    BlockKind.PARTIAL),
+        "partial_bs": (dict(kind=BlockKind.PARTIAL, mask_mod=mask, block_size=16), 16,
+                       BlockKind.PARTIAL),
+        "blocks": (dict(kind=BlockKind.PARTIAL, mask_mod=mask, blocks=blocks, block_size=8),
+                   8, blocks),
+    }
+    gen = torch.Generator().manual_seed(10)
+    dout = torch.randn(1, 4, Lq, 4, generator=gen)
+    dlse = torch.randn(1, 4, Lq, generator=gen)
+    for name, (kw, bs, code) in cases.items():
+        kern.seen.clear()
+        out, lse = tile_forward(q, k, v, kernel=kern, **base, **kw)
+        want_o, want_l = tile_forward(q, k, v, kernel="reference", **base,
+                                      **(kw if name != "full" else dict(kind=BlockKind.FULL)))
+        assert out.dtype == torch.float32 and lse.dtype == torch.float32, name
+        assert_close(out, want_o, **tolerances(torch.float32))
+        grads = tile_backward(q, k, v, out, lse, dout, kernel=kern, dlse=dlse, **base, **kw)
+        want = tile_backward(q, k, v, out, lse, dout, kernel="reference", dlse=dlse, **base,
+                             **(kw if name != "full" else dict(kind=BlockKind.FULL)))
+        assert [g.dtype for g in grads] == [torch.float32] * 3, name
+        assert_close(grads, want, **tolerances(torch.float32))
+        assert len(kern.seen) == 2, name                  # one call each way: the whole tile
+        shape = (-(-Lq // bs), -(-Lk // bs))
+        for seen in kern.seen:
+            assert seen["block_size"] == bs and tuple(seen["blocks"].shape) == shape, name
+            if isinstance(code, torch.Tensor):
+                assert seen["blocks"] is code
+            else:
+                assert bool((seen["blocks"] == int(code)).all()), name
+            assert seen["mask_mod"] is (None if name == "full" else mask), name
+        back = kern.seen[1]                               # the GLOBAL out/lse, untouched
+        assert back["out"] is out and back["lse"] is lse and back["dout"] is dout
+        assert back["dlse"] is dlse
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])

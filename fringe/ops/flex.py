@@ -61,8 +61,10 @@ restricted to the BlockMask's own semantics to check block sparsity and the back
 """
 from __future__ import annotations
 
+import functools
 import importlib.util
 import math
+import types
 from typing import Callable
 
 import torch
@@ -71,7 +73,8 @@ from fringe.masks import BlockKind, Mask
 
 from .reference import compute_dtype
 
-__all__ = ["FLEX", "FlexKernel", "block_mask", "flex_block_size", "on_global", "tile_vjp"]
+__all__ = ["FLEX", "FlexKernel", "block_mask", "flex_block_size", "on_device", "on_global",
+           "tile_vjp"]
 
 #: The sparse block of a BlockMask is a multiple of this many tokens by default (see the module
 #: docstring): FlexAttention's own default block size, which its default Triton configs divide.
@@ -119,17 +122,90 @@ def _ordered(sel: torch.Tensor, device) -> tuple[torch.Tensor, torch.Tensor]:
     return num[None, None].to(device), idx[None, None].to(device)
 
 
+def on_device(mod: Callable, device: torch.device | str) -> Callable:
+    """``mod`` with the tensors it captures on ``device``.
+
+    A compiled FlexAttention kernel reads a mod's captured tensors on the GPU, but fringe's
+    masks keep theirs on the CPU (``document`` moves its ids at each call, which a compiled
+    kernel cannot do inside its mask graph). Like :func:`fringe.masks.snapshot`, closure
+    cells, defaults, :class:`~fringe.masks.Mask` mods, ``functools.partial`` arguments, tuples,
+    lists and dicts are walked; a tensor that requires grad (a score_mod's parameter) is left
+    where it is, so it keeps its gradient. The mod itself is returned when nothing moves. Not
+    cached: a captured tensor refilled in place between calls is copied again (the copy is one
+    small host-to-device transfer per captured tensor and tile call, e.g. 1 MB of document ids
+    at S = 128K).
+    """
+    return _move(mod, torch.device(device), {})
+
+
+_NO_CELL = object()
+
+
+def _move(obj, device: torch.device, memo: dict):
+    key = id(obj)
+    if key in memo:
+        return memo[key]
+    memo[key] = out = obj
+    if isinstance(obj, torch.Tensor):
+        if not obj.requires_grad and obj.device != device:
+            out = obj.to(device)
+    elif isinstance(obj, Mask):
+        out = _move(obj.mod, device, memo)
+    elif isinstance(obj, types.FunctionType):
+        out = _move_function(obj, device, memo)
+    elif isinstance(obj, functools.partial):
+        f = _move(obj.func, device, memo)
+        args = tuple(_move(a, device, memo) for a in obj.args)
+        kw = {k: _move(v, device, memo) for k, v in obj.keywords.items()}
+        if f is not obj.func or any(a is not b for a, b in zip(args, obj.args)) or any(
+                kw[k] is not obj.keywords[k] for k in kw):
+            out = functools.partial(f, *args, **kw)
+    elif type(obj) in (tuple, list):
+        items = [_move(v, device, memo) for v in obj]
+        if any(a is not b for a, b in zip(items, obj)):
+            out = type(obj)(items)
+    elif type(obj) is dict:
+        items = {k: _move(v, device, memo) for k, v in obj.items()}
+        if any(items[k] is not obj[k] for k in items):
+            out = items
+    memo[key] = out
+    return out
+
+
+def _move_function(fn: types.FunctionType, device: torch.device, memo: dict):
+    cells = fn.__closure__ or ()
+    old = []
+    for c in cells:
+        try:
+            old.append(c.cell_contents)
+        except ValueError:                    # an empty cell
+            old.append(_NO_CELL)
+    new = [v if v is _NO_CELL else _move(v, device, memo) for v in old]
+    defaults = fn.__defaults__
+    new_defaults = None if defaults is None else tuple(_move(v, device, memo) for v in defaults)
+    if all(a is b for a, b in zip(new, old)) and (
+            defaults is None or all(a is b for a, b in zip(new_defaults, defaults))):
+        return fn
+    closure = tuple(types.CellType() if v is _NO_CELL else types.CellType(v) for v in new)
+    out = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, new_defaults,
+                             closure if cells else None)
+    out.__kwdefaults__ = fn.__kwdefaults__
+    out.__dict__.update(fn.__dict__)
+    out.__qualname__, out.__module__, out.__doc__ = fn.__qualname__, fn.__module__, fn.__doc__
+    return out
+
+
 def on_global(mod: Callable | None, q_pos: torch.Tensor, kv_pos: torch.Tensor, *,
               score: bool = False) -> Callable | None:
     """``mod`` on global positions, called with FlexAttention's local indices.
 
     ``mask_mod(b, h, q_pos[q_idx], kv_pos[kv_idx])`` (``score_mod(score, b, h, ...)`` with
-    ``score=True``); indices are clamped into ``[0, L)`` (see the module docstring).
+    ``score=True``); indices are clamped into ``[0, L)`` (see the module docstring), and the
+    tensors ``mod`` captures are moved to the positions' device (:func:`on_device`).
     """
     if mod is None:
         return None
-    if isinstance(mod, Mask):
-        mod = mod.mod
+    mod = on_device(mod, q_pos.device)
     qmax, kmax = q_pos.numel() - 1, kv_pos.numel() - 1
     if score:
         def global_score_mod(s, b, h, q_idx, kv_idx):
