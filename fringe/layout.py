@@ -198,6 +198,14 @@ BALANCE_SHAPE = dict(batch=1, heads=8, kv_heads=8, head_dim=64, dtype="float32")
 #: candidate; calls and bytes decide among those.
 BALANCE_SLACK = 1.05
 
+#: :func:`balanced` takes, among the candidates predicted within this factor of the fastest,
+#: the one whose kv chunks travel the fewest ring hops (then the fastest of those). The cost
+#: model counts a hop's bytes and latency but not what scattering costs besides (measured on
+#: CPU: ``aten::cat`` stacking received and scattered blocks was 15% of a balanced rank's step,
+#: and P ranks oversubscribing the cores pay every rank's copies), so a near tie goes to the
+#: layout that sends less.
+HOP_SLACK = 0.01
+
 _EMPTY, _PARTIAL, _FULL = 0, 1, 2      # fringe.masks.BlockKind codes, as plain ints for numpy
 
 #: :func:`predict` splits tiles into kernel calls exactly (the tile grouping of
@@ -226,10 +234,21 @@ def balanced(seq_len: int, world_size: int, *, block_size: int = DEFAULT_BLOCK_S
       whole segments are packed by predicted work, heaviest first, onto the least loaded
       rank that has room (LPT with a capacity of ``L = S/P`` tokens); a segment too long for
       any rank is cut at block boundaries into contiguous pieces on consecutive ranks;
-    * *laps*: the sequence is cut into ``2P`` contiguous pieces, piece ``k`` on rank
-      ``k mod P`` (two laps round the ring), the piece sizes chosen so every rank's predicted
-      work is the mean. Every cut then joins ring neighbours, so a document cut between two
-      pieces costs one ring hop (as in ``contiguous``), while work is spread like zigzag.
+    * *chain*: the sequence is cut into ``2P`` contiguous pieces, piece ``k`` on rank
+      ``k mod P`` (two laps round the ring; trailing pieces of lap two may be empty), with
+      every piece non-empty and no document spanning a whole piece, so a piece needs kv only
+      from the piece before it, on the previous rank: every kv chunk travels one hop, ``P``
+      hops in all (``contiguous``: ``P - 1``, the fewest any layout of whole blocks can send
+      when document boundaries fall inside blocks, since every rank but the one holding the
+      first block then needs a peer's kv; zigzag: about ``P (P - 1)`` minus a few). The
+      piece sizes minimise the heaviest rank's pair work (:func:`block_costs`) exactly, by
+      dynamic programming over the ranks for every start of lap two (a greedy search above
+      :data:`_LAP_DP_BUDGET` steps);
+    * *chain2*: the same with a document allowed to span one whole piece (cut in three on
+      consecutive ranks; its first chunk travels two hops): long documents that no cut in
+      two balances (searched exactly only within the budget);
+    * *laps*: the same pieces with no chaining rule (work spread like zigzag; documents
+      may span several pieces).
 
     For a mask with no document structure (one segment, every q block's kv starting at the
     same block: causal, full, prefix-LM), candidates whose heaviest rank has more than
@@ -237,8 +256,9 @@ def balanced(seq_len: int, world_size: int, *, block_size: int = DEFAULT_BLOCK_S
     masks are balanced even where kernel calls dominate (tiny blocks). The candidates left are
     scored by :func:`predict` (per rank: kernel calls and (q, kv) pairs of every
     tile from :func:`fringe.runtime.costmodel.tile_work`, forward and backward, plus the
-    bytes it sends and receives, not overlapped) and the one whose slowest rank is fastest
-    wins (ties: the earlier candidate in the list above).
+    bytes it sends and receives, not overlapped); among those whose slowest rank is within
+    :data:`HOP_SLACK` of the fastest, the one whose kv chunks travel the fewest hops wins,
+    then the fastest of those (ties: the earlier candidate in the list above).
 
     Several masks at once (the layer kinds of one model: full causal and sliding-window
     layers, sharing one layout): pass ``natural=[(map, weight), ...]``, e.g. each kind's map
@@ -289,21 +309,24 @@ def balanced(seq_len: int, world_size: int, *, block_size: int = DEFAULT_BLOCK_S
     w = _block_costs(rows, hardware, shape)
     segs = _segments(rows)
     seen: list[torch.Tensor] = []
-    for _, blocks in _candidates(w, segs, nb, world_size):
+    for _, blocks in _candidates(w, segs, nb, world_size, _reach(rows)):
         if not any(torch.equal(blocks, b) for b in seen):
             seen.append(blocks)
     pair_max = [float(w[b].view(world_size, -1).sum(1).max()) for b in seen]
     floor = min(pair_max)
     plain = len(segs) == 1 and all(r.plain for r in rows)        # e.g. causal
-    best = None
+    scored = []
     for blocks, pm in zip(seen, pair_max):
         if plain and pm > BALANCE_SLACK * floor + 1e-300:
             continue
-        t = float(_predict(rows, blocks, world_size, block_size=block_size,
-                           hardware=hardware, shape=shape).max())
-        if best is None or t < best[0] * (1 - 1e-9):
-            best = (t, blocks)
-    order = (best[1][:, None] * block_size + torch.arange(block_size)).reshape(-1)
+        t, hops = _predict_moves(rows, blocks, world_size, block_size=block_size,
+                                 hardware=hardware, shape=shape)
+        scored.append((float(t.max()), hops, blocks))
+    fastest = min(t for t, _, _ in scored)
+    close = [c for c in scored if c[0] <= fastest * (1 + HOP_SLACK)]
+    fewest = min(h for _, h, _ in close)      # then the fastest of those; ties: the earlier
+    best = min((c for c in close if c[1] <= fewest + 1e-9), key=lambda c: c[0])
+    order = (best[2][:, None] * block_size + torch.arange(block_size)).reshape(-1)
     return Layout("balanced", order, world_size)
 
 
@@ -468,18 +491,28 @@ def predict(natural, blocks: torch.Tensor, world_size: int, *,
 
 def _predict(rows: list[_Rows], blocks: torch.Tensor, P: int, *, block_size: int, hardware,
              shape) -> torch.Tensor:
+    return _predict_moves(rows, blocks, P, block_size=block_size, hardware=hardware,
+                          shape=shape)[0]
+
+
+def _predict_moves(rows: list[_Rows], blocks: torch.Tensor, P: int, *, block_size: int,
+                   hardware, shape) -> tuple[torch.Tensor, float]:
+    """(:func:`predict`'s seconds per rank, the kv chunk hops of the forward summed over the
+    maps with their weights)."""
     if len(rows) == 1 and rows[0].weight == 1.0:
         return _predict_one(rows[0], blocks, P, block_size=block_size, hardware=hardware,
                             shape=shape)
     total = torch.zeros(P, dtype=torch.float64)
+    hops = 0.0
     for r in rows:
-        total += r.weight * _predict_one(r, blocks, P, block_size=block_size, hardware=hardware,
-                                         shape=shape)
-    return total
+        t, h = _predict_one(r, blocks, P, block_size=block_size, hardware=hardware, shape=shape)
+        total += r.weight * t
+        hops += r.weight * h
+    return total, hops
 
 
 def _predict_one(rows: _Rows, blocks: torch.Tensor, P: int, *, block_size: int, hardware,
-                 shape) -> torch.Tensor:
+                 shape) -> tuple[torch.Tensor, float]:
     import types
 
     cm, hw, sh = _model(hardware, shape)
@@ -513,7 +546,7 @@ def _predict_one(rows: _Rows, blocks: torch.Tensor, P: int, *, block_size: int, 
     kv = sh.buffer_bytes("kv", L)
     dkv = sh.buffer_bytes("dkv", L)
     per_move = 3 * hw.latency_s + (2 * kv + dkv) / hw.bandwidth
-    return secs + moves * per_move
+    return secs + moves * per_move, float(moves.sum()) / 2      # a hop is a send and a receive
 
 
 def _ring_moves(needer: torch.Tensor, chunk: torch.Tensor, P: int) -> torch.Tensor:
@@ -640,11 +673,11 @@ def candidates(natural, world_size: int, *, hardware="cpu",
     """The block orders :func:`balanced` chooses from, as ``(name, blocks [nb])`` pairs."""
     rows = _rows_of(natural, None)
     return _candidates(_block_costs(rows, hardware, shape), _segments(rows), rows[0].nb,
-                       world_size)
+                       world_size, _reach(rows))
 
 
-def _candidates(w: torch.Tensor, segs: list[tuple[int, int]], nb: int,
-                P: int) -> list[tuple[str, torch.Tensor]]:
+def _candidates(w: torch.Tensor, segs: list[tuple[int, int]], nb: int, P: int,
+                reach: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
     cap = nb // P
     out = [("contiguous", torch.arange(nb))]
     if nb % (2 * P) == 0:
@@ -652,7 +685,15 @@ def _candidates(w: torch.Tensor, segs: list[tuple[int, int]], nb: int,
         ch = torch.arange(nb).view(2 * P, half)
         out.append(("zigzag", torch.cat([ch[:P], ch.flip(0)[:P]], dim=1).reshape(-1)))
     out.append(("segments", _pack_segments(segs, w, P, cap)))
-    out.append(("laps", _laps(w, P, cap)))
+    search = _laps_exact if _lap_steps(P, cap) <= _LAP_DP_BUDGET else _laps
+    chain = search(w, P, cap, reach)
+    if chain is not None:
+        out.append(("chain", chain))
+    if _lap_steps(P, cap) * (cap + 1) <= _LAP_DP_BUDGET:
+        chain = _chain_two(w, P, cap, reach)
+        if chain is not None:
+            out.append(("chain2", chain))
+    out.append(("laps", search(w, P, cap)))
     return out
 
 
@@ -684,19 +725,32 @@ def _pack_segments(segs: list[tuple[int, int]], w: torch.Tensor, P: int, cap: in
     return torch.from_numpy(np.argsort(owner, kind="stable"))
 
 
-def _laps(w: torch.Tensor, P: int, cap: int) -> torch.Tensor:
+def _laps(w: torch.Tensor, P: int, cap: int,
+          reach: torch.Tensor | None = None) -> torch.Tensor | None:
     """2P contiguous pieces, piece k on rank k mod P, sized so each rank's work is the mean.
 
     Lap one covers blocks ``[0, X)``, lap two ``[X, nb)``; rank r holds ``s_r`` blocks of lap
     one and ``cap - s_r`` of lap two. For each X on a grid, the ``s_r`` are chosen rank by
     rank (scanning every feasible size) to bring the rank's work closest to the mean; the X
     with the smallest max/mean wins. (All X are searched at once, rank by rank.)
+
+    With ``reach`` (int64 ``[nb]``: the first kv block any q block at or after each block
+    needs, :func:`_reach`), the pieces are also *chained*: none is empty, and no q block
+    after a piece needs kv before it (a document never spans a whole piece), so every piece
+    needs kv only from the piece before it, which sits on the previous rank of the ring:
+    each kv chunk travels one hop, P hops in all (contiguous: P - 1). ``None`` when no
+    chained sizes exist.
     """
     nb = P * cap
     pre = torch.cat([torch.zeros(1, dtype=torch.float64), w.cumsum(0)]).numpy()
     target = float(pre[-1]) / P
     # offsets that become infeasible run on with indices up to 2 nb + cap: pad, do not clip
     pre = np.concatenate([pre, np.full(nb + cap, pre[-1])])
+    chained = reach is not None
+    if chained:
+        if cap < 2:
+            return None
+        suf = np.concatenate([reach.numpy(), np.full(nb + 2 * cap + 1, 3 * nb + 1)])
     X = np.arange(0, nb + 1, max(1, nb // _LAP_OFFSETS))   # ~_LAP_OFFSETS starts tried
     m = X.size
     a, b = np.zeros(m, dtype=np.int64), X.copy()
@@ -708,11 +762,16 @@ def _laps(w: torch.Tensor, P: int, cap: int) -> torch.Tensor:
     for r in range(P):
         lo = np.maximum(0, X - a - cap * (P - 1 - r))
         hi = np.minimum(cap, X - a)
-        ok &= lo <= hi
+        if chained:
+            lo, hi = np.maximum(lo, 1), np.minimum(hi, cap - 1)
         f = pre[a[:, None] + s] - pre[a][:, None] + pre[b[:, None] + (cap - s)] - pre[b][:, None]
         dev = np.abs(f - target)
         dev[(s < lo[:, None]) | (s > hi[:, None])] = np.inf
+        if chained:        # nothing after either piece reaches back before it
+            dev[(suf[a[:, None] + s] < a[:, None]) |
+                (suf[b[:, None] + (cap - s)] < b[:, None])] = np.inf
         k = np.argmin(dev, axis=1)
+        ok &= np.isfinite(dev[rows, k])
         k = np.where(ok, k, 0)
         sizes[:, r] = k
         worst = np.maximum(worst, f[rows, k])
@@ -722,9 +781,150 @@ def _laps(w: torch.Tensor, P: int, cap: int) -> torch.Tensor:
     for x in range(m):
         if ok[x] and (best is None or worst[x] < best[0] - 1e-15):
             best = (float(worst[x]), int(X[x]), sizes[x].tolist())
+    if best is None:
+        return None
     _, X, sizes = best
     parts, a, b = [], 0, X
     for s in sizes:
         parts.append(torch.cat([torch.arange(a, a + s), torch.arange(b, b + cap - s)]))
         a, b = a + s, b + cap - s
     return torch.cat(parts)
+
+
+#: The exact (dynamic programming) search of :func:`_laps_exact` runs when offsets x ranks x
+#: blocks x piece sizes stays under this many steps; larger sequences use the greedy search.
+_LAP_DP_BUDGET = 2 * 10**7  # not a block size
+
+
+def _lap_steps(P: int, cap: int) -> int:
+    nb = P * cap
+    return len(range(1, nb, max(1, nb // _LAP_OFFSETS))) * P * (nb + 1) * (cap + 1)
+
+
+def _laps_exact(w: torch.Tensor, P: int, cap: int,
+                reach: torch.Tensor | None = None) -> torch.Tensor | None:
+    """:func:`_laps` with the piece sizes chosen to minimise the heaviest rank's work exactly
+    (dynamic programming over ranks: the state is how far lap one has got, which fixes lap
+    two), for every offset X at once. Same pieces and chaining rule; ``None`` when none fit."""
+    nb = P * cap
+    pre = torch.cat([torch.zeros(1, dtype=torch.float64), w.cumsum(0)]).numpy()
+    pre = np.concatenate([pre, np.full(2 * nb + 2 * cap + 2, pre[-1])])
+    chained = reach is not None
+    if chained:
+        if cap < 2:
+            return None
+        suf = np.concatenate([reach.numpy(), np.full(2 * nb + 2 * cap + 2, 3 * nb + 1)])
+    X = np.arange(1, nb, max(1, nb // _LAP_OFFSETS))       # both laps non-empty
+    m = X.size
+    if m == 0:
+        return None
+    pos = np.arange(nb + 1)
+    dp = np.full((m, nb + 1), np.inf)
+    dp[:, 0] = 0.0
+    choice = np.zeros((P, m, nb + 1), dtype=np.int64)
+    s_lo = 1 if chained else 0
+    for r in range(P):
+        a = pos[None, :]                                   # lap one so far: [0, a)
+        b = X[:, None] + r * cap - a                      # lap two so far: [X, b)
+        live = np.isfinite(dp) & (b >= X[:, None]) & (b <= nb)
+        bc = np.clip(b, 0, nb)
+        new = np.full((m, nb + 1), np.inf)
+        arg = np.zeros((m, nb + 1), dtype=np.int64)
+        for sz in range(s_lo, cap + 1):
+            a2, b2 = a + sz, bc + (cap - sz)
+            ok = live & (a2 <= X[:, None])
+            if chained:                   # nothing after either piece reaches back before it
+                ok &= (suf[np.minimum(a2, nb)] >= a) & (suf[np.minimum(b2, nb)] >= bc)
+                if sz == cap:             # an empty lap-two piece only once lap two is done
+                    ok &= bc == nb
+            f = np.maximum(dp, pre[np.minimum(a2, nb)] - pre[a] + pre[np.minimum(b2, nb)] - pre[bc])
+            f = np.where(ok, f, np.inf)
+            sl = slice(sz, nb + 1)                         # a + sz: the state shifts by sz
+            better = f[:, :nb + 1 - sz] < new[:, sl]
+            new[:, sl] = np.where(better, f[:, :nb + 1 - sz], new[:, sl])
+            arg[:, sl] = np.where(better, sz, arg[:, sl])
+        dp = new
+        choice[r] = arg
+    final = dp[np.arange(m), X]                           # lap one ends exactly at X
+    if not np.isfinite(final).any():
+        return None
+    x = int(np.argmin(final))                             # ties: the smallest X
+    sizes, a = [], int(X[x])
+    for r in range(P - 1, -1, -1):
+        sz = int(choice[r, x, a])
+        sizes.append(sz)
+        a -= sz
+    sizes.reverse()
+    parts, a, b = [], 0, int(X[x])
+    for sz in sizes:
+        parts.append(torch.cat([torch.arange(a, a + sz), torch.arange(b, b + cap - sz)]))
+        a, b = a + sz, b + cap - sz
+    return torch.cat(parts)
+
+
+def _chain_two(w: torch.Tensor, P: int, cap: int, reach: torch.Tensor) -> torch.Tensor | None:
+    """The chained :func:`_laps_exact` with a document allowed to span one whole piece: a
+    piece needs kv only from the two pieces before it (a long document is cut in three on
+    consecutive ranks, its first chunk travelling two hops). The state also holds the
+    previous rank's lap-one size, which fixes where the previous pieces start; the piece
+    before rank 0's lap-two piece is taken as starting ``cap`` blocks back (the search only
+    shapes the candidates: :func:`predict` counts the hops of whatever it returns)."""
+    nb = P * cap
+    if cap < 2:
+        return None
+    pre = torch.cat([torch.zeros(1, dtype=torch.float64), w.cumsum(0)]).numpy()
+    pre = np.concatenate([pre, np.full(2 * nb + 2 * cap + 2, pre[-1])])
+    suf = np.concatenate([reach.numpy(), np.full(2 * nb + 2 * cap + 2, 3 * nb + 1)])
+    X = np.arange(1, nb, max(1, nb // _LAP_OFFSETS))
+    m = X.size
+    if m == 0:
+        return None
+    a = np.arange(nb + 1)[None, :, None]                  # [1, nb+1, 1]: lap one so far
+    sp = np.arange(cap + 1)[None, None, :]                # [1, 1, cap+1]: previous lap-one size
+    dp = np.full((m, nb + 1, cap + 1), np.inf)
+    dp[:, 0, 0] = 0.0
+    back = np.zeros((P, m, nb + 1, cap + 1), dtype=np.int64)
+    Xc = X[:, None, None]
+    for r in range(P):
+        b = Xc + r * cap - a                              # [m, nb+1, 1]
+        live = np.isfinite(dp) & (b >= Xc) & (b <= nb)
+        bc = np.clip(b, 0, nb)
+        prev1 = a - sp                                    # start of the previous lap-one piece
+        prev2 = (bc - (cap - sp)) if r else (Xc - cap)    # ... and of the piece before lap two's
+        new = np.full((m, nb + 1, cap + 1), np.inf)
+        for sz in range(1, cap + 1):
+            a2, b2 = np.minimum(a + sz, nb), np.minimum(bc + (cap - sz), nb)
+            ok = live & (a + sz <= Xc) & (suf[a2] >= prev1) & (suf[b2] >= prev2)
+            if sz == cap:
+                ok &= bc == nb
+            f = np.maximum(dp, pre[a2] - pre[a] + pre[b2] - pre[bc])
+            f = np.where(ok, f, np.inf)                   # [m, nb+1, cap+1] over previous sizes
+            k = np.argmin(f, axis=2)
+            val = np.take_along_axis(f, k[:, :, None], axis=2)[:, :, 0]
+            new[:, sz:, sz] = val[:, :nb + 1 - sz]
+            back[r, :, sz:, sz] = k[:, :nb + 1 - sz]
+        dp = new
+    final = dp[np.arange(m), X]                           # [m, cap+1]: lap one ends at X
+    if not np.isfinite(final).any():
+        return None
+    x, last = np.unravel_index(int(np.argmin(final)), final.shape)
+    sizes, pos, cur = [], int(X[x]), int(last)
+    for r in range(P - 1, -1, -1):
+        sizes.append(cur)
+        prev = int(back[r, x, pos, cur])
+        pos, cur = pos - cur, prev
+    sizes.reverse()
+    parts, a0, b0 = [], 0, int(X[x])
+    for sz in sizes:
+        parts.append(torch.cat([torch.arange(a0, a0 + sz), torch.arange(b0, b0 + cap - sz)]))
+        a0, b0 = a0 + sz, b0 + cap - sz
+    return torch.cat(parts)
+
+
+def _reach(rows: list[_Rows]) -> torch.Tensor:
+    """int64 ``[nb]``: the first kv block that any q block at or after each block needs (in
+    any map; ``nb`` past the last non-empty row): a suffix minimum of the rows' first block."""
+    lo = rows[0].first
+    for r in rows[1:]:
+        lo = torch.minimum(lo, r.first)
+    return torch.flip(torch.cummin(torch.flip(lo, [0]), 0).values, [0])
