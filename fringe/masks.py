@@ -154,16 +154,18 @@ class _Blocks:
     @staticmethod
     def of(pos: torch.Tensor, block_size: int) -> _Blocks:
         pos = pos.to(torch.int64).view(-1, block_size)
-        srt = pos.sort(dim=1).values
-        lo, hi = srt[:, 0], srt[:, -1]
         if block_size == 1:
-            stride = torch.ones_like(lo)
+            return _Blocks(pos=pos, lo=pos[:, 0], hi=pos[:, 0], stride=torch.ones_like(pos[:, 0]))
+        d = pos[:, 1:] - pos[:, :-1]
+        if bool((d > 0).all()):         # every block already increasing (sequence order, the
+            srt = pos                   # built-in layouts): its sort is itself
         else:
+            srt = pos.sort(dim=1).values
             d = srt[:, 1:] - srt[:, :-1]
-            step = d[:, 0]
-            is_ap = (d == step[:, None]).all(dim=1) & (step > 0)
-            stride = torch.where(is_ap, step, torch.zeros_like(step))
-        return _Blocks(pos=pos, lo=lo, hi=hi, stride=stride)
+        step = d[:, 0]
+        is_ap = (d == step[:, None]).all(dim=1) & (step > 0)
+        stride = torch.where(is_ap, step, torch.zeros_like(step))
+        return _Blocks(pos=pos, lo=srt[:, 0], hi=srt[:, -1], stride=stride)
 
     @property
     def block_size(self) -> int:
@@ -893,14 +895,52 @@ def _prepare(m: Mask, qt: _Tree, kt: _Tree) -> _CellCodes:
         return m.rule.prepare(qt, kt)
     kids = [_prepare(c, qt, kt) for c in m.children]
     comb = _and_codes if m.op == "and" else _or_codes
+    # An AND of reflexive masks holds on every pair (p, p): a block pair that shares a
+    # position is not EMPTY, so an UNKNOWN with a certainly-PARTIAL operand is PARTIAL (the
+    # diagonal blocks of causal & document that hold a document boundary, which would
+    # otherwise be evaluated densely).
+    diagonal = m.op == "and" and _reflexive(m)
 
     def cells(level: int, i: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
         out = kids[0](level, i, j)
+        partial = out == _PARTIAL if diagonal and not level else None
         for k in kids[1:]:
-            out = comb(out, k(level, i, j))
+            c = k(level, i, j)
+            out = comb(out, c)
+            if partial is not None:
+                partial |= c == _PARTIAL
+        if partial is not None:
+            fix = (out == _UNKNOWN) & partial
+            if bool(fix.any()):
+                fix &= _share_position(qt.leaf, kt.leaf, i, j)
+                out = torch.where(fix, torch.tensor(_PARTIAL, dtype=torch.int8), out)
         return out
 
     return cells
+
+
+def _reflexive(m: Mask) -> bool:
+    """Whether the mask's rules make ``m(b, h, p, p)`` true for every position ``p``
+    (bands that contain offset 0, documents, and their ``&`` / ``|``); False when unsure."""
+    if m.op == "leaf":
+        r = m.rule
+        if isinstance(r, _Band):
+            return (r.lo is None or r.lo <= 0) and (r.hi is None or r.hi >= 0)
+        return isinstance(r, _Document)
+    kids = [_reflexive(c) for c in m.children]
+    return all(kids) if m.op == "and" else any(kids)
+
+
+def _share_position(qb: _Blocks, kb: _Blocks, i: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
+    """bool per block pair ``(i, j)``: the two blocks certainly hold a common position. Decided
+    when both are arithmetic progressions with one stride ``s`` (contiguous runs, striped
+    layouts) whose starts differ by a multiple of ``s``: they then share a position exactly
+    when their ranges overlap. Other pairs: False (not known)."""
+    s = qb.stride[i]
+    same = (s > 0) & (s == kb.stride[j])
+    qlo, klo = qb.lo[i], kb.lo[j]
+    aligned = torch.remainder(qlo - klo, torch.where(same, s, torch.ones_like(s))) == 0
+    return same & aligned & (qlo <= kb.hi[j]) & (klo <= qb.hi[i])
 
 
 def _has_rule(m: Mask) -> bool:
@@ -1279,8 +1319,10 @@ def classify(mask_mod: MaskMod, q_pos: torch.Tensor, kv_pos: torch.Tensor, *,
     How: a quadtree over (q-block range, kv-block range) cells. A cell is decided from the
     min / max summaries of its blocks (every rule's FULL / EMPTY is exact from them); a
     FULL cell is kept as one rectangle, an EMPTY one dropped, anything else split in four.
-    At single blocks the rules' exact leaf tests apply, and the pairs they cannot decide
-    (and every pair of an arbitrary callable) are evaluated, in chunks of bounded memory.
+    At single blocks the rules' exact leaf tests apply (and an ``&`` of masks that hold on
+    every pair (p, p) is PARTIAL on blocks sharing a position when an operand is certainly
+    PARTIAL), and the pairs they cannot decide (and every pair of an arbitrary callable) are
+    evaluated, in chunks of bounded memory.
     For structured masks (causal, window, document, prefix and their ``&`` / ``|``) in
     sequence order only cells along the diagonal and document boundaries are split, so the
     work grows like ``(S/bs) log(S/bs)`` plus the PARTIAL blocks, not ``(S/bs)^2``; scattered
@@ -1343,7 +1385,9 @@ def classify(mask_mod: MaskMod, q_pos: torch.Tensor, kv_pos: torch.Tensor, *,
     parts: list[tuple[torch.Tensor, torch.Tensor]] = []
     if nqb and nkb:
         levels = max(nqb - 1, nkb - 1, 0).bit_length()
-        qt, kt = _Tree(q_pos, bs, levels), _Tree(kv_pos, bs, levels)
+        qt = _Tree(q_pos, bs, levels)
+        same = kv_pos is q_pos or (kv_pos.shape == q_pos.shape and torch.equal(kv_pos, q_pos))
+        kt = qt if same else _Tree(kv_pos, bs, levels)     # one summary of a square map's side
         resolve = _Resolver(mask, qt.leaf, kt.leaf, nb, nh, info)
         if _has_rule(mask):
             _quadtree(_prepare(mask, qt, kt), qt, kt, levels, resolve, parts, info)
