@@ -386,20 +386,19 @@ def _tile_areas(bm: _masks.BlockMap, P: int, n: int) -> tuple[torch.Tensor, torc
     key = torch.div(r[:, 0], n, rounding_mode="floor") * P + \
         torch.div(r[:, 2], n, rounding_mode="floor")
     area = (r[:, 1] - r[:, 0]) * (r[:, 3] - r[:, 2])
-    nonempty = torch.bincount(key, weights=area.double(), minlength=P * P)
-    full = torch.bincount(key[bm.codes == BlockKind.FULL],
-                          weights=area[bm.codes == BlockKind.FULL].double(), minlength=P * P)
-    return nonempty.round().long().view(P, P), full.round().long().view(P, P)
+    is_full = bm.codes == BlockKind.FULL
+    nonempty = torch.zeros(P * P, dtype=torch.int64).index_add_(0, key, area)
+    full = torch.zeros(P * P, dtype=torch.int64).index_add_(0, key[is_full], area[is_full])
+    return nonempty.view(P, P), full.view(P, P)
 
 
 def _tile_kinds(bm: _masks.BlockMap, P: int) -> torch.Tensor:
     """int8 ``[P, P]`` tile kinds: EMPTY without blocks, FULL when every block is FULL."""
     n = bm.shape[0] // P
     nonempty, full = _tile_areas(bm, P, n)
-    tiles = torch.full((P, P), int(BlockKind.PARTIAL), dtype=torch.int8)
-    tiles[nonempty == 0] = int(BlockKind.EMPTY)
-    tiles[full == n * n] = int(BlockKind.FULL)
-    return tiles
+    # EMPTY 0 (no block) + 1 for some block + 1 more when all n*n are FULL: PARTIAL 1, FULL 2
+    assert (BlockKind.EMPTY, BlockKind.PARTIAL, BlockKind.FULL) == (0, 1, 2)
+    return (nonempty > 0).to(torch.int8) + (full == n * n).to(torch.int8)
 
 
 #: Above this many rectangles, a sequence-order classification is not permuted into a
