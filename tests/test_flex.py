@@ -429,3 +429,21 @@ def captured(obj, seen=None):
     elif isinstance(obj, (tuple, list)):
         for x in obj:
             yield from captured(x, seen)
+
+
+def test_stand_in_through_a_plan_on_the_virtual_mesh_float64():
+    """The engine hands flex-like kernels whole tiles, GLOBAL out/lse and the lse cotangent."""
+    import fringe
+    from fringe import schedules
+
+    S = 96
+    mask = doc_causal(S)
+    q, k, v = make_qkv(B=1, H=4, G=2, S=S, D=6, seed=81, requires_grad=True)
+    p = fringe.plan(schedules.zigzag(), mask, seq_len=S, world_size=3, block_size=8,
+                    kernel=StandIn())
+    out, lse = fringe.simulate.attention(q, k, v, plan=p, return_lse=True)
+    ro, rl = reference.attention(q, k, v, mask_mod=mask)
+    got = torch.autograd.grad(out.square().sum() + lse.sum(), (q, k, v))
+    want = torch.autograd.grad(ro.square().sum() + rl.sum(), (q, k, v))
+    assert_close(out, ro, **TIGHT)
+    assert_close(got, want, **TIGHT)

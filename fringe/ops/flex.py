@@ -24,8 +24,8 @@ need the sparse block to be a multiple of their tile sizes, and the default back
 in torch 2.13's inductor for sm90 (H100/H200) with 64 < D <= 128 use BLOCK_N1 = 128 and skip
 any config that does not divide the sparse block, so a 64-token BlockMask leaves the backward
 with no config there. ``FlexKernel(sparse_multiple=None)`` keeps fringe's block size exactly
-and sets the forward's ``BLOCK_M`` / ``BLOCK_N`` to divide it; ``examples/gpu_check.py`` runs
-both (read from inductor's source, not yet run on a GPU).
+and sets the forward's ``BLOCK_M`` / ``BLOCK_N`` (``fwd_`` kernel options) to divide it;
+``examples/gpu_check.py`` runs both (read from inductor's source, not yet run on a GPU).
 
 **Global positions**: FlexAttention calls mask_mod / score_mod with local row indices; they
 are wrapped so fringe's mods see ``q_pos[q_idx]`` / ``kv_pos[kv_idx]`` (indices clamped into
@@ -365,7 +365,7 @@ class FlexKernel:
         opts = {}
         if self.backend is not None and fb % SPARSE_MULTIPLE:
             tile = min(64, fb & -fb)                     # largest power of 2 dividing fb, <= 64
-            opts.update(BLOCK_M=tile, BLOCK_N=tile)
+            opts.update(fwd_BLOCK_M=tile, fwd_BLOCK_N=tile)   # the backward cannot be told
         opts.update(self.kernel_options)
         return opts or None
 
