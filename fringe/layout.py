@@ -879,30 +879,35 @@ def _chain_two(w: torch.Tensor, P: int, cap: int, reach: torch.Tensor) -> torch.
     m = X.size
     if m == 0:
         return None
-    a = np.arange(nb + 1)[None, :, None]                  # [1, nb+1, 1]: lap one so far
     sp = np.arange(cap + 1)[None, None, :]                # [1, 1, cap+1]: previous lap-one size
     dp = np.full((m, nb + 1, cap + 1), np.inf)
     dp[:, 0, 0] = 0.0
     back = np.zeros((P, m, nb + 1, cap + 1), dtype=np.int64)
     Xc = X[:, None, None]
     for r in range(P):
-        b = Xc + r * cap - a                              # [m, nb+1, 1]
-        live = np.isfinite(dp) & (b >= Xc) & (b <= nb)
+        A = min(r * cap, nb) + 1                          # lap one has got at most r * cap far
+        cur = dp[:, :A]
+        a = np.arange(A)[None, :, None]                   # [1, A, 1]: lap one so far
+        b = Xc + r * cap - a                              # [m, A, 1]: lap two so far
+        live = np.isfinite(cur) & (b >= Xc) & (b <= nb)
         bc = np.clip(b, 0, nb)
         prev1 = a - sp                                    # start of the previous lap-one piece
         prev2 = (bc - (cap - sp)) if r else (Xc - cap)    # ... and of the piece before lap two's
         new = np.full((m, nb + 1, cap + 1), np.inf)
         for sz in range(1, cap + 1):
+            n = min(A, nb + 1 - sz)                       # states that stay inside the sequence
+            if n <= 0:
+                break
             a2, b2 = np.minimum(a + sz, nb), np.minimum(bc + (cap - sz), nb)
             ok = live & (a + sz <= Xc) & (suf[a2] >= prev1) & (suf[b2] >= prev2)
             if sz == cap:
                 ok &= bc == nb
-            f = np.maximum(dp, pre[a2] - pre[a] + pre[b2] - pre[bc])
-            f = np.where(ok, f, np.inf)                   # [m, nb+1, cap+1] over previous sizes
+            f = np.maximum(cur, pre[a2] - pre[a] + pre[b2] - pre[bc])
+            f = np.where(ok, f, np.inf)                   # [m, A, cap+1] over previous sizes
             k = np.argmin(f, axis=2)
             val = np.take_along_axis(f, k[:, :, None], axis=2)[:, :, 0]
-            new[:, sz:, sz] = val[:, :nb + 1 - sz]
-            back[r, :, sz:, sz] = k[:, :nb + 1 - sz]
+            new[:, sz:sz + n, sz] = val[:, :n]
+            back[r, :, sz:sz + n, sz] = k[:, :n]
         dp = new
     final = dp[np.arange(m), X]                           # [m, cap+1]: lap one ends at X
     if not np.isfinite(final).any():

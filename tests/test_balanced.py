@@ -7,7 +7,7 @@ from hypothesis import given, settings, strategies as st
 from torch.testing import assert_close
 
 import fringe
-from fringe import layout, masks, schedules
+from fringe import bench, layout, masks, schedules
 from fringe.ops import reference
 from fringe.testing import make_qkv, seeds, tolerances
 
@@ -108,8 +108,22 @@ def test_predicted_time_is_never_worse_than_contiguous_or_zigzag(P, n_docs, seed
     nat = natural(masks.causal() & masks.document(packed(S, n_docs, seed)), S, bs)
     lay = layout.balanced(S, P, block_size=bs, natural=nat)
     t = lambda lay: float(layout.predict(nat, blocks_of(lay, bs), P, block_size=bs).max())  # noqa: E731
-    assert t(lay) <= min(t(layout.contiguous(S, P, block_size=bs)),
-                         t(layout.zigzag(S, P, block_size=bs))) * (1 + 1e-9)
+    zz = t(layout.zigzag(S, P, block_size=bs))
+    if layout.segments(nat) == [(0, S // bs)] and layout._Rows.of(nat_sparse(nat)).plain:
+        # every block row's kv starts at block 0 (the first document ends inside block 0):
+        # causal at block level, where balanced keeps pair work balanced (BALANCE_SLACK)
+        # even where calls make contiguous predicted faster
+        w = layout.block_costs(nat)
+        floor = min(float(w[b].view(P, -1).sum(1).max()) for _, b in layout.candidates(nat, P))
+        assert float(w[blocks_of(lay, bs)].view(P, -1).sum(1).max()) <= \
+            layout.BALANCE_SLACK * floor * (1 + 1e-12)
+        assert t(lay) <= zz * (1 + 1e-9)
+        return
+    assert t(lay) <= min(t(layout.contiguous(S, P, block_size=bs)), zz) * (1 + 1e-9)
+
+
+def nat_sparse(nat: torch.Tensor) -> masks.BlockMap:
+    return masks.BlockMap.from_dense(nat)
 
 
 def test_predicted_balance_on_sixteen_packed_documents():
@@ -262,3 +276,167 @@ def test_sparse_work_estimate_equals_the_dense_one(kind, P, m, order, seed):
     assert segs == layout.segments(nat)
     assert segs[0][0] == 0 and segs[-1][1] == nb
     assert all(a < b for a, b in segs)
+
+
+# ---- chained laps: few hops, balanced work -------------------------------------------------
+def forward_sends(p) -> int:
+    return sum(type(op).__name__ == "Send" for prog in p.forward for _, op in prog.ops())
+
+
+def sent_bytes(p) -> int:
+    return sum(r["fwd_sent"] + r["bwd_sent"] for r in p.stats().rows)
+
+
+@pytest.mark.parametrize("S,seed", [(8192, 0), (8192, 1), (4096, 0)])
+def test_sixteen_documents_at_p4_send_little_and_stay_balanced(S, seed):
+    """The benchmark's documents (boundaries inside blocks). Bound: <= 0.55 of zigzag's bytes.
+
+    The issue's target, <= 0.25, cannot be met by any layout of whole blocks under the ring:
+    when no document boundary falls on a block boundary, every rank but the one holding
+    block 0 needs a peer's kv (see the next test), so at least P - 1 = 3 chunk hops are sent;
+    zigzag sends 10 here, and contiguous (3 hops, ratio 0.32) is unbalanced (up to 1.57x).
+    """
+    P, bs = 4, 128
+    ids = bench.packed_docs(S, 16, seed)
+    mask = masks.causal() & masks.document(ids)
+    plans = {n: fringe.plan(schedules.get(n), mask, seq_len=S, world_size=P, block_size=bs)
+             for n in ("balanced", "zigzag", "ring")}
+    bal = plans["balanced"]
+    assert sent_bytes(plans["ring"]) <= sent_bytes(bal) <= 0.55 * sent_bytes(plans["zigzag"])
+    assert forward_sends(bal) <= P + 1             # a chain: one hop per chunk (two for one)
+    nat = sparse(mask, S, bs)
+    t = layout.predict(nat, blocks_of(bal.layout, bs), P, block_size=bs)
+    # a chain whose heaviest rank is predicted within HOP_SLACK of the fastest layout may
+    # leave the others lighter (a document too long to split evenly in two): bound 1.20
+    assert float(t.max() / t.mean()) <= 1.20, t.tolist()
+    assert float(t.max()) < min(float(layout.predict(nat, blocks_of(plans[n].layout, bs), P,
+                                                     block_size=bs).max())
+                                for n in ("zigzag", "ring"))
+    # documents are cut only where two pieces meet: at most 2P - 1 of the 16 are split
+    owner = bal.layout.owner()
+    cuts = int((owner[bs::bs] != owner[:-bs:bs]).sum())
+    split = sum(owner[ids == d].unique().numel() > 1 for d in range(16))
+    assert split <= cuts <= 2 * P - 1, (split, cuts)
+    # deterministic: every rank plans the same layout
+    again = layout.balanced(S, P, block_size=bs, natural=nat)
+    assert torch.equal(again.order, bal.layout.order)
+
+
+@pytest.mark.parametrize("P", [2, 3, 4])
+def test_no_layout_of_whole_blocks_sends_fewer_than_p_minus_one_hops(P):
+    """With every document boundary inside a block, every rank but block 0's needs a peer's
+    kv, so no block order sends fewer than P - 1 forward chunks; contiguous sends exactly that."""
+    bs, n = 4, 6
+    S = P * n * bs
+    starts = torch.tensor([1, 3, 4, 6, 9, 10, 13, 15, 17, 19, 22]) * bs + 2   # inside blocks
+    starts = starts[starts < S]
+    ids = torch.zeros(S, dtype=torch.int64)
+    ids[starts] = 1
+    ids = ids.cumsum(0)
+    assert bool((ids[bs::bs] == ids[bs - 1:-1:bs]).all())                  # boundaries inside blocks
+    mask = masks.causal() & masks.document(ids)
+    nat = sparse(mask, S, bs)
+    g = torch.Generator().manual_seed(P)
+    orders = [b for _, b in layout.candidates(nat, P)] + \
+        [torch.randperm(S // bs, generator=g) for _ in range(6)]
+    for b in orders:
+        lay = layout.from_order((b[:, None] * bs + torch.arange(bs)).reshape(-1), P, block_size=bs)
+        p = fringe.plan(schedules.ring(), mask, seq_len=S, world_size=P, block_size=bs, layout=lay)
+        assert forward_sends(p) >= P - 1, b.tolist()
+    ring = fringe.plan(schedules.ring(), mask, seq_len=S, world_size=P, block_size=bs)
+    assert forward_sends(ring) == P - 1
+
+
+def chain_pieces(blocks: torch.Tensor, P: int) -> list[tuple[int, int, int]]:
+    """(start, end, rank) of the runs of one owner along the sequence."""
+    n = blocks.numel() // P
+    owner = torch.empty_like(blocks)
+    owner[blocks] = torch.arange(blocks.numel()) // n
+    start, end, _ = layout._runs(owner)
+    return [(int(a), int(b), int(owner[a])) for a, b in zip(start, end)]
+
+
+@pytest.mark.parametrize("S,P,seed", [(4096, 4, 0), (8192, 4, 1), (4096, 2, 3), (3072, 3, 2)])
+def test_chain_needs_kv_only_from_the_previous_rank(S, P, seed):
+    bs = 128
+    mask = masks.causal() & masks.document(bench.packed_docs(S, 16, seed))
+    nat = sparse(mask, S, bs)
+    cands = dict(layout.candidates(nat, P))
+    assert "chain" in cands
+    pieces = chain_pieces(cands["chain"], P)
+    assert [r for _, _, r in pieces] == [k % P for k in range(len(pieces))]   # laps round the ring
+    assert P < len(pieces) <= 2 * P
+    first, _ = nat.row_spans()
+    for (a, _, _), (b, _, _) in zip(pieces, pieces[1:]):    # nothing reaches past the previous piece
+        assert int(first[b:].min()) >= a
+    blocks = cands["chain"]
+    lay = layout.from_order((blocks[:, None] * bs + torch.arange(bs)).reshape(-1), P, block_size=bs)
+    p = fringe.plan(schedules.ring(), mask, seq_len=S, world_size=P, block_size=bs, layout=lay)
+    off = p.tiles != masks.BlockKind.EMPTY
+    off.fill_diagonal_(False)
+    prev = torch.zeros(P, P, dtype=torch.bool)
+    prev[torch.arange(P), (torch.arange(P) - 1) % P] = True
+    assert not bool((off & ~prev).any()), p.tiles                # q rank i needs kv of i - 1 only
+    assert forward_sends(p) <= P
+
+
+def brute_laps(w: torch.Tensor, P: int, cap: int, reach: torch.Tensor | None) -> float:
+    """The least heaviest-rank work over every lap split the exact search may choose."""
+    import itertools
+    nb = P * cap
+    best = float("inf")
+    lo = 1 if reach is not None else 0
+    for X in range(1, nb):
+        for sizes in itertools.product(range(lo, cap + 1), repeat=P):
+            if sum(sizes) != X:
+                continue
+            pieces, a, b = [], 0, X
+            for r, s in enumerate(sizes):
+                pieces.append((a, a + s, r, 1))
+                pieces.append((b, b + cap - s, r, 2))
+                a, b = a + s, b + cap - s
+            seq = sorted([p for p in pieces if p[1] > p[0]], key=lambda p: (p[3], p[0]))
+            if reach is not None:
+                lap2 = [p[1] > p[0] for p in pieces if p[3] == 2]
+                if any(not e and later for k, e in enumerate(lap2) for later in lap2[k + 1:]):
+                    continue                                  # an empty lap-two piece mid-lap
+                if any(int(reach[min(q[1], nb - 1)]) < q[0] if q[1] < nb else False
+                       for q in seq):
+                    continue
+            work = [0.0] * P
+            for a0, b0, r, _ in pieces:
+                work[r] += float(w[a0:b0].sum())
+            best = min(best, max(work))
+    return best
+
+
+@pytest.mark.parametrize("P,cap,seed", [(2, 4, 0), (3, 3, 1), (2, 5, 2), (3, 2, 3)])
+def test_exact_lap_search_finds_the_least_heaviest_rank(P, cap, seed):
+    nb = P * cap
+    g = torch.Generator().manual_seed(seed)
+    w = torch.rand(nb, generator=g, dtype=torch.float64)
+    ids = packed(nb * 2, 1 + seed % 3 + P, seed)
+    reach = layout._reach([layout._Rows.of(sparse(masks.causal() & masks.document(ids), nb * 2, 2))])
+    for r in (None, reach):
+        blocks = layout._laps_exact(w, P, cap, r)
+        want = brute_laps(w, P, cap, r)
+        if blocks is None:
+            assert want == float("inf")
+            continue
+        assert sorted(blocks.tolist()) == list(range(nb))
+        got = float(w[blocks].view(P, cap).sum(1).max())
+        assert got == pytest.approx(want, rel=1e-12, abs=0)
+
+
+@pytest.mark.parametrize("S,P", [(4096, 4), (4096, 2), (8192, 4)])
+def test_sliding_window_stays_contiguous_or_better(S, P):
+    """A window's contiguous layout already sends the fewest hops; balanced predicts no worse
+    and sends at most one hop per chunk."""
+    bs = 128
+    mask = masks.causal() & masks.sliding_window(512)
+    nat = sparse(mask, S, bs)
+    bal = fringe.plan(schedules.balanced(), mask, seq_len=S, world_size=P, block_size=bs)
+    ring = fringe.plan(schedules.ring(), mask, seq_len=S, world_size=P, block_size=bs)
+    t = lambda p: float(layout.predict(nat, blocks_of(p.layout, bs), P, block_size=bs).max())  # noqa: E731
+    assert t(bal) <= t(ring) * (1 + 1e-9)
+    assert forward_sends(ring) <= forward_sends(bal) <= P
