@@ -238,7 +238,7 @@ class PlanStats:
         grad_bytes = 2 * batch * kv_heads * plan.local_len * head_dim * 4
         bs2 = plan.block_size ** 2
         P = plan.world_size
-        fwd, bwd = _op_counts(plan.forward, P), _op_counts(plan.backward, P)
+        fwd, bwd = _op_counts(plan.forward, P), _op_counts(plan.backward, P, steps=False)
         rank, q, kv = (torch.from_numpy(x) for x in fwd.computes)
         kind = plan.tiles[q, kv].long()
         full = torch.bincount(rank[kind == BlockKind.FULL], minlength=P).tolist()
@@ -291,7 +291,7 @@ class _OpCounts:
 
 #: Family code (``tuple(Family)`` order, as in :class:`ProgramTable`) -> 1 for the ``d``
 #: (gradient-carrying) families whose transfers PlanStats prices at float32.
-_D_FAMILY = np.array([f.value.startswith("d") for f in Family], dtype=np.int64)
+_D_FAMILY = np.array([f.value.startswith("d") for f in Family], dtype=np.int32)
 
 
 def _shared_table(programs) -> ProgramTable | None:
@@ -304,25 +304,23 @@ def _shared_table(programs) -> ProgramTable | None:
     return None
 
 
-def _op_counts(programs, P: int) -> _OpCounts:
+def _op_counts(programs, P: int, *, steps: bool = True) -> _OpCounts:
     """:class:`_OpCounts` of ``programs`` from their :class:`ProgramTable` columns (no op
-    is built: millions at P=1024), else by walking the ops (collectives, head slices)."""
+    is built: millions at P=1024), else by walking the ops (collectives, head slices).
+    ``steps=False``: leave ``steps`` zero (the backward's are not reported)."""
     table = _shared_table(programs)
     if table is None:
         return _walk_counts(programs, P)
     parts = getattr(table, "_parts", None)
     if parts is not None and table._cols is None:     # computes + one row per transfer
         comp, xfer = parts
-        c_rank, c_step, c_kind = (np.asarray(comp[k], dtype=np.int64)
-                                  for k in ("rank", "step", "kind"))
-        is_c = c_kind == C_
-        computes = (c_rank[is_c], np.asarray(comp["q"], dtype=np.int64)[is_c],
-                    np.asarray(comp["kv"], dtype=np.int64)[is_c])
-        src, dst, step = (np.asarray(xfer[k], dtype=np.int64) for k in ("src", "dst", "step"))
-        grad = _D_FAMILY[np.asarray(xfer["fam"], dtype=np.int64)]
+        is_c = comp["kind"] == C_
+        computes = tuple(np.asarray(comp[k][is_c], dtype=np.int64) for k in ("rank", "q", "kv"))
+        src, dst, step = xfer["src"], xfer["dst"], xfer["step"]
+        grad = _D_FAMILY[xfer["fam"]]
         sent = np.bincount(src * 2 + grad, minlength=2 * P).reshape(P, 2)
         recv = np.bincount(dst * 2 + grad, minlength=2 * P).reshape(P, 2)
-        ranks, steps = (c_rank, src, dst), (c_step, step, step)
+        pairs = ((comp["rank"], comp["step"]), (src, step), (dst, step))
     else:                                             # the row columns
         rank, step, kind, a, b = table.rank, table.step, table.kind, table.a, table.b
         is_c = kind == C_
@@ -333,23 +331,28 @@ def _op_counts(programs, P: int) -> _OpCounts:
             counts.append(np.bincount(rank[sel] * 2 + _D_FAMILY[a[sel]],
                                       minlength=2 * P).reshape(P, 2))
         sent, recv = counts
-        ranks, steps = (rank,), (step,)
+        pairs = ((rank, step),)
     return _OpCounts(computes, sent.astype(np.int64), recv.astype(np.int64),
-                     _distinct_steps(np.concatenate(ranks), np.concatenate(steps), P))
+                     _distinct_steps(pairs, P) if steps else np.zeros(P, dtype=np.int64))
 
 
-def _distinct_steps(rank: np.ndarray, step: np.ndarray, P: int) -> np.ndarray:
-    """int64 ``[P]``: distinct step indices among each rank's rows (its program's steps)."""
-    if not len(rank):
+def _distinct_steps(pairs, P: int) -> np.ndarray:
+    """int64 ``[P]``: distinct step indices per rank among rows given as ``(rank, step)``
+    column pairs (a table program's steps are the distinct steps of its rows)."""
+    pairs = [(r, t) for r, t in pairs if len(r)]
+    if not pairs:
         return np.zeros(P, dtype=np.int64)
-    lo = int(step.min())
-    span = int(step.max()) - lo + 1
-    key = rank * span + (step - lo)
+    lo = min(int(t.min()) for _, t in pairs)
+    span = max(int(t.max()) for _, t in pairs) - lo + 1
     if P * span <= 1 << 26:                           # a presence plane: no sort
         seen = np.zeros(P * span, dtype=bool)
-        seen[key] = True
+        for r, t in pairs:
+            key = r * np.int64(span)
+            key += t
+            key -= lo
+            seen[key] = True
         return seen.reshape(P, span).sum(1, dtype=np.int64)
-    key = np.sort(key)
+    key = np.sort(np.concatenate([r * np.int64(span) + (t - lo) for r, t in pairs]))
     first = np.ones(len(key), dtype=bool)
     first[1:] = key[1:] != key[:-1]
     return np.bincount(key[first] // span, minlength=P).astype(np.int64)
