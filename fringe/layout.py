@@ -246,9 +246,10 @@ def balanced(seq_len: int, world_size: int, *, block_size: int = DEFAULT_BLOCK_S
       :data:`_LAP_DP_BUDGET` steps);
     * *chain2*: the same with a document allowed to span one whole piece (cut in three on
       consecutive ranks; its first chunk travels two hops): long documents that no cut in
-      two balances (searched exactly only within the budget);
+      two balances (searched exactly within the budget, and only when the chain's heaviest
+      rank is above :data:`CHAIN_BALANCED` times the mean pair work);
     * *laps*: the same pieces with no chaining rule (work spread like zigzag; documents
-      may span several pieces).
+      may span several pieces), sizes chosen greedily rank by rank.
 
     For a mask with no document structure (one segment, every q block's kv starting at the
     same block: causal, full, prefix-LM), candidates whose heaviest rank has more than
@@ -689,11 +690,13 @@ def _candidates(w: torch.Tensor, segs: list[tuple[int, int]], nb: int, P: int,
     chain = search(w, P, cap, reach)
     if chain is not None:
         out.append(("chain", chain))
-    if _lap_steps(P, cap) * (cap + 1) <= _LAP_DP_BUDGET:
+    mean = float(w.sum()) / P
+    if (chain is None or float(w[chain].view(P, cap).sum(1).max()) > CHAIN_BALANCED * mean) \
+            and _lap_steps(P, cap) * (cap + 1) <= _LAP_DP_BUDGET:
         chain = _chain_two(w, P, cap, reach)
         if chain is not None:
             out.append(("chain2", chain))
-    out.append(("laps", search(w, P, cap)))
+    out.append(("laps", _laps(w, P, cap)))
     return out
 
 
@@ -794,6 +797,11 @@ def _laps(w: torch.Tensor, P: int, cap: int,
 #: The exact (dynamic programming) search of :func:`_laps_exact` runs when offsets x ranks x
 #: blocks x piece sizes stays under this many steps; larger sequences use the greedy search.
 _LAP_DP_BUDGET = 2 * 10**7  # not a block size
+
+
+#: :func:`_candidates` searches *chain2* only when the one-hop chain's heaviest rank has more
+#: than this factor times the mean pair work (else the extra hops cannot pay).
+CHAIN_BALANCED = 1.02
 
 
 def _lap_steps(P: int, cap: int) -> int:
