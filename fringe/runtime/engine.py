@@ -94,35 +94,26 @@ def _shapes(q: torch.Tensor, k: torch.Tensor, dout_dtype: torch.dtype | None = N
     return lambda b: table[b.family]
 
 
-def _merge_into(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """Merge packed partial (out, lse) ``src`` into ``dst`` in place (lse-weighted)."""
-    from ..ops import merge
-    D = dst.shape[-1] - 1
-    o, lse = merge(dst[..., :D], dst[..., D], src[..., :D], src[..., D])
-    dst[..., :D].copy_(o)
-    dst[..., D].copy_(lse)
-
-
-def _pack(o: torch.Tensor, lse: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return torch.cat([o.to(dtype), lse.to(dtype).unsqueeze(-1)], dim=-1)
-
-
 def _rank_state(program, rank: int, q, k, v, *, like, backward: bool,
                 protect: set[str]) -> RankState:
-    """A rank's interpreter state holding its own q and kv (k and v packed ``[2, B, G, L, D]``)."""
-    own = torch.stack([k, v])
+    """A rank's interpreter state holding its own q and kv.
+
+    k and v are held as the parts of the rank's kv buffer (packed ``[2, B, G, L, D]`` only if
+    sent), borrowed: never written.
+    """
+    from ..ops import merge
     mine = {Family.Q, Family.KV, Family.OUT, Family.DOUT, Family.DQ, Family.DKV}
     protect = set(protect) | {Buffer.of(f, rank) for f in mine}
     st = RankState(rank, program, like=like, heads=(q.shape[1], k.shape[1]), device=q.device,
-                   protect=protect, merge_out=None if backward else _merge_into)
+                   protect=protect, merge_out=None if backward else merge)
     st.bufs[Buffer.of(Family.Q, rank)] = q
-    st.bufs[Buffer.of(Family.KV, rank)] = own
+    st.set_parts(Buffer.of(Family.KV, rank), (k, v), borrowed=True)
     return st
 
 
 def _own_pieces(st: RankState, family: Family) -> list[Buffer]:
     """The rank's own buffers of ``family`` (whole, then head slices in order)."""
-    found = [b for b in st.bufs if b.family is family and b.chunk == st.rank]
+    found = [b for b in (*st.bufs, *st.parts) if b.family is family and b.chunk == st.rank]
     return sorted(found, key=lambda b: (b.heads is not None, b.heads or (0, 0)))
 
 
@@ -163,7 +154,7 @@ def forward(plan, ranks: Sequence[int], q: torch.Tensor, k: torch.Tensor, v: tor
         ``(out [R, B, H, L, D], lse [R, B, H, L], kept, states)`` where ``kept`` is a list of
         per-rank lists of kv buffers to save (empty unless ``plan.kv == "keep"``).
     """
-    from ..ops import tile_forward
+    from ..ops import merge, tile_forward
 
     acc = acc_dtype(q.dtype)
     H = q.shape[2]
@@ -179,31 +170,41 @@ def forward(plan, ranks: Sequence[int], q: torch.Tensor, k: torch.Tensor, v: tor
             raise RuntimeError(f"rank {st.rank}: forward program contains {op}")
         qb, kvb = op.reads()
         ob = op.writes()[0]
-        kv = st.get(kvb)
-        o, l = tile_forward(st.get(qb), kv[0], kv[1], **_tile_args(plan, op, q.device, H))
-        if st.has(ob):
-            _merge_into(st.get(ob), _pack(o, l, acc))
-        else:
-            st.bufs[ob] = _pack(o, l, acc)
+        k_, v_ = st.get_parts(kvb)
+        o, l = tile_forward(st.get(qb), k_, v_, **_tile_args(plan, op, q.device, H))
+        if st.has(ob):                  # lse-weighted merge into the partial output
+            st.combine(ob, (o, l), merge)
+        else:                           # the tile's own result, kept (packed only if sent)
+            st.set_parts(ob, (o.to(acc), l.to(acc)), borrowed=False)
 
     execute({r: plan.forward[r] for r in ranks}, states, transport, compute)
     out, lse = [], []
-    D = q.shape[-1]
     for n, r in enumerate(ranks):
         st = states[r]
-        full = torch.zeros(q[n].shape[:-1] + (D + 1,), dtype=acc, device=q.device)
-        full[..., D] = float("-inf")
+        pieces = _own_pieces(st, Family.OUT)
+        if len(pieces) == 1 and pieces[0].heads is None:     # one whole output: no copy
+            o, l = st.get_parts(pieces[0])
+            out.append(o.to(q.dtype))
+            lse.append(l)
+            continue
+        o = torch.zeros(q[n].shape, dtype=acc, device=q.device)    # no tile: out 0, lse -inf
+        l = torch.full(q[n].shape[:-1], float("-inf"), dtype=acc, device=q.device)
         written = torch.zeros(H, dtype=torch.bool)
-        for b in _own_pieces(st, Family.OUT):       # partial outputs home: merge by lse
-            dim, lo, hi = (1, 0, H) if b.heads is None else head_range(b, H, k.shape[2])
+        for b in pieces:                        # partial outputs home: merge by lse
+            lo, hi = (0, H) if b.heads is None else head_range(b, H, k.shape[2])[1:]
+            po, pl = st.get_parts(b)
             if written[lo:hi].any():
-                _merge_into(full[:, lo:hi], st.bufs[b])
+                mo, ml = merge(o[:, lo:hi], l[:, lo:hi], po, pl)
             else:
-                full[:, lo:hi].copy_(st.bufs[b])
+                mo, ml = po, pl
+            o[:, lo:hi].copy_(mo)
+            l[:, lo:hi].copy_(ml)
             written[lo:hi] = True
-        out.append(full[..., :D].to(q.dtype))       # no tile: out 0, lse -inf
-        lse.append(full[..., D].contiguous())
+        out.append(o.to(q.dtype))
+        lse.append(l)
     kept = [[states[r].get(name) for name in kept_names(plan, r)] for r in ranks]
+    for st in states.values():                  # the records stay; the tensors go
+        st.drop_buffers()
     return _stack(out), _stack(lse), kept, states
 
 
@@ -227,34 +228,30 @@ def backward(plan, ranks: Sequence[int], q, k, v, out, lse, dout, dlse, kept,
     params = tuple(plan.score_params)
     dparams = [torch.zeros(p.shape, dtype=acc, device=p.device) for p in params]
     like = _shapes(q[0], k[0])
-    D = q.shape[-1]
     for n, r in enumerate(ranks):
         st = _rank_state(plan.backward[r], r, q[n], k[n], v[n], like=like, backward=True,
                          protect=set())
         for name, buf in zip(kept_names(plan, r), kept[n] if kept else []):
             st.bufs[name] = buf
             st.protect.add(name)
-        st.bufs[Buffer.of(Family.OUT, r)] = _pack(out[n], lse[n], acc)
-        st.bufs[Buffer.of(Family.DOUT, r)] = _pack(
-            dout[n], torch.zeros_like(lse[n]) if dlse is None else dlse[n], acc)
-        st.bufs[Buffer.of(Family.DQ, r)] = torch.zeros(q[n].shape, dtype=acc, device=q.device)
-        st.bufs[Buffer.of(Family.DKV, r)] = torch.zeros((2,) + tuple(k[n].shape), dtype=acc,
-                                                        device=q.device)
-        states[r] = st
+        st.set_parts(Buffer.of(Family.OUT, r), (out[n], lse[n]), borrowed=True)
+        st.set_parts(Buffer.of(Family.DOUT, r),
+                     (dout[n], torch.zeros_like(lse[n]) if dlse is None else dlse[n]),
+                     borrowed=True)
+        states[r] = st              # dq / dkv: the first tile's gradients, no zero fill
 
     def compute(st: RankState, op) -> None:
         if not isinstance(op, GradCompute):
             raise RuntimeError(f"rank {st.rank}: backward program contains {op}")
         qb, kvb, ob, dob = op.reads()
         dqb, dkvb = op.writes()
-        kv, o, do = st.get(kvb), st.get(ob), st.get(dob)
-        res = tile_backward(st.get(qb), kv[0], kv[1], o[..., :D].to(out.dtype), o[..., D],
-                            do[..., :D].to(dout.dtype),
-                            dlse=None if dlse is None else do[..., D], score_params=params,
+        (k_, v_), (o, l), (do, dl) = st.get_parts(kvb), st.get_parts(ob), st.get_parts(dob)
+        res = tile_backward(st.get(qb), k_, v_, o.to(out.dtype), l, do.to(dout.dtype),
+                            dlse=None if dlse is None else dl, score_params=params,
                             **_tile_args(plan, op, q.device, H))
-        dq, dk, dv = res[:3]
-        st.accumulate(dqb, dq.to(acc))
-        st.accumulate(dkvb, torch.stack([dk, dv]).to(acc))
+        dq, dk, dv = res[:3]            # fresh tensors: handed to the state (no copy)
+        st.accumulate_parts(dqb, (dq.to(acc),))
+        st.accumulate_parts(dkvb, (dk.to(acc), dv.to(acc)))
         if params:
             for acc_p, g in zip(dparams, res[3]):
                 acc_p.add_(g.to(acc))
@@ -263,18 +260,31 @@ def backward(plan, ranks: Sequence[int], q, k, v, out, lse, dout, dlse, kept,
     dq, dk, dv = [], [], []
     for n, r in enumerate(ranks):
         st = states[r]
-        dq.append(st.bufs[Buffer.of(Family.DQ, r)].to(q.dtype))
-        g = st.bufs[Buffer.of(Family.DKV, r)]
-        dk.append(g[0].to(k.dtype))
-        dv.append(g[1].to(v.dtype))
+        b = Buffer.of(Family.DQ, r)
+        dq.append(st.get_parts(b)[0].to(q.dtype) if st.has(b) else torch.zeros_like(q[n]))
+        b = Buffer.of(Family.DKV, r)
+        if st.has(b):
+            gk, gv = st.get_parts(b)
+            dk.append(gk.to(k.dtype))
+            dv.append(gv.to(v.dtype))
+        else:                                   # no tile read this rank's kv
+            dk.append(torch.zeros_like(k[n]))
+            dv.append(torch.zeros_like(v[n]))
+        st.drop_buffers()
     dparams = tuple(g.to(p.dtype) for g, p in zip(dparams, params))
-    return _stack(dq), _stack(dk), _stack(dv), dparams, states
+    return (_stack(dq, contiguous=False), _stack(dk, contiguous=False),
+            _stack(dv, contiguous=False), dparams, states)
 
 
-def _stack(ts: list) -> torch.Tensor:
+def _stack(ts: list, *, contiguous: bool = True) -> torch.Tensor:
     """``torch.stack`` of per-rank results (each freshly made here); for one rank (every real
-    rank runs only itself) no copy unless the result is strided (callers may ``.view`` it)."""
-    return ts[0].contiguous().unsqueeze(0) if len(ts) == 1 else torch.stack(ts)
+    rank runs only itself) no copy, unless ``contiguous`` and the result is strided (out and
+    lse: callers may ``.view`` them). Gradients keep the kernel's strides (the fused CPU
+    kernel writes them ``[B, L, H, D]``-major): autograd copies them into the layout of the
+    input's ``.grad`` where it must, as it does for dense SDPA."""
+    if len(ts) == 1:
+        return (ts[0].contiguous() if contiguous else ts[0]).unsqueeze(0)
+    return torch.stack(ts)
 
 
 class Runtime:

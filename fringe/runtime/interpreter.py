@@ -22,6 +22,13 @@ whole buffer is here).
 
 Buffers come from a per-rank pool and go back to it after their last use in the program,
 so a ring keeps about two kv buffers alive and reuses them step after step.
+
+A buffer may also be held as its *parts* (k and v of a kv buffer, out and lse of a partial
+output, dk and dv of a dkv gradient) instead of the one packed tensor that travels: the rank's
+own inputs are then used where they are, and a kernel's results are kept, not copied. Parts are
+packed only for a whole-buffer use (a send packs a temporary; any other whole read packs once).
+Borrowed parts (the caller's tensors: q/k/v, saved out/lse, dout) are never written: a write
+into them packs a copy first.
 """
 from __future__ import annotations
 
@@ -32,7 +39,7 @@ from typing import Any, Callable, Protocol
 
 import torch
 
-from ..schedules.ir import Buffer, Collective, Compute, Family, GradCompute, Program, Send
+from ..schedules.ir import Buffer, Compute, Family, GradCompute, Program, Send
 
 
 class Transport(Protocol):
@@ -98,6 +105,10 @@ class Pool:
     def put(self, t: torch.Tensor) -> None:
         self._free[(tuple(t.shape), t.dtype, t.device)].append(t)
 
+    def clear(self) -> None:
+        """Drop the free tensors (``allocated`` still counts what was made)."""
+        self._free.clear()
+
 
 #: Where a buffer family keeps its heads: query-side tensors are ``[B, H, L, ...]``, kv ones
 #: ``[2, B, G, L, D]``.
@@ -143,6 +154,33 @@ def check_head_split(n: int, num_heads: int, kv_heads: int, *, what: str = "") -
                      f"neither: use G dividing or divisible by {n}")
 
 
+#: Families packed from parts: kv-like ones stack (k, v) along a new dim 0, query-side ones
+#: put (out, lse) side by side (lse as the last column). Parts keep heads in dim 1.
+_STACKED = (Family.KV, Family.DKV)
+_COLUMNS = (Family.OUT, Family.DOUT)
+
+
+def pack_parts(family: Family, parts: tuple, dtype: torch.dtype) -> torch.Tensor:
+    """The one tensor of a buffer held as ``parts`` (a new tensor, in ``dtype``)."""
+    if family in _STACKED:
+        return torch.stack([p.to(dtype) for p in parts])
+    if family in _COLUMNS:
+        o, lse = parts
+        return torch.cat([o.to(dtype), lse.to(dtype).unsqueeze(-1)], dim=-1)
+    (t,) = parts
+    return t.to(dtype).clone() if t.dtype == dtype else t.to(dtype)
+
+
+def split_parts(family: Family, t: torch.Tensor) -> tuple:
+    """Views of a packed buffer's parts (the inverse of :func:`pack_parts`)."""
+    if family in _STACKED:
+        return t[0], t[1]
+    if family in _COLUMNS:
+        D = t.shape[-1] - 1
+        return t[..., :D], t[..., D]
+    return (t,)
+
+
 class RankState:
     """Buffers of one rank while its program runs.
 
@@ -153,7 +191,8 @@ class RankState:
         heads: ``(H, G)``, for head-sliced buffers.
         device: where buffers live.
         protect: names never released (the rank's own data, kept kv).
-        merge_out: ``merge_out(dst, src)`` merges a partial ``out`` into another, in place.
+        merge_out: ``merge_out(out_a, lse_a, out_b, lse_b) -> (out, lse)`` merges a received
+            partial ``out`` into the one here (by :meth:`combine`).
     """
 
     def __init__(self, rank: int, program: Program, *, like: Callable, heads: tuple[int, int],
@@ -162,6 +201,8 @@ class RankState:
         self.rank = rank
         self.program = program
         self.bufs: dict[str, torch.Tensor] = {}
+        self.parts: dict[Buffer, tuple] = {}      # buffers held as parts (see the module doc)
+        self.borrowed: set[Buffer] = set()        # parts that are the caller's tensors
         self.pool = Pool()
         self.like = like
         self.heads = heads
@@ -183,13 +224,38 @@ class RankState:
             shape = tuple(shape[:dim]) + (hi - lo,) + tuple(shape[dim + 1:])
         return tuple(shape), dtype
 
+    def _held(self, b: Buffer) -> Buffer | None:
+        """Which held buffer ``b`` lives in: itself, or its whole parent (None: not here)."""
+        if b in self.bufs or b in self.parts:
+            return b
+        if b.heads is not None and (b.parent in self.bufs or b.parent in self.parts):
+            return b.parent
+        return None
+
     def has(self, name: str) -> bool:
+        return self._held(Buffer(name)) is not None
+
+    def set_parts(self, name: str, parts: tuple, *, borrowed: bool) -> None:
+        """Hold a whole buffer as its parts; ``borrowed``: they are the caller's (read-only)."""
         b = Buffer(name)
-        return b in self.bufs or (b.heads is not None and b.parent in self.bufs)
+        self.parts[b] = tuple(parts)
+        if borrowed:
+            self.borrowed.add(b)
+        else:
+            self.borrowed.discard(b)
+
+    def _pack(self, b: Buffer) -> None:
+        """Replace ``b``'s parts by the packed tensor (a copy the state owns)."""
+        parts = self.parts.pop(b)
+        self.borrowed.discard(b)
+        self.bufs[b] = pack_parts(b.family, parts, self.shape_of(b)[1])
 
     def get(self, name: str) -> torch.Tensor:
-        """The buffer, or the head slice of its whole buffer (a view)."""
+        """The buffer, or the head slice of its whole buffer (a view); packs parts first."""
         b = Buffer(name)
+        held = self._held(b)
+        if held is not None and held in self.parts:
+            self._pack(held)
         hit = self.bufs.get(b)
         if hit is not None:
             return hit
@@ -199,28 +265,76 @@ class RankState:
         raise RuntimeError(f"rank {self.rank}: buffer {b} is not here (the program is "
                            f"inconsistent; fringe.schedules.check finds such faults)")
 
+    def get_parts(self, name: str, *, write: bool = False) -> tuple:
+        """The buffer's parts (views where it is packed or a head slice); no copy to read.
+
+        ``write``: the caller writes into them in place, so borrowed parts are packed first.
+        """
+        b = Buffer(name)
+        held = self._held(b)
+        if held is not None and held in self.parts:
+            if write and held in self.borrowed:
+                self._pack(held)
+            else:
+                parts = self.parts[held]
+                if held == b:
+                    return parts
+                _, lo, hi = head_range(b, *self.heads)
+                return tuple(p.narrow(1, lo, hi - lo) for p in parts)
+        return split_parts(b.family, self.get(b))
+
+    def combine(self, name: str, new: tuple, fn: Callable) -> None:
+        """``buffer = fn(*buffer_parts, *new)`` (e.g. an lse merge): replaces whole owned
+        parts, else writes the result into the buffer's (views of its) parts."""
+        b = Buffer(name)
+        if b in self.parts and b not in self.borrowed:
+            self.parts[b] = tuple(fn(*self.parts[b], *new))
+            return
+        dst = self.get_parts(b, write=True)
+        for d, x in zip(dst, fn(*dst, *new)):
+            d.copy_(x)
+
     def outgoing(self, name: str) -> torch.Tensor:
+        """The tensor to send: a buffer held as parts is packed into a temporary."""
+        b = Buffer(name)
+        held = self._held(b)
+        if held is not None and held in self.parts:
+            return pack_parts(b.family, self.get_parts(b), self.shape_of(b)[1])
         return self.get(name).contiguous()
 
     def incoming(self, name: str) -> torch.Tensor:
         shape, dtype = self.shape_of(name)
         return self.pool.get_shape(shape, dtype, self.device)
 
+    def _home(self, b: Buffer) -> None:
+        """A head slice of this rank's own gradient accumulates into the whole buffer: make it
+        (zero) on the slice's first write."""
+        if (b.family.is_gradient and b.heads is not None and b.chunk == self.rank
+                and self._held(b) is None):
+            shape, dtype = self.shape_of(b.parent)
+            self.bufs[b.parent] = torch.zeros(shape, dtype=dtype, device=self.device)
+
     def arrived(self, name: str, t: torch.Tensor) -> None:
         b = Buffer(name)
-        if b.family.is_gradient and self.has(b):
-            self.get(b).add_(t)
+        self._home(b)
+        held = self._held(b)
+        if b.family.is_gradient and held is not None:
+            for d, x in zip(self.get_parts(b, write=True), split_parts(b.family, t)):
+                d.add_(x)
             self.pool.put(t)
-        elif b.family is Family.OUT and self.has(b) and self.merge_out is not None:
-            self.merge_out(self.get(b), t)
+        elif b.family is Family.OUT and held is not None and self.merge_out is not None:
+            self.combine(b, split_parts(b.family, t), self.merge_out)
             self.pool.put(t)
-        elif b.heads is not None and b.parent in self.bufs:
-            self.get(b).copy_(t)
+        elif held is not None and held != b:
+            for d, x in zip(self.get_parts(b, write=True), split_parts(b.family, t)):
+                d.copy_(x)
             self.pool.put(t)
         else:
             self.bufs[b] = t
 
     def accumulate(self, name: str, value: torch.Tensor) -> None:
+        """Add ``value`` into the buffer (its first value is copied: ``value`` stays the
+        caller's)."""
         if self.has(name):
             self.get(name).add_(value)
         else:
@@ -228,10 +342,36 @@ class RankState:
             acc.copy_(value)
             self.bufs[Buffer(name)] = acc
 
+    def accumulate_parts(self, name: str, parts: tuple) -> None:
+        """Add ``parts`` into the buffer; its first value is ``parts`` themselves (no zero fill,
+        no copy), so the caller hands them over: fresh tensors nothing else holds."""
+        b = Buffer(name)
+        self._home(b)
+        if self.has(b):
+            for d, x in zip(self.get_parts(b, write=True), parts):
+                d.add_(x)
+        elif len(parts) == 1:
+            self.bufs[b] = parts[0]
+        else:
+            self.set_parts(b, parts, borrowed=False)
+
+    def drop_buffers(self) -> None:
+        """Forget every buffer (keep the step records and the pool's allocation count), so a
+        finished run's state does not hold tensors."""
+        self.bufs.clear()
+        self.parts.clear()
+        self.borrowed.clear()
+        self.pool.clear()
+
     def release(self, step: int) -> None:
         for name in [n for n, t in self.last.items() if t == step]:
-            if name in self.bufs and name not in self.protect and name.parent not in self.protect:
+            if name in self.protect or name.parent in self.protect:
+                continue
+            if name in self.bufs:
                 self.pool.put(self.bufs.pop(name))
+            elif name in self.parts:
+                self.parts.pop(name)
+                self.borrowed.discard(name)
 
 
 ComputeFn = Callable[[RankState, "Compute | GradCompute"], None]
@@ -264,9 +404,9 @@ def execute(programs: dict[int, Program], states: dict[int, RankState], transpor
                       transport.issue(r, t, sends, recvs))
             sent = sum(x.numel() * x.element_size() for _, _, x in sends) + sum(
                 x.numel() * x.element_size() for _, xs, _ in colls for x in xs if x is not None)
-            pending[r] = (step, recvs, colls, handle, sent)
+            pending[r] = (step, recvs, colls, handle, sent, sends)   # sends: alive until waited
         timings, events = {}, {}
-        for r, (step, _, _, _, _) in pending.items():
+        for r, (step, *_) in pending.items():
             ev = _events(states[r])
             t0 = time.perf_counter()
             for op in step.computes:
@@ -275,7 +415,7 @@ def execute(programs: dict[int, Program], states: dict[int, RankState], transpor
             if ev is not None:
                 ev[1].record()
             events[r] = ev
-        for r, (step, recvs, colls, handle, sent) in pending.items():
+        for r, (step, recvs, colls, handle, sent, _) in pending.items():
             st = states[r]
             t0 = time.perf_counter()
             transport.wait(r, t, handle)
