@@ -5,9 +5,11 @@ Speed and memory live here, never in the tests. Three measurements:
 1. **plan**: planning cost for a large packed-document batch (masks change every batch,
    so a plan must be cheap): S = 1,048,576 tokens, 1,000 documents, P = 8 and 1,024,
    block 128 and 64, every registered schedule that runs at that P with H=32, G=8
-   (:data:`PLAN_HEADS`; ``fringe.schedules.names``): seconds, and peak memory above the
-   process's resident memory before the plan (Linux: the peak is reset through
-   ``/proc/self/clear_refs``).
+   (:data:`PLAN_HEADS`; ``fringe.schedules.names``): seconds (the target's figure), CPU
+   seconds of the process (what a shared machine does not inflate), and peak memory above
+   the process's resident memory before the plan (Linux: the peak is reset through
+   ``/proc/self/clear_refs`` after the C heap's free pages are given back, so plans made
+   one after another each count their own memory).
 2. **attention**: forward + backward of one attention call on P gloo CPU ranks for a
    ``causal & document`` mask, against the same work on one process (fringe with P = 1, and
    torch's dense ``scaled_dot_product_attention`` with a bool mask).
@@ -62,10 +64,23 @@ def _status_mb(key: str) -> float | None:
     return None
 
 
+def _release_free_memory() -> None:
+    """Give the C heap's free pages back to the system (glibc ``malloc_trim``; elsewhere a
+    no-op), so that memory an earlier plan freed but the allocator kept is not counted as
+    resident before the next one (which would reuse it unseen: a later plan's peak read
+    tens of MB low)."""
+    try:
+        import ctypes
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError, TypeError):
+        pass
+
+
 def peak_mb(fn):
     """``(fn(), peak MB above the resident memory before the call)``; the peak is None where
     the kernel's peak counter cannot be reset (not Linux)."""
     gc.collect()
+    _release_free_memory()
     try:
         with open("/proc/self/clear_refs", "w") as f:     # VmHWM := VmRSS
             f.write("5")
@@ -79,9 +94,11 @@ def peak_mb(fn):
 
 def bench_plan(*, S: int = 1 << 20, n_docs: int = 1000, P: int = 8, block_size: int = 128,
                schedule_names=None):
-    """Plan each schedule for a ``causal & document`` mask; one row (seconds, peak MB, share
-    of empty blocks, work max/mean) per schedule. ``schedule_names``: registry names; default
-    every registered schedule that runs on P ranks with :data:`PLAN_HEADS` heads."""
+    """Plan each schedule for a ``causal & document`` mask; one row (seconds, CPU seconds of
+    this process, peak MB, share of empty blocks, work max/mean from :meth:`Plan.stats`, which
+    reads the programs' columns and costs little at P = 1024) per schedule.
+    ``schedule_names``: registry names; default every registered schedule that runs on P
+    ranks with :data:`PLAN_HEADS` heads."""
     if schedule_names is None:
         schedule_names = registry.names(world_size=P, heads=PLAN_HEADS[0], kv_heads=PLAN_HEADS[1])
     ids = packed_docs(S, n_docs, 0)
@@ -91,13 +108,13 @@ def bench_plan(*, S: int = 1 << 20, n_docs: int = 1000, P: int = 8, block_size: 
     torch.set_num_threads(1)                 # the targets are for one core; restored below
     try:
         for name in schedule_names:
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             p, peak = peak_mb(lambda: make_plan(schedules.get(name), mask, seq_len=S,
                                                 world_size=P, block_size=block_size))
-            dt = time.perf_counter() - t0
+            dt, cpu = time.perf_counter() - t0, time.process_time() - c0
             empty = p.block_map.count(masks.BlockKind.EMPTY) / (S // block_size) ** 2
-            rows.append(dict(schedule=name, P=P, block=block_size, seconds=dt, peak_mb=peak,
-                             empty_blocks=empty, balance=p.stats().balance))
+            rows.append(dict(schedule=name, P=P, block=block_size, seconds=dt, cpu_s=cpu,
+                             peak_mb=peak, empty_blocks=empty, balance=p.stats().balance))
             del p
     finally:
         torch.set_num_threads(threads)
@@ -259,9 +276,9 @@ def run(*, world_sizes=(2, 4), case: AttnCase = AttnCase(), plan_size: int = 1 <
         ok = r["seconds"] < PLAN_TARGET_S[r["block"]] and \
             (r["peak_mb"] is None or r["peak_mb"] < PLAN_TARGET_MB)
         table.append([r["schedule"], r["P"], r["block"], f"{r['seconds']:.2f}",
-                      "n/a" if r["peak_mb"] is None else f"{r['peak_mb']:.0f}",
+                      f"{r['cpu_s']:.2f}", "n/a" if r["peak_mb"] is None else f"{r['peak_mb']:.0f}",
                       f"{r['empty_blocks']:.1%}", f"{r['balance']:.3f}", "ok" if ok else "MISS"])
-    out.append(tabulate(table, headers=["schedule", "P", "block", "seconds", "peak MB",
+    out.append(tabulate(table, headers=["schedule", "P", "block", "seconds", "cpu s", "peak MB",
                                         "empty blocks", "work max/mean", "target"]))
     threads = torch.get_num_threads()
     torch.set_num_threads(1)                 # like one rank; restored below

@@ -55,14 +55,14 @@ def test_bench_report_rows_figures_and_verdicts():
     (plan_title, plan_head, plan_rows), (attn_title, attn_head, attn_rows) = tables
 
     assert plan_title.startswith("plan: S=4,096 tokens"), text
-    assert plan_head == ["schedule", "P", "block", "seconds", "peak MB", "empty blocks",
-                         "work max/mean", "target"]
+    assert plan_head == ["schedule", "P", "block", "seconds", "cpu s", "peak MB",
+                         "empty blocks", "work max/mean", "target"]
     names = schedules.names(world_size=2, heads=PLAN_HEADS[0], kv_heads=PLAN_HEADS[1])
     assert names == schedules.names()              # at P=2 every built-in plans
     assert [(r[0], r[1], r[2]) for r in plan_rows] == \
         [(n, "2", str(bs)) for bs in PLAN_BLOCKS for n in names]
-    for name, _, bs, seconds, peak, empty, balance, target in plan_rows:
-        assert float(seconds) >= 0.0, (name, seconds)
+    for name, _, bs, seconds, cpu, peak, empty, balance, target in plan_rows:
+        assert float(seconds) >= 0.0 and float(cpu) >= 0.0, (name, seconds, cpu)
         assert peak == "n/a" or float(peak) >= 0.0, (name, peak)
         assert empty.endswith("%") and 0.0 <= float(empty[:-1]) <= 100.0, (name, empty)
         assert float(balance) >= 1.0 - 1e-3, (name, balance)          # max/mean
