@@ -92,21 +92,88 @@ def test_compute_is_the_sum_of_tile_costs_and_records_match_the_programs():
         assert pred.sent["backward"][row["rank"]].sum() == row["bwd_sent"]
 
 
+def _causalish_maps(g: torch.Generator, N: int, n: int, noise: float) -> torch.Tensor:
+    """``[N, n, n]`` causal diagonal maps (FULL below, PARTIAL on the diagonal), shifted along
+    the kv axis and with a share ``noise`` of blocks redrawn at random."""
+    base = torch.full((n, n), int(BlockKind.EMPTY), dtype=torch.int8)
+    base[torch.tril(torch.ones(n, n, dtype=torch.bool), -1)] = int(BlockKind.FULL)
+    base[torch.arange(n), torch.arange(n)] = int(BlockKind.PARTIAL)
+    maps = base.repeat(N, 1, 1)
+    hit = torch.rand(N, n, n, generator=g) < noise
+    maps[hit] = torch.randint(0, 3, (int(hit.sum()),), generator=g).to(torch.int8)
+    for a in range(0, N, 3):
+        maps[a] = torch.roll(maps[a], int(torch.randint(0, n, (1,), generator=g)), 1)
+    return maps
+
+
 def test_work_counts_follow_the_tile_grouping():
-    # the stacked evaluation gives, map by map, the calls and pairs of fringe.ops.tile._plan
+    # the stacked evaluation gives, map by map, the calls and pairs of the sdpa kernel's
+    # grouping (fringe.ops.tile._plan with fused=True): causal squares, column cuts, row groups
     g = torch.Generator().manual_seed(3)
-    n, bs = 6, 4
-    maps = torch.randint(0, 3, (12, n, n), generator=g).to(torch.int8)
-    maps[3] = int(BlockKind.FULL)
-    maps[4, 2:4] = int(BlockKind.EMPTY)
-    got = costmodel._maps_work(maps, L=n * bs, block_size=bs, masked_ok=True)
-    for m, row in zip(maps, got):
-        groups = tile_ops._plan(m, Lq=n * bs, Lk=n * bs, block_size=bs)
-        assert row[0] == len(groups)
-        full = sum((gr.q1 - gr.q0) * (gr.k1 - gr.k0) for gr in groups
-                   if bool((gr.codes == int(BlockKind.FULL)).all()))
-        total = sum((gr.q1 - gr.q0) * (gr.k1 - gr.k0) for gr in groups)
-        assert (row[1], row[1] + row[2] + row[3]) == (full, total)
+    bs, causal_seen = 4, 0
+    for n in (1, 3, 6, 9):
+        maps = torch.cat([torch.randint(0, 3, (12, n, n), generator=g).to(torch.int8),
+                          _causalish_maps(g, 12, n, 0.05), _causalish_maps(g, 12, n, 0.25)])
+        maps[3] = int(BlockKind.FULL)
+        maps[4, n // 2:] = int(BlockKind.EMPTY)
+        got = costmodel._maps_work(maps, L=n * bs, block_size=bs, masked_ok=True)
+        for m, row in zip(maps, got):
+            groups = tile_ops._plan(m, Lq=n * bs, Lk=n * bs, block_size=bs, fused=True)
+            pairs = [(gr.q1 - gr.q0) * (gr.k1 - gr.k0) for gr in groups]
+            full = sum(p for p, gr in zip(pairs, groups)
+                       if not gr.causal and bool((gr.codes == int(BlockKind.FULL)).all()))
+            causal = sum(p for p, gr in zip(pairs, groups) if gr.causal)
+            assert row.tolist() == [len(groups), full, sum(pairs) - full - causal, causal]
+            causal_seen += causal > 0
+    assert causal_seen >= 20                      # the squares path is exercised
+
+
+def test_a_causal_diagonal_tile_is_one_is_causal_call():
+    # what the sdpa kernel runs: one square is_causal call, not masked row groups
+    n, bs = 8, 16
+    m = _causalish_maps(torch.Generator().manual_seed(0), 2, n, 0.0)[1:]     # not shifted
+    assert costmodel._maps_work(m, L=n * bs, block_size=bs, masked_ok=True)[0].tolist() == [
+        1, 0, 0, (n * bs) ** 2]
+
+
+@pytest.mark.parametrize("mask_kind", ["causal", "document"])
+@pytest.mark.parametrize("name", ["zigzag", "striped", "balanced"])
+def test_distinct_maps_from_rects_equal_the_sorted_and_dense_ways(name, mask_kind, monkeypatch):
+    m = masks.causal()
+    if mask_kind == "document":
+        from fringe.bench import packed_docs
+        m = m & masks.document(packed_docs(4096, 9, 0))
+    p = fringe.plan(schedules.get(name), m, seq_len=4096, world_size=8, block_size=32)
+    want = costmodel.tile_work(p)
+    P, n = p.world_size, p.local_len // p.block_size
+    tiles = torch.as_tensor(p.tiles).to(torch.int64).numpy().reshape(-1)
+    part = np.flatnonzero(tiles == int(BlockKind.PARTIAL))
+    maps, inv = costmodel._distinct_maps_from_rects(p.block_map, tiles, part, P, n)
+    for k, t in enumerate(part.tolist()):          # every tile gets its own map, exactly
+        assert torch.equal(maps[inv[k]], p.tile_blocks(t // P, t % P))
+    assert len(maps) == len(np.unique(inv))
+    for way in (costmodel._distinct_maps_sorted, costmodel._distinct_maps_dense):
+        monkeypatch.setattr(costmodel, "_distinct_maps_from_rects",
+                            lambda bm, tf, pt, P_, n_: None if way is costmodel._distinct_maps_dense
+                            else way(bm, tf, pt, P_, n_))
+        p2 = fringe.plan(schedules.get(name), m, seq_len=4096, world_size=8, block_size=32)
+        assert np.array_equal(costmodel.tile_work(p2), want)
+        monkeypatch.undo()
+
+
+def test_a_signature_collision_is_caught_and_grouped_exactly(monkeypatch):
+    # every tile hashed alike: the exact check fails and the sorted grouping takes over
+    p = fringe.plan(schedules.zigzag(), masks.causal(), seq_len=4096, world_size=8,
+                    block_size=32)
+    want = costmodel.tile_work(p)
+    monkeypatch.setattr(costmodel, "_mix64", lambda x: np.zeros(len(x), dtype=np.uint64))
+    called = []
+    real = costmodel._distinct_maps_sorted
+    monkeypatch.setattr(costmodel, "_distinct_maps_sorted",
+                        lambda *a: called.append(1) or real(*a))
+    p2 = fringe.plan(schedules.zigzag(), masks.causal(), seq_len=4096, world_size=8,
+                     block_size=32)
+    assert np.array_equal(costmodel.tile_work(p2), want) and called
 
 
 def test_balance_and_schedules_rank_as_expected():

@@ -30,11 +30,15 @@ The result carries the same
 reports and figures of :mod:`fringe.render` work for both.
 
 Work model, per tile: the tile's block map is split into dense sub-problems exactly as
-:func:`fringe.ops.tile.tile_forward` does (its ``_plan`` grouping of q-block rows), and each
-sub-problem costs ``call_s + pairs * unit``, where ``unit`` is the seconds per (q, kv) pair
-for the sub-problem's kind: FULL (no mask), masked (a PARTIAL block inside), or causal
-(a causal-aligned diagonal run with ``is_causal``, when the tile grouping marks one). A
-per-tile overhead (merging the partial output, accumulating dq) scales with the q rows.
+:func:`fringe.ops.tile.tile_forward` splits it for the fused ``sdpa`` kernel (``_plan`` with
+``fused=True``, the block pattern deciding): a causal-aligned diagonal run of blocks is one
+square ``is_causal`` call, the rest is grouped by q-block rows and cut where columns switch
+between all-FULL and mixed, whichever makes no more calls than plain row groups. Each
+sub-problem costs ``call_s + pairs * unit``, where ``unit`` is the seconds per (q, kv) pair for
+its kind: FULL (no mask), masked (a PARTIAL or EMPTY block inside: a float mask), or causal
+(the whole square, at the ``causal`` factor). A per-tile overhead (merging the partial output,
+accumulating dq) scales with the q rows. (Costing a causal diagonal as masked row groups
+over-predicted measured causal steps by 17-33%.)
 
 >>> import fringe
 >>> from fringe import masks, schedules
@@ -105,8 +109,10 @@ class Hardware:
         call_s: fixed seconds per kernel call (sub-problem), forward.
         bwd_call_s: fixed seconds per kernel call, backward.
         masked: cost of a pair in a masked sub-problem, relative to a FULL pair (forward).
-        bwd_masked: the same for the backward (None: as the forward).
-        causal: cost of a pair in a causal-aligned sub-problem run with ``is_causal``.
+        causal: cost of a pair in a causal-aligned sub-problem run with ``is_causal``
+            (counting the whole square: the kernel skips the upper half itself).
+        bwd_masked: the masked factor for the backward (None: as the forward).
+        bwd_causal: the causal factor for the backward (None: as the forward).
         row_s: seconds per (q row · head · D) element per tile (merging out/lse, adding dq).
         latency_s: seconds to start a transfer between two ranks of one node.
         bandwidth: bytes/s one way between two ranks of one node.
@@ -125,6 +131,7 @@ class Hardware:
     masked: float = 1.0
     causal: float = 0.6
     bwd_masked: float | None = None
+    bwd_causal: float | None = None
     row_s: float = 0.0
     latency_s: float = 10e-6
     bandwidth: float = 100e9
@@ -280,47 +287,224 @@ class Shape:
         return B * H * L * (D + 1) * self.acc_itemsize      # a partial out + lse
 
 
-def _grouping():
-    """The tile grouping of :mod:`fringe.ops.tile` (imported, so the model follows it)."""
+def _row_runs(ne: np.ndarray, slack: float) -> tuple[list, list, list, list]:
+    """:func:`fringe.ops.tile._row_groups` on a bool map of non-EMPTY blocks: consecutive
+    rows grouped while the rectangle costs at most ``slack`` times the exact blocks, as
+    block-index lists ``(qb0, qb1, kb0, kb1)``."""
+    nk = ne.shape[1]
+    live = ne.any(axis=1)
+    rows = np.flatnonzero(live)
+    lo = ne[rows].argmax(axis=1)
+    hi = nk - ne[rows, ::-1].argmax(axis=1)
+    Q0, Q1, K0, K1 = [], [], [], []
+    cur = None
+    exact = 0
+    for i, a, b in zip(rows.tolist(), lo.tolist(), hi.tolist()):
+        w = b - a
+        if cur is not None:
+            qb0, qb1, kb0, kb1 = cur
+            if qb1 == i:                               # the row right below: may join
+                nlo, nhi = min(kb0, a), max(kb1, b)
+                if (i + 1 - qb0) * (nhi - nlo) <= slack * (exact + w):
+                    cur, exact = (qb0, i + 1, nlo, nhi), exact + w
+                    continue
+            Q0.append(qb0), Q1.append(qb1), K0.append(kb0), K1.append(kb1)
+        cur, exact = (i, i + 1, a, b), w
+    if cur is not None:
+        Q0.append(cur[0]), Q1.append(cur[1]), K0.append(cur[2]), K1.append(cur[3])
+    return Q0, Q1, K0, K1
+
+
+def _causal_squares(blocks: np.ndarray, nqf: int, nkf: int) -> list[tuple[int, int, int]]:
+    """:func:`fringe.ops.tile._causal_runs` without element checks (the block pattern decides):
+    maximal diagonal runs ``(i, j, n)`` of PARTIAL blocks with FULL blocks left of the
+    diagonal and EMPTY ones above it inside the square, streamed in row-major order."""
+    nq, nk = blocks.shape
+    if nqf == 0 or nkf == 0:
+        return []
+    E = blocks == _EMPTY
+    c = blocks[:nqf, :nkf]
+    right = np.ones((nqf, nkf), dtype=bool)
+    right[:, :nkf - 1] = E[:nqf, 1:nkf]
+    if nkf < nk:
+        right[:, nkf - 1] = E[:nqf, nkf]
+    above = np.ones((nqf, nkf), dtype=bool)
+    above[1:] = E[:nqf - 1, :nkf]
+    ci, cj = np.nonzero((c == _PARTIAL) & right & above)
+    if not len(ci):
+        return []
+    # FULL blocks just left of (i, j) in its row, EMPTY blocks just above it in its column
+    idx = np.arange(nk)
+    last = np.maximum.accumulate(np.where(blocks == _FULL, -1, idx[None, :]), axis=1)
+    left_full = np.where(cj > 0, cj - 1 - last[ci, np.maximum(cj - 1, 0)], 0)
+    ridx = np.arange(nq)[:, None]
+    lastr = np.maximum.accumulate(np.where(E, -1, ridx), axis=0)
+    up_empty = np.where(ci > 0, ci - 1 - lastr[np.maximum(ci - 1, 0), cj], 0)
+    runs: list[list[int]] = []
+    ends: dict[int, int] = {}                          # diagonal j - i -> run index
+    for i, j, f, e in zip(ci.tolist(), cj.tolist(), left_full.tolist(), up_empty.tolist()):
+        r = ends.get(j - i)
+        if r is not None:
+            run = runs[r]
+            n = run[2]
+            if run[0] + n == i and f >= n and e >= n:
+                run[2] = n + 1
+                continue
+        ends[j - i] = len(runs)
+        runs.append([i, j, 1])
+    return [tuple(r) for r in runs]
+
+
+def _split_cols(codes: np.ndarray, qb0: int, kb0: int, out: list) -> None:
+    """:func:`fringe.ops.tile._split_columns` on a group's codes, appending ``(qb0, qb1, kb0,
+    kb1)`` pieces to ``out``."""
+    ne = codes != _EMPTY
+    full_col = (codes == _FULL).all(0)
+    live_col = ne.any(0)
+    if full_col.all() or (not full_col.any() and live_col.all()):
+        out.append((qb0, qb0 + codes.shape[0], kb0, kb0 + codes.shape[1]))
+        return
+    fc, lc = full_col.tolist(), live_col.tolist()
+    j, nk, nr = 0, codes.shape[1], codes.shape[0]
+    while j < nk:
+        if not lc[j]:
+            j += 1
+            continue
+        e = j + 1
+        while e < nk and lc[e] and fc[e] == fc[j]:
+            e += 1
+        rows = np.flatnonzero(ne[:, j:e].any(1))
+        r0, r1 = int(rows[0]), int(rows[-1]) + 1
+        if fc[j] or (r0, r1) == (0, nr):
+            out.append((qb0 + r0, qb0 + r1, kb0 + j, kb0 + e))
+        else:
+            _split_cols(codes[r0:r1, j:e], qb0 + r0, kb0 + j, out)
+        j = e
+
+
+def _fused_pieces(tall: np.ndarray, *, per: int, Lq: int, Lk: int, block_size: int,
+                  runs_ok: bool):
+    """The sub-problems :func:`fringe.ops.tile._plan` makes with ``fused=True`` (the ``sdpa``
+    kernel's calls; the block pattern decides the causal squares) for maps stacked in
+    ``tall`` ``[N * per, n]`` (each map's last row all EMPTY), decided map by map.
+
+    Returns:
+        ``(q0, q1, k0, k1, causal, codes_of)`` block-index arrays per piece and, per piece,
+        which map ``tall`` or the map with the squares emptied (``work``) its codes come from
+        (0 / 1), with ``work``.
+    """
     from ..ops import tile
-    fn = getattr(tile, "_plan", None)
-    if fn is None:
-        raise RuntimeError("fringe.ops.tile no longer has _plan (its grouping of q-block rows "
-                           "into sub-problems); update fringe.runtime.costmodel._grouping")
-    return fn
+    slack = tile.GROUP_SLACK
+    bs = block_size
+    nq, nk = tall.shape
+    N = nq // per
+    base = _row_runs(tall != _EMPTY, slack)
+    runs = (_causal_squares(tall, min(nq, Lq // bs), min(nk, Lk // bs)) if runs_ok else [])
+    work = tall
+    if runs:
+        work = tall.copy()
+        for i, j, n in runs:
+            work[i:i + n, j:j + n] = _EMPTY
+    rest = _row_runs(work != _EMPTY, slack) if runs else base
+    # the column split of every rest group (most are kept whole: find those without Python)
+    split: list = []
+    rq0, rq1, rk0, rk1 = (np.asarray(x, dtype=np.int64) for x in rest)
+    if len(rq0):
+        cf = np.zeros((nq + 1, nk), dtype=np.int32)
+        cf[1:] = np.cumsum(work == _FULL, axis=0)
+        cl = np.zeros((nq + 1, nk), dtype=np.int32)
+        cl[1:] = np.cumsum(work != _EMPTY, axis=0)
+        h = (rq1 - rq0)[:, None]
+        inside = (np.arange(nk)[None, :] >= rk0[:, None]) & (np.arange(nk)[None, :] < rk1[:, None])
+        fullc = (cf[rq1] - cf[rq0]) == h
+        livec = (cl[rq1] - cl[rq0]) > 0
+        all_full = (fullc | ~inside).all(1)
+        none_full_all_live = ~(fullc & inside).any(1) & (livec | ~inside).all(1)
+        whole = all_full | none_full_all_live
+        for g in np.flatnonzero(~whole).tolist():
+            a, b, c, d = int(rq0[g]), int(rq1[g]), int(rk0[g]), int(rk1[g])
+            pieces: list = []
+            _split_cols(work[a:b, c:d], a, c, pieces)
+            split.append((g, pieces))
+    # per map: squares + split, else squares + rest, else base (the fewest calls wins)
+    def per_map(q0):
+        return np.bincount(np.asarray(q0, dtype=np.int64) // per, minlength=N)
+    n_base, n_rest = per_map(base[0]), per_map(rest[0])
+    n_sq = per_map([r[0] for r in runs])
+    extra = np.zeros(N, dtype=np.int64)                # pieces beyond one per split group
+    for g, pieces in split:
+        extra[int(rq0[g]) // per] += len(pieces) - 1
+    n_split = n_rest + extra
+    choice = np.where(n_sq + n_split <= n_base, 0, np.where(n_sq + n_rest <= n_base, 1, 2))
+    parts = []
+    # base (codes of tall)
+    bq0 = np.asarray(base[0], dtype=np.int64)
+    sel = choice[bq0 // per] == 2
+    parts.append((bq0[sel], np.asarray(base[1], dtype=np.int64)[sel],
+                  np.asarray(base[2], dtype=np.int64)[sel], np.asarray(base[3], dtype=np.int64)[sel],
+                  np.zeros(int(sel.sum()), bool), np.zeros(int(sel.sum()), np.int8)))
+    if runs:
+        R = np.asarray(runs, dtype=np.int64)
+        sel = choice[R[:, 0] // per] != 2
+        i, j, n = R[sel, 0], R[sel, 1], R[sel, 2]
+        parts.append((i, i + n, j, j + n, np.ones(len(i), bool), np.ones(len(i), np.int8)))
+    # rest groups: kept whole for choice 1, and for choice 0 when not split
+    m_rest = choice[rq0 // per] if len(rq0) else np.zeros(0, np.int64)
+    keep = m_rest == 1
+    if len(rq0):
+        keep |= (m_rest == 0) & whole
+    parts.append((rq0[keep], rq1[keep], rk0[keep], rk1[keep], np.zeros(int(keep.sum()), bool),
+                  np.ones(int(keep.sum()), np.int8)))
+    sp = [p for g, pieces in split if m_rest[g] == 0 for p in pieces]
+    if sp:
+        S_ = np.asarray(sp, dtype=np.int64)
+        parts.append((S_[:, 0], S_[:, 1], S_[:, 2], S_[:, 3], np.zeros(len(S_), bool),
+                      np.ones(len(S_), np.int8)))
+    cat = [np.concatenate([p[k] for p in parts]) for k in range(6)]
+    return (*cat, work)
 
 
 def _maps_work(maps: torch.Tensor, *, L: int, block_size: int, masked_ok: bool) -> np.ndarray:
     """``[N, 4]`` (calls, full pairs, masked pairs, causal pairs) of N block maps ``[N, n, n]``.
 
-    The maps are stacked into one column with an all-EMPTY row between them (an empty q-block
-    row always ends a group), so one call of the tile grouping splits them all exactly as it
-    would one by one; a group is FULL when every block it covers is FULL (no mask).
+    The sub-problems are the ``sdpa`` kernel's (:func:`fringe.ops.tile._plan` with
+    ``fused=True``): square causal-aligned diagonal runs as one ``is_causal`` call each, the
+    rest grouped by rows and cut where columns switch between all-FULL (no mask) and mixed,
+    whichever makes no more calls than the plain grouping, map by map (the block pattern
+    decides, as :mod:`fringe.ops.tile` says for the cost model). The maps are stacked into
+    one column with an all-EMPTY row between them (an empty q-block row always ends a
+    group), so one pass groups them all exactly as one by one; a piece is FULL when every
+    block it covers is FULL (no mask).
     """
     N, n, _ = maps.shape
-    sep = torch.full((N, 1, n), _EMPTY, dtype=maps.dtype)
-    tall = torch.cat([maps, sep], dim=1).reshape(N * (n + 1), n)
-    groups = _grouping()(tall, Lq=tall.shape[0] * block_size, Lk=L, block_size=block_size)
-    if not groups:
-        return np.zeros((N, 4))
-    q0 = np.array([g.q0 for g in groups]) // block_size
-    q1 = np.array([g.q1 for g in groups])
-    k0 = np.array([g.k0 for g in groups])
-    k1 = np.array([g.k1 for g in groups])
-    pairs = ((q1 - q0 * block_size) * (k1 - k0)).astype(np.float64)
-    qb1, kb0, kb1 = -(-q1 // block_size), k0 // block_size, -(-k1 // block_size)
-    # blocks that are not FULL inside each group's rectangle, from a summed-area table
-    bad = np.zeros((tall.shape[0] + 1, n + 1), dtype=np.int64)
-    bad[1:, 1:] = (tall != _FULL).to(torch.int64).numpy().cumsum(0).cumsum(1)
-    nonfull = bad[qb1, kb1] - bad[q0, kb1] - bad[qb1, kb0] + bad[q0, kb0]
-    causal = np.array([bool(getattr(g, "causal", False)) for g in groups])
+    if N == 0:
+        return np.zeros((0, 4))
+    m = torch.as_tensor(maps).to(torch.int8).numpy()
+    tall = np.full((N, n + 1, n), _EMPTY, dtype=np.int8)
+    tall[:, :n] = m
+    tall = tall.reshape(N * (n + 1), n)
+    bs = block_size
+    q0, q1, k0, k1, causal, src, work = _fused_pieces(
+        tall, per=n + 1, Lq=tall.shape[0] * bs, Lk=L, block_size=bs, runs_ok=masked_ok)
+    out = np.zeros((N, 4))
+    if not len(q0):
+        return out
+    rows = np.minimum(q1 * bs, tall.shape[0] * bs) - q0 * bs
+    pairs = (rows * (np.minimum(k1 * bs, L) - k0 * bs)).astype(np.float64)
+    nonfull = np.zeros(len(q0), dtype=np.int64)
+    for s, codes in ((0, tall), (1, work)):            # blocks that are not FULL in each piece
+        sel = src == s
+        if sel.any():
+            bad = np.zeros((codes.shape[0] + 1, n + 1), dtype=np.int64)
+            bad[1:, 1:] = (codes != _FULL).cumsum(0).cumsum(1)
+            a, b, c, d = q0[sel], q1[sel], k0[sel], k1[sel]
+            nonfull[sel] = bad[b, d] - bad[a, d] - bad[b, c] + bad[a, c]
     is_full = (nonfull == 0) | (not masked_ok)
     which = q0 // (n + 1)
-    out = np.zeros((N, 4))
-    np.add.at(out[:, 0], which, 1.0)
-    np.add.at(out[:, 1], which, np.where(~causal & is_full, pairs, 0.0))
-    np.add.at(out[:, 2], which, np.where(~causal & ~is_full, pairs, 0.0))
-    np.add.at(out[:, 3], which, np.where(causal, pairs, 0.0))
+    out[:, 0] = np.bincount(which, minlength=N)
+    out[:, 1] = np.bincount(which, weights=np.where(~causal & is_full, pairs, 0.0), minlength=N)
+    out[:, 2] = np.bincount(which, weights=np.where(~causal & ~is_full, pairs, 0.0), minlength=N)
+    out[:, 3] = np.bincount(which, weights=np.where(causal, pairs, 0.0), minlength=N)
     return out
 
 
@@ -371,9 +555,109 @@ def _distinct_maps_from_rects(bm, tiles_flat: np.ndarray, part: np.ndarray, P: i
     """``(maps [U, n, n] int8, inv [len(part)])``: the distinct block maps of the PARTIAL
     tiles ``part`` and which one each tile has, from the block map's rectangles.
 
-    A tile's rectangles (relative to its corner, in the map's (r0, c0) order) are its
-    signature; tiles are grouped by (count, hash of the signature) and every group is then
-    checked element by element against its first tile, so equal maps are found exactly.
+    A rectangle's signature is its position inside its tile, its size and its code; a tile's
+    signature is the (order-free) sum of its rectangles' hashed signatures and their count.
+    Tiles are grouped by signature, and then checked exactly: a tile has as many rectangles
+    as its group's representative and every one of them is one of the representative's
+    (rectangles of one tile are disjoint, so the two sets, and maps, are equal). Equal maps
+    cut into different rectangles land in different groups (an evaluation more, the same
+    work). A few passes over the rectangles, no sort of them.
+    Returns None when a rectangle crosses a tile boundary (the caller paints densely).
+    """
+    R = bm.rects.numpy() if isinstance(bm.rects, torch.Tensor) else np.asarray(bm.rects)
+    C = (bm.codes.numpy() if isinstance(bm.codes, torch.Tensor) else np.asarray(bm.codes))
+    if not len(R) or n + 1 > 1 << 14:
+        return None
+    m = n + 1
+    # int32 where the packed signature fits (n <= 126: 4 coordinates < m and a 2-bit code)
+    it = np.int32 if m ** 4 * 4 < 1 << 31 and max(R.shape[0], P * P) < 1 << 31 else np.int64
+    r0, r1, c0, c1 = (R[:, k].astype(it) for k in range(4))
+    if n & (n - 1) == 0:                              # shifts and masks for a power of two
+        s = it(n.bit_length() - 1)
+        ti, lr, tj, lc = r0 >> s, r0 & it(n - 1), c0 >> s, c0 & it(n - 1)
+    else:
+        (ti, lr), (tj, lc) = np.divmod(r0, it(n)), np.divmod(c0, it(n))
+    r1 -= r0                                           # height
+    c1 -= c0                                           # width
+    r0 = lr + r1
+    c0 = lc + c1
+    if r0.max() > n or c0.max() > n:
+        return None                                   # rectangles across tiles: paint densely
+    key = ti
+    key *= it(P)
+    key += tj                                         # tile i * P + j of every rectangle
+    enc = lr
+    enc *= it(m)
+    enc += r1
+    enc *= it(m)
+    enc += lc
+    enc *= it(m)
+    enc += c1
+    enc *= it(4)
+    enc += C.astype(it)                               # injective: (row, height, col, width, code)
+    del r0, r1, c0, c1, tj, lc
+    with np.errstate(over="ignore"):
+        h = enc.astype(np.uint64)
+        h *= np.uint64(0xBF58476D1CE4E5B9)
+        h ^= h >> np.uint64(31)
+        h *= np.uint64(0x94D049BB133111EB)
+        h ^= h >> np.uint64(29)
+    tile_hash = np.zeros(P * P, dtype=np.uint64)
+    np.add.at(tile_hash, key, h)
+    del h
+    cnt = np.bincount(key, minlength=P * P)
+    with np.errstate(over="ignore"):
+        sig = _mix64(tile_hash[part] + cnt[part].astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15))
+    _, first, inv = np.unique(sig.view(np.int64), return_index=True, return_inverse=True)
+    inv = inv.reshape(-1)
+    U = len(first)
+    rep_tile = part[first]                            # each group's representative tile
+    uid = np.full(P * P + 1, U, dtype=it)             # U: not a PARTIAL tile (not checked)
+    uid[part] = inv
+    u = uid[key]
+    is_rep = np.zeros(P * P, dtype=bool)
+    is_rep[rep_tile] = True
+    sel = is_rep[key]                                 # the representatives' rectangles
+    E = m ** 4 * 4
+    ok = cnt[part] == cnt[rep_tile][inv]
+    if ok.all():
+        ref_u, ref_e = u[sel].astype(np.int64), enc[sel].astype(np.int64)
+        if (U + 1) * E <= 1 << 26:                    # membership by a table
+            table = np.zeros((U + 1) * E, dtype=bool)
+            table[ref_u * E + ref_e] = True
+            table[U * E:] = True
+            look = u * it(E)
+            look += enc
+            ok = bool(table[look].all())
+        else:                                         # membership by a search
+            ref = np.unique(ref_u * E + ref_e)
+            cand = u.astype(np.int64) * E + enc
+            chk = cand[u < U]
+            at = np.minimum(np.searchsorted(ref, chk), len(ref) - 1)
+            ok = bool((ref[at] == chk).all())
+    else:
+        ok = False
+    if not ok:                                        # a hash collision: sort and compare
+        return _distinct_maps_sorted(bm, tiles_flat, part, P, n)
+    keep = np.flatnonzero(sel)
+    cc = C[keep].astype(np.int8)
+    rr = R[keep].astype(np.int64)
+    kt = key[keep].astype(np.int64)
+    ti_, tj_ = kt // P, kt % P
+    lr0, lr1 = rr[:, 0] - ti_ * n, rr[:, 1] - ti_ * n
+    lc0, lc1 = rr[:, 2] - tj_ * n, rr[:, 3] - tj_ * n
+    diff = np.zeros(U * m * m, dtype=np.int8)
+    base = uid[kt].astype(np.int64) * (m * m)
+    for rows, cols, sign in ((lr0, lc0, cc), (lr0, lc1, -cc), (lr1, lc0, -cc), (lr1, lc1, cc)):
+        np.add.at(diff, base + rows * m + cols, sign)
+    maps = diff.reshape(U, m, m).cumsum(1, dtype=np.int8).cumsum(2, dtype=np.int8)[:, :n, :n]
+    return torch.from_numpy(np.ascontiguousarray(maps)), inv
+
+
+def _distinct_maps_sorted(bm, tiles_flat: np.ndarray, part: np.ndarray, P: int, n: int):
+    """As :func:`_distinct_maps_from_rects` (its fallback on a hash collision), exactly: the
+    rectangles sorted by tile, tiles grouped by (count, hash of the ordered signature), every
+    group checked element by element against its first tile, and grouped by content if not.
     Returns None when a rectangle crosses a tile boundary (the caller paints densely).
     """
     R = bm.rects.numpy() if isinstance(bm.rects, torch.Tensor) else np.asarray(bm.rects)
@@ -480,9 +764,10 @@ def _costs(work: np.ndarray, L: int, hw: Hardware, shape: Shape,
         unit, call = FWD_FLOPS_PER_PAIR * BH_D / hw.fwd_flops, hw.call_s
     calls, full, masked, causal = (work[..., i] for i in range(4))
     mf = hw.bwd_masked if backward and hw.bwd_masked is not None else hw.masked
+    cf = hw.bwd_causal if backward and hw.bwd_causal is not None else hw.causal
     some = calls > 0
     fixed = np.where(some, calls * call, 0.0)
-    heads = np.where(some, unit * (full + mf * masked + hw.causal * causal)
+    heads = np.where(some, unit * (full + mf * masked + cf * causal)
                      + hw.row_s * L * BH_D, 0.0)
     return fixed, heads
 
@@ -1173,26 +1458,36 @@ def calibrate(*, heads: int = 8, head_dim: int = 64, dtype: torch.dtype = torch.
         b_unit = max((b1 - b0) / (pairs1 - pairs0), 1e-15)
         f_call = max(f0 - f_unit * pairs0, 0.0)
         b_call = max(b0 - b_unit * pairs0, 0.0)
-        # masked pairs: a causal diagonal tile run the way plans run it (block map, grouping)
+        # a causal diagonal tile run the way plans run it (block map, the sdpa grouping: one
+        # is_causal call) gives the causal factor; a tile of PARTIAL blocks that are not
+        # lower-triangular (one call with a float mask over all of it) the masked factor
         nb = big // bs
         codes = torch.full((nb, nb), _EMPTY, dtype=torch.int8)
         codes[torch.tril(torch.ones(nb, nb, dtype=torch.bool), -1)] = _FULL
         codes[torch.arange(nb), torch.arange(nb)] = _PARTIAL
         from ..masks import causal as _causal
-        fm, bm = timed(big, dict(kind=BlockKind.PARTIAL, blocks=codes, block_size=bs,
-                                 mask_mod=_causal()))
-        calls, full, mpairs, _ = _maps_work(codes[None], L=big, block_size=bs, masked_ok=True)[0]
-        masked = float(max((fm - calls * f_call - full * f_unit) / max(mpairs * f_unit, 1e-30), 1.0))
-        bwd_masked = float(max((bm - calls * b_call - full * b_unit) / max(mpairs * b_unit, 1e-30),
-                               1.0))
+
+        def checker(b, h, q_idx, kv_idx):
+            return (q_idx + kv_idx) % 2 == 0
+        factors = []
+        for kw in (dict(blocks=codes, mask_mod=_causal()),
+                   dict(blocks=torch.full((nb, nb), _PARTIAL, dtype=torch.int8),
+                        mask_mod=checker)):
+            fm, bm = timed(big, dict(kind=BlockKind.PARTIAL, block_size=bs, **kw))
+            calls, full, mpairs, cpairs = _maps_work(kw["blocks"][None], L=big, block_size=bs,
+                                                     masked_ok=True)[0]
+            pairs = max(mpairs + cpairs, 1.0)
+            factors.append((max((fm - calls * f_call - full * f_unit) / (pairs * f_unit), 0.05),
+                            max((bm - calls * b_call - full * b_unit) / (pairs * b_unit), 0.05)))
+        (causal, bwd_causal), (masked, bwd_masked) = factors
         o = torch.randn(1, H, big, D, generator=g)
         lse_ = torch.randn(1, H, big, generator=g)
         row = _best(lambda: merge(o, lse_, o, lse_), repeats, cpu) / (H * big * D)
         per = H * D
         fields = dict(fwd_flops=FWD_FLOPS_PER_PAIR * per / f_unit,
                       bwd_flops=BWD_FLOPS_PER_PAIR * per / b_unit, call_s=f_call,
-                      bwd_call_s=b_call, masked=masked, bwd_masked=bwd_masked,
-                      causal=_CPU["causal"], row_s=row)
+                      bwd_call_s=b_call, masked=float(masked), bwd_masked=float(bwd_masked),
+                      causal=float(causal), bwd_causal=float(bwd_causal), row_s=row)
     finally:
         torch.set_num_threads(old)
     lat, bw = _CPU["latency_s"], _CPU["bandwidth"]
