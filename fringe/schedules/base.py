@@ -20,7 +20,7 @@ import torch
 
 from ..layout import Layout
 from .ir import Program
-from .passes import Hop, HopTable, check, lower, prune
+from .passes import Hop, HopTable, check, gc_paused, lower, prune
 
 LayoutFn = Callable[..., Layout]          # (seq_len, world_size, *, block_size) -> Layout
 HopsFn = Callable[[int], Mapping[int, Sequence[Hop]]]
@@ -81,12 +81,13 @@ class Schedule:
         """Forward programs for P ranks, pruned by ``need`` (bool [P, P]) when given."""
         if self.hops is not None:       # lowered and pruned in one pass over the hop arrays
             return lower(world_size, self.hops(world_size), need=need)
-        if self.build is not None:
-            arr = None if need is None else np.asarray(
-                need.numpy() if isinstance(need, torch.Tensor) else need, dtype=bool)
-            progs = list(self.build(world_size, arr))
-        else:
-            progs = list(self.programs_fn(world_size))
+        with gc_paused():               # building many ops that all live on
+            if self.build is not None:
+                arr = None if need is None else np.asarray(
+                    need.numpy() if isinstance(need, torch.Tensor) else need, dtype=bool)
+                progs = list(self.build(world_size, arr))
+            else:
+                progs = list(self.programs_fn(world_size))
         if len(progs) != world_size:
             raise ValueError(f"schedule {self.name!r} gave {len(progs)} programs for "
                              f"world_size={world_size}")

@@ -62,7 +62,8 @@ def _offset_pieces(P: int, pieces: int) -> list[list[int]]:
 
 def _allgather_programs(P: int, need: np.ndarray | None, *, pieces: int,
                         group: tuple[int, ...] | None = None) -> list[Program]:
-    """Python work per gathered chunk, not per (rank, member) slot (P = 1024: 0.5 s)."""
+    """Python work per gathered chunk, not per (rank, member) slot: each rank's side is built
+    from its occupied slots (:meth:`Collective.sparse`)."""
     need = _need(P, need)
     ops: list[dict[int, list]] = [{} for _ in range(P)]
     members = tuple(range(P))
@@ -77,18 +78,18 @@ def _allgather_programs(P: int, need: np.ndarray | None, *, pieces: int,
             want[ranks, k] = need[ranks, k]
         if not want.any():
             continue
-        given = np.ascontiguousarray(want.T)          # given[r, k]: rank r sends kv_r to k
+        to_r, to_k = np.nonzero(want.T)              # rank to_r sends kv_{to_r} to to_k
+        at_r, at_k = np.nonzero(want)                # rank at_r receives kv_{at_k}
+        to_b = np.searchsorted(to_r, np.arange(P + 1)).tolist()
+        at_b = np.searchsorted(at_r, np.arange(P + 1)).tolist()
+        to_k, at_k = to_k.tolist(), at_k.tolist()
         for r in range(P):
-            sends: list = [None] * P
-            recvs: list = [None] * P
-            for k in np.flatnonzero(given[r]).tolist():
-                sends[k] = kv[r]
-            got = np.flatnonzero(want[r]).tolist()
-            for k in got:
-                recvs[k] = kv[k]
-            ops[r].setdefault(s, []).append(Collective("AG", members, tuple(sends), tuple(recvs)))
-            for k in got:
-                ops[r].setdefault(s + 1, []).append(Compute(r, k))
+            sent = tuple(to_k[to_b[r]:to_b[r + 1]])
+            got = tuple(at_k[at_b[r]:at_b[r + 1]])
+            ops[r].setdefault(s, []).append(Collective.sparse(
+                "AG", members, (sent, (kv[r],) * len(sent)), (got, tuple(map(kv.__getitem__, got)))))
+            if got:
+                ops[r].setdefault(s + 1, []).extend(Compute(r, k) for k in got)
     return [program_from_ops(r, ops[r]) for r in range(P)]
 
 

@@ -63,8 +63,10 @@ r1:
 """
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import enum
+import itertools
 import re
 from typing import Iterable, Iterator, Sequence, Union
 
@@ -210,10 +212,19 @@ class Buffer(str):
 
 
 def _buf(family: Family, chunk: int) -> Buffer:
-    """Interned ``Buffer`` for (family, chunk), fast path for the passes."""
-    name = _PREFIX[family] + str(chunk)
-    hit = _INTERNED.get(name)
-    return hit if hit is not None else Buffer(name)
+    """Interned ``Buffer`` for (family, chunk), fast path for the passes (a list per family,
+    indexed by chunk)."""
+    try:
+        return _BY_CHUNK[family][chunk]
+    except IndexError:
+        row = _BY_CHUNK[family]
+        if chunk < 0:
+            raise ValueError(f"buffer chunk must be an int >= 0, got {chunk!r}") from None
+        row.extend(Buffer(_PREFIX[family] + str(c)) for c in range(len(row), chunk + 1))
+        return row[chunk]
+
+
+_BY_CHUNK: dict[Family, list[Buffer]] = {f: [] for f in Family}
 
 
 _PREFIX = {f: f.value for f in Family}
@@ -276,7 +287,8 @@ class _Tile(_Op):
     def _bufs(self, *families: Family) -> tuple[Buffer, ...]:
         """This tile's buffers of ``families`` (q-side ones of chunk q, kv-side of chunk kv)."""
         if self.heads is None:
-            return tuple(_buf(f, self.kv if f in (_KV, _DKV) else self.q) for f in families)
+            q, kv = self.q, self.kv
+            return tuple(_buf(f, kv if f is _KV or f is _DKV else q) for f in families)
         return tuple(Buffer.of(f, self.kv if f in (_KV, _DKV) else self.q, self.heads)
                      for f in families)
 
@@ -307,6 +319,8 @@ class Compute(_Tile):
         return self._bufs(_Q, _KV)
 
     def writes(self) -> tuple[Buffer, ...]:
+        if self.heads is None:
+            return (_buf(_OUT, self.q),)
         return self._bufs(_OUT)
 
     def adjoint(self) -> GradCompute:
@@ -323,9 +337,14 @@ class GradCompute(_Tile):
     _LETTER = "G"
 
     def reads(self) -> tuple[Buffer, ...]:
+        if self.heads is None:
+            q = self.q
+            return _buf(_Q, q), _buf(_KV, self.kv), _buf(_OUT, q), _buf(_DOUT, q)
         return self._bufs(_Q, _KV, _OUT, _DOUT)
 
     def writes(self) -> tuple[Buffer, ...]:
+        if self.heads is None:
+            return _buf(_DQ, self.q), _buf(_DKV, self.kv)
         return self._bufs(_DQ, _DKV)
 
     def adjoint(self) -> Compute:
@@ -392,7 +411,6 @@ class Recv(_Op):
 COLLECTIVE_ADJOINT = {"AG": "RS", "RS": "AG", "A2A": "A2A"}
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
 class Collective(_Op):
     """A collective over the ranks ``group`` (a fixed subgroup of the mesh), as one rank sees it.
 
@@ -410,73 +428,141 @@ class Collective(_Op):
     owner) and ``A2A`` (all-to-all). The adjoint swaps ``sends`` and ``recvs`` and takes
     cotangents: AG <-> RS, A2A <-> the inverse A2A.
 
+    The slots are stored sparse (the members with a buffer, and their buffers), so an op over
+    1024 members that moves a few chunks costs what it moves, not the group's size, in every
+    pass (reads, writes, adjoint, checks); ``sends`` and ``recvs`` give the dense tuples.
+    :meth:`sparse` builds one from the occupied slots directly.
+
     Text form: ``AG[0,1,2] kv0,kv0,- > kv0,kv1,-`` (ASCII) or ``AG[0,1,2] kv0,kv0,- ⇄ kv0,kv1,-``.
     """
 
-    kind: str
-    group: tuple[int, ...]
-    sends: tuple[Buffer | None, ...]
-    recvs: tuple[Buffer | None, ...]
-    _io: tuple | None = dataclasses.field(default=None, init=False, repr=False, compare=False,
-                                          hash=False)
+    __slots__ = ("kind", "group", "_si", "_sb", "_ri", "_rb", "_io")
 
-    def __post_init__(self) -> None:
-        if self.kind not in COLLECTIVE_ADJOINT:
-            raise ValueError(f"collective kind must be one of {sorted(COLLECTIVE_ADJOINT)}, got "
-                             f"{self.kind!r}")
-        group = _GROUPS.get(self.group) if type(self.group) is tuple else None
-        if group is None:               # a group not seen before: check it once
-            group = tuple(map(int, self.group))
-            if len(set(group)) != len(group) or not group or min(group) < 0:
-                raise ValueError(f"collective group must be distinct ranks >= 0, got "
-                                 f"{self.group!r}")
-            if len(_GROUPS) < _GROUPS_KEPT:
-                _GROUPS[group] = group
-        if len(self.sends) != len(group) or len(self.recvs) != len(group):
-            raise ValueError(f"{self.kind}{list(group)}: one send and one receive slot per member "
-                             f"({len(group)}), got {len(self.sends)} and {len(self.recvs)}")
-        object.__setattr__(self, "group", group)
-        object.__setattr__(self, "sends", _slots(self.sends))
-        object.__setattr__(self, "recvs", _slots(self.recvs))
+    def __init__(self, kind: str, group: Sequence[int], sends: Sequence[Buffer | None],
+                 recvs: Sequence[Buffer | None]) -> None:
+        kind, group = _collective_head(kind, group)
+        sends, recvs = _slots(sends), _slots(recvs)
+        if len(sends) != len(group) or len(recvs) != len(group):
+            raise ValueError(f"{kind}{list(group)}: one send and one receive slot per member "
+                             f"({len(group)}), got {len(sends)} and {len(recvs)}")
+        self._set(kind, group, *_occupied(sends), *_occupied(recvs))
+
+    @classmethod
+    def sparse(cls, kind: str, group: Sequence[int], sends: tuple[Sequence[int], Sequence[Buffer]],
+               recvs: tuple[Sequence[int], Sequence[Buffer]]) -> Collective:
+        """The collective whose occupied slots are ``sends = (member indices, buffers)`` (and
+        likewise ``recvs``); every other slot is empty. Indices increase strictly.
+
+        ``Collective.sparse("AG", (0, 1, 2), ((0,), ("kv0",)), ((1,), ("kv1",)))`` equals
+        ``Collective("AG", (0, 1, 2), ("kv0", None, None), (None, "kv1", None))``.
+        """
+        kind, group = _collective_head(kind, group)
+        self = object.__new__(cls)
+        parts = []
+        for side, (idx, bufs) in (("send", sends), ("receive", recvs)):
+            idx, bufs = tuple(map(int, idx)), tuple(bufs)
+            if len(idx) != len(bufs) or (idx and (idx[0] < 0 or idx[-1] >= len(group) or any(
+                    a >= b for a, b in zip(idx, idx[1:])))):
+                raise ValueError(f"{kind}{list(group)}: {side} slots must be strictly increasing "
+                                 f"member indices in [0, {len(group)}), one buffer each; got "
+                                 f"{list(idx)} for {len(bufs)} buffers")
+            if not set(map(type, bufs)) <= {Buffer}:
+                bufs = tuple(Buffer(b) for b in bufs)
+            parts += [idx, bufs]
+        self._set(kind, group, *parts)
+        return self
+
+    def _set(self, kind, group, si, sb, ri, rb) -> None:
+        for name, value in (("kind", kind), ("group", group), ("_si", si), ("_sb", sb),
+                            ("_ri", ri), ("_rb", rb), ("_io", None)):
+            object.__setattr__(self, name, value)
+
+    @classmethod
+    def _checked(cls, kind: str, group: tuple[int, ...], si, sb, ri, rb) -> Collective:
+        """A collective from parts already checked (an op's own group and slots)."""
+        self = object.__new__(cls)
+        self._set(kind, group, si, sb, ri, rb)
+        return self
+
+    @property
+    def sends(self) -> tuple[Buffer | None, ...]:
+        """What this rank sends to each member (``None``: nothing), one slot per member."""
+        return _dense(len(self.group), self._si, self._sb)
+
+    @property
+    def recvs(self) -> tuple[Buffer | None, ...]:
+        """What this rank receives from each member (``None``: nothing), one slot per member."""
+        return _dense(len(self.group), self._ri, self._rb)
+
+    @property
+    def sparse_sends(self) -> tuple[tuple[int, ...], tuple[Buffer, ...]]:
+        """``(member indices, buffers)`` of the occupied send slots, in member order."""
+        return self._si, self._sb
+
+    @property
+    def sparse_recvs(self) -> tuple[tuple[int, ...], tuple[Buffer, ...]]:
+        """``(member indices, buffers)`` of the occupied receive slots, in member order."""
+        return self._ri, self._rb
+
+    def __setattr__(self, name, value) -> None:
+        raise dataclasses.FrozenInstanceError(f"cannot assign to field {name!r}")
+
+    def __delattr__(self, name) -> None:
+        raise dataclasses.FrozenInstanceError(f"cannot delete field {name!r}")
+
+    def __eq__(self, other) -> bool:
+        if type(other) is not Collective:
+            return NotImplemented
+        return (self.kind == other.kind and self._si == other._si and self._ri == other._ri
+                and self._sb == other._sb and self._rb == other._rb
+                and (self.group is other.group or self.group == other.group))
+
+    def __hash__(self) -> int:
+        return hash((self.kind, self.group, self._si, self._sb, self._ri, self._rb))
+
+    def __repr__(self) -> str:
+        return (f"Collective(kind={self.kind!r}, group={self.group!r}, sends={self.sends!r}, "
+                f"recvs={self.recvs!r})")
+
+    def __reduce__(self):
+        return (_collective, (self.kind, self.group, self._si, self._sb, self._ri, self._rb))
 
     def reads(self) -> tuple[Buffer, ...]:
         if self._io is None:
-            object.__setattr__(self, "_io", (_distinct(self.sends), _distinct(self.recvs)))
+            object.__setattr__(self, "_io", (_distinct(self._sb), _distinct(self._rb)))
         return self._io[0]
 
     def writes(self) -> tuple[Buffer, ...]:
         if self._io is None:
-            object.__setattr__(self, "_io", (_distinct(self.sends), _distinct(self.recvs)))
+            object.__setattr__(self, "_io", (_distinct(self._sb), _distinct(self._rb)))
         return self._io[1]
+
+    def member_index(self, rank: int) -> int | None:
+        """The slot of ``rank`` in the group (None when it is not a member)."""
+        return _member_index(self.group).get(rank)
 
     def received(self, rank: int) -> set[Buffer]:
         """The buffers ``rank`` (a member) receives from the other members."""
         got = set(self.writes())
-        if rank in self.group:          # its own slot stays in place
-            mine = self.recvs[self.group.index(rank)]
-            if mine is not None and self.recvs.count(mine) == 1:
-                got.discard(mine)
+        me = self.member_index(rank)
+        if me is not None:              # its own slot stays in place
+            at = bisect.bisect_left(self._ri, me)
+            if at < len(self._ri) and self._ri[at] == me:
+                mine = self._rb[at]
+                if self._rb.count(mine) == 1:
+                    got.discard(mine)
         return got
-
-    @classmethod
-    def _checked(cls, kind: str, group: tuple[int, ...], sends: tuple, recvs: tuple) -> Collective:
-        """A collective from parts already checked (an op's own group and slots)."""
-        self = object.__new__(cls)
-        for name, value in (("kind", kind), ("group", group), ("sends", sends),
-                            ("recvs", recvs), ("_io", None)):
-            object.__setattr__(self, name, value)
-        return self
 
     def adjoint(self) -> Collective:
         """``AG`` becomes ``RS`` of the cotangents (and back); ``A2A`` its inverse."""
         cot = _COTANGENTS.__getitem__
-        return Collective._checked(COLLECTIVE_ADJOINT[self.kind], self.group,
-                                   tuple(map(cot, self.recvs)), tuple(map(cot, self.sends)))
+        return Collective._checked(COLLECTIVE_ADJOINT[self.kind], self.group, self._ri,
+                                   tuple(map(cot, self._rb)), self._si, tuple(map(cot, self._sb)))
 
     def transposed(self) -> Collective:
         """The same buffers moving the other way (re-sending merged outputs in a backward)."""
         return Collective._checked("A2A" if self.kind == "A2A" else COLLECTIVE_ADJOINT[self.kind],
-                                   self.group, self.recvs, self.sends)
+                                   self.group, self._ri, self._rb, self._si, self._sb)
 
     def _text(self, arrow: str) -> str:
         fmt = lambda xs: ",".join("-" if x is None else str(x) for x in xs)  # noqa: E731
@@ -497,13 +583,45 @@ class Collective(_Op):
         g = self.group
         span = (f"{g[0]}-{g[-1]}" if len(g) > 2 and g == tuple(range(g[0], g[-1] + 1))
                 else ",".join(map(str, g)))
-        return f"{self.kind}[{span}] {_brief(self.sends)} ⇄ {_brief(self.recvs)}"
+        return f"{self.kind}[{span}] {_brief(self._sb)} ⇄ {_brief(self._rb)}"
+
+
+def _collective(kind, group, si, sb, ri, rb) -> Collective:
+    """Unpickle a :class:`Collective` (its sparse parts)."""
+    return Collective.sparse(kind, group, (si, sb), (ri, rb))
+
+
+def _collective_head(kind, group) -> tuple[str, tuple[int, ...]]:
+    """The checked kind and the interned group of a collective."""
+    if kind not in COLLECTIVE_ADJOINT:
+        raise ValueError(f"collective kind must be one of {sorted(COLLECTIVE_ADJOINT)}, got "
+                         f"{kind!r}")
+    hit = _GROUPS.get(group) if type(group) is tuple else None
+    if hit is None:                     # a group not seen before: check it once
+        hit = tuple(map(int, group))
+        if len(set(hit)) != len(hit) or not hit or min(hit) < 0:
+            raise ValueError(f"collective group must be distinct ranks >= 0, got {group!r}")
+        if len(_GROUPS) < _GROUPS_KEPT:
+            hit = _GROUPS.setdefault(hit, hit)
+    return kind, hit
 
 
 _SLOT_TYPES = frozenset({Buffer, type(None)})
 #: Collective groups already checked (one tuple shared by every op over the same group).
 _GROUPS: dict[tuple, tuple[int, ...]] = {}
 _GROUPS_KEPT = 4096
+#: id(group) -> (group, {rank: member index}) for the interned groups.
+_MEMBER_INDEX: dict[int, tuple[tuple[int, ...], dict[int, int]]] = {}
+
+
+def _member_index(group: tuple[int, ...]) -> dict[int, int]:
+    hit = _MEMBER_INDEX.get(id(group))
+    if hit is None or hit[0] is not group:
+        index = {m: i for i, m in enumerate(group)}
+        if _GROUPS.get(group) is group:        # interned: lives as long as the module
+            _MEMBER_INDEX[id(group)] = (group, index)
+        return index
+    return hit[1]
 
 
 def _slots(xs) -> tuple[Buffer | None, ...]:
@@ -513,6 +631,23 @@ def _slots(xs) -> tuple[Buffer | None, ...]:
     if set(map(type, xs)) <= _SLOT_TYPES:
         return xs
     return tuple(None if x is None else Buffer(x) for x in xs)
+
+
+def _occupied(xs: tuple) -> tuple[tuple[int, ...], tuple[Buffer, ...]]:
+    """``(indices, buffers)`` of the non-empty slots of a dense slot tuple."""
+    idx = tuple(itertools.compress(range(len(xs)), map(_NOT_NONE, xs)))
+    return idx, tuple(map(xs.__getitem__, idx))
+
+
+def _NOT_NONE(x) -> bool:
+    return x is not None
+
+
+def _dense(n: int, idx: tuple[int, ...], bufs: tuple[Buffer, ...]) -> tuple[Buffer | None, ...]:
+    out: list = [None] * n
+    for i, b in zip(idx, bufs):
+        out[i] = b
+    return tuple(out)
 
 
 def _distinct(xs) -> tuple[Buffer, ...]:
@@ -641,7 +776,7 @@ class Program:
     at P=1024 holds arrays, and a rank materialises only the programs it looks at.
     """
 
-    __slots__ = ("rank", "_steps", "_source")
+    __slots__ = ("rank", "_steps", "_source", "__weakref__")
 
     def __init__(self, rank: int, steps: tuple[Step, ...]) -> None:
         object.__setattr__(self, "rank", rank)
