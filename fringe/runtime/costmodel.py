@@ -782,8 +782,9 @@ class _Cols:
 
     ``comp``: ``(rank, step, grad, q, kv, split)`` per tile compute (``split`` k: one head
     slice of k; 1: all heads). ``send``: ``(rank, step, peer, bytes)`` per point-to-point
-    send. ``touch``: ``(rank, step, buffer id, start)``: an op on a buffer another rank owns
-    (``start``: it arrives or is first written there). ``coll``: ``(rank, step, group id,
+    send. ``touch``: groups of ``(rank, step, buffer id, start)``: ops on buffers another
+    rank owns (``start``, an array or one bool for the group: it arrives or is first written
+    there). ``coll``: ``(rank, step, group id,
     ordinal, kind, sent bytes, received bytes)`` per member side of a collective; ``ordinal``
     counts the collectives on the same group earlier in that step. ``groups``: the groups by
     id; ``buf_bytes``: bytes by buffer id; ``splits``: the head splits the programs use.
@@ -847,7 +848,7 @@ def _compute_touches(P, rank, step, grad, q, kv, code):
             m = remote[which]
             if m.any():
                 ch = (cq, ck)[which][m]
-                out.append((r[m], s[m], code[fam] * P + ch, np.full(int(m.sum()), bool(start))))
+                out.append((r[m], s[m], code[fam] * P + ch, bool(start)))
     return out
 
 
@@ -876,14 +877,10 @@ def _table_columns(t, P: int, L: int, shape: Shape, fams, code) -> _Cols:
         if not isinstance(start, bool):
             sel &= t.kind >= 2
             start = start[sel]
-        else:
-            start = np.full(int(sel.sum()), start)
         touches.append((rank[sel], step[sel], fam[sel] * P + chunk[sel], start))
-    touch = tuple(np.concatenate([x[i] for x in touches]) if touches else
-                  np.zeros(0, dtype=bool if i == 3 else np.int64) for i in range(4))
     e = np.zeros(0, dtype=np.int64)
     comp_cols = (*c, np.ones(len(c[0]), dtype=np.int64))
-    return _Cols(P, comp_cols, sends, touch, (e,) * 7, [], np.repeat(fam_bytes, P), (1,))
+    return _Cols(P, comp_cols, sends, touches, (e,) * 7, [], np.repeat(fam_bytes, P), (1,))
 
 
 def _walk_columns(programs: Sequence, L: int, shape: Shape, ir, fams, code) -> _Cols:
@@ -981,7 +978,7 @@ def _walk_columns(programs: Sequence, L: int, shape: Shape, ir, fams, code) -> _
         return tuple(np.array(rows, dtype=np.int64).reshape(-1, width).T)
 
     tc = cols(touch, 4)
-    touch_cols = (tc[0], tc[1], tc[2], tc[3].astype(bool))
+    touch_cols = [(tc[0], tc[1], tc[2], tc[3].astype(bool))]
     buf_bytes = np.concatenate([np.repeat(fam_bytes, P), _i64(sliced_bytes)])
     return _Cols(P, cols(comp, 6), cols(send, 4), touch_cols, cols(coll, 7),
                  [g for g, _ in sorted(groups.items(), key=lambda x: x[1])], buf_bytes,
@@ -1005,33 +1002,44 @@ def _flatten(cols: _Cols, fixed: np.ndarray, per_heads: np.ndarray, hw: Hardware
     P = cols.P
     c_rank, c_step, _, c_q, c_kv, c_split = cols.comp
     s_rank, s_step, s_peer, s_bytes = cols.send
-    u_rank, u_step, u_buf, u_start = cols.touch
     k_rank, k_step, k_gid, k_ord, k_kind, k_sent, k_recv = cols.coll
-    every = (c_step, s_step, k_step, u_step)
+    every = (c_step, s_step, k_step, *(u[1] for u in cols.touch))
     present = np.zeros(1 + max((int(s.max()) for s in every if len(s)), default=-1), dtype=bool)
     for s in every:
         present[s] = True
     steps = np.flatnonzero(present)
     T = len(steps)
-    lut = np.zeros(max(len(present), 1), dtype=np.int64)
-    lut[steps] = np.arange(T)
-    s_pos, u_pos = lut[s_step], lut[u_step]
+    if T == len(present):                             # steps 0..T-1: positions are steps
+        def at(step):
+            return step
+    else:
+        lut = np.zeros(max(len(present), 1), dtype=np.int64)
+        lut[steps] = np.arange(T)
+
+        def at(step):
+            return lut[step]
+    s_pos = at(s_step)
+    touch = [(r, at(st), b, start) for r, st, b, start in cols.touch]
     active = np.zeros(P * T, dtype=bool)
-    for r, pos in ((c_rank, lut[c_step]), (s_rank, s_pos), (k_rank, lut[k_step]), (u_rank, u_pos)):
+    for r, pos in ((c_rank, at(c_step)), (s_rank, s_pos), (k_rank, at(k_step)),
+                   *((u[0], u[1]) for u in touch)):
         active[r * T + pos] = True
     active = active.reshape(P, T)
-    cell = c_rank * T + lut[c_step]
-    w = fixed[c_q, c_kv] + (per_heads[c_q, c_kv] if (c_split == 1).all()
-                            else per_heads[c_q, c_kv] / c_split)
+    cell = c_rank * T + at(c_step)
+    flat_q = c_q * P + c_kv
+    if (c_split == 1).all():
+        w = (fixed + per_heads).reshape(-1)[flat_q]
+    else:
+        w = fixed.reshape(-1)[flat_q] + per_heads.reshape(-1)[flat_q] / c_split
     compute = np.bincount(cell, weights=w, minlength=P * T).reshape(P, T)
     tiles = np.bincount(cell, minlength=P * T).reshape(P, T)
     sends = (s_rank, s_pos, s_peer, s_bytes)
-    colls = _instances(cols, lut, hw)
-    live = _live_peak(P, T, u_rank, u_pos, u_buf, u_start, cols.buf_bytes)
+    colls = _instances(cols, at, hw)
+    live = _live_peak(P, T, touch, cols.buf_bytes)
     return _Flat(steps, active, tiles, compute, sends, colls, live)
 
 
-def _instances(cols: _Cols, lut: np.ndarray, hw: Hardware) -> tuple:
+def _instances(cols: _Cols, at, hw: Hardware) -> tuple:
     """Collective sides grouped into instances (one per step, group and ordinal).
 
     Returns ``(rank, pos, sent, recv, inst, waves, duration)``: the sides sorted by (step,
@@ -1042,7 +1050,7 @@ def _instances(cols: _Cols, lut: np.ndarray, hw: Hardware) -> tuple:
     k_rank, k_step, k_gid, k_ord, k_kind, k_sent, k_recv = cols.coll
     if not len(k_rank):
         return None
-    pos = lut[k_step]
+    pos = at(k_step)
     G = len(cols.groups)
     O = int(k_ord.max()) + 1
     key = (pos * O + k_ord) * G + k_gid
@@ -1071,28 +1079,38 @@ def _instances(cols: _Cols, lut: np.ndarray, hw: Hardware) -> tuple:
     return rank, pos, sent, recv, inst, waves, dur
 
 
-def _live_peak(P: int, T: int, r, pos, buf, start, size_of) -> np.ndarray:
+def _live_peak(P: int, T: int, touch: list, size_of: np.ndarray) -> np.ndarray:
     """Peak bytes of other ranks' buffers alive at once on each rank: a buffer lives from the
-    first step it arrives or is written there to the last step an op touches it."""
+    first step it arrives or is written there to the last step an op touches it. ``touch``:
+    groups of ``(rank, position, buffer id, start)`` (start: an array, or one bool)."""
     peak = np.zeros(P, dtype=np.int64)
-    if not len(r) or not start.any():
+    touch = [t for t in touch if len(t[0])]
+    if not touch or not any(bool(np.any(t[3])) for t in touch):
         return peak
     used = np.zeros(len(size_of), dtype=bool)
-    used[buf] = True
+    for t in touch:
+        used[t[2]] = True
     ids = np.flatnonzero(used)                        # the buffers touched anywhere
     remap = np.cumsum(used) - 1
     NB = len(ids)
-    key = r * NB + remap[buf]
+    keys = [t[0] * NB + remap[t[2]] for t in touch]
     if P * NB > 1 << 24:                              # compact the keys (large sliced plans)
-        uniq, key = np.unique(key, return_inverse=True)
-        key = key.reshape(-1)
+        uniq, inv = np.unique(np.concatenate(keys), return_inverse=True)
+        inv = inv.reshape(-1)
+        bounds = np.cumsum([0] + [len(k) for k in keys])
+        keys = [inv[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
         nk = len(uniq)
     else:
         uniq, nk = None, P * NB
     first = np.full(nk, T, dtype=np.int64)
-    np.minimum.at(first, key[start], pos[start])
     last = np.full(nk, -1, dtype=np.int64)
-    np.maximum.at(last, key, pos)
+    for key, (_, pos, _, start) in zip(keys, touch):
+        if isinstance(start, np.ndarray):
+            if start.any():
+                np.minimum.at(first, key[start], pos[start])
+        elif start:
+            np.minimum.at(first, key, pos)
+        np.maximum.at(last, key, pos)
     live = np.flatnonzero(first < T)
     full_key = live if uniq is None else uniq[live]
     lr, lb = full_key // NB, ids[full_key % NB]
@@ -1110,14 +1128,13 @@ def _counts(index: np.ndarray, weights: np.ndarray, n: int) -> np.ndarray:
 
 
 def _one_peer(key: np.ndarray, peer: np.ndarray, n: int) -> bool:
-    """Whether every ``key`` (a rank's step) has one ``peer``."""
+    """Whether every ``key`` (a rank's step) has one ``peer``: each key keeps one of its
+    peers (whichever write lands), and every row must match it."""
     if not len(key):
         return True
-    lo, hi = np.full(n, 1 << 62), np.full(n, -1)
-    np.minimum.at(lo, key, peer)
-    np.maximum.at(hi, key, peer)
-    seen = hi >= 0
-    return bool((lo[seen] == hi[seen]).all())
+    seen = np.empty(n, dtype=peer.dtype)
+    seen[key] = peer
+    return bool((seen[key] == peer).all())
 
 
 def _run(flat: _Flat, hw: Hardware, P: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
