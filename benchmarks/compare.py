@@ -1,6 +1,7 @@
 """fringe vs torch's built-in context parallel vs dense SDPA, side by side in one run.
 
-``python -m benchmarks.compare`` (full, ~15 min on 2 cores) or ``--quick`` (< 3 min)
+``python -m benchmarks.compare`` (full, ~15 min on 2 cores) or ``--quick`` (< 3 min: S=2048,
+P=2, the schedules the targets name, fewer rounds; it prints the cells it runs)
 measures, on long-lived gloo CPU ranks (:class:`fringe.launch.Workers`, one pool per P, kept
 for the whole run):
 
@@ -423,6 +424,8 @@ class Config:
     flex_eager_rounds: int | None = None  # --quick: 1 (W2 is dense math, ~15x a fringe step)
     profile: bool = True
     precision_S: int = 2048
+    precision_dtypes: tuple = ("bfloat16", "float32")   # --quick: bf16 (the only target)
+    schedules: tuple | None = None       # None: every registered one; --quick: the targets'
     quick: bool = False
     prewarm: bool = False
     resume_cells: list | None = None     # cells taken over from an earlier run's JSON
@@ -437,6 +440,14 @@ def _log(msg: str) -> None:
 def run(cfg: Config, checkpoint=None) -> dict:
     from fringe.launch import Workers
     names, skipped = schedule_names()
+    if cfg.schedules is not None:
+        skipped.update({n: "not in this run's --schedules" for n in names
+                        if n not in cfg.schedules})
+        names = [n for n in names if n in cfg.schedules]
+    _log(f"cells: {', '.join(cfg.masks)} x S={list(cfg.seq_lens)}; P=1 (zigzag, dense SDPA) and "
+         f"P={list(cfg.worlds)} ({', '.join(names)}, torch CP); {cfg.rounds} rounds + warm-up; "
+         f"memory on {', '.join(cfg.memory_masks) if cfg.memory else 'none'}; precision S="
+         f"{cfg.precision_S} {', '.join(cfg.precision_dtypes)}")
     done = {(c["mask"], c["S"]): c for c in (cfg.resume_cells or [])}
     result = dict(config=dataclasses.asdict(cfg), schedules=names, skipped_schedules=skipped,
                   started=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -449,8 +460,9 @@ def run(cfg: Config, checkpoint=None) -> dict:
         threads = torch.get_num_threads()
         torch.set_num_threads(2)
         try:
-            result["precision"] = precision(S=cfg.precision_S,
-                                            worlds=(1, 2, 4) if cfg.quick else (1, 2, 4, 8))
+            result["precision"] = precision(
+                S=cfg.precision_S, worlds=(1, 2, 4) if cfg.quick else (1, 2, 4, 8),
+                dtypes=tuple(getattr(torch, d) for d in cfg.precision_dtypes))
         finally:
             torch.set_num_threads(threads)
     pools = {1: Workers(1, threads=2, timeout_s=3600)}
@@ -871,9 +883,12 @@ def target_lines(result: dict) -> list[str]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true",
-                    help="S=4096, P=2, 3 rounds (torch eager flex: 1), memory on causal only, "
-                         "no compiled flex, no profiles, precision at S=1024 (< 3 min quiet)")
+                    help="S=2048, P=2, 2 rounds (torch eager flex: 1), schedules zigzag, ring, "
+                         "balanced (the ones the targets name), memory on causal only, no "
+                         "compiled flex, no profiles, precision bf16 at S=1024 (< 3 min quiet)")
     ap.add_argument("--rounds", type=int, default=None)
+    ap.add_argument("--schedules", nargs="+", default=None,
+                    help="fringe schedules to run (default: every registered one)")
     ap.add_argument("--seq-lens", type=int, nargs="+", default=None)
     ap.add_argument("--worlds", type=int, nargs="+", default=None)
     ap.add_argument("--masks", nargs="+", default=None, choices=MASKS)
@@ -889,9 +904,10 @@ def main(argv=None) -> int:
                     help="default: benchmarks/results.json (full) or results-quick.json")
     args = ap.parse_args(argv)
     if args.quick:
-        cfg = Config(seq_lens=(4096,), worlds=(2,), rounds=3, compiled_worlds=(),
+        cfg = Config(seq_lens=(2048,), worlds=(2,), rounds=2, compiled_worlds=(),
                      flex_eager_worlds=(2,), profile=False, precision_S=1024, quick=True,
-                     memory_masks=("causal",), flex_eager_rounds=1)
+                     memory_masks=("causal",), flex_eager_rounds=1,
+                     schedules=("zigzag", "ring", "balanced"), precision_dtypes=("bfloat16",))
     else:
         cfg = Config()
     if args.rounds:
@@ -902,6 +918,8 @@ def main(argv=None) -> int:
         cfg.worlds = tuple(args.worlds)
     if args.masks:
         cfg.masks = tuple(args.masks)
+    if args.schedules:
+        cfg.schedules = tuple(args.schedules)
     if args.no_compiled:
         cfg.compiled_worlds = ()
     cfg.prewarm = args.prewarm
@@ -926,6 +944,10 @@ def main(argv=None) -> int:
     if cfg.prewarm:
         return 0
     write(result)
+    if cfg.quick:
+        print(f"quick: {', '.join(cfg.masks)} at S={list(cfg.seq_lens)}, P=1 and "
+              f"P={list(cfg.worlds)}, schedules {', '.join(result['schedules'])}, "
+              f"{cfg.rounds} rounds; not the full benchmark's cells")
     for line in target_lines(result):
         print(line)
     print(f"({result['seconds']:.0f} s; load {result['load_before'][0]:.2f} -> "
