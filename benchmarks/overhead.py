@@ -6,7 +6,11 @@
 
 - **bytes written by non-kernel ops** (a ``TorchDispatchMode`` over every aten op except the
   fused attention ops and views), in units of one ``[1, 8, S, 64]`` fp32 tensor: deterministic,
-  so it is the figure to compare across commits on a loaded machine; the top ops by bytes;
+  so it is the figure to compare across commits on a loaded machine; the top ops by bytes, and
+  the bytes by where the op was called from (the innermost ``fringe`` module on the Python
+  stack: ``layout`` and ``simulate`` are the global <-> rank-stacked shuffles, ``runtime`` the
+  interpreter, ``ops`` the tile code; ``autograd`` is the backward of those ops, run by
+  autograd's engine with no Python frame);
 - **interleaved timing** (fringe and dense SDPA alternating, median of ``--rounds``): wall and
   CPU-time ratios, with the load average. Dense SDPA uses ``is_causal`` (causal) or a bool mask.
 
@@ -18,6 +22,7 @@ import argparse
 import collections
 import os
 import statistics
+import sys
 import time
 
 import torch
@@ -33,6 +38,7 @@ class _Bytes(TorchDispatchMode):
         super().__init__()
         self.bytes: collections.Counter = collections.Counter()
         self.calls: collections.Counter = collections.Counter()
+        self.where: collections.Counter = collections.Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -42,10 +48,24 @@ class _Bytes(TorchDispatchMode):
         if "scaled_dot_product" in name:
             name = "[attention kernel]"
         outs = out if isinstance(out, (tuple, list)) else (out,)
-        self.bytes[name] += sum(o.numel() * o.element_size() for o in outs
-                                if isinstance(o, torch.Tensor))
+        n = sum(o.numel() * o.element_size() for o in outs if isinstance(o, torch.Tensor))
+        self.bytes[name] += n
         self.calls[name] += 1
+        if name != "[attention kernel]":
+            self.where[_caller()] += n
         return out
+
+
+def _caller() -> str:
+    """The innermost fringe module on the Python stack ("autograd" when there is none)."""
+    f = sys._getframe(2)
+    while f is not None:
+        path = f.f_code.co_filename.replace(os.sep, "/")
+        if "/fringe/" in path:
+            rest = path.rsplit("/fringe/", 1)[1]
+            return rest.split("/")[0].removesuffix(".py")
+        f = f.f_back
+    return "autograd"
 
 
 def main(argv=None) -> int:
@@ -90,6 +110,8 @@ def main(argv=None) -> int:
               f"{total / unit:.1f} x [1, {HEADS}, {S}, {HEAD_DIM}] fp32; kernel calls "
               f"{mode.calls['[attention kernel]']}; top: "
               + ", ".join(f"{n} {u:.1f} ({c})" for u, c, n in top))
+        print("  by caller: " + ", ".join(f"{w} {b / unit:.1f}" for w, b in
+                                           mode.where.most_common()))
     wall = {n: [] for n in systems}
     cpu = {n: [] for n in systems}
     load0 = os.getloadavg()[0]
