@@ -54,6 +54,7 @@ P ranks.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import time
 from typing import Sequence
@@ -934,14 +935,11 @@ def _walk_columns(programs: Sequence, L: int, shape: Shape, ir, fams, code) -> _
             for op in step.ops:
                 tp = type(op)
                 if tp is Compute or tp is GradCompute:
-                    h = op.heads
-                    g = tp is GradCompute
-                    comp.append((r, t, g, op.q, op.kv, 1 if h is None else h[1]))
-                    if op.q != r or op.kv != r:
-                        for fam, which, start in (bwd_fams if g else fwd_fams):
-                            chunk = op.kv if which else op.q
-                            if chunk != r:
-                                touch.append((r, t, bid(code[fam], chunk, h), start))
+                    h = op.heads                     # touches: by column, after the walk
+                    if h is None:
+                        comp.append((r, t, tp is GradCompute, op.q, op.kv, -1, 1))
+                    else:
+                        comp.append((r, t, tp is GradCompute, op.q, op.kv, h[0], h[1]))
                 elif tp is Send or tp is Recv:
                     i, nbytes, chunk = of_buffer(op.buf)
                     if tp is Send:
@@ -975,12 +973,31 @@ def _walk_columns(programs: Sequence, L: int, shape: Shape, ir, fams, code) -> _
                         f"ops")
 
     def cols(rows, width):
-        return tuple(np.array(rows, dtype=np.int64).reshape(-1, width).T)
+        flat = np.fromiter(itertools.chain.from_iterable(rows), dtype=np.int64,
+                           count=len(rows) * width)
+        return tuple(flat.reshape(-1, width).T)
 
     tc = cols(touch, 4)
     touch_cols = [(tc[0], tc[1], tc[2], tc[3].astype(bool))]
+    cr, ct, cg, cq, ckv, chi, chn = cols(comp, 7)
+    whole = chi < 0
+    touch_cols += _compute_touches(P, cr[whole], ct[whole], cg[whole], cq[whole], ckv[whole], code)
+    if not whole.all():                               # head slices: an id per distinct buffer
+        sl = ~whole
+        r_, t_, g_, q_, kv_, hi, hn = (x[sl] for x in (cr, ct, cg, cq, ckv, chi, chn))
+        for gval, fam_chunks in ((0, fwd_fams), (1, bwd_fams)):
+            for fam, which, start in fam_chunks:
+                ch = kv_ if which else q_
+                m = (g_ == gval) & (ch != r_)
+                if not m.any():
+                    continue
+                combo = np.stack([ch[m], hi[m], hn[m]], axis=1)
+                uniq, inv = np.unique(combo, axis=0, return_inverse=True)
+                fc = code[fam]
+                ids = _i64([bid(fc, int(c), (int(i), int(n))) for c, i, n in uniq.tolist()])
+                touch_cols.append((r_[m], t_[m], ids[inv.reshape(-1)], bool(start)))
     buf_bytes = np.concatenate([np.repeat(fam_bytes, P), _i64(sliced_bytes)])
-    return _Cols(P, cols(comp, 6), cols(send, 4), touch_cols, cols(coll, 7),
+    return _Cols(P, (cr, ct, cg, cq, ckv, chn), cols(send, 4), touch_cols, cols(coll, 7),
                  [g for g, _ in sorted(groups.items(), key=lambda x: x[1])], buf_bytes,
                  tuple(sorted(splits)))
 
