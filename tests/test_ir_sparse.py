@@ -164,3 +164,24 @@ def test_a_1024_rank_document_allgather_plan_reverses_and_checks():
     assert got == {Buffer.of(Family.KV, j) for j in need[r].nonzero().flatten().tolist() if j != r}
     assert {(op.q, op.kv) for _, op in p.forward[r].ops() if isinstance(op, Compute)} == {
         (r, j) for j in need[r].nonzero().flatten().tolist()}
+
+
+@pytest.mark.parametrize("outer", ["ring", "zigzag", "allgather"])
+def test_compose_with_ulysses_is_built_pruned(outer):
+    """The head-slice transfers stop where no later group uses the chunk: pruning the built
+    programs changes nothing, and every slice a rank receives it computes with or sends on."""
+    from fringe.schedules.collectives import _composed_programs
+    gen = torch.Generator().manual_seed(3)
+    for m, k in ((3, 2), (4, 4), (6, 2)):
+        P = m * k
+        need = torch.rand(P, P, generator=gen) < 0.35
+        progs = _composed_programs(schedules.get(outer), k, P, need.numpy())
+        check(progs)
+        assert all(a is b for a, b in zip(schedules.prune(progs, need), progs))
+        check(progs, need=need)
+        for prog in progs:
+            used = {b for _, op in prog.ops() if isinstance(op, Compute) for b in op.reads()}
+            sent = [(t, op.buf) for t, op in prog.ops() if isinstance(op, schedules.Send)]
+            for t, op in prog.ops():
+                if isinstance(op, schedules.Recv):
+                    assert op.buf in used or any(b == op.buf and u > t for u, b in sent), (prog.rank, t, op)

@@ -172,21 +172,26 @@ def _composed_programs(outer: Schedule | None, k: int, P: int,
                 "A2A", members,
                 tuple(sl(Family.OUT, j, p) if rows[j] else None for j in members),
                 tuple(sl(Family.OUT, r, s) if rows[r] else None for s in range(k))))
+    kept = _kept_slices(outer_progs, need, m, k)
     for prog in outer_progs:
         g = prog.rank
         for t, op in prog.ops():
+            if isinstance(op, Compute):          # the tile's non-empty (i, j), once per op
+                tiles = (np.argwhere(need[op.q * k:(op.q + 1) * k, op.kv * k:(op.kv + 1) * k])
+                         + (op.q * k, op.kv * k)).tolist()
+            elif isinstance(op, (Send, Recv)):   # the chunks that go on to a group using them
+                hop = (t, g, op.peer) if isinstance(op, Send) else (t, op.peer, g)
+                moved = [j for j in range(op.buf.chunk * k, (op.buf.chunk + 1) * k)
+                         if hop + (j,) in kept]
             for p in range(k):
                 r = g * k + p
                 if isinstance(op, Compute):
-                    for i in range(op.q * k, (op.q + 1) * k):
-                        for j in range(op.kv * k, (op.kv + 1) * k):
-                            if need[i, j]:
-                                add(r, t + 1, Compute(i, j, (p, k)))
+                    for i, j in tiles:
+                        add(r, t + 1, Compute(i, j, (p, k)))
                 elif isinstance(op, (Send, Recv)):
                     peer = op.peer * k + p
-                    for j in range(op.buf.chunk * k, (op.buf.chunk + 1) * k):
-                        if cols[j]:
-                            add(r, t + 1, type(op)(sl(Family.KV, j, p), peer))
+                    for j in moved:
+                        add(r, t + 1, type(op)(sl(Family.KV, j, p), peer))
                 elif isinstance(op, Collective):
                     group = tuple(a * k + p for a in op.group)
                     for c in range(k):          # one collective per chunk of a group
@@ -203,6 +208,26 @@ def _composed_programs(outer: Schedule | None, k: int, P: int,
                 else:
                     raise ValueError(f"compose: the outer schedule's op {op} has no 2D form")
     return [program_from_ops(r, ops[r]) for r in range(P)]
+
+
+def _kept_slices(outer_progs: list[Program], need: np.ndarray, m: int,
+                 k: int) -> set[tuple[int, int, int, int]]:
+    """``(step, src group, dst group, kv chunk)`` of the outer hops whose kv chunk (a rank's
+    chunk inside the moved group chunk) is computed with by the receiving group or by a group
+    it is forwarded to later: what :func:`~fringe.schedules.prune` keeps of the slices, so
+    the programs are built pruned (each slice plane moves the same chunks)."""
+    from .passes import _keep_hops
+    P = m * k
+    hops = np.array([(t, prog.rank, op.peer, op.buf.chunk) for prog in outer_progs
+                     for t, op in prog.ops() if isinstance(op, Send)], dtype=np.int64).reshape(-1, 4)
+    if not len(hops):
+        return set()
+    j = (hops[:, 3:4] * k + np.arange(k)).reshape(-1)          # every chunk of the group chunk
+    t, src, dst = (np.repeat(hops[:, c], k) for c in range(3))
+    use = np.zeros((P, P), dtype=bool)                          # use[j, a]: group a uses kv_j
+    use[:, :m] = need.reshape(m, k, P).any(axis=1).T
+    keep = _keep_hops(P, j, t, src, dst, use)
+    return set(zip(t[keep].tolist(), src[keep].tolist(), dst[keep].tolist(), j[keep].tolist()))
 
 
 def ulysses() -> Schedule:

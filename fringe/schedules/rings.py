@@ -126,9 +126,9 @@ def balanced() -> Schedule:
     ...     docs = "/".join("".join(map(str, ids[p.layout.positions(r)].unique().tolist()))
     ...                     for r in range(4))
     ...     print(f"{name:9} sends {sends:2}  balance {float(t.max() / t.mean()):.2f}  docs {docs}")
-    ring      sends  1  balance 1.40  docs 0/12/34/45
-    zigzag    sends  7  balance 1.17  docs 045/04/124/23
-    striped   sends 12  balance 1.10  docs 012345/012345/012345/012345
-    balanced  sends  1  balance 1.17  docs 4/345/0/12
+    ring      sends  1  balance 1.55  docs 0/12/34/45
+    zigzag    sends  7  balance 1.21  docs 045/04/124/23
+    striped   sends 12  balance 1.11  docs 012345/012345/012345/012345
+    balanced  sends  1  balance 1.23  docs 4/345/0/12
     """
     return Schedule("balanced", layout=_layout.balanced, hops=ring_hops, mask_aware=True)
