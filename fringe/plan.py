@@ -10,6 +10,8 @@ BlockMap(16 x 16 blocks, 34 rects, 120 full, 16 partial)
 """
 from __future__ import annotations
 
+import bisect
+import collections
 import dataclasses
 import hashlib
 import math
@@ -22,7 +24,7 @@ import torch
 from . import masks as _masks
 from .layout import DEFAULT_BLOCK_SIZE, Layout
 from .schedules import KVPolicy, Program, Schedule, check, reverse
-from .schedules.ir import C_, R_, S_, Compute, Family, ProgramTable, Recv, Send, split_name
+from .schedules.ir import C_, R_, S_, Collective, Compute, Family, ProgramTable, Recv, Send
 
 BlockKind = _masks.BlockKind
 
@@ -206,10 +208,15 @@ class Plan:
             "/".join(f"{k}={d[k]}" for k in sorted(d)).encode()).hexdigest()[:16]
 
     # ---- reporting -----------------------------------------------------------------
-    def stats(self, *, batch: int = 1, heads: int = 1, kv_heads: int | None = None,
+    def stats(self, *, batch: int = 1, heads: int | None = None, kv_heads: int | None = None,
               head_dim: int = 64, dtype: torch.dtype = torch.bfloat16) -> "PlanStats":
-        """Per-rank work and communication; see :class:`PlanStats`."""
-        return PlanStats.of(self, batch=batch, heads=heads, kv_heads=kv_heads or heads,
+        """Per-rank work and communication; see :class:`PlanStats`.
+
+        ``heads=None``: 1, or for a plan that splits heads n ways (Ulysses, compose) the
+        least common multiple of its splits, the fewest heads it runs with; ``kv_heads=None``:
+        ``heads``.
+        """
+        return PlanStats.of(self, batch=batch, heads=heads, kv_heads=kv_heads,
                             head_dim=head_dim, dtype=dtype)
 
     def __repr__(self) -> str:
@@ -222,36 +229,71 @@ class PlanStats:
     """Per-rank counts from a plan (no tensors are run).
 
     ``blocks`` counts non-empty (q-block, kv-block) pairs a rank computes (FULL and PARTIAL
-    blocks alike); FLOPs are 4·block²·D·H·B per block for the forward and 2.5x that for
-    the backward; bytes are what the programs' point-to-point ``Send`` / ``Recv`` ops move
-    (kv at ``dtype``, gradients at float32; collectives are not counted). Read from the
-    programs' table columns without building an op (a P=1024 plan has millions).
+    blocks alike; a head slice's compute counts its tile's pairs); FLOPs are 4·block²·D·B per
+    block and head computed (H, or H/n for a compute on head slice i/n) for the forward and
+    2.5x that for the backward.
+
+    Bytes are what each rank sends (``*_sent``) and receives (``*_recv``) over the forward
+    and the backward programs, as a run on the virtual mesh records them
+    (``StepRecord.sent_bytes`` / ``recv_bytes``): point-to-point ``Send`` / ``Recv``, and
+    every collective's non-empty slots to and from the other members (all-gather: each
+    member receives every other member's non-empty contribution; reduce-scatter, its
+    adjoint in the backward: each member sends its gradient of every chunk it gathered;
+    all-to-all: the head slices sent and received). A member's own slot stays in place and
+    an empty slot moves nothing. A buffer is priced as the interpreter holds it: q and kv at
+    ``dtype``; out/lse, dout/dlse, dq and dkv in the accumulation dtype (float32; float64
+    for float64); a head slice ``h<i>/<n>`` holds H/n query heads (kv: G/n kv heads, or the
+    one it shares when n % G == 0).
+
+    Read from the programs' table columns without building an op (a P=1024 plan has
+    millions); programs with collectives or head slices are walked, a step at a time.
     """
 
     rows: tuple[dict, ...]
     balance: float
 
     @classmethod
-    def of(cls, plan: Plan, *, batch, heads, kv_heads, head_dim, dtype) -> PlanStats:
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        kv_bytes = 2 * batch * kv_heads * plan.local_len * head_dim * itemsize
-        grad_bytes = 2 * batch * kv_heads * plan.local_len * head_dim * 4
-        bs2 = plan.block_size ** 2
+    def of(cls, plan: Plan, *, batch, heads=None, kv_heads=None, head_dim, dtype) -> PlanStats:
+        """The stats of ``plan`` for these shapes (``heads``, ``kv_heads``: as :meth:`Plan.stats`).
+
+        Raises:
+            ValueError: the plan splits heads n ways and H, G cannot be split so.
+        """
+        from .runtime.interpreter import check_head_split
         P = plan.world_size
-        fwd, bwd = _op_counts(plan.forward, P), _op_counts(plan.backward, P, steps=False)
+        fwd = _op_counts(plan.forward, P)
+        bwd = _op_counts(plan.backward, P, steps=False, computes=False)
+        splits = {n for _, n in fwd.keys + bwd.keys}
+        if fwd.splits is not None:
+            splits.update(np.unique(fwd.splits).tolist())
+        splits.discard(1)
+        heads = heads or math.lcm(*splits)           # lcm() of nothing is 1
+        kv_heads = kv_heads or heads
+        for n in sorted(splits):
+            check_head_split(n, heads, kv_heads, what=f"stats of schedule {plan.schedule.name!r} "
+                                                     f"(heads split {n} ways)")
+        shape = dict(B=batch, H=heads, G=kv_heads, D=head_dim, L=plan.local_len,
+                     item=torch.empty((), dtype=dtype).element_size(),
+                     acc=8 if dtype == torch.float64 else 4)
+        bs2 = plan.block_size ** 2
         rank, q, kv = (torch.from_numpy(x) for x in fwd.computes)
         kind = plan.tiles[q, kv].long()
         full = torch.bincount(rank[kind == BlockKind.FULL], minlength=P).tolist()
         partial = torch.bincount(rank[kind == BlockKind.PARTIAL], minlength=P).tolist()
         work = plan.tile_block_counts()[q, kv]
         blocks = torch.zeros(P, dtype=torch.int64).index_add_(0, rank, work).tolist()
-        price = np.array([kv_bytes, grad_bytes], dtype=np.int64)     # [non-gradient, gradient]
+        if fwd.splits is None:
+            head_blocks = [b * heads for b in blocks]
+        else:                                        # blocks x heads each compute covers
+            per = work * torch.div(heads, torch.from_numpy(fwd.splits), rounding_mode="floor")
+            head_blocks = torch.zeros(P, dtype=torch.int64).index_add_(0, rank, per).tolist()
         fwd_sent, fwd_recv, bwd_sent, bwd_recv = (
-            (x * price).sum(1).tolist() for x in (fwd.sent, fwd.recv, bwd.sent, bwd.recv))
+            (x @ _prices(c.keys, x, **shape)).tolist()
+            for c in (fwd, bwd) for x in (c.sent, c.recv))
         steps = fwd.steps.tolist()
         rows = []
         for r in range(P):
-            fwd_flops = 4 * blocks[r] * bs2 * head_dim * heads * batch
+            fwd_flops = 4 * head_blocks[r] * bs2 * head_dim * batch
             rows.append(dict(rank=r, full_tiles=full[r], partial_tiles=partial[r],
                              blocks=blocks[r], fwd_flops=fwd_flops,
                              bwd_flops=int(2.5 * fwd_flops), fwd_sent=fwd_sent[r],
@@ -272,26 +314,59 @@ class PlanStats:
         return self.table()
 
 
+def _buffer_bytes(family: Family, split: int = 1, *, B: int, H: int, G: int, D: int, L: int,
+                 item: int, acc: int) -> int | None:
+    """Bytes of one buffer of ``family`` holding L tokens, head slice of ``split`` (1: all
+    heads), as the interpreter holds it: q ``[B, H, L, D]`` and kv ``[2, B, G, L, D]`` at
+    ``item`` bytes an element, (out, lse) and (dout, dlse) ``[B, H, L, D+1]``, dq and dkv in
+    the accumulation dtype (``acc`` bytes). None for ``acc`` buffers (no fixed size). H and G
+    must split (:func:`fringe.runtime.interpreter.check_head_split`)."""
+    if split != 1:
+        H, G = H // split, (G // split if G % split == 0 else 1)
+    kv = 2 * B * G * L * D
+    q = B * H * L * D
+    return {Family.KV: kv * item, Family.DKV: kv * acc, Family.Q: q * item, Family.DQ: q * acc,
+            Family.OUT: B * H * L * (D + 1) * acc, Family.DOUT: B * H * L * (D + 1) * acc,
+            }.get(family)
+
+
+def _prices(keys, counts: np.ndarray, **shape) -> np.ndarray:
+    """int64 ``[K]``: bytes of one transfer of each ``(family, split)`` key."""
+    out = np.zeros(len(keys), dtype=np.int64)
+    for k, (fam, n) in enumerate(keys):
+        b = _buffer_bytes(fam, n, **shape)
+        if b is None:
+            if counts[:, k].any():
+                raise ValueError(f"PlanStats: the programs move {fam.value} buffers, which have "
+                                 f"no size here; only q, kv, out and their gradients are priced")
+            b = 0
+        out[k] = b
+    return out
+
+
 @dataclasses.dataclass(frozen=True)
 class _OpCounts:
     """What :class:`PlanStats` reads from one direction's programs, per rank.
 
     ``computes``: ``(rank, q, kv)`` int64 arrays, one entry per ``Compute`` op (forward tile;
-    ``GradCompute`` and head slices' own sizes are not told apart). ``sent`` / ``recv``:
-    int64 ``[P, 2]`` point-to-point ``Send`` / ``Recv`` ops per rank, column 0 for buffers of
-    a non-gradient family (q, kv, out, acc), column 1 for the ``d`` families (dq, dkv, dout).
-    Collectives are not counted. ``steps``: int64 ``[P]``, steps in each rank's program.
+    ``GradCompute`` ops are not listed); ``splits``: int64, n of each one's head slice
+    ``h<i>/<n>`` (1: all heads), or None when none is sliced. ``keys``: the ``(Family,
+    split)`` of each column of ``sent`` / ``recv``, int64 ``[P, len(keys)]``: buffers each
+    rank sends / receives, by ``Send`` / ``Recv`` or in a collective's slots (its own slot
+    excluded). ``steps``: int64 ``[P]``, steps in each rank's program.
     """
 
     computes: tuple
+    splits: np.ndarray | None
+    keys: tuple
     sent: np.ndarray
     recv: np.ndarray
     steps: np.ndarray
 
 
-#: Family code (``tuple(Family)`` order, as in :class:`ProgramTable`) -> 1 for the ``d``
-#: (gradient-carrying) families whose transfers PlanStats prices at float32.
-_D_FAMILY = np.array([f.value.startswith("d") for f in Family], dtype=np.int32)
+#: The columns of a table's transfers: each family (``tuple(Family)`` order, the family codes
+#: of :class:`ProgramTable`), all heads (a table holds no head slice).
+_WHOLE = tuple((f, 1) for f in Family)
 
 
 def _shared_table(programs) -> ProgramTable | None:
@@ -304,35 +379,35 @@ def _shared_table(programs) -> ProgramTable | None:
     return None
 
 
-def _op_counts(programs, P: int, *, steps: bool = True) -> _OpCounts:
+def _op_counts(programs, P: int, *, steps: bool = True, computes: bool = True) -> _OpCounts:
     """:class:`_OpCounts` of ``programs`` from their :class:`ProgramTable` columns (no op
     is built: millions at P=1024), else by walking the ops (collectives, head slices).
-    ``steps=False``: leave ``steps`` zero (the backward's are not reported)."""
+    ``steps=False``: leave ``steps`` zero (the backward's are not reported);
+    ``computes=False``: the walk lists no compute (a table's are listed anyway)."""
     table = _shared_table(programs)
     if table is None:
-        return _walk_counts(programs, P)
+        return _walk_counts(programs, P, computes=computes)
+    F = len(_WHOLE)
     parts = getattr(table, "_parts", None)
     if parts is not None and table._cols is None:     # computes + one row per transfer
         comp, xfer = parts
         is_c = comp["kind"] == C_
-        computes = tuple(np.asarray(comp[k][is_c], dtype=np.int64) for k in ("rank", "q", "kv"))
-        src, dst, step = xfer["src"], xfer["dst"], xfer["step"]
-        grad = _D_FAMILY[xfer["fam"]]
-        sent = np.bincount(src * 2 + grad, minlength=2 * P).reshape(P, 2)
-        recv = np.bincount(dst * 2 + grad, minlength=2 * P).reshape(P, 2)
+        found = tuple(np.asarray(comp[k][is_c], dtype=np.int64) for k in ("rank", "q", "kv"))
+        src, dst, step, fam = xfer["src"], xfer["dst"], xfer["step"], xfer["fam"]
+        sent = np.bincount(src * F + fam, minlength=F * P).reshape(P, F)
+        recv = np.bincount(dst * F + fam, minlength=F * P).reshape(P, F)
         pairs = ((comp["rank"], comp["step"]), (src, step), (dst, step))
     else:                                             # the row columns
         rank, step, kind, a, b = table.rank, table.step, table.kind, table.a, table.b
         is_c = kind == C_
-        computes = (rank[is_c], a[is_c], b[is_c])
+        found = (rank[is_c], a[is_c], b[is_c])
         counts = []
         for k in (S_, R_):
             sel = kind == k
-            counts.append(np.bincount(rank[sel] * 2 + _D_FAMILY[a[sel]],
-                                      minlength=2 * P).reshape(P, 2))
+            counts.append(np.bincount(rank[sel] * F + a[sel], minlength=F * P).reshape(P, F))
         sent, recv = counts
         pairs = ((rank, step),)
-    return _OpCounts(computes, sent.astype(np.int64), recv.astype(np.int64),
+    return _OpCounts(found, None, _WHOLE, sent.astype(np.int64), recv.astype(np.int64),
                      _distinct_steps(pairs, P) if steps else np.zeros(P, dtype=np.int64))
 
 
@@ -358,28 +433,76 @@ def _distinct_steps(pairs, P: int) -> np.ndarray:
     return np.bincount(key[first] // span, minlength=P).astype(np.int64)
 
 
-def _walk_counts(programs, P: int) -> _OpCounts:
-    """:class:`_OpCounts` by walking every op (programs that are not one table's)."""
-    rank, q, kv = [], [], []
-    sent = np.zeros((P, 2), dtype=np.int64)
-    recv = np.zeros((P, 2), dtype=np.int64)
+class _KeyOf(dict):
+    """Buffer -> ``(Family, n)`` (n of its head slice, 1 for all heads), filled on demand;
+    one key tuple per (family, n), shared by every buffer that has it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._keys: dict = {}
+
+    def __missing__(self, b):
+        h = b.heads
+        key = (b.family, 1 if h is None else h[1])
+        key = self[b] = self._keys.setdefault(key, key)
+        return key
+
+
+def _walk_counts(programs, P: int, *, computes: bool = True) -> _OpCounts:
+    """:class:`_OpCounts` by walking every op (programs that are not one table's).
+
+    A step's ops are read as they are held (no per-op tuple or buffer is built); a
+    collective's slots are counted from its sparse side, in C (``Counter.update``)."""
+    q, kv, split, per_rank = [], [], [], []
+    keyof = _KeyOf()
+    sent = [collections.Counter() for _ in programs]
+    recv = [collections.Counter() for _ in programs]
     steps = np.zeros(P, dtype=np.int64)
-    grad_buf: dict = {}
-    for r, prog in enumerate(programs):           # rank r: the r-th program, as plan.forward[r]
-        steps[r] = len(prog.steps)
-        for step in prog.steps:
+    bisect_left = bisect.bisect_left
+    for r, prog in enumerate(programs):           # row r: the r-th program, as plan.forward[r]
+        s_r, r_r, n0 = sent[r], recv[r], len(q)
+        prog_steps = prog.steps
+        steps[r] = len(prog_steps)
+        for step in prog_steps:
             for op in step.ops:
-                if isinstance(op, Compute):
-                    rank.append(r)
-                    q.append(op.q)
-                    kv.append(op.kv)
-                elif isinstance(op, (Send, Recv)):
-                    g = grad_buf.get(op.buf)
-                    if g is None:
-                        g = grad_buf[op.buf] = int(split_name(op.buf)[0].startswith("d"))
-                    (sent if isinstance(op, Send) else recv)[r, g] += 1
-    return _OpCounts(tuple(np.array(x, dtype=np.int64) for x in (rank, q, kv)), sent, recv,
-                     steps)
+                t = type(op)
+                if t is Compute:
+                    if computes:
+                        q.append(op.q)
+                        kv.append(op.kv)
+                        split.append(op.heads)
+                elif t is Send:
+                    s_r[keyof[op.buf]] += 1
+                elif t is Recv:
+                    r_r[keyof[op.buf]] += 1
+                elif t is Collective:
+                    me = op.member_index(prog.rank)
+                    for (idx, bufs), got in ((op.sparse_sends, s_r), (op.sparse_recvs, r_r)):
+                        got.update(map(keyof.__getitem__, bufs))
+                        if me is not None:            # its own slot stays in place
+                            at = bisect_left(idx, me)
+                            if at < len(idx) and idx[at] == me:
+                                got[keyof[bufs[at]]] -= 1
+        per_rank.append(len(q) - n0)
+    keys = tuple(sorted({k for c in (*sent, *recv) for k in c},
+                        key=lambda k: (_FAMILY_ORDER[k[0]], k[1])))
+    col = {k: i for i, k in enumerate(keys)}
+    arrays = []
+    for side in (sent, recv):
+        a = np.zeros((P, len(keys)), dtype=np.int64)
+        for r, c in enumerate(side):
+            for k, n in c.items():
+                a[r, col[k]] = n
+        arrays.append(a)
+    rank = np.repeat(np.arange(len(programs), dtype=np.int64), per_rank)
+    splits = None
+    if any(h is not None for h in split):
+        splits = np.array([1 if h is None else h[1] for h in split], dtype=np.int64)
+    return _OpCounts((rank, np.array(q, dtype=np.int64), np.array(kv, dtype=np.int64)), splits,
+                     keys, *arrays, steps)
+
+
+_FAMILY_ORDER = {f: n for n, f in enumerate(Family)}
 
 
 def _tile_areas(bm: _masks.BlockMap, P: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,4 +1,5 @@
-"""PlanStats reads the programs' columns; the numbers are those of walking every op."""
+"""PlanStats reads the programs' columns; the numbers are those of walking every op, and its
+bytes are what a run on the virtual mesh moves."""
 from __future__ import annotations
 
 import pytest
@@ -8,42 +9,56 @@ import fringe
 from fringe import masks, schedules
 from fringe.bench import packed_docs
 from fringe.plan import PlanStats, _op_counts, _walk_counts
-from fringe.schedules.ir import Compute, Program, ProgramTable, Recv, Send, split_name
+from fringe.runtime.costmodel import Shape
+from fringe.runtime.virtual import VirtualRuntime
+from fringe.schedules.ir import Collective, Compute, Program, ProgramTable, Recv, Send
 
 BlockKind = masks.BlockKind
 
 
 def _walked_stats(plan, *, batch=1, heads=1, kv_heads=1, head_dim=64, dtype=torch.bfloat16):
-    """The reference: PlanStats as it was computed by walking every op of every program."""
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    kv_bytes = 2 * batch * kv_heads * plan.local_len * head_dim * itemsize
-    grad_bytes = 2 * batch * kv_heads * plan.local_len * head_dim * 4
+    """The reference: PlanStats by walking every op of every program, collectives slot by
+    slot (dense), each buffer priced by the cost model's :meth:`Shape.buffer_bytes`."""
+    shape = Shape(batch=batch, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+                  dtype=str(dtype).removeprefix("torch."))
+    L = plan.local_len
+
+    def price(buf):
+        split = 1 if buf.heads is None else buf.heads[1]
+        return shape.buffer_bytes(buf.family.value, L, split=split)
+
+    def volume(prog):
+        sent = recv = 0
+        for _, op in prog.ops():
+            if isinstance(op, Send):
+                sent += price(op.buf)
+            elif isinstance(op, Recv):
+                recv += price(op.buf)
+            elif isinstance(op, Collective):
+                me = op.group.index(prog.rank)
+                sent += sum(price(b) for k, b in enumerate(op.sends) if b is not None and k != me)
+                recv += sum(price(b) for k, b in enumerate(op.recvs) if b is not None and k != me)
+        return sent, recv
+
     bs2 = plan.block_size ** 2
     rows = []
     counts = plan.tile_block_counts().tolist()
     for r in range(plan.world_size):
-        full = partial = blocks = 0
+        full = partial = blocks = head_blocks = 0
         for _, op in plan.forward[r].ops():
             if isinstance(op, Compute):
                 kind = plan.tile_kind(op.q, op.kv)
                 full += kind == BlockKind.FULL
                 partial += kind == BlockKind.PARTIAL
                 blocks += counts[op.q][op.kv]
-        fwd_flops = 4 * blocks * bs2 * head_dim * heads * batch
-
-        def volume(progs, kind_cls):
-            total = 0
-            for _, op in progs[r].ops():
-                if isinstance(op, kind_cls):
-                    total += grad_bytes if split_name(op.buf)[0].startswith("d") else kv_bytes
-            return total
+                head_blocks += counts[op.q][op.kv] * heads // (op.heads or (0, 1))[1]
+        fwd_flops = 4 * head_blocks * bs2 * head_dim * batch
+        (fwd_sent, fwd_recv), (bwd_sent, bwd_recv) = (volume(plan.forward[r]),
+                                                      volume(plan.backward[r]))
         rows.append(dict(rank=r, full_tiles=full, partial_tiles=partial, blocks=blocks,
                          fwd_flops=fwd_flops, bwd_flops=int(2.5 * fwd_flops),
-                         fwd_sent=volume(plan.forward, Send),
-                         fwd_recv=volume(plan.forward, Recv),
-                         bwd_sent=volume(plan.backward, Send),
-                         bwd_recv=volume(plan.backward, Recv),
-                         steps=len(plan.forward[r].steps)))
+                         fwd_sent=fwd_sent, fwd_recv=fwd_recv, bwd_sent=bwd_sent,
+                         bwd_recv=bwd_recv, steps=len(plan.forward[r].steps)))
     work = [row["blocks"] for row in rows]
     mean = sum(work) / len(work)
     return PlanStats(tuple(rows), max(work) / mean if mean else 1.0)
@@ -69,7 +84,7 @@ def test_column_stats_equal_the_op_walk(name, P, mask, kv):
     S = 2 * P * bs * 3
     p = fringe.plan(schedules.get(name), _mask(mask, S), seq_len=S, world_size=P,
                     block_size=bs, kv=kv)
-    shape = dict(batch=2, heads=4, kv_heads=2, head_dim=8, dtype=torch.float16)
+    shape = dict(batch=2, heads=8, kv_heads=2, head_dim=8, dtype=torch.float16)
     got = p.stats(**shape)
     want = _walked_stats(p, **shape)
     assert got.rows == want.rows
@@ -78,11 +93,98 @@ def test_column_stats_equal_the_op_walk(name, P, mask, kv):
         assert all(type(v) is int for v in row.values()), row
 
 
+def _virtual_bytes(p, *, batch, heads, kv_heads, head_dim, dtype):
+    """Bytes each rank sent and received in each direction, as a virtual-mesh run records
+    them: ``{"fwd_sent": [P ints], ...}``."""
+    P, L = p.world_size, p.local_len
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(P, batch, heads, L, head_dim, generator=g, dtype=dtype)
+    k, v = (torch.randn(P, batch, kv_heads, L, head_dim, generator=g, dtype=dtype)
+            for _ in range(2))
+    rt = VirtualRuntime(P)
+    out, lse, kept = rt.forward(p, q, k, v)
+    rt.backward(p, q, k, v, out, lse, torch.ones_like(out), None, kept)
+    got = {}
+    for which, pre in (("forward", "fwd"), ("backward", "bwd")):
+        sent, recv = [0] * P, [0] * P
+        for st in rt.last_states[which].values():
+            for rec in st.records:
+                sent[rec.rank] += rec.sent_bytes
+                recv[rec.rank] += rec.recv_bytes
+        got[f"{pre}_sent"], got[f"{pre}_recv"] = sent, recv
+    return got
+
+
+BYTES = ("fwd_sent", "fwd_recv", "bwd_sent", "bwd_recv")
+COLLECTIVE_NAMES = ("allgather", "allgather:3", "ulysses", "compose:zigzag+ulysses:2",
+                    "compose:zigzag+allgather:2:2")
+
+
+VIRTUAL_CASES = ([(name, P, mask) for name in COLLECTIVE_NAMES for P in (4, 8)
+                  for mask in ("causal", "docs")]
+                 + [(name, 4, mask) for name in ("ring", "zigzag", "striped", "balanced")
+                    for mask in ("causal", "docs")] + [("zigzag", 8, "docs")])
+
+
+@pytest.mark.parametrize("name,P,mask", VIRTUAL_CASES)
+def test_bytes_are_what_the_virtual_mesh_moves(name, P, mask):
+    """Every collective's slots (all-gather, its reduce-scatter adjoint, all-to-all of head
+    slices) and every point-to-point transfer, per rank, both directions, sent and received."""
+    bs = 4
+    S = 2 * P * bs
+    p = fringe.plan(schedules.get(name), _mask(mask, S), seq_len=S, world_size=P,
+                    block_size=bs)
+    # H=8, G=2: ulysses over 8 ranks replicates kv heads, over 2 it splits them; float64 for
+    # ulysses at P=8 (accumulators at 8 bytes), float32 elsewhere
+    dtype = torch.float64 if (name, P, mask) == ("ulysses", 8, "docs") else torch.float32
+    shape = dict(batch=1, heads=8, kv_heads=2, head_dim=4, dtype=dtype)
+    st = p.stats(**shape)
+    want = _virtual_bytes(p, **shape)
+    got = {key: [row[key] for row in st.rows] for key in BYTES}
+    assert got == want
+    assert sum(want["fwd_sent"]) == sum(want["fwd_recv"]) > 0
+    assert sum(want["bwd_sent"]) == sum(want["bwd_recv"]) > 0
+
+
+def test_allgather_receives_every_needed_chunk():
+    """A causal all-gather over the zigzag layout: every rank needs every other rank's kv,
+    so it receives P-1 kv chunks in the forward and sends P-1 dkv chunks back (reduce-
+    scatter), after gathering the kv again unless it kept them; under the previous count
+    (point-to-point only) every entry read 0."""
+    P, bs = 8, 4
+    S = 2 * P * bs
+    L = S // P
+    kv, dkv = 2 * L * 8 * 2, 2 * L * 8 * 4               # [2, B, G, L, D] bf16 / float32
+    for policy, bwd in (("resend", kv + dkv), ("keep", dkv)):   # resend: kv gathered again
+        p = fringe.plan(schedules.allgather(), masks.causal(), seq_len=S, world_size=P,
+                        block_size=bs, kv=policy)
+        st = p.stats(batch=1, heads=2, kv_heads=1, head_dim=8, dtype=torch.bfloat16)
+        for row in st.rows:
+            assert (row["fwd_sent"], row["fwd_recv"]) == ((P - 1) * kv,) * 2, row
+            assert (row["bwd_sent"], row["bwd_recv"]) == ((P - 1) * bwd,) * 2, (policy, row)
+
+
+def test_head_split_plans_default_to_the_fewest_heads_they_run_with():
+    P, bs = 4, 4
+    S = 2 * P * bs
+    p = fringe.plan(schedules.ulysses(), masks.causal(), seq_len=S, world_size=P, block_size=bs)
+    assert p.stats().rows == p.stats(heads=4, kv_heads=4).rows
+    assert p.stats(heads=8, kv_heads=2).rows[0]["fwd_sent"] > 0
+    with pytest.raises(ValueError, match="divisible by 4"):
+        p.stats(heads=6, kv_heads=6)
+    q = fringe.plan(schedules.zigzag(), masks.causal(), seq_len=S, world_size=P, block_size=bs)
+    assert q.stats().rows == q.stats(heads=1, kv_heads=1).rows
+
+
 def _same_counts(a, b):
     def tiles(c):                       # the computes as a sorted list (parts are unordered)
         return sorted(zip(*(x.tolist() for x in c)))
     assert tiles(a.computes) == tiles(b.computes)
-    assert (a.sent == b.sent).all() and (a.recv == b.recv).all()
+
+    def by_key(c):
+        return [{k: int(x[r, i]) for i, k in enumerate(c.keys) if x[r, i]}
+                for x in (c.sent, c.recv) for r in range(len(x))]
+    assert by_key(a) == by_key(b)
     assert (a.steps == b.steps).all()
 
 
@@ -119,4 +221,5 @@ def test_stats_of_a_large_plan_build_no_op():
     walked = _walk_counts([p.forward[r]], 1)
     assert st.rows[r]["steps"] == int(walked.steps[0])
     kv_bytes = 2 * (S // P) * 64 * 2                 # k and v, L tokens, D=64, bfloat16
-    assert walked.sent[0, 1] == 0 and st.rows[r]["fwd_sent"] == int(walked.sent[0, 0]) * kv_bytes
+    assert [k[0].value for k in walked.keys] == ["kv"]
+    assert st.rows[r]["fwd_sent"] == int(walked.sent[0, 0]) * kv_bytes
