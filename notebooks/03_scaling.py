@@ -135,25 +135,31 @@ assert float(hw_rows[0][1]) < float(hw_rows[1][1]) < float(hw_rows[2][1])
 # are programs of collectives; the cost model prices a ring all-gather or reduce-scatter as
 # (n − 1)·latency + bytes / bandwidth of its busiest member, an all-to-all pairwise the same
 # way, on NVLink when the group is inside one node of 8 and on the inter-node link otherwise,
-# and a head-sliced tile at 1/k of the heads. S = 32,768 tokens (block 32); P from 8 to 64 here
-# (planning all-gather and compose at P = 1,024 takes minutes today; `python -m fringe simulate
-# --world-size 1024 --schedules ring zigzag allgather compose:zigzag+ulysses:8` predicts it).
-# Each plan is made once and simulated on every preset.
+# and a head-sliced tile at 1/k of the heads. S = 65,536 tokens (block 32: zigzag at P = 1,024
+# holds one block per chunk), 128 packed documents; P from 8 to 1,024. `MAX_P` caps each
+# schedule by what planning and three simulations cost inside this notebook's minute: ring
+# reaches 1,024 ranks, zigzag 256, all-gather 128 and compose 64 (at P = 1,024 planning
+# all-gather or compose took 35-67 s of CPU when this was written, and each simulation about
+# a second; raise a cap, one line, when that gets faster, or run `python -m fringe simulate
+# --world-size 1024 --schedules ring zigzag allgather compose:zigzag+ulysses:8`). Each plan is
+# made once and simulated on every preset.
 
 # %%
-S2, BLOCK2 = 1 << 15, 32
-CROSS_P = (8, 16, 32, 64)
+S2, BLOCK2 = 1 << 16, 32
+CROSS_P = (8, 16, 32, 64, 128, 256, 512, 1024)
 CROSS = ("ring", "zigzag", "allgather", "compose:zigzag+ulysses:8")
+MAX_P = {"ring": 1024, "zigzag": 256, "allgather": 128, "compose:zigzag+ulysses:8": 64}
 PRESETS = ("h100-nvlink", "h100-ib", "cpu")
 MASKS2 = {"causal": masks.causal(),
-          "document": masks.causal() & masks.document(packed_docs(S2, 64, 0))}
+          "document": masks.causal() & masks.document(packed_docs(S2, 128, 0))}
 cross, t0 = {}, time.process_time()
 for mname, m in MASKS2.items():
     for spec in CROSS:
-        for P in CROSS_P:
+        for P in (P for P in CROSS_P if P <= MAX_P[spec]):
             plan = fringe.plan(schedules.get(spec), m, seq_len=S2, world_size=P, block_size=BLOCK2)
             for hw in PRESETS:
                 cross[hw, mname, spec, P] = costmodel.simulate(plan, hw, shape).step_s
+            del plan
 print(f"{len(cross)} predictions in {time.process_time() - t0:.1f} s of CPU")
 
 # %%
@@ -162,8 +168,9 @@ axes = fig.subplots(len(MASKS2), len(PRESETS))
 for row, mname in zip(axes, MASKS2):
     for ax, hw in zip(row, PRESETS):
         for spec in CROSS:
-            ax.plot(CROSS_P, [cross[hw, mname, spec, P] * 1e3 for P in CROSS_P], marker="o",
-                    label=spec)
+            pts = [(P, cross[hw, mname, spec, P] * 1e3) for P in CROSS_P
+                   if (hw, mname, spec, P) in cross]
+            ax.plot(*zip(*pts), marker="o", label=spec)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_title(f"{mname} · {hw}")
@@ -173,12 +180,13 @@ axes[0][0].legend(fontsize=8)
 fig
 
 # %% [markdown]
-# Which schedule is fastest at each P, and where the lead changes, computed from the
-# predictions above:
+# Which schedule is fastest at each P (among those predicted there), and where the lead
+# changes, computed from the predictions above:
 
 # %%
 def crossovers(hw: str, mname: str) -> str:
-    best = [min(CROSS, key=lambda s: cross[hw, mname, s, P]) for P in CROSS_P]
+    best = [min((s for s in CROSS if (hw, mname, s, P) in cross),
+                key=lambda s: cross[hw, mname, s, P]) for P in CROSS_P]
     runs, start = [], 0
     for i in range(1, len(best) + 1):
         if i == len(best) or best[i] != best[start]:
@@ -186,17 +194,22 @@ def crossovers(hw: str, mname: str) -> str:
             runs.append(f"{best[start]} at P={lo}" if lo == hi else
                         f"{best[start]} for P={lo}-{hi}")
             start = i
-    where = (f"the crossover falls between P={CROSS_P[len(best) - 1 - best[::-1].index(best[0])]} "
-             f"and P={CROSS_P[best.index(best[-1])]}" if best[0] != best[-1] else "no crossover")
-    return f"{hw}, {mname} mask: fastest is " + ", then ".join(runs) + f" ({where})."
+    changes = [f"{CROSS_P[i - 1]}-{CROSS_P[i]}" for i in range(1, len(best))
+               if best[i] != best[i - 1]]
+    return (f"{hw}, {mname} mask: fastest is " + ", then ".join(runs)
+            + (f" (the lead changes between P={', '.join(changes)})" if changes else
+               " (no crossover)") + ".")
 
 
 SENTENCES = [crossovers(hw, mname) for mname in MASKS2 for hw in PRESETS]
 print("\n".join(SENTENCES))
+print("predicted up to: " + ", ".join(f"{s} P={MAX_P[s]:,}" for s in CROSS)
+      + " (a lead past a schedule's cap is among those predicted there)")
 assert all(v > 0 for v in cross.values()) and len(SENTENCES) == len(MASKS2) * len(PRESETS)
 for mname in MASKS2:       # in one node (P=8) NVLink and InfiniBand presets agree
     for spec in CROSS:
         assert cross["h100-nvlink", mname, spec, 8] == cross["h100-ib", mname, spec, 8]
+        assert max(P for (_, m_, s_, P) in cross if (m_, s_) == (mname, spec)) == MAX_P[spec]
 
 # %% [markdown]
 # On this machine the cost model was checked against measured gloo runs at P = 2
