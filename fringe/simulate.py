@@ -16,8 +16,16 @@ from .runtime.engine import check_inputs
 from .runtime.virtual import VirtualRuntime
 
 
+def _identity(plan) -> bool:
+    """One rank holding every position in natural order: sharding is a view, not a copy."""
+    order = plan.layout.order
+    return plan.world_size == 1 and torch.equal(order, torch.arange(order.numel()))
+
+
 def _stack(plan, x: torch.Tensor) -> torch.Tensor:
     """Global ``[..., S, D]`` -> rank-stacked ``[P, ..., L, D]`` in the plan's layout."""
+    if _identity(plan):                        # no gather, no copy (nor in the backward)
+        return x.unsqueeze(0)
     if plan.world_size == 1:                   # one rank: no stack copy
         return plan.layout.shard(x, 0).unsqueeze(0)
     return torch.stack([plan.layout.shard(x, r) for r in range(plan.world_size)])
@@ -42,8 +50,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, plan,
     lay = plan.layout
     out, lse = attention_stacked(_stack(plan, q), _stack(plan, k), _stack(plan, v), plan=plan,
                                  runtime=VirtualRuntime(plan.world_size))
-    out = lay.unshard(list(out.unbind(0)))
-    lse = lay.unshard(list(lse.unsqueeze(-1).unbind(0))).squeeze(-1)
+    if _identity(plan):                        # squeeze, not [0]: [0] copies in the backward
+        out, lse = out.squeeze(0), lse.squeeze(0)
+    else:
+        out = lay.unshard(list(out.unbind(0)))
+        lse = lay.unshard(list(lse.unsqueeze(-1).unbind(0))).squeeze(-1)
     if sinks is not None:
         out, lse = apply_sinks(out, lse, sinks)
     return (out, lse) if return_lse else out
