@@ -138,17 +138,18 @@ assert float(hw_rows[0][1]) < float(hw_rows[1][1]) < float(hw_rows[2][1])
 # and a head-sliced tile at 1/k of the heads. S = 65,536 tokens (block 32: zigzag at P = 1,024
 # holds one block per chunk), 128 packed documents; P from 8 to 1,024. `MAX_P` caps each
 # schedule by what planning and three simulations cost inside this notebook's minute: ring
-# reaches 1,024 ranks, zigzag 256, all-gather 128 and compose 64 (at P = 1,024 planning
-# all-gather or compose took 35-67 s of CPU when this was written, and each simulation about
-# a second; raise a cap, one line, when that gets faster, or run `python -m fringe simulate
-# --world-size 1024 --schedules ring zigzag allgather compose:zigzag+ulysses:8`). Each plan is
-# made once and simulated on every preset.
+# reaches 1,024 ranks, zigzag 512, all-gather 256 and compose 64 (measured on a quiet 2-core
+# machine at this S: zigzag at P = 1,024 costs 13 s of CPU to plan and simulate both masks on
+# three presets, causal all-gather 8 s to plan at P = 512 and 34 s at 1,024, compose 18 s at
+# P = 256; raise a cap, one line, when that gets faster, or run `python -m
+# fringe simulate --world-size 1024 --schedules ring zigzag allgather compose:zigzag+ulysses:8`).
+# Each plan is made once and simulated on every preset.
 
 # %%
 S2, BLOCK2 = 1 << 16, 32
 CROSS_P = (8, 16, 32, 64, 128, 256, 512, 1024)
 CROSS = ("ring", "zigzag", "allgather", "compose:zigzag+ulysses:8")
-MAX_P = {"ring": 1024, "zigzag": 256, "allgather": 128, "compose:zigzag+ulysses:8": 64}
+MAX_P = {"ring": 1024, "zigzag": 512, "allgather": 256, "compose:zigzag+ulysses:8": 64}
 PRESETS = ("h100-nvlink", "h100-ib", "cpu")
 MASKS2 = {"causal": masks.causal(),
           "document": masks.causal() & masks.document(packed_docs(S2, 128, 0))}
