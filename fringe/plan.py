@@ -371,12 +371,8 @@ _WHOLE = tuple((f, 1) for f in Family)
 
 def _shared_table(programs) -> ProgramTable | None:
     """The table every program was cut from (rank r from row r), else None."""
-    src = programs[0].table if len(programs) else None
-    if src is None or src.world_size != len(programs):
-        return None
-    if all(p.table is src and p.rank == r for r, p in enumerate(programs)):
-        return src
-    return None
+    from .schedules.passes import _table
+    return _table(programs)
 
 
 def _op_counts(programs, P: int, *, steps: bool = True, computes: bool = True) -> _OpCounts:
