@@ -260,7 +260,9 @@ def balanced(seq_len: int, world_size: int, *, block_size: int = DEFAULT_BLOCK_S
     tile from :func:`fringe.runtime.costmodel.tile_work`, forward and backward, plus the
     bytes it sends and receives, not overlapped); among those whose slowest rank is within
     :data:`HOP_SLACK` of the fastest, the one whose kv chunks travel the fewest hops wins,
-    then the fastest of those (ties: the earlier candidate in the list above).
+    then the fastest of those (ties: the earlier candidate in the list above). When ring's
+    contiguous layout is itself predicted fastest (ties included), it is returned as is: the
+    order is exactly :func:`contiguous`'s, so the plan is ring's plan.
 
     Several masks at once (the layer kinds of one model: full causal and sliding-window
     layers, sharing one layout): pass ``natural=[(map, weight), ...]``, e.g. each kind's map
@@ -290,11 +292,14 @@ def balanced(seq_len: int, world_size: int, *, block_size: int = DEFAULT_BLOCK_S
             :class:`fringe.masks.BlockMap` (``masks.classify(mask, arange(S), arange(S),
             block_size=..., sparse=True)``; :func:`fringe.plan` passes it), the dense int8
             map, or a list of ``(map, weight)`` pairs (weights > 0, e.g. layers per mask).
-        hardware: cost constants (default the ``cpu`` preset).
+        hardware: cost constants (default the ``cpu`` preset): a preset name or a
+            :class:`fringe.runtime.costmodel.Hardware`; not ``"this"`` (a calibration made
+            now differs between ranks: calibrate once, broadcast, pass the Hardware).
         shape: a :class:`fringe.runtime.costmodel.Shape` (default :data:`BALANCE_SHAPE`).
 
     Raises:
-        ValueError: sizes that do not divide, or a block map / work of the wrong size.
+        ValueError: sizes that do not divide, a block map / work of the wrong size, or
+            ``hardware="this"``.
         TypeError: ``natural`` of another type.
     """
     _check(seq_len, world_size)
@@ -325,9 +330,13 @@ def balanced(seq_len: int, world_size: int, *, block_size: int = DEFAULT_BLOCK_S
                                  hardware=hardware, shape=shape)
         scored.append((float(t.max()), hops, blocks))
     fastest = min(t for t, _, _ in scored)
-    close = [c for c in scored if c[0] <= fastest * (1 + HOP_SLACK)]
-    fewest = min(h for _, h, _ in close)      # then the fastest of those; ties: the earlier
-    best = min((c for c in close if c[1] <= fewest + 1e-9), key=lambda c: c[0])
+    ring = scored[0] if torch.equal(scored[0][2], seen[0]) else None    # contiguous, if scored
+    if ring is not None and ring[0] <= fastest:
+        best = ring                           # ring's layout predicted fastest: exactly ring's
+    else:
+        close = [c for c in scored if c[0] <= fastest * (1 + HOP_SLACK)]
+        fewest = min(h for _, h, _ in close)  # then the fastest of those; ties: the earlier
+        best = min((c for c in close if c[1] <= fewest + 1e-9), key=lambda c: c[0])
     order = (best[2][:, None] * block_size + torch.arange(block_size)).reshape(-1)
     return Layout("balanced", order, world_size)
 
@@ -352,6 +361,11 @@ def _deal_blocks(seq_len: int, world_size: int, block_size: int, block_work) -> 
 
 def _model(hardware, shape):
     from .runtime import costmodel
+    if isinstance(hardware, str) and hardware == "this":
+        raise ValueError("hardware='this' calibrates now, and measured constants differ from "
+                         "rank to rank and call to call, so ranks would plan different layouts; "
+                         "run costmodel.calibrate() once (on rank 0, broadcast the Hardware to "
+                         "every rank) and pass that Hardware, or use a preset such as 'cpu'")
     hw = costmodel.get_hardware(hardware)
     sh = costmodel.Shape(**BALANCE_SHAPE) if shape is None else shape
     return costmodel, hw, sh
