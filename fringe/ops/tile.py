@@ -30,8 +30,13 @@ Legend: B batch · H query heads · G kv heads (H % G == 0) · L tokens · D hea
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
+import threading
 import warnings
+import weakref
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable
 
@@ -277,19 +282,145 @@ def _group_mask(g: _Group, mask_mod: MaskMod | None, q_pos: torch.Tensor, kv_pos
     return mask
 
 
-def _calls(kern, blocks: torch.Tensor, mask_mod: MaskMod | None, q_pos: torch.Tensor,
-           kv_pos: torch.Tensor, *, B: int, H: int, block_size: int):
+def _build_calls(kern, blocks: torch.Tensor, mask_mod: MaskMod | None, q_pos: torch.Tensor,
+                 kv_pos: torch.Tensor, *, B: int, H: int, block_size: int) -> list:
     """``(group, mask kwargs)`` for each kernel call of a tile with a block map."""
     fused = bool(getattr(kern, "fused_calls", False))
     Lq, Lk = q_pos.numel(), kv_pos.numel()
     check = _tril_check(mask_mod, q_pos, kv_pos, B=B, H=H, block_size=block_size)
+    out = []
     for g in _plan(blocks.cpu(), Lq=Lq, Lk=Lk, block_size=block_size, fused=fused,
                    causal_block=check):
         if g.causal:
-            yield g, dict(mask=None, causal=True)
+            out.append((g, dict(mask=None, causal=True)))
         else:
-            yield g, dict(mask=_group_mask(g, mask_mod, q_pos, kv_pos, B=B, H=H,
-                                           block_size=block_size))
+            out.append((g, dict(mask=_group_mask(g, mask_mod, q_pos, kv_pos, B=B, H=H,
+                                                 block_size=block_size))))
+    return out
+
+
+#: Bytes of element masks the call cache (:class:`_CallCache`) may hold, least recently used
+#: evicted first. The plans themselves (group geometry) are small and cost nothing to keep.
+CALL_CACHE_BYTES = 256 << 20
+#: At most this many tiles in the call cache (entries without masks cost no mask bytes).
+CALL_CACHE_ENTRIES = 4096
+
+
+def _version(t: torch.Tensor) -> int | None:
+    try:
+        return t._version
+    except RuntimeError:            # inference tensors keep no version counter: never cached
+        return None
+
+
+class _CallCache:
+    """A tile's kernel calls (groups and their element masks), built once per tile and reused.
+
+    ``tile_forward(..., cache=True)`` and ``tile_backward(..., cache=True)`` look a tile up by
+    the identity of its block map, positions and mask_mod, and its ``Lq``, ``Lk``, block size,
+    kernel grouping, ``B`` and ``H``. An entry is used only when all of these hold:
+
+    - ``blocks``, ``q_pos`` and ``kv_pos`` are the very objects it was built from (weak
+      references: a new tensor at a reused ``id()`` misses) with the same ``_version`` (an
+      in-place edit misses);
+    - the mask_mod is the same object (held strongly, so its ``id`` is not reused meanwhile);
+    - the cached masks' own ``_version`` is unchanged (a kernel that wrote into one misses).
+
+    What it cannot see: state a mask_mod reads that is not one of these tensors (a captured
+    tensor refilled in place, a global). That is why caching is opt-in: the runtime passes
+    ``cache=True`` because a plan's mask_mod is a snapshot (:func:`fringe.masks.snapshot`)
+    that never changes; a direct caller with a mask_mod over mutable state must leave it off.
+
+    Memory: masks count against :data:`CALL_CACHE_BYTES` (LRU by bytes, and at most
+    :data:`CALL_CACHE_ENTRIES` tiles); an entry whose masks alone exceed the budget keeps its
+    plan and rebuilds the masks each call. An entry holds no reference to the block map or
+    positions (weak references; the codes are copies), so it goes when its block map does.
+    """
+
+    def __init__(self, budget: int = CALL_CACHE_BYTES) -> None:
+        self.budget = budget
+        self.entries: OrderedDict = OrderedDict()
+        self.bytes = 0
+        self.lock = threading.RLock()    # a weakref callback may run inside
+        self.hits = self.misses = 0
+
+    def clear(self) -> None:
+        with self.lock:
+            self.entries.clear()
+            self.bytes = 0
+
+    def calls(self, kern, blocks, mask_mod, q_pos, kv_pos, *, B, H, block_size) -> list:
+        fused = bool(getattr(kern, "fused_calls", False))
+        vers = (_version(blocks), _version(q_pos), _version(kv_pos))
+        if None in vers:
+            return _build_calls(kern, blocks, mask_mod, q_pos, kv_pos, B=B, H=H,
+                                block_size=block_size)
+        key = (id(blocks), id(q_pos), id(kv_pos), id(mask_mod), q_pos.numel(), kv_pos.numel(),
+               int(block_size), fused, B, H)
+        with self.lock:
+            e = self.entries.get(key)
+            hit = e is not None and self._valid(e, blocks, q_pos, kv_pos, mask_mod, vers)
+            if hit:
+                self.entries.move_to_end(key)
+                self.hits += 1
+            else:
+                self.misses += 1
+        if hit and e["calls"] is not None:
+            return e["calls"]
+        if hit:                         # the plan is known; its masks were too big to keep
+            return [(g, mkw if mkw.get("causal") else dict(mask=_group_mask(
+                g, mask_mod, q_pos, kv_pos, B=B, H=H, block_size=block_size)))
+                for g, mkw in e["plan"]]
+        calls = _build_calls(kern, blocks, mask_mod, q_pos, kv_pos, B=B, H=H,
+                             block_size=block_size)
+        # own copies of the codes: a view would keep the block map alive (and its entry)
+        calls = [(dataclasses.replace(g, codes=g.codes.clone()), m) for g, m in calls]
+        masks = [m["mask"] for _, m in calls if m.get("mask") is not None]
+        nbytes = sum(m.numel() * m.element_size() for m in masks)
+        keep = nbytes <= self.budget
+        drop = functools.partial(self._drop, key)      # the block map freed: masks go too
+        e = dict(refs=tuple(weakref.ref(t, drop) for t in (blocks, q_pos, kv_pos)), vers=vers,
+                 mask_mod=mask_mod, calls=calls if keep else None,
+                 plan=[(g, m if m.get("causal") else {}) for g, m in calls],
+                 masks=[(m, m._version) for m in masks] if keep else [],
+                 nbytes=nbytes if keep else 0)
+        with self.lock:
+            old = self.entries.pop(key, None)
+            if old is not None:
+                self.bytes -= old["nbytes"]
+            self.entries[key] = e
+            self.bytes += e["nbytes"]
+            while len(self.entries) > 1 and (self.bytes > self.budget
+                                             or len(self.entries) > CALL_CACHE_ENTRIES):
+                _, gone = self.entries.popitem(last=False)
+                self.bytes -= gone["nbytes"]
+        return calls
+
+    def _drop(self, key, ref) -> None:
+        with self.lock:
+            e = self.entries.get(key)
+            if e is not None and any(r is ref for r in e["refs"]):
+                del self.entries[key]
+                self.bytes -= e["nbytes"]
+
+    @staticmethod
+    def _valid(e, blocks, q_pos, kv_pos, mask_mod, vers) -> bool:
+        return (e["mask_mod"] is mask_mod and e["vers"] == vers
+                and all(r() is t for r, t in zip(e["refs"], (blocks, q_pos, kv_pos)))
+                and all(m._version == v for m, v in e["masks"]))
+
+
+_CACHE = _CallCache()
+
+
+def _calls(kern, blocks: torch.Tensor, mask_mod: MaskMod | None, q_pos: torch.Tensor,
+           kv_pos: torch.Tensor, *, B: int, H: int, block_size: int, cache: bool = False):
+    """``(group, mask kwargs)`` for each kernel call of a tile with a block map (from
+    :data:`_CACHE` with ``cache``)."""
+    if cache:
+        return _CACHE.calls(kern, blocks, mask_mod, q_pos, kv_pos, B=B, H=H,
+                            block_size=block_size)
+    return _build_calls(kern, blocks, mask_mod, q_pos, kv_pos, B=B, H=H, block_size=block_size)
 
 
 def _whole(kern, mask: torch.Tensor | None) -> dict:
@@ -359,7 +490,8 @@ def tile_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, q_pos: to
                  kv_pos: torch.Tensor, mask_mod: MaskMod | None = None,
                  score_mod: ScoreMod | None = None, scale: float | None = None,
                  kind: BlockKind | int = BlockKind.PARTIAL, blocks: torch.Tensor | None = None,
-                 block_size: int | None = None, kernel=None) -> tuple[torch.Tensor, torch.Tensor]:
+                 block_size: int | None = None, kernel=None,
+                 cache: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of q rows against one kv tile, on global positions.
 
     Args:
@@ -376,6 +508,9 @@ def tile_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, q_pos: to
             ``BlockKind`` codes for this tile (PARTIAL tiles only); work follows it.
         block_size: the block size ``blocks`` was built with.
         kernel: kernel name, kernel object, or None to choose automatically.
+        cache: reuse this tile's kernel calls and masks from an earlier call with the same
+            block map, positions and mask_mod objects (unedited); see :class:`_CallCache`.
+            Only for a mask_mod that reads no mutable state (a plan's snapshot).
 
     Returns:
         ``(out [B, H, Lq, D] in q's dtype, lse [B, H, Lq])``; lse natural-log, float32
@@ -396,7 +531,8 @@ def tile_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, q_pos: to
         mask = mask_for(mask_mod, q_pos, kv_pos, B=B, H=H) if kind == BlockKind.PARTIAL else None
         return kern.forward(q, k, v, q_pos=q_pos, kv_pos=kv_pos, **_whole(kern, mask), **kw)
     ct = compute_dtype(q.dtype)
-    calls = list(_calls(kern, blocks, mask_mod, q_pos, kv_pos, B=B, H=H, block_size=block_size))
+    calls = _calls(kern, blocks, mask_mod, q_pos, kv_pos, B=B, H=H, block_size=block_size,
+                   cache=cache)
     if len(calls) == 1 and (calls[0][0].q0, calls[0][0].q1) == (0, Lq):
         g, mkw = calls[0]                     # one call over every row: its result, no copies
         cols = slice(g.k0, g.k1)
@@ -422,7 +558,7 @@ def tile_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.
                   score_mod: ScoreMod | None = None, scale: float | None = None,
                   kind: BlockKind | int = BlockKind.PARTIAL, blocks: torch.Tensor | None = None,
                   block_size: int | None = None, kernel=None, dlse: torch.Tensor | None = None,
-                  score_params: tuple[torch.Tensor, ...] = ()) -> tuple:
+                  score_params: tuple[torch.Tensor, ...] = (), cache: bool = False) -> tuple:
     """This tile's share of the gradient, given the GLOBAL merged ``out`` and ``lse``.
 
     Flash-attention style: ``p = exp(s - lse)``, ``delta = rowsum(dout * out)``,
@@ -436,8 +572,8 @@ def tile_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.
         out: global merged output ``[B, H, Lq, D]``.
         lse: global merged lse ``[B, H, Lq]``.
         dout: gradient of the loss w.r.t. ``out``, ``[B, H, Lq, D]``.
-        q_pos, kv_pos, mask_mod, score_mod, scale, kind, blocks, block_size, kernel: as in
-            :func:`tile_forward`.
+        q_pos, kv_pos, mask_mod, score_mod, scale, kind, blocks, block_size, kernel, cache: as
+            in :func:`tile_forward`.
         dlse: gradient of the loss w.r.t. the GLOBAL ``lse`` of these rows, ``[B, H, Lq]``;
             None means zero.
         score_params: tensors the score_mod closes over that require grad (e.g. an
@@ -474,7 +610,8 @@ def tile_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.
         return kern.backward(q, k, v, out, lse, dout, q_pos=q_pos, kv_pos=kv_pos,
                              **_whole(kern, mask), **kw)
     ct = compute_dtype(q.dtype)
-    calls = list(_calls(kern, blocks, mask_mod, q_pos, kv_pos, B=B, H=H, block_size=block_size))
+    calls = _calls(kern, blocks, mask_mod, q_pos, kv_pos, B=B, H=H, block_size=block_size,
+                   cache=cache)
     if len(calls) == 1 and (calls[0][0].q0, calls[0][0].q1, calls[0][0].k0,
                             calls[0][0].k1) == (0, Lq, 0, Lk):
         g, mkw = calls[0]                     # one call over the whole tile: no accumulators

@@ -143,7 +143,8 @@ def _tile_args(plan, op, device: torch.device, num_heads: int) -> dict:
     return dict(q_pos=plan.positions(i, device), kv_pos=plan.positions(j, device),
                 mask_mod=mask_mod, score_mod=score_mod, scale=plan.scale,
                 kind=plan.tile_kind(i, j), blocks=plan.tile_blocks(i, j),
-                block_size=plan.block_size, kernel=plan.kernel)
+                block_size=plan.block_size, kernel=plan.kernel,
+                cache=True)   # the plan's mask_mod is a snapshot, its maps and positions cached
 
 
 def forward(plan, ranks: Sequence[int], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
