@@ -234,3 +234,54 @@ def test_runtime_reuses_calls_across_steps_and_matches_reference(fresh_cache, ma
     assert_close(got[0][0], ref, **TIGHT)
     for g, r in zip(got[0][1:], ref_grads):
         assert_close(g, r, **TIGHT)
+
+
+def test_rows_accumulator_equals_zero_fill_and_add():
+    """_Rows (copy on first write, add after, intervals for what is seen) == zeros + add."""
+    g = torch.Generator().manual_seed(11)
+    for trial in range(30):
+        L = int(torch.randint(1, 40, (1,), generator=g))
+        acc = tile_mod._Rows((1, 2, L, 3), torch.float64, "cpu")
+        dense = torch.zeros(1, 2, L, 3, dtype=torch.float64)
+        written = torch.zeros(L, dtype=torch.bool)
+        for _ in range(int(torch.randint(1, 8, (1,), generator=g))):
+            a = int(torch.randint(0, L, (1,), generator=g))
+            b = int(torch.randint(a + 1, L + 1, (1,), generator=g))
+            x = torch.randn(1, 2, b - a, 3, generator=g, dtype=torch.float64)
+            assert acc.touched(slice(a, b)) == bool(written[a:b].any())
+            if trial % 3 == 0 and not acc.touched(slice(a, b)):
+                acc.put(slice(a, b), x)
+            else:
+                acc.add(slice(a, b), x)
+            dense[:, :, a:b] += x
+            written[a:b] = True
+            if trial % 2:
+                assert torch.equal(acc.get(slice(a, b)), dense[:, :, a:b])
+        assert acc.seen == sorted(acc.seen)
+        assert all(s1 < t0 for (_, s1), (t0, _) in zip(acc.seen, acc.seen[1:]))
+        assert torch.equal(acc.result(torch.float64), dense)
+
+
+def test_split_columns_covers_each_live_block_once():
+    """_split_columns (pure Python over the codes): pieces cover every non-EMPTY block of the
+    group exactly once, stay inside it, and carry the codes of the blocks they cover."""
+    g = torch.Generator().manual_seed(5)
+    E, F = int(BlockKind.EMPTY), int(BlockKind.FULL)
+    for t in range(300):
+        nr = int(torch.randint(1, 8, (1,), generator=g))
+        nc = int(torch.randint(1, 10, (1,), generator=g))
+        codes = torch.randint(0, 3, (nr, nc), generator=g, dtype=torch.int8)
+        if t % 2:
+            codes = torch.where(torch.rand(nr, nc, generator=g) < 0.6, torch.full_like(codes, F),
+                                codes)
+        grp = tile_mod._Group(8, 8 + nr * BS, 4, 4 + nc * BS, codes)
+        pieces = tile_mod._split_columns(grp, block_size=BS, Lq=8 + nr * BS, Lk=4 + nc * BS)
+        cover = torch.zeros(nr, nc, dtype=torch.int64)
+        for p in pieces:
+            r0, r1 = (p.q0 - 8) // BS, -(-(p.q1 - 8) // BS)
+            c0, c1 = (p.k0 - 4) // BS, -(-(p.k1 - 4) // BS)
+            assert 0 <= r0 < r1 <= nr and 0 <= c0 < c1 <= nc
+            assert torch.equal(p.codes, codes[r0:r1, c0:c1])
+            cover[r0:r1, c0:c1] += 1
+        live = codes != E
+        assert bool((cover[live] == 1).all()) and bool((cover <= 1).all())
