@@ -1,0 +1,108 @@
+"""Step times of balanced against ring and zigzag (and balanced's other candidate layouts),
+interleaved in long-lived gloo ranks, with CPU seconds per rank beside the wall time.
+
+``python -m benchmarks.balanced_steps --world-size 2 --masks document window --seq-lens 4096
+8192 --layouts ring zigzag balanced --rounds 7`` — B=1, H=G=8, D=64, float32, forward +
+backward, one thread per rank, the masks of :func:`benchmarks.compare.fringe_mask`, the plan's
+default block size. A layout name other than ring / zigzag / balanced is one of
+:func:`fringe.layout.candidates` (``segments``, ``chain``, ``laps``, ...), run by the ring
+schedule. Rounds alternate the order of the layouts; printed per layout: median wall seconds
+(slowest rank), the median over rounds of wall / ring's wall in the same round, the median
+CPU seconds of the busiest rank (what a shared machine inflates least) and of all ranks, and
+the layout's fingerprint (equal fingerprints: the same plan). A benchmark, never a test.
+P > cores is oversubscribed: wall time then follows the sum of the ranks' CPU seconds.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import torch
+
+_STATE: dict = {}
+
+
+def _setup(rank: int, world: int, kind: str, S: int, names: list[str]) -> dict:
+    import fringe
+    from fringe import layout, masks, schedules
+
+    from .compare import _qkv, fringe_mask
+    mask = fringe_mask(kind, S)
+    _STATE.clear()
+    q, k, v = _qkv(S)
+    cands = None
+    for name in names:
+        if name in ("ring", "zigzag", "balanced"):
+            p = fringe.plan(schedules.get(name), mask, seq_len=S, world_size=world)
+        else:
+            bs = layout.DEFAULT_BLOCK_SIZE
+            if cands is None:
+                nat = masks.classify(mask, torch.arange(S), torch.arange(S), block_size=bs,
+                                     sparse=True)
+                cands = dict(layout.candidates(nat, world))
+            if name not in cands:
+                raise ValueError(f"layout {name!r} is not a candidate here; choose one of "
+                                 f"{['ring', 'zigzag', 'balanced'] + sorted(cands)}")
+            b = cands[name]
+            lay = layout.from_order((b[:, None] * bs + torch.arange(bs)).reshape(-1), world,
+                                    kind=name, block_size=bs)
+            p = fringe.plan(schedules.ring(), mask, seq_len=S, world_size=world, layout=lay)
+        ts = [p.layout.shard(t, rank).contiguous().requires_grad_() for t in (q, k, v)]
+        _STATE[name] = (p, ts)
+    return {n: _STATE[n][0].layout.fingerprint() for n in names}
+
+
+def _step(rank: int, world: int, name: str) -> dict:
+    import torch.distributed as dist
+
+    import fringe
+    p, (q, k, v) = _STATE[name]
+    for t in (q, k, v):
+        t.grad = None
+    dist.barrier()
+    c0, t0 = time.process_time(), time.perf_counter()
+    fringe.attention(q, k, v, plan=p).sum().backward()
+    cpu = time.process_time() - c0
+    dist.barrier()
+    return dict(wall=time.perf_counter() - t0, cpu=cpu)
+
+
+def main(argv=None) -> None:
+    from fringe.launch import Workers
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--world-size", type=int, default=2)
+    ap.add_argument("--masks", nargs="+", default=["document", "window"])
+    ap.add_argument("--seq-lens", nargs="+", type=int, default=[4096, 8192])
+    ap.add_argument("--layouts", nargs="+", default=["ring", "zigzag", "balanced"])
+    ap.add_argument("--rounds", type=int, default=7)
+    a = ap.parse_args(argv)
+    names = list(dict.fromkeys(["ring"] + a.layouts))
+    with Workers(a.world_size, timeout_s=900, threads=1) as w:
+        for kind in a.masks:
+            for S in a.seq_lens:
+                fp = w.run(_setup, kind, S, names)[0]
+                for n in names:
+                    w.run(_step, n)                                  # warm-up
+                res: dict = {n: [] for n in names}
+                load0 = os.getloadavg()[0]
+                for r in range(a.rounds):
+                    for n in (names if r % 2 == 0 else names[::-1]):
+                        rr = w.run(_step, n)
+                        res[n].append((max(x["wall"] for x in rr), [x["cpu"] for x in rr]))
+                print(f"{kind} S={S} P={a.world_size} rounds={a.rounds} "
+                      f"load {load0:.1f}->{os.getloadavg()[0]:.1f}")
+                ring_cpu = statistics.median(max(c) for _, c in res["ring"])
+                for n in names:
+                    wall = statistics.median(x for x, _ in res[n])
+                    ratio = statistics.median(x / y for (x, _), (y, _) in zip(res[n], res["ring"]))
+                    busiest = statistics.median(max(c) for _, c in res[n])
+                    total = statistics.median(sum(c) for _, c in res[n])
+                    print(f"  {n:10s} wall {wall:.3f} s  /ring {ratio:.3f}  busiest rank CPU "
+                          f"{busiest:.3f} s (/ring {busiest / ring_cpu:.3f})  all ranks CPU "
+                          f"{total:.3f} s  {fp[n]}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
