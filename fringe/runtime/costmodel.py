@@ -56,6 +56,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+import operator
 import time
 from typing import Sequence
 
@@ -899,6 +900,9 @@ def _walk_columns(programs: Sequence, L: int, shape: Shape, ir, fams, code) -> _
     bwd_fams = ((F.Q, 0, False), (F.KV, 1, False), (F.OUT, 0, False), (F.DOUT, 0, False),
                 (F.DQ, 0, True), (F.DKV, 1, True))
     cache: dict = {}
+    id_of: dict = {}                                   # the same, field by field (map lookups)
+    nbytes_of: dict = {}
+    chunk_of: dict = {}
 
     def bid(fc: int, chunk: int, heads) -> int:
         if heads is None:
@@ -923,24 +927,41 @@ def _walk_columns(programs: Sequence, L: int, shape: Shape, ir, fams, code) -> _
             i = bid(fc, chunk, heads)
             hit = cache[b] = (i, int(fam_bytes[fc]) if heads is None else sliced_bytes[i - base],
                               chunk)
+            id_of[b], nbytes_of[b], chunk_of[b] = hit
         return hit
 
-    comp, send, touch, coll = [], [], [], []
+    send, touch, coll = [], [], []
+    # computes, a step at a time: (rank, step, count) and the step's q, kv, grad, heads lists
+    c_at, c_q, c_kv, c_g, c_h = [], [], [], [], []
+    k_touch = []                                       # collective sides: (rank, step, bufs, side)
     groups: dict[tuple, int] = {}
+    qget, kvget, hget = (operator.attrgetter(a) for a in ("q", "kv", "heads"))
     for prog in programs:
         r = prog.rank
         for step in prog.steps:
             t = step.index
+            ops = step.ops
+            types = list(map(type, ops))
+            nc, ng = types.count(Compute), types.count(GradCompute)
+            if nc or ng:                               # computes in bulk (most ops are these)
+                comps = ops if nc + ng == len(ops) else [
+                    op for op, tp in zip(ops, types) if tp is Compute or tp is GradCompute]
+                c_at.append((r, t, len(comps)))
+                c_q.append(list(map(qget, comps)))
+                c_kv.append(list(map(kvget, comps)))
+                c_g.append(ng if not nc or not ng else
+                           [tp is GradCompute for tp in types if tp is Compute or tp is GradCompute])
+                hs = list(map(hget, comps))
+                c_h.append(None if hs.count(None) == len(hs) else hs)
+                if nc + ng == len(ops):
+                    continue
+                rest = [(op, tp) for op, tp in zip(ops, types)
+                        if tp is not Compute and tp is not GradCompute]
+            else:
+                rest = zip(ops, types)
             seen: dict[int, int] = {}
-            for op in step.ops:
-                tp = type(op)
-                if tp is Compute or tp is GradCompute:
-                    h = op.heads                     # touches: by column, after the walk
-                    if h is None:
-                        comp.append((r, t, tp is GradCompute, op.q, op.kv, -1, 1))
-                    else:
-                        comp.append((r, t, tp is GradCompute, op.q, op.kv, h[0], h[1]))
-                elif tp is Send or tp is Recv:
+            for op, tp in rest:
+                if tp is Send or tp is Recv:
                     i, nbytes, chunk = of_buffer(op.buf)
                     if tp is Send:
                         send.append((r, t, op.peer, nbytes))
@@ -953,15 +974,19 @@ def _walk_columns(programs: Sequence, L: int, shape: Shape, ir, fams, code) -> _
                                          f"{r} in its group {list(op.group)}")
                     me = op.group.index(r)
                     moved = [0, 0]
-                    for side, slots in ((0, op.sends), (1, op.recvs)):
-                        own = slots[me]               # stays in place: not moved
-                        for b in [b for b in slots if b is not None]:   # most slots are empty
-                            i, nbytes, chunk = cache.get(b) or of_buffer(b)
-                            moved[side] += nbytes
-                            if chunk != r:
-                                touch.append((r, t, i, bool(side)))
-                        if own is not None:           # (its touch, if any, is harmless)
-                            moved[side] -= (cache.get(own) or of_buffer(own))[1]
+                    for side, (idx, bufs) in enumerate((op.sparse_sends, op.sparse_recvs)):
+                        if not bufs:                  # the occupied slots only
+                            continue
+                        try:
+                            nb = sum(map(nbytes_of.__getitem__, bufs))
+                        except KeyError:
+                            for b in bufs:
+                                of_buffer(b)
+                            nb = sum(map(nbytes_of.__getitem__, bufs))
+                        if me in idx:                 # its own slot stays in place: not moved
+                            nb -= nbytes_of[bufs[idx.index(me)]]
+                        moved[side] = nb
+                        k_touch.append((r, t, bufs, side))   # (its own, if any, is harmless)
                     sent, got = moved
                     ordinal = seen.get(gid, 0)
                     seen[gid] = ordinal + 1
@@ -977,9 +1002,37 @@ def _walk_columns(programs: Sequence, L: int, shape: Shape, ir, fams, code) -> _
                            count=len(rows) * width)
         return tuple(flat.reshape(-1, width).T)
 
+    def flat(lists, n):
+        return np.fromiter(itertools.chain.from_iterable(lists), dtype=np.int64, count=n)
+
     tc = cols(touch, 4)
     touch_cols = [(tc[0], tc[1], tc[2], tc[3].astype(bool))]
-    cr, ct, cg, cq, ckv, chi, chn = cols(comp, 7)
+    if k_touch:                                        # collective slots on other ranks' buffers
+        counts = _i64([len(x[2]) for x in k_touch])
+        n = int(counts.sum())
+        ids, chunks = (np.fromiter(map(d.__getitem__, itertools.chain.from_iterable(
+            x[2] for x in k_touch)), dtype=np.int64, count=n) for d in (id_of, chunk_of))
+        kr = np.repeat(_i64([x[0] for x in k_touch]), counts)
+        far = chunks != kr
+        touch_cols.append((kr[far], np.repeat(_i64([x[1] for x in k_touch]), counts)[far],
+                           ids[far], np.repeat(np.array([x[3] for x in k_touch], bool), counts)[far]))
+    at = np.array(c_at, dtype=np.int64).reshape(-1, 3)
+    n_c = int(at[:, 2].sum())
+    cr, ct = np.repeat(at[:, 0], at[:, 2]), np.repeat(at[:, 1], at[:, 2])
+    cq, ckv = flat(c_q, n_c), flat(c_kv, n_c)
+    off = np.cumsum(at[:, 2]) - at[:, 2]
+    cg = np.repeat(_i64([min(g, 1) if isinstance(g, int) else 0 for g in c_g]), at[:, 2])
+    for o, g in zip(off.tolist(), c_g):               # steps mixing C and G (none built-in)
+        if not isinstance(g, int):
+            cg[o:o + len(g)] = g
+    chi, chn = np.full(n_c, -1, dtype=np.int64), np.ones(n_c, dtype=np.int64)
+    sliced_steps = [(o, hs) for o, hs in zip(off.tolist(), c_h) if hs is not None]
+    if sliced_steps:
+        where = np.concatenate([np.arange(o, o + len(hs)) for o, hs in sliced_steps])
+        hh = np.array([(-1, 1) if h is None else h for h in
+                       itertools.chain.from_iterable(hs for _, hs in sliced_steps)],
+                      dtype=np.int64).reshape(-1, 2)
+        chi[where], chn[where] = hh[:, 0], hh[:, 1]
     whole = chi < 0
     touch_cols += _compute_touches(P, cr[whole], ct[whole], cg[whole], cq[whole], ckv[whole], code)
     if not whole.all():                               # head slices: an id per distinct buffer
