@@ -900,9 +900,12 @@ def _walk_columns(programs: Sequence, L: int, shape: Shape, ir, fams, code) -> _
     bwd_fams = ((F.Q, 0, False), (F.KV, 1, False), (F.OUT, 0, False), (F.DOUT, 0, False),
                 (F.DQ, 0, True), (F.DKV, 1, True))
     cache: dict = {}
-    id_of: dict = {}                                   # the same, field by field (map lookups)
-    nbytes_of: dict = {}
-    chunk_of: dict = {}
+    sliced_chunks: list[int] = []
+
+    class _Ids(dict):                                  # buffer -> id, learning new buffers
+        def __missing__(self, b):
+            return of_buffer(b)[0]
+    ids_of = _Ids()
 
     def bid(fc: int, chunk: int, heads) -> int:
         if heads is None:
@@ -914,6 +917,7 @@ def _walk_columns(programs: Sequence, L: int, shape: Shape, ir, fams, code) -> _
             splits.add(n)
             hit = sliced[k] = base + len(sliced_bytes)
             sliced_bytes.append(shape.buffer_bytes(fams[fc].value, L, split=n))
+            sliced_chunks.append(chunk)
         return hit
 
     def of_buffer(b) -> tuple[int, int, int]:
@@ -927,7 +931,7 @@ def _walk_columns(programs: Sequence, L: int, shape: Shape, ir, fams, code) -> _
             i = bid(fc, chunk, heads)
             hit = cache[b] = (i, int(fam_bytes[fc]) if heads is None else sliced_bytes[i - base],
                               chunk)
-            id_of[b], nbytes_of[b], chunk_of[b] = hit
+            ids_of[b] = i
         return hit
 
     send, touch, coll = [], [], []
@@ -973,24 +977,16 @@ def _walk_columns(programs: Sequence, L: int, shape: Shape, ir, fams, code) -> _
                         raise ValueError(f"rank {r}, step {t}: {op.ascii()} does not list rank "
                                          f"{r} in its group {list(op.group)}")
                     me = op.group.index(r)
-                    moved = [0, 0]
+                    refs = [-1, -1]                   # its sides in k_touch (bytes: later)
                     for side, (idx, bufs) in enumerate((op.sparse_sends, op.sparse_recvs)):
                         if not bufs:                  # the occupied slots only
                             continue
-                        try:
-                            nb = sum(map(nbytes_of.__getitem__, bufs))
-                        except KeyError:
-                            for b in bufs:
-                                of_buffer(b)
-                            nb = sum(map(nbytes_of.__getitem__, bufs))
-                        if me in idx:                 # its own slot stays in place: not moved
-                            nb -= nbytes_of[bufs[idx.index(me)]]
-                        moved[side] = nb
-                        k_touch.append((r, t, bufs, side))   # (its own, if any, is harmless)
-                    sent, got = moved
+                        refs[side] = len(k_touch)     # its own slot stays in place: not moved
+                        k_touch.append((r, t, bufs, side, bufs[idx.index(me)] if me in idx
+                                        else None))   # (its touch, if any, is harmless)
                     ordinal = seen.get(gid, 0)
                     seen[gid] = ordinal + 1
-                    coll.append((r, t, gid, ordinal, _COLL_KINDS[op.kind], sent, got))
+                    coll.append((r, t, gid, ordinal, _COLL_KINDS[op.kind], *refs))
                 else:
                     raise ValueError(
                         f"the cost model does not model {type(op).__name__} ops (rank {r}, step "
@@ -1007,13 +1003,23 @@ def _walk_columns(programs: Sequence, L: int, shape: Shape, ir, fams, code) -> _
 
     tc = cols(touch, 4)
     touch_cols = [(tc[0], tc[1], tc[2], tc[3].astype(bool))]
-    if k_touch:                                        # collective slots on other ranks' buffers
+    coll_cols = cols(coll, 7)
+    if k_touch:                                        # collective slots, one id lookup a slot
         counts = _i64([len(x[2]) for x in k_touch])
         n = int(counts.sum())
-        ids, chunks = (np.fromiter(map(d.__getitem__, itertools.chain.from_iterable(
-            x[2] for x in k_touch)), dtype=np.int64, count=n) for d in (id_of, chunk_of))
+        ids = np.fromiter(map(ids_of.__getitem__, itertools.chain.from_iterable(
+            x[2] for x in k_touch)), dtype=np.int64, count=n)
+        by_id = np.concatenate([np.repeat(fam_bytes, P), _i64(sliced_bytes)])
+        chunk_by_id = np.concatenate([np.tile(np.arange(P, dtype=np.int64), len(fams)),
+                                      _i64(sliced_chunks)])
+        moved = np.add.reduceat(by_id[ids], np.cumsum(counts) - counts)
+        own = [i for i, x in enumerate(k_touch) if x[4] is not None]
+        if own:
+            moved[own] -= by_id[_i64([ids_of[k_touch[i][4]] for i in own])]
+        moved = np.r_[moved, 0]                        # ref -1: an empty side moves nothing
+        coll_cols = (*coll_cols[:5], moved[coll_cols[5]], moved[coll_cols[6]])
         kr = np.repeat(_i64([x[0] for x in k_touch]), counts)
-        far = chunks != kr
+        far = chunk_by_id[ids] != kr
         touch_cols.append((kr[far], np.repeat(_i64([x[1] for x in k_touch]), counts)[far],
                            ids[far], np.repeat(np.array([x[3] for x in k_touch], bool), counts)[far]))
     at = np.array(c_at, dtype=np.int64).reshape(-1, 3)
@@ -1050,7 +1056,7 @@ def _walk_columns(programs: Sequence, L: int, shape: Shape, ir, fams, code) -> _
                 ids = _i64([bid(fc, int(c), (int(i), int(n))) for c, i, n in uniq.tolist()])
                 touch_cols.append((r_[m], t_[m], ids[inv.reshape(-1)], bool(start)))
     buf_bytes = np.concatenate([np.repeat(fam_bytes, P), _i64(sliced_bytes)])
-    return _Cols(P, (cr, ct, cg, cq, ckv, chn), cols(send, 4), touch_cols, cols(coll, 7),
+    return _Cols(P, (cr, ct, cg, cq, ckv, chn), cols(send, 4), touch_cols, coll_cols,
                  [g for g, _ in sorted(groups.items(), key=lambda x: x[1])], buf_bytes,
                  tuple(sorted(splits)))
 
