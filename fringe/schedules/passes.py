@@ -14,6 +14,7 @@ import collections
 import contextlib
 import dataclasses
 import gc
+import itertools
 import weakref
 from typing import Iterator, Mapping, Sequence
 
@@ -21,7 +22,7 @@ import numpy as np
 import torch
 
 from .ir import (C_, G_, R_, S_, Buffer, Collective, Compute, Family, GradCompute, Op, Program,
-                 ProgramTable, Recv, Send, _BUFS_OF, _buf, marked, program_from_ops,
+                 ProgramTable, Recv, Send, _BUFS_OF, _FIELDS, _buf, marked, program_from_ops,
                  steps_of)
 
 
@@ -55,6 +56,8 @@ _FAMILIES = tuple(Family)
 _FAMILY_CODE = {f: n for n, f in enumerate(_FAMILIES)}
 _F = len(_FAMILIES)
 _TILES = frozenset({Compute, GradCompute})
+_Q, _KV, _OUT, _DQ, _DKV, _DOUT = (Family.Q, Family.KV, Family.OUT, Family.DQ, Family.DKV,
+                                   Family.DOUT)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -300,13 +303,28 @@ def prune(programs: Sequence[Program], need: torch.Tensor) -> list[Program]:
 
     uses: set[tuple[int, Buffer]] = set()              # (rank, buffer) read by a kept compute
     moves: dict[Buffer, list[tuple[int, int, int]]] = collections.defaultdict(list)
+    okl = ok.tolist()
+    add = uses.add
+    changed = [False] * P                   # a compute dropped, or an input moved, or a step empty
     for prog in programs:
+        r = prog.rank
         for t, op in prog.ops():
+            if type(op) is Compute and op.heads is None:     # the hot path, by attribute
+                if okl[op.q][op.kv]:
+                    add((r, _buf(_Q, op.q)))
+                    add((r, _buf(_KV, op.kv)))
+                else:
+                    changed[r] = True
+                continue
             if isinstance(op, (Compute, GradCompute)):
+                changed[r] = changed[r] or not kept(op)
                 if kept(op):
                     uses.update((prog.rank, b) for b in op.reads())
             elif isinstance(op, Send) and op.buf.family in _INPUTS:
                 moves[op.buf].append((t, prog.rank, op.peer))
+                changed[r] = True
+            elif isinstance(op, Recv) and op.buf.family in _INPUTS:
+                changed[r] = True
     keep: set[tuple[Buffer, int, int, int]] = set()     # (buffer, step, src, dst)
     for b, hops in moves.items():
         hops.sort(key=lambda h: -h[0])
@@ -323,6 +341,9 @@ def prune(programs: Sequence[Program], need: torch.Tensor) -> list[Program]:
             live.update(src for src, _ in kept_now)
     pruned = []
     for prog in programs:
+        if not changed[prog.rank] and all(step.ops for step in prog.steps):
+            pruned.append(prog)             # nothing to drop: the same value, without a rebuild
+            continue
         ops: dict[int, list[Op]] = collections.defaultdict(list)
         dropped = False
         for t, op in prog.ops():
@@ -387,7 +408,8 @@ def reverse(programs: Sequence[Program], *, kv: str = "resend") -> list[Program]
     P = len(programs)
     T = steps_of(programs)
     ops: list[dict[int, list[Op]]] = [collections.defaultdict(list) for _ in range(P)]
-    reads_at: dict[tuple[int, Buffer], list[int]] = collections.defaultdict(list)  # fwd steps
+    # (rank, buffer) -> the last forward step a compute reads it (steps increase in a program)
+    reads_at: dict[tuple[int, Buffer], int] = {}
     in_hop: dict[tuple[int, Buffer], Hop] = {}
     out_hops: dict[tuple[int, Buffer], list[Hop]] = collections.defaultdict(list)
     by_collective: set[tuple[int, Buffer]] = set()     # inputs a collective brought to a rank
@@ -395,37 +417,67 @@ def reverse(programs: Sequence[Program], *, kv: str = "resend") -> list[Program]
     for prog in programs:
         r = prog.rank
         seen: collections.Counter = collections.Counter()
-        for t, op in prog.ops():
-            if isinstance(op, GradCompute) or (isinstance(op, (Send, Recv))
-                                               and op.buf.family.is_gradient) or (
-                    isinstance(op, Collective) and not (_GRADS.isdisjoint(op.reads())
-                                                        and _GRADS.isdisjoint(op.writes()))):
-                raise ScheduleError(f"rank {r}, step {t}: reverse takes forward programs; found "
-                                    f"{op}\n{marked(prog, t)}")
-            ops[r][T - t].append(op.adjoint())
-            if isinstance(op, (Send, Recv)):
-                fam = op.buf.family
-                if fam is Family.OUT:       # the merged (out, lse) goes with its cotangent
-                    ops[r][T - t].append(Recv(op.buf, op.peer) if isinstance(op, Send)
-                                         else Send(op.buf, op.peer))
-                elif fam in _INPUTS and isinstance(op, Send):
-                    out_hops[(r, op.buf)].append(Hop(t, r, op.peer))
-                elif fam in _INPUTS:
-                    in_hop[(r, op.buf)] = Hop(t, op.peer, r)
-            elif isinstance(op, Collective):
-                if not (_OUTS.isdisjoint(op.reads()) and _OUTS.isdisjoint(op.writes())):
-                    ops[r][T - t].append(op.transposed())
-                by_collective.update((r, b) for b in _INPUT_BUFS.intersection(op.received(r)))
-                key = (t, op.group, seen[(t, op.group)])
-                seen[(t, op.group)] += 1
-                collectives[key][r] = op
-            else:
-                for b in op.reads():
-                    reads_at[(r, b)].append(t)
+        for step in prog.steps:
+            t = step.index
+            dst = ops[r][T - t]
+            for op in step.ops:
+                if type(op) is Compute:     # the hot path: whole-heads tiles, by attribute
+                    q, k, h = op.q, op.kv, op.heads
+                    dst.append(_grad_compute(q, k, h))
+                    if h is None:
+                        reads_at[(r, _buf(_Q, q))] = t
+                        reads_at[(r, _buf(_KV, k))] = t
+                    else:
+                        for b in op.reads():
+                            reads_at[(r, b)] = t
+                    continue
+                _reverse_op(prog, r, t, op, T, ops, dst, reads_at, in_hop, out_hops,
+                            by_collective, collectives, seen)
     _reissue(T, ops, collectives, reads_at, kv)
     _rematerialise(T, ops, reads_at, in_hop, out_hops, skip=by_collective,
                    families=_INPUTS if kv == "resend" else frozenset({Family.Q}))
     return [program_from_ops(r, ops[r]) for r in range(P)]
+
+
+def _grad_compute(q: int, kv: int, heads, _new=object.__new__, _set=object.__setattr__,
+                  _cls=GradCompute) -> GradCompute:
+    """``GradCompute(q, kv, heads)`` from a Compute's checked fields (no re-validation)."""
+    g = _new(_cls)
+    _set(g, "q", q)
+    _set(g, "kv", kv)
+    _set(g, "heads", heads)
+    return g
+
+
+def _reverse_op(prog, r, t, op, T, ops, dst, reads_at, in_hop, out_hops, by_collective,
+                collectives, seen) -> None:
+    """One op (not a forward Compute) of :func:`reverse`'s rules."""
+    if isinstance(op, GradCompute) or (isinstance(op, (Send, Recv))
+                                       and op.buf.family.is_gradient) or (
+            isinstance(op, Collective) and not (_GRADS.isdisjoint(op.reads())
+                                                and _GRADS.isdisjoint(op.writes()))):
+        raise ScheduleError(f"rank {r}, step {t}: reverse takes forward programs; found "
+                            f"{op}\n{marked(prog, t)}")
+    dst.append(op.adjoint())
+    if isinstance(op, (Send, Recv)):
+        fam = op.buf.family
+        if fam is Family.OUT:       # the merged (out, lse) goes with its cotangent
+            ops[r][T - t].append(Recv(op.buf, op.peer) if isinstance(op, Send)
+                                 else Send(op.buf, op.peer))
+        elif fam in _INPUTS and isinstance(op, Send):
+            out_hops[(r, op.buf)].append(Hop(t, r, op.peer))
+        elif fam in _INPUTS:
+            in_hop[(r, op.buf)] = Hop(t, op.peer, r)
+    elif isinstance(op, Collective):
+        if not (_OUTS.isdisjoint(op.reads()) and _OUTS.isdisjoint(op.writes())):
+            ops[r][T - t].append(op.transposed())
+        by_collective.update((r, b) for b in _INPUT_BUFS.intersection(op.received(r)))
+        key = (t, op.group, seen[(t, op.group)])
+        seen[(t, op.group)] += 1
+        collectives[key][r] = op
+    else:
+        for b in op.reads():
+            reads_at[(r, b)] = t
 
 
 def _reissue(T, ops, collectives, reads_at, kv: str) -> None:
@@ -439,17 +491,21 @@ def _reissue(T, ops, collectives, reads_at, kv: str) -> None:
     """
     brought: dict[tuple[int, Buffer], tuple] = {}
     when: dict[tuple, int] = {}
+    repeat = itertools.repeat
     for key, sides in collectives.items():
-        firsts, families = [], set()
+        latest, families = None, set()          # the last forward read of what it brought
         for r, op in sides.items():
-            for b in _INPUT_BUFS.intersection(op.received(r)):
-                brought[(r, b)] = key
-                families.add(b.family)
-                at = reads_at.get((r, b))
-                if at:
-                    firsts.append(T - max(at))
-        if firsts and not (kv == "keep" and families == {Family.KV}):
-            when[key] = min(firsts) - 1
+            got = _INPUT_BUFS.intersection(op.received(r))
+            if not got:
+                continue
+            pairs = list(zip(repeat(r), got))
+            brought.update(zip(pairs, repeat(key)))
+            families.update(_FIELDS[b][0] for b in got)
+            ats = [a for a in map(reads_at.get, pairs) if a is not None]
+            if ats:
+                latest = max(ats) if latest is None else max(latest, max(ats))
+        if latest is not None and not (kv == "keep" and families == {Family.KV}):
+            when[key] = T - latest - 1
     for key in sorted(collectives, key=lambda k_: -k_[0]):      # latest forward step first
         if key not in when:
             continue
@@ -476,8 +532,10 @@ def _rematerialise(T, ops, reads_at, in_hop, out_hops, *, skip=frozenset(),
     buffer families to re-send.
     """
     holders: dict[Buffer, set[int]] = collections.defaultdict(set)
-    for (r, b) in list(reads_at) + list(in_hop):
-        if r != b.chunk and (r, b) not in skip and b.family in families:
+    # in program order (buffers that sort alike, head slices of one chunk, keep it)
+    for (r, b) in itertools.filterfalse(skip.__contains__, itertools.chain(reads_at, in_hop)):
+        fam, chunk, _ = _FIELDS[b]
+        if r != chunk and fam in families:
             holders[b].add(r)
     for b in sorted(holders, key=lambda b: (b.family.value, b.chunk)):
         owner = b.chunk
@@ -496,7 +554,8 @@ def _rematerialise(T, ops, reads_at, in_hop, out_hops, *, skip=frozenset(),
         need_at: dict[int, int | None] = {}    # rank -> first backward step it needs b present
         arrival = sorted(ranks, key=lambda r: in_hop[(r, b)].step if (r, b) in in_hop else -1)
         for r in arrival:
-            times = [T - t for t in reads_at.get((r, b), ())]
+            last = reads_at.get((r, b))
+            times = [] if last is None else [T - last]
             hop = in_hop.get((r, b))
             if hop is not None and hop.src != owner and supplier(hop.src) == r:
                 if need_at.get(hop.src) is not None:
@@ -652,10 +711,16 @@ def _check_collectives(programs: Sequence[Program]) -> None:
                                           f"here, but rank {group[0]} issues '{ops[0]}'")
             # what a sends to each member is what each member receives from a
             sent, got = set(), set()
-            for i, op in enumerate(ops):
+            for i, op in enumerate(ops):          # slots by zip (in C); own slots dropped
                 (si, sb), (ri, rb) = op.sparse_sends, op.sparse_recvs
-                sent.update((i, k, b) for k, b in zip(si, sb) if k != i)
-                got.update((k, i, b) for k, b in zip(ri, rb) if k != i)
+                sent.update(zip(itertools.repeat(i), si, sb))
+                got.update(zip(ri, itertools.repeat(i), rb))
+                own = _slot(si, sb, i)
+                if own is not None:
+                    sent.discard((i, i, own))
+                own = _slot(ri, rb, i)
+                if own is not None:
+                    got.discard((i, i, own))
             if sent != got:
                 a_i, b_i = min((a_i, b_i) for a_i, b_i, _ in sent ^ got)
                 a, b = group[a_i], group[b_i]
@@ -684,6 +749,23 @@ def _check_presence(programs: Sequence[Program], *, backward: bool, kv: str) -> 
         for step in prog.steps:
             arriving = []
             for op in step.ops:
+                tp = type(op)
+                if tp is Compute and op.heads is None:      # the hot paths, by attribute
+                    q = op.q                                # (q{r} is owned: present)
+                    if (q == r or _buf(_Q, q) in present) and _buf(_KV, op.kv) in present:
+                        arriving.append(_buf(_OUT, q))
+                        continue
+                elif tp is GradCompute and op.heads is None:
+                    q = op.q
+                    if q == r and backward:     # q, out, dout, dq of r are owned: present
+                        if _buf(_KV, op.kv) in present:
+                            arriving.append(_buf(_DKV, op.kv))
+                            continue
+                    elif (_buf(_Q, q) in present and _buf(_KV, op.kv) in present
+                            and _buf(_OUT, q) in present and _buf(_DOUT, q) in present):
+                        arriving.append(_buf(_DQ, q))
+                        arriving.append(_buf(_DKV, op.kv))
+                        continue
                 reads = op.reads()
                 if present.issuperset(reads):
                     arriving.extend(op.writes())
