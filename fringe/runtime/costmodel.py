@@ -1185,30 +1185,46 @@ def _live_peak(P: int, T: int, touch: list, size_of: np.ndarray) -> np.ndarray:
     for t in touch:
         used[t[2]] = True
     ids = np.flatnonzero(used)                        # the buffers touched anywhere
-    remap = np.cumsum(used) - 1
     NB = len(ids)
-    keys = [t[0] * NB + remap[t[2]] for t in touch]
     if P * NB > 1 << 24:                              # compact the keys (large sliced plans)
+        remap = np.cumsum(used) - 1
+        keys = [t[0] * NB + remap[t[2]] for t in touch]
         uniq, inv = np.unique(np.concatenate(keys), return_inverse=True)
         inv = inv.reshape(-1)
         bounds = np.cumsum([0] + [len(k) for k in keys])
         keys = [inv[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
-        nk = len(uniq)
-    else:
+        nk, pt = len(uniq), np.int64
+    else:                                             # int32 keys, int16 steps where they fit
         uniq, nk = None, P * NB
-    first = np.full(nk, T, dtype=np.int64)
-    last = np.full(nk, -1, dtype=np.int64)
+        kt = np.int32 if nk < 1 << 31 else np.int64
+        pt = np.int16 if T < (1 << 15) - 1 else np.int64
+        remap = (np.cumsum(used) - 1).astype(kt)
+        keys = []
+        for t in touch:
+            k = t[0].astype(kt)
+            k *= kt(NB)
+            k += remap[t[2]]
+            keys.append(k)
+    first = np.full(nk, T, dtype=pt)
+    last = np.full(nk, -1, dtype=pt)
     for key, (_, pos, _, start) in zip(keys, touch):
+        pos = pos.astype(pt, copy=False)
         if isinstance(start, np.ndarray):
             if start.any():
                 np.minimum.at(first, key[start], pos[start])
         elif start:
             np.minimum.at(first, key, pos)
         np.maximum.at(last, key, pos)
-    live = np.flatnonzero(first < T)
-    full_key = live if uniq is None else uniq[live]
-    lr, lb = full_key // NB, ids[full_key % NB]
-    s, e = first[live], np.maximum(last[live], first[live])
+    if uniq is None:                                  # (rank, buffer) without a division
+        lr, j = np.nonzero(first.reshape(P, NB) < T)
+        at = lr * NB + j
+        lb = ids[j]
+    else:
+        at = np.flatnonzero(first < T)
+        full_key = uniq[at]
+        lr, lb = full_key // NB, ids[full_key % NB]
+    s = first[at].astype(np.int64)
+    e = np.maximum(last[at], first[at]).astype(np.int64)
     sz = size_of[lb].astype(np.float64)
     delta = (np.bincount(lr * (T + 1) + s, weights=sz, minlength=P * (T + 1))
              - np.bincount(lr * (T + 1) + e + 1, weights=sz, minlength=P * (T + 1)))
@@ -1219,16 +1235,6 @@ def _counts(index: np.ndarray, weights: np.ndarray, n: int) -> np.ndarray:
     """``np.bincount`` with float64 weights, float64 even when empty."""
     return np.bincount(index, weights=np.asarray(weights, dtype=np.float64),
                        minlength=n).astype(np.float64, copy=False)
-
-
-def _one_peer(key: np.ndarray, peer: np.ndarray, n: int) -> bool:
-    """Whether every ``key`` (a rank's step) has one ``peer``: each key keeps one of its
-    peers (whichever write lands), and every row must match it."""
-    if not len(key):
-        return True
-    seen = np.empty(n, dtype=peer.dtype)
-    seen[key] = peer
-    return bool((seen[key] == peer).all())
 
 
 def _run(flat: _Flat, hw: Hardware, P: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -1246,21 +1252,20 @@ def _run(flat: _Flat, hw: Hardware, P: int) -> tuple[np.ndarray, np.ndarray, np.
     issue = np.zeros((P, T))
     wait = np.zeros((P, T))
     src, spos, dst, nbytes = flat.sends
-    order = np.argsort(spos.astype(np.int16 if T < 1 << 15 else np.int64), kind="stable")  # radix
-    src, spos, dst, nbytes = src[order], spos[order], dst[order], nbytes[order].astype(np.float64)
-    sent = _counts(src * T + spos, nbytes, P * T).reshape(P, T)
-    recv = _counts(dst * T + spos, nbytes, P * T).reshape(P, T)
+    ks, kd = src * T + spos, dst * T + spos
+    sent = _counts(ks, nbytes, P * T)
+    recv = _counts(kd, nbytes, P * T)
     lat, bw = hw.link(src, dst)
-    dur = lat + np.maximum(sent[src, spos], recv[dst, spos]) / bw   # the busier end's link
-    bounds = np.searchsorted(spos, np.arange(T + 1)).tolist()
+    dur = lat + np.maximum(sent[ks], recv[kd]) / bw                  # the busier end's link
+    sent, recv = sent.reshape(P, T), recv.reshape(P, T)
+    order = np.argsort(spos.astype(np.int16 if T < 1 << 15 else np.int64), kind="stable")  # radix
+    src, dst, dur = src[order], dst[order], dur[order]               # by step
+    bounds = np.r_[0, np.cumsum(np.bincount(spos, minlength=T))].tolist()
     waves = {}
     if flat.colls is not None:
         c_rank, c_pos, c_sent, c_recv, _, waves, c_dur = flat.colls
         sent += _counts(c_rank * T + c_pos, c_sent, P * T).reshape(P, T)
         recv += _counts(c_rank * T + c_pos, c_recv, P * T).reshape(P, T)
-    # in rings a rank sends to one peer and receives from one peer a step (maybe several
-    # buffers, which then finish together): plain assignment then takes the max
-    once = _one_peer(src * T + spos, dst, P * T) and _one_peer(dst * T + spos, src, P * T)
     compute = np.ascontiguousarray(flat.compute.T)                   # [T, P]
     issue_t, wait_t = np.zeros((T, P)), np.zeros((T, P))
     clock = np.zeros(P)
@@ -1272,12 +1277,8 @@ def _run(flat: _Flat, hw: Hardware, P: int) -> tuple[np.ndarray, np.ndarray, np.
             s, d = src[a:b], dst[a:b]
             fin = np.maximum(clock[s], clock[d])
             fin += dur[a:b]
-            if once:
-                done[s] = np.maximum(done[s], fin)
-                done[d] = np.maximum(done[d], fin)
-            else:
-                np.maximum.at(done, s, fin)
-                np.maximum.at(done, d, fin)
+            np.maximum.at(done, s, fin)               # (a rank's several transfers: the last)
+            np.maximum.at(done, d, fin)
         if i in waves:
             ready = clock.copy()
             for a, b, i0, rel in waves[i]:
