@@ -12,7 +12,8 @@
   interpreter, ``ops`` the tile code; ``autograd`` is the backward of those ops, run by
   autograd's engine with no Python frame);
 - **interleaved timing** (fringe and dense SDPA alternating, median of ``--rounds``): wall and
-  CPU-time ratios, with the load average. Dense SDPA uses ``is_causal`` (causal) or a bool mask.
+  CPU-time ratios, with the load average. Dense SDPA uses ``is_causal`` (causal) or a bool mask;
+- the tile call cache (``fringe.ops.tile._CallCache``): tiles held, mask bytes, hits / misses.
 
 A benchmark, never a test: it exits 0 whatever it measures.
 """
@@ -129,6 +130,10 @@ def main(argv=None) -> int:
           f"{w['fringe']:.3f} s / dense {w['dense SDPA']:.3f} s = "
           f"{w['fringe'] / w['dense SDPA']:.3f}; CPU time "
           f"{c['fringe'] / c['dense SDPA']:.3f} (target for P=1 causal: <= 1.05)")
+    from fringe.ops import tile as _tile
+    cache = _tile._CACHE
+    print(f"tile call cache: {len(cache.entries)} tiles, {cache.bytes / 2 ** 20:.1f} MiB masks, "
+          f"{cache.hits} hits / {cache.misses} misses (groups and masks built once per tile)")
     return 0
 
 
