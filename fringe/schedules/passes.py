@@ -298,12 +298,13 @@ def prune(programs: Sequence[Program], need: torch.Tensor) -> list[Program]:
     P = len(programs)
     ok = _need_array(need, P)
 
+    okl = ok.tolist()
+
     def kept(op) -> bool:
-        return bool(ok[op.q, op.kv])
+        return okl[op.q][op.kv]
 
     uses: set[tuple[int, Buffer]] = set()              # (rank, buffer) read by a kept compute
     moves: dict[Buffer, list[tuple[int, int, int]]] = collections.defaultdict(list)
-    okl = ok.tolist()
     add = uses.add
     changed = [False] * P                   # a compute dropped, or an input moved, or a step empty
     for prog in programs:
