@@ -77,7 +77,8 @@ __all__ = ["HARDWARE", "Hardware", "Prediction", "Shape", "calibrate", "get_hard
 _FULL, _PARTIAL, _EMPTY = int(BlockKind.FULL), int(BlockKind.PARTIAL), int(BlockKind.EMPTY)
 _CHUNK = 1 << 15          # tiles whose block maps are packed at once in tile_work
 _BAND_BLOCKS = 1 << 24    # blocks of the block map made dense at once in tile_work
-_RECT_CHUNK = 1 << 16     # rectangles hashed at once (in cache; 1 << 16 measured fastest) in _distinct_maps_from_rects
+_BULK_OPS = 16            # steps of this many ops take their computes in bulk (op walk)
+_RECT_CHUNK = 1 << 16     # rectangles hashed at once in _distinct_maps_from_rects (in cache)
 
 
 def _tile(plan, i: int, j: int, n: int) -> torch.Tensor:
@@ -952,8 +953,8 @@ def _walk_columns(programs: Sequence, L: int, shape: Shape, ir, fams, code) -> _
             ids_of[b] = i
         return hit
 
-    send, touch, coll = [], [], []
-    # computes, a step at a time: (rank, step, count) and the step's q, kv, grad, heads lists
+    comp, send, touch, coll = [], [], [], []      # comp: computes of short steps, a row each
+    # computes of long steps, a step at a time: (rank, step, count) and the step's q, kv, grad, heads lists
     c_at, c_q, c_kv, c_g, c_h = [], [], [], [], []
     k_touch = []                                       # collective sides: (rank, step, bufs, side)
     groups: dict[tuple, int] = {}
@@ -963,8 +964,20 @@ def _walk_columns(programs: Sequence, L: int, shape: Shape, ir, fams, code) -> _
         for step in prog.steps:
             t = step.index
             ops = step.ops
-            types = list(map(type, ops))
-            nc, ng = types.count(Compute), types.count(GradCompute)
+            if len(ops) < _BULK_OPS:                   # a short step: op by op
+                rest = []
+                for op in ops:
+                    tp = type(op)
+                    if tp is Compute or tp is GradCompute:
+                        h = op.heads
+                        comp.append((r, t, tp is GradCompute, op.q, op.kv, *(h or (-1, 1))))
+                    else:
+                        rest.append((op, tp))
+                nc = ng = 0
+            else:
+                types = list(map(type, ops))
+                nc, ng = types.count(Compute), types.count(GradCompute)
+                rest = zip(ops, types)
             if nc or ng:                               # computes in bulk (most ops are these)
                 comps = ops if nc + ng == len(ops) else [
                     op for op, tp in zip(ops, types) if tp is Compute or tp is GradCompute]
@@ -979,8 +992,6 @@ def _walk_columns(programs: Sequence, L: int, shape: Shape, ir, fams, code) -> _
                     continue
                 rest = [(op, tp) for op, tp in zip(ops, types)
                         if tp is not Compute and tp is not GradCompute]
-            else:
-                rest = zip(ops, types)
             seen: dict[int, int] = {}
             for op, tp in rest:
                 if tp is Send or tp is Recv:
@@ -1057,6 +1068,10 @@ def _walk_columns(programs: Sequence, L: int, shape: Shape, ir, fams, code) -> _
                        itertools.chain.from_iterable(hs for _, hs in sliced_steps)],
                       dtype=np.int64).reshape(-1, 2)
         chi[where], chn[where] = hh[:, 0], hh[:, 1]
+    if comp:                                           # short steps' rows (a cell's computes
+        rows = cols(comp, 7)                           # come from one path, in op order)
+        cr, ct, cg, cq, ckv, chi, chn = (np.concatenate([x, y]) for x, y in
+                                         zip((cr, ct, cg, cq, ckv, chi, chn), rows))
     whole = chi < 0
     touch_cols += _compute_touches(P, cr[whole], ct[whole], cg[whole], cq[whole], ckv[whole], code)
     if not whole.all():                               # head slices: an id per distinct buffer
