@@ -161,6 +161,49 @@ def test_distinct_maps_from_rects_equal_the_sorted_and_dense_ways(name, mask_kin
         monkeypatch.undo()
 
 
+@pytest.mark.parametrize("collide", [False, True])
+@pytest.mark.parametrize("name", ["zigzag", "striped"])
+def test_rectangles_hashed_in_chunks_give_every_tile_its_own_map(name, collide, monkeypatch):
+    # the hashing and the membership check run a chunk of rectangles at a time; with chunks
+    # of 7 they end inside tiles and rows, and every tile must still get exactly its own map
+    # and the work of the whole-array way (with every hash alike: the sorted fallback)
+    from fringe.bench import packed_docs
+    m = masks.causal() & masks.document(packed_docs(4096, 9, 0))
+    p = fringe.plan(schedules.get(name), m, seq_len=4096, world_size=8, block_size=32)
+    want = costmodel.tile_work(p)
+    monkeypatch.setattr(costmodel, "_RECT_CHUNK", 7)
+    if collide:
+        monkeypatch.setattr(costmodel, "_mix64", lambda x: np.zeros(len(x), dtype=np.uint64))
+    P, n = p.world_size, p.local_len // p.block_size
+    tiles = torch.as_tensor(p.tiles).to(torch.int64).numpy().reshape(-1)
+    part = np.flatnonzero(tiles == int(BlockKind.PARTIAL))
+    assert len(p.block_map.rects) > 10 * 7                # many chunks
+    maps, inv = costmodel._distinct_maps_from_rects(p.block_map, tiles, part, P, n)
+    for k, t in enumerate(part.tolist()):
+        assert torch.equal(maps[inv[k]], p.tile_blocks(t // P, t % P))
+    assert np.array_equal(costmodel.tile_work(dataclasses.replace(p)), want)
+
+
+@pytest.mark.parametrize("spec", ["allgather", "compose:zigzag+ulysses:2",
+                                  "compose:zigzag+allgather:2:2"])
+def test_the_op_walk_in_bulk_equals_the_walk_op_by_op(spec, monkeypatch):
+    # long steps take their computes in bulk, short ones op by op: every step either way
+    # must predict the same numbers, bit for bit (compute sums keep each step's op order)
+    from fringe.bench import packed_docs
+    m = masks.causal() & masks.document(packed_docs(256, 5, 0))
+    p = fringe.plan(schedules.get(spec), m, seq_len=256, world_size=8, block_size=4)
+    preds = []
+    for bulk in (1, 10 ** 9):                          # all in bulk / all op by op
+        monkeypatch.setattr(costmodel, "_BULK_OPS", bulk)
+        preds.append(costmodel.simulate(dataclasses.replace(p), "h100-ib", SHAPE))
+    a, b = preds
+    for which in ("forward", "backward"):
+        for field in ("compute", "wait", "sent", "recv", "tiles", "active"):
+            np.testing.assert_array_equal(getattr(a, field)[which], getattr(b, field)[which])
+    np.testing.assert_array_equal(a.memory, b.memory)
+    assert a.compute["forward"].sum() > 0 and a.sent["forward"].sum() > 0
+
+
 def test_a_signature_collision_is_caught_and_grouped_exactly(monkeypatch):
     # every tile hashed alike: the exact check fails and the sorted grouping takes over
     p = fringe.plan(schedules.zigzag(), masks.causal(), seq_len=4096, world_size=8,
