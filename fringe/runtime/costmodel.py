@@ -1230,19 +1230,24 @@ def _live_peak(P: int, T: int, touch: list, size_of: np.ndarray) -> np.ndarray:
         elif start:
             np.minimum.at(first, key, pos)
         np.maximum.at(last, key, pos)
-    if uniq is None:                                  # (rank, buffer) without a division
-        lr, j = np.nonzero(first.reshape(P, NB) < T)
-        at = lr * NB + j
-        lb = ids[j]
+    n_bins = P * (T + 1)
+    if uniq is None and nk <= 1 << 22:                # dense (rank, buffer): no index arrays
+        F = first.reshape(P, NB).astype(np.int64)
+        E = np.maximum(last.reshape(P, NB), first.reshape(P, NB)).astype(np.int64)
+        row = (np.arange(P, dtype=np.int64) * (T + 1))[:, None]
+        F += row
+        E += row + 1                                  # not alive: past its row, weight 0
+        sz = np.where(first.reshape(P, NB) < T, size_of[ids].astype(np.float64)[None, :], 0.0)
+        sz, F, E = sz.reshape(-1), F.reshape(-1), E.reshape(-1)
     else:
         at = np.flatnonzero(first < T)
-        full_key = uniq[at]
+        full_key = at if uniq is None else uniq[at]
         lr, lb = full_key // NB, ids[full_key % NB]
-    s = first[at].astype(np.int64)
-    e = np.maximum(last[at], first[at]).astype(np.int64)
-    sz = size_of[lb].astype(np.float64)
-    delta = (np.bincount(lr * (T + 1) + s, weights=sz, minlength=P * (T + 1))
-             - np.bincount(lr * (T + 1) + e + 1, weights=sz, minlength=P * (T + 1)))
+        F = lr * (T + 1) + first[at].astype(np.int64)
+        E = lr * (T + 1) + np.maximum(last[at], first[at]).astype(np.int64) + 1
+        sz = size_of[lb].astype(np.float64)
+    delta = (np.bincount(F, weights=sz, minlength=n_bins)[:n_bins]
+             - np.bincount(E, weights=sz, minlength=n_bins)[:n_bins])
     return np.cumsum(delta.reshape(P, T + 1), axis=1).max(axis=1).round().astype(np.int64)
 
 
