@@ -846,9 +846,25 @@ def _columns(programs: Sequence, L: int, shape: Shape) -> _Cols:
             t = table_cls.of(list(programs))
         except TypeError:             # ops without a column form (collectives, head slices)
             t = None
-        if t is not None:
+        if t is not None and _plain_table(t):
             return _table_columns(t, len(programs), L, shape, fams, code)
     return _walk_columns(programs, L, shape, ir, fams, code)
+
+
+def _plain_table(t) -> bool:
+    """Whether a table holds only what :func:`_table_columns` reads (whole-heads computes,
+    sends and receives); anything else (a column form for collectives or head slices that
+    the IR may grow) is walked op by op instead of being dropped without a word."""
+    parts = getattr(t, "_parts", None)
+    if parts is not None:
+        if len(parts) != 2:
+            return False
+        comp, xfer = parts
+        if (set(comp) != {"rank", "step", "kind", "q", "kv", "order"}
+                or set(xfer) != {"step", "src", "dst", "fam", "chunk", "order"}):
+            return False
+        return not len(comp["kind"]) or int(np.max(comp["kind"])) <= 1
+    return not len(t) or int(np.max(t.kind)) <= 3
 
 
 def _compute_touches(P, rank, step, grad, q, kv, code):
