@@ -848,7 +848,14 @@ def _columns(programs: Sequence, L: int, shape: Shape) -> _Cols:
             t = None
         if t is not None and _plain_table(t):
             return _table_columns(t, len(programs), L, shape, fams, code)
-    return _walk_columns(programs, L, shape, ir, fams, code)
+    import gc
+    paused = gc.isenabled()           # the walk makes many small lists and tuples: without a
+    gc.disable()                      # pause, collections traverse the plan's millions of ops
+    try:
+        return _walk_columns(programs, L, shape, ir, fams, code)
+    finally:
+        if paused:
+            gc.enable()
 
 
 def _plain_table(t) -> bool:
