@@ -137,26 +137,30 @@ assert float(hw_rows[0][1]) < float(hw_rows[1][1]) < float(hw_rows[2][1])
 # way, on NVLink when the group is inside one node of 8 and on the inter-node link otherwise,
 # and a head-sliced tile at 1/k of the heads. S = 65,536 tokens (block 32: zigzag at P = 1,024
 # holds one block per chunk), 128 packed documents; P from 8 to 1,024. `MAX_P` caps each
-# schedule by what planning and three simulations cost inside this notebook's minute: ring
-# reaches 1,024 ranks, zigzag 512, all-gather 256 and compose 64 (measured on a quiet 2-core
-# machine at this S: zigzag at P = 1,024 costs 13 s of CPU to plan and simulate both masks on
-# three presets, causal all-gather 8 s to plan at P = 512 and 34 s at 1,024, compose 18 s at
-# P = 256; raise a cap, one line, when that gets faster, or run `python -m
-# fringe simulate --world-size 1024 --schedules ring zigzag allgather compose:zigzag+ulysses:8`).
+# schedule and mask by what planning and three simulations cost inside this notebook's minute:
+# ring and zigzag reach 1,024 ranks on both masks, all-gather 1,024 on documents and 256 on the
+# plain causal mask, compose 64 (measured on a quiet 2-core machine at this S: causal
+# all-gather still takes ~25 s of CPU to plan at P = 1,024 and compose ~30 s at P = 1,024 on
+# documents, because their collectives and head-sliced transfers are walked op by op; raise a
+# cap, one line, when that gets faster, or run `python -m fringe simulate --world-size 1024
+# --schedules ring zigzag allgather compose:zigzag+ulysses:8`).
 # Each plan is made once and simulated on every preset.
 
 # %%
 S2, BLOCK2 = 1 << 16, 32
 CROSS_P = (8, 16, 32, 64, 128, 256, 512, 1024)
 CROSS = ("ring", "zigzag", "allgather", "compose:zigzag+ulysses:8")
-MAX_P = {"ring": 1024, "zigzag": 512, "allgather": 256, "compose:zigzag+ulysses:8": 64}
+MAX_P = {("ring", "causal"): 1024, ("ring", "document"): 1024,
+         ("zigzag", "causal"): 1024, ("zigzag", "document"): 1024,
+         ("allgather", "causal"): 256, ("allgather", "document"): 1024,
+         ("compose:zigzag+ulysses:8", "causal"): 64, ("compose:zigzag+ulysses:8", "document"): 64}
 PRESETS = ("h100-nvlink", "h100-ib", "cpu")
 MASKS2 = {"causal": masks.causal(),
           "document": masks.causal() & masks.document(packed_docs(S2, 128, 0))}
 cross, t0 = {}, time.process_time()
 for mname, m in MASKS2.items():
     for spec in CROSS:
-        for P in (P for P in CROSS_P if P <= MAX_P[spec]):
+        for P in (P for P in CROSS_P if P <= MAX_P[spec, mname]):
             plan = fringe.plan(schedules.get(spec), m, seq_len=S2, world_size=P, block_size=BLOCK2)
             for hw in PRESETS:
                 cross[hw, mname, spec, P] = costmodel.simulate(plan, hw, shape).step_s
@@ -204,13 +208,14 @@ def crossovers(hw: str, mname: str) -> str:
 
 SENTENCES = [crossovers(hw, mname) for mname in MASKS2 for hw in PRESETS]
 print("\n".join(SENTENCES))
-print("predicted up to: " + ", ".join(f"{s} P={MAX_P[s]:,}" for s in CROSS)
+print("predicted up to: " + ", ".join(f"{s} P={MAX_P[s, m]:,} ({m})" for s in CROSS
+                                      for m in MASKS2)
       + " (a lead past a schedule's cap is among those predicted there)")
 assert all(v > 0 for v in cross.values()) and len(SENTENCES) == len(MASKS2) * len(PRESETS)
 for mname in MASKS2:       # in one node (P=8) NVLink and InfiniBand presets agree
     for spec in CROSS:
         assert cross["h100-nvlink", mname, spec, 8] == cross["h100-ib", mname, spec, 8]
-        assert max(P for (_, m_, s_, P) in cross if (m_, s_) == (mname, spec)) == MAX_P[spec]
+        assert max(P for (_, m_, s_, P) in cross if (m_, s_) == (mname, spec)) == MAX_P[spec, mname]
 
 # %% [markdown]
 # On this machine the cost model was checked against measured gloo runs at P = 2
