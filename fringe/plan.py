@@ -372,7 +372,8 @@ _WHOLE = tuple((f, 1) for f in Family)
 def _shared_table(programs) -> ProgramTable | None:
     """The table every program was cut from (rank r from row r), else None."""
     from .schedules.passes import _table
-    return _table(programs)
+    t = _table(programs)
+    return None if t is None or t.general else t      # general tables: walk the ops
 
 
 def _op_counts(programs, P: int, *, steps: bool = True, computes: bool = True) -> _OpCounts:

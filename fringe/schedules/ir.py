@@ -915,11 +915,24 @@ class ProgramTable:
         self._programs = tuple(Program._from_table(self, r) for r in range(world_size))
 
     @classmethod
-    def _of_parts(cls, world_size: int, comp: dict, xfer: dict) -> ProgramTable:
+    def _of_parts(cls, world_size: int, comp: dict, xfer: dict,
+                  coll: dict | None = None) -> ProgramTable:
         """A table from computes ``comp`` (``rank, step, kind, q, kv, order``) and transfers
         ``xfer`` (``step, src, dst, fam, chunk, order``: a send on ``src`` and its receive on
         ``dst``). Within a rank's step ops go by ``order`` (computes first on ties, then
-        sends, then receives); the row columns are derived on first use."""
+        sends, then receives, then collectives); the row columns are derived on first use.
+
+        The *general* form (what the collective schedules build) adds head slices and
+        collectives: ``comp`` and ``xfer`` may carry ``hi, hn`` (head slice ``hi`` of ``hn``;
+        ``hn == 0``: all heads) and ``xfer`` a ``rorder`` (the receive's order on ``dst``
+        when it differs from the send's); ``coll`` holds one row per member side of a
+        collective (``rank, step, order, kind, group``: kind a code of :data:`COLL_KINDS`,
+        group an index into ``coll["groups"]``, a tuple of rank tuples) and one row per
+        occupied slot (``slot_side``: its side's row, ``slot_dir``: 0 send, 1 receive,
+        ``slot_idx``: the member index, ``slot_fam, slot_chunk, slot_hi, slot_hn``: the
+        buffer), slots sorted by (side, dir, idx). Such a table has no row columns
+        (:meth:`general`); its programs are cut from the parts.
+        """
         import numpy as np
 
         def small(x):                    # int32 where it fits: half the memory at P=1024
@@ -927,12 +940,38 @@ class ProgramTable:
             fits = not len(x) or (int(x.min()) >= -2 ** 31 and int(x.max()) < 2 ** 31)
             return np.ascontiguousarray(x, dtype=np.int32 if fits else np.int64)
         self = object.__new__(cls)
-        self._init(world_size, None, ({k: small(v) for k, v in comp.items()},
-                                      {k: small(v) for k, v in xfer.items()}))
+        comp = {k: small(v) for k, v in comp.items()}
+        xfer = {k: small(v) for k, v in xfer.items()}
+        sliced = any(len(d.get("hn", ())) and int(np.max(d["hn"])) > 0 for d in (comp, xfer))
+        if coll is None and not sliced and "rorder" not in xfer:
+            for d in (comp, xfer):
+                d.pop("hi", None)
+                d.pop("hn", None)
+            self._init(world_size, None, (comp, xfer))
+            return self
+        for d in (comp, xfer):
+            n = len(d["order"])
+            for k in ("hi", "hn"):
+                d[k] = small(d[k]) if k in d else np.zeros(n, np.int32)
+        if "rorder" not in xfer:
+            xfer["rorder"] = xfer["order"]
+        coll = _no_coll() if coll is None else dict(coll)
+        groups = tuple(tuple(int(m) for m in g) for g in coll.pop("groups"))
+        coll = {k: small(v) for k, v in coll.items()}
+        coll["groups"] = groups
+        self._init(world_size, None, (comp, xfer, coll))
         return self
+
+    @property
+    def general(self) -> bool:
+        """Whether the table holds head slices or collectives (parts only, no row columns)."""
+        return self._parts is not None and len(self._parts) == 3
 
     # ---- the row columns (derived from parts on first use) ------------------------------
     def _rows(self):
+        if self._cols is None and self.general:
+            raise TypeError("a ProgramTable with head slices or collectives has no row columns "
+                            "(rank, step, kind, a, b, c); read its parts or its programs")
         if self._cols is None:
             import numpy as np
             comp, xfer = self._parts
@@ -966,8 +1005,9 @@ class ProgramTable:
 
     def __len__(self) -> int:
         if self._cols is None:
-            comp, xfer = self._parts
-            return len(comp["rank"]) + 2 * len(xfer["src"])
+            comp, xfer = self._parts[:2]
+            n_coll = len(self._parts[2]["rank"]) if self.general else 0
+            return len(comp["rank"]) + 2 * len(xfer["src"]) + n_coll
         return len(self._cols[0])
 
     def programs(self) -> tuple[Program, ...]:
@@ -982,6 +1022,14 @@ class ProgramTable:
         """
         import hashlib
         h = hashlib.sha1(f"programs/{self.world_size}/".encode())
+        if self.general:            # the parts in a canonical order (int64), and the groups
+            import numpy as np
+            for part in self._parts:
+                for k in sorted(part):
+                    h.update(k.encode())
+                    h.update(repr(part[k]).encode() if k == "groups" else
+                             np.ascontiguousarray(part[k], dtype=np.int64).tobytes())
+            return "g" + h.hexdigest()[1:]
         for col in self._rows():
             h.update(col.tobytes())
         return h.hexdigest()
@@ -989,6 +1037,8 @@ class ProgramTable:
     def _rank_cols(self, rank: int):
         """Columns (step, kind, a, b, c) of one rank's rows, in order."""
         import numpy as np
+        if self.general:
+            raise TypeError("a general ProgramTable has no row columns; use _steps_of")
         if self._cols is not None:
             if self._bounds is None:
                 self._bounds = np.searchsorted(self._cols[0],
@@ -1007,7 +1057,61 @@ class ProgramTable:
         o = _row_order(np.zeros(0, np.int64), step, order)
         return [x[o] for x in (step, kind, a, b, c)]
 
+    def _general_index(self):
+        """Per part, the rows of each rank: (order, bounds) for computes, sends, receives,
+        collective sides."""
+        import numpy as np
+        if self._index is None:
+            comp, xfer, coll = self._parts
+            ix = []
+            for col in (comp["rank"], xfer["src"], xfer["dst"], coll["rank"]):
+                o = np.argsort(col, kind="stable")
+                ix.append((o, np.searchsorted(col[o], np.arange(self.world_size + 1))))
+            sb = np.searchsorted(coll["slot_side"], np.arange(len(coll["rank"]) + 1))
+            self._index = (ix, sb)
+        return self._index
+
+    def _general_steps_of(self, rank: int) -> tuple[Step, ...]:
+        import numpy as np
+        comp, xfer, coll = self._parts
+        ix, sb = self._general_index()
+        ci, si, ri, ki = (o[b[rank]:b[rank + 1]] for o, b in ix)
+        rows = []        # (step, order, tie, op)
+        for t, o, k, q, kv, hi, hn in zip(*(comp[c][ci].tolist() for c in
+                                            ("step", "order", "kind", "q", "kv", "hi", "hn"))):
+            rows.append((t, o, 0, _KINDS[k](q, kv, (hi, hn) if hn else None)))
+        for tie, sel, cls, peer, oc in ((1, si, Send, "dst", "order"), (2, ri, Recv, "src", "rorder")):
+            for t, o, f, ch, hi, hn, p in zip(*(xfer[c][sel].tolist() for c in
+                                                ("step", oc, "fam", "chunk", "hi", "hn", peer))):
+                rows.append((t, o, tie, cls(buffer_of(f, ch, hi, hn), p)))
+        groups = coll["groups"]
+        sd, sx, sf, sc, sh, sn = (coll[c] for c in ("slot_dir", "slot_idx", "slot_fam",
+                                                    "slot_chunk", "slot_hi", "slot_hn"))
+        for side in ki.tolist():
+            lo, hi_ = int(sb[side]), int(sb[side + 1])
+            d = sd[lo:hi_].tolist()
+            split = d.count(0)
+            idx = sx[lo:hi_].tolist()
+            bufs = [buffer_of(*x) for x in zip(sf[lo:hi_].tolist(), sc[lo:hi_].tolist(),
+                                               sh[lo:hi_].tolist(), sn[lo:hi_].tolist())]
+            op = Collective.sparse(COLL_KINDS[int(coll["kind"][side])],
+                                   groups[int(coll["group"][side])],
+                                   (idx[:split], bufs[:split]), (idx[split:], bufs[split:]))
+            rows.append((int(coll["step"][side]), int(coll["order"][side]), 3, op))
+        rows.sort(key=lambda x: x[:3])
+        steps, i, n = [], 0, len(rows)
+        while i < n:
+            t = rows[i][0]
+            j = i
+            while j < n and rows[j][0] == t:
+                j += 1
+            steps.append(Step(t, tuple(x[3] for x in rows[i:j])))
+            i = j
+        return tuple(steps)
+
     def _steps_of(self, rank: int) -> tuple[Step, ...]:
+        if self.general:
+            return self._general_steps_of(rank)
         step, kind, a, b, c = (x.tolist() for x in self._rank_cols(rank))
         steps, i, n = [], 0, len(step)
         while i < n:
@@ -1034,8 +1138,10 @@ class ProgramTable:
             for t, op in prog.ops():
                 if (isinstance(op, (Compute, GradCompute)) and op.heads is not None) or (
                         isinstance(op, (Send, Recv)) and op.buf.heads is not None):
-                    raise TypeError(f"rank {prog.rank}, step {t}: a ProgramTable has no column for "
-                                    f"head slices ({op}); keep such programs as Program values")
+                    raise TypeError(f"rank {prog.rank}, step {t}: a ProgramTable has no row "
+                                    f"column for head slices ({op}); ProgramTable.general_of "
+                                    f"makes the general form, or keep such programs as Program "
+                                    f"values")
                 if isinstance(op, (Compute, GradCompute)):
                     rows.append((prog.rank, t, C_ if isinstance(op, Compute) else G_, op.q, op.kv, -1))
                 elif isinstance(op, (Send, Recv)):
@@ -1050,6 +1156,94 @@ class ProgramTable:
         if len(arr) and (np.diff(arr[:, 0]) < 0).any():
             raise ValueError("ProgramTable.of: pass programs in rank order")
         return cls(len(programs), *arr.T)
+
+
+    @classmethod
+    def general_of(cls, programs: Sequence[Program]) -> ProgramTable:
+        """The general form (head slices and collectives) of any programs, whose
+        :meth:`programs` equal them op for op. Raises ValueError when a send and its receive
+        are not in the same step (:func:`fringe.schedules.check` names such a fault)."""
+        import numpy as np
+        P = len(programs)
+        comp: list = []
+        sends: dict = {}
+        recvs: dict = {}
+        sides: list = []
+        slots: list = []
+        groups: dict = {}
+        for prog in programs:
+            r = prog.rank
+            for step in prog.steps:
+                t = step.index
+                for o, op in enumerate(step.ops):
+                    tp = type(op)
+                    if tp is Compute or tp is GradCompute:
+                        hi, hn = op.heads or (0, 0)
+                        comp.append((r, t, C_ if tp is Compute else G_, op.q, op.kv, o, hi, hn))
+                    elif tp is Send or tp is Recv:
+                        src, dst = (r, op.peer) if tp is Send else (op.peer, r)
+                        key = (t, src, dst, op.buf)
+                        (sends if tp is Send else recvs).setdefault(key, []).append(o)
+                    elif tp is Collective:
+                        g = groups.setdefault(op.group, len(groups))
+                        side = len(sides)
+                        sides.append((r, t, o, COLL_KINDS.index(op.kind), g))
+                        for d, (idx, bufs) in enumerate((op.sparse_sends, op.sparse_recvs)):
+                            for i, b in zip(idx, bufs):
+                                fam, ch, h = _FIELDS[b]
+                                slots.append((side, d, i, _FAMILY_CODE[fam], ch, *(h or (0, 0))))
+                    else:
+                        raise TypeError(f"rank {r}, step {t}: {op!r} has no column form")
+        xfer = []
+        for key, os_ in sends.items():
+            or_ = recvs.get(key, [])
+            if len(or_) != len(os_):
+                raise ValueError(f"step {key[0]}: {len(os_)} send(s) of {key[3]} from rank "
+                                 f"{key[1]} to rank {key[2]} but {len(or_)} receive(s)")
+            fam, ch, h = _FIELDS[key[3]]
+            for a, b in zip(os_, or_):
+                xfer.append((key[0], key[1], key[2], _FAMILY_CODE[fam], ch, a, *(h or (0, 0)), b))
+        if len(recvs) != len(sends) or any(k not in sends for k in recvs):
+            k = next(k for k in recvs if k not in sends)
+            raise ValueError(f"step {k[0]}: a receive of {k[3]} on rank {k[2]} from rank {k[1]} "
+                             f"has no send")
+
+        def cols(rows, names):
+            arr = np.array(rows, dtype=np.int64).reshape(-1, len(names))
+            return {n: arr[:, i] for i, n in enumerate(names)}
+        c = cols(comp, ("rank", "step", "kind", "q", "kv", "order", "hi", "hn"))
+        x = cols(xfer, ("step", "src", "dst", "fam", "chunk", "order", "hi", "hn", "rorder"))
+        k = cols(sides, ("rank", "step", "order", "kind", "group"))
+        k.update(cols(slots, ("slot_side", "slot_dir", "slot_idx", "slot_fam", "slot_chunk",
+                              "slot_hi", "slot_hn")))
+        k["groups"] = tuple(groups)
+        return cls._of_parts(P, c, x, k)
+
+
+#: Collective kinds by their code in a general :class:`ProgramTable`.
+COLL_KINDS = ("AG", "RS", "A2A")
+
+
+def _no_coll() -> dict:
+    import numpy as np
+    z = np.zeros(0, np.int64)
+    return dict(rank=z, step=z, order=z, kind=z, group=z, slot_side=z, slot_dir=z, slot_idx=z,
+                slot_fam=z, slot_chunk=z, slot_hi=z, slot_hn=z, groups=())
+
+
+_BUFFER_OF: dict = {}
+
+
+def buffer_of(fam: int, chunk: int, hi: int, hn: int) -> Buffer:
+    """The interned buffer of a table's columns (family code, chunk, head slice hi of hn;
+    ``hn == 0``: all heads)."""
+    if not hn:
+        return _buf(_FAMILIES[fam], chunk)
+    key = (fam, chunk, hi, hn)
+    b = _BUFFER_OF.get(key)
+    if b is None:
+        b = _BUFFER_OF[key] = Buffer.of(_FAMILIES[fam], chunk, (hi, hn))
+    return b
 
 
 def _row_order(rank, step, order):

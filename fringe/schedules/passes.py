@@ -400,7 +400,11 @@ def reverse(programs: Sequence[Program], *, kv: str = "resend") -> list[Program]
     if kv not in KV_MODES:
         raise ValueError(f"kv must be one of {KV_MODES}, got {kv!r}")
     tab = _table(programs)
-    if tab is not None:
+    if tab is not None and tab.general:
+        fast = _general_reverse(tab, kv)
+        if fast is not None:
+            return fast
+    elif tab is not None:
         fast = _reverse_parts(tab, kv) if tab._parts is not None else None
         if fast is None:
             fast = _reverse_table(tab, kv)
@@ -607,9 +611,12 @@ def check(programs: Sequence[Program], *, need: torch.Tensor | None = None,
     tab = _table(programs)
     if tab is not None:
         arr = None if need is None else _need_array(need, P)
-        ok = _parts_ok(tab, arr, backward, kv) if tab._parts is not None else None
-        if ok is None:
-            ok = _table_ok(tab, arr, backward, kv)
+        if tab.general:
+            ok = _general_ok(tab, arr, backward, kv)
+        else:
+            ok = _parts_ok(tab, arr, backward, kv) if tab._parts is not None else None
+            if ok is None:
+                ok = _table_ok(tab, arr, backward, kv)
         if ok:
             return                               # else the op-by-op checks below name the fault
     flags = (backward, kv if backward else None)
@@ -1187,3 +1194,15 @@ def _resend_parts(P, T, cr, ct, ckv, xt, xs, xd, xc, xorder, after):
 def _no_xfer():
     z = np.zeros(0, np.int64)
     return dict(step=z, src=z, dst=z, fam=z, chunk=z, order=z)
+
+
+# ---------------------------------------------------------------------------------------
+# the passes on a general table's parts (head slices and collectives: what the collective
+# schedules build); None: the op-by-op rules decide
+# ---------------------------------------------------------------------------------------
+def _general_ok(tab: ProgramTable, need: np.ndarray | None, backward: bool, kv: str) -> bool | None:
+    return None
+
+
+def _general_reverse(tab: ProgramTable, kv: str) -> list[Program] | None:
+    return None
