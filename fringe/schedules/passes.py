@@ -21,9 +21,9 @@ from typing import Iterator, Mapping, Sequence
 import numpy as np
 import torch
 
-from .ir import (C_, G_, R_, S_, Buffer, Collective, Compute, Family, GradCompute, Op, Program,
-                 ProgramTable, Recv, Send, _BUFS_OF, _FIELDS, _buf, marked, program_from_ops,
-                 steps_of)
+from .ir import (C_, COLL_KINDS as ir_kinds, COLLECTIVE_ADJOINT, G_, R_, S_, Buffer, Collective,
+                 Compute, Family, GradCompute, Op, Program, ProgramTable, Recv, Send, _BUFS_OF,
+                 _FIELDS, _buf, marked, program_from_ops, steps_of)
 
 
 @contextlib.contextmanager
@@ -253,12 +253,15 @@ def _by_step(s: np.ndarray, *, descending: bool = False) -> np.ndarray:
     return np.argsort(key, kind="stable")
 
 
-def _keep_hops(P: int, j, s, src, dst, use) -> np.ndarray:
-    """A hop is kept when its receiver, or anyone it forwards to later, computes with it."""
+def _keep_hops(P: int, j, s, src, dst, use, *, buffers: int | None = None) -> np.ndarray:
+    """A hop is kept when its receiver, or anyone it forwards to later, computes with it.
+
+    ``j``: the moved chunk (or, with ``buffers=n``, a buffer id in ``[0, n)``); ``use``: bool
+    ``[chunk or buffer id, rank]``, the rank computes with it."""
     keep = np.zeros(len(j), dtype=bool)
     use = use.ravel()
-    live = np.zeros(P * P, dtype=bool)         # [chunk * P + rank]: a kept hop leaves rank later
-    at_dst, at_src = j * P + dst, j * P + src
+    live = np.zeros((P if buffers is None else buffers) * P, dtype=bool)   # [j * P + rank]:
+    at_dst, at_src = j * P + dst, j * P + src      # a kept hop leaves the rank later
     by_step = _by_step(s, descending=True)
     _, starts = _runs(s[by_step])
     ends = list(starts[1:]) + [len(by_step)]
@@ -297,6 +300,11 @@ def prune(programs: Sequence[Program], need: torch.Tensor) -> list[Program]:
     """
     P = len(programs)
     ok = _need_array(need, P)
+    tab = _table(programs)
+    if tab is not None and tab.general:
+        fast = _general_prune(tab, ok)
+        if fast is not None:
+            return fast
 
     okl = ok.tolist()
 
@@ -1117,10 +1125,14 @@ def _reverse_parts(tab: ProgramTable, kv: str) -> list[Program] | None:
     return list(ProgramTable._of_parts(P, bcomp, bxfer).programs())
 
 
-def _resend_parts(P, T, cr, ct, ckv, xt, xs, xd, xc, xorder, after):
+def _resend_parts(P, T, cr, ct, ckv, xt, xs, xd, xc, xorder, after, owner=None):
     """:func:`_resend_rows` on the hops themselves: the kv re-sends of the backward as
     transfers (orders from ``after`` on, in (chunk, rank) order: after every adjoint op), or
     None to fall back.
+
+    With ``owner`` (int array), ``ckv`` and ``xc`` are buffer ids ``[0, len(owner))`` instead
+    of kv chunks, ``owner[id]`` the rank that owns the buffer's data; the rows' ``chunk`` is
+    then the buffer id, and orders go by (id, rank).
 
     Every rank that holds a chunk it does not own received it by exactly one hop, so the
     work is per hop (one entry each, in the forward's order), with dense ``[chunk, rank]``
@@ -1128,7 +1140,8 @@ def _resend_parts(P, T, cr, ct, ckv, xt, xs, xd, xc, xorder, after):
     a chunk by a segmented prefix sum, any other tree by a pass in arrival order.
     """
     NONE = np.int64(1) << 40
-    K = P * P
+    K = P * (P if owner is None else len(owner))
+    own = np.arange(P) if owner is None else owner
     n = len(xc)
     in_key, out_key = xc * P + xd, xc * P + xs
     if n and np.bincount(in_key, minlength=K).max() > 1:
@@ -1140,7 +1153,7 @@ def _resend_parts(P, T, cr, ct, ckv, xt, xs, xd, xc, xorder, after):
         np.maximum.at(maxread, rk, ct)
     hop_of = np.full(K, -1, np.int64)               # [chunk * P + rank]: the hop that brought it
     hop_of[in_key] = np.arange(n)
-    remote = ckv != cr
+    remote = own[ckv] != cr
     if remote.any() and (hop_of[rk[remote]] < 0).any():
         return None                                 # read where it never arrived: rows decide
     if not n:
@@ -1185,7 +1198,7 @@ def _resend_parts(P, T, cr, ct, ckv, xt, xs, xd, xc, xorder, after):
     if ((~relay) & (e - 1 < 0)).any():
         return None
     c_ = xc[emit]
-    frm = np.where(relay, d, c_)
+    frm = np.where(relay, d, own[c_])
     u = np.where(relay, T - sup_t[key] - 1, e - 1)
     return dict(step=u, src=frm, dst=xd[emit], fam=np.full(len(emit), _FAMILY_CODE[Family.KV]),
                 chunk=c_, order=after + key)        # (chunk, rank) order, as the op rules emit
@@ -1200,9 +1213,444 @@ def _no_xfer():
 # the passes on a general table's parts (head slices and collectives: what the collective
 # schedules build); None: the op-by-op rules decide
 # ---------------------------------------------------------------------------------------
+class _Gen:
+    """A general table's parts as int64 columns, with the derived codes the passes share:
+    ``hs`` a head slice code (0: all heads, else ``hn*(hn-1)/2 + hi + 1``), ``HS`` one more
+    than the largest, member index ``me`` of each collective side, and the instance
+    (``inst``: step, group and ordinal among that rank's collectives over the group in the
+    step) each side belongs to."""
+
+    def __init__(self, tab: ProgramTable) -> None:
+        P = self.P = tab.world_size
+        comp, xfer, coll = tab._parts
+        i64 = lambda d, ks: [np.asarray(d[k], dtype=np.int64) for k in ks]  # noqa: E731
+        (self.cr, self.ct, self.ck, self.cq, self.ckv, self.co,
+         self.chi, self.chn) = i64(comp, ("rank", "step", "kind", "q", "kv", "order", "hi", "hn"))
+        (self.xt, self.xs, self.xd, self.xf, self.xc, self.xo, self.xro,
+         self.xhi, self.xhn) = i64(xfer, ("step", "src", "dst", "fam", "chunk", "order", "rorder",
+                                          "hi", "hn"))
+        (self.kr, self.kt, self.ko, self.kk, self.kg) = i64(coll, ("rank", "step", "order",
+                                                                   "kind", "group"))
+        (self.ss, self.sdir, self.sidx, self.sf, self.sc, self.shi,
+         self.shn) = i64(coll, ("slot_side", "slot_dir", "slot_idx", "slot_fam", "slot_chunk",
+                                "slot_hi", "slot_hn"))
+        self.groups = coll["groups"]
+        self.ok = self._valid()
+        if not self.ok:
+            return
+        self.chs, self.xhs, self.shs = (self.hs(h, n) for h, n in
+                                        ((self.chi, self.chn), (self.xhi, self.xhn),
+                                         (self.shi, self.shn)))
+        self.HS = 1 + max([int(x.max()) for x in (self.chs, self.xhs, self.shs) if len(x)] or [0])
+        ng = len(self.groups)
+        pos = np.full((max(ng, 1), P), -1, dtype=np.int64)
+        for g, grp in enumerate(self.groups):
+            pos[g, list(grp)] = np.arange(len(grp))
+        self.glen = np.array([len(g) for g in self.groups] or [0], dtype=np.int64)
+        self.me = pos[self.kg, self.kr] if len(self.kr) else np.zeros(0, np.int64)
+        # instances: (step, group, ordinal), ordinal counted per (rank, step, group) by order
+        n = len(self.kr)
+        o = np.lexsort((self.ko, self.kg, self.kt, self.kr))
+        run = np.ones(n, dtype=bool)
+        if n:
+            a = np.stack([self.kr[o], self.kt[o], self.kg[o]])
+            run[1:] = (a[:, 1:] != a[:, :-1]).any(axis=0)
+        start = np.maximum.accumulate(np.where(run, np.arange(n), 0))
+        ordinal = np.empty(n, dtype=np.int64)
+        ordinal[o] = np.arange(n) - start
+        self.ordinal = ordinal
+        key = (self.kt * max(ng, 1) + self.kg) * (int(ordinal.max()) + 1 if n else 1) + ordinal
+        self.inst_keys, self.inst = np.unique(key, return_inverse=True)
+        self.inst = self.inst.reshape(-1)
+
+    @staticmethod
+    def hs(hi: np.ndarray, hn: np.ndarray) -> np.ndarray:
+        return np.where(hn == 0, 0, hn * (hn - 1) // 2 + hi + 1)
+
+    def _valid(self) -> bool:
+        P, ng = self.P, len(self.groups)
+
+        def out(lo, hi, *cols):
+            return any(len(c) and (int(c.min()) < lo or int(c.max()) >= hi) for c in cols)
+        if out(0, P, self.cr, self.cq, self.ckv, self.xs, self.xd, self.xc, self.kr, self.sc):
+            return False
+        if out(0, _F, self.xf, self.sf) or out(C_, G_ + 1, self.ck) or out(0, 3, self.kk):
+            return False
+        if out(0, max(ng, 1), self.kg) or out(0, 1 << 40, self.ct, self.xt, self.kt):
+            return False
+        if (self.xs == self.xd).any() or out(0, 2, self.sdir) or out(0, max(len(self.kr), 1), self.ss):
+            return False
+        for hi, hn in ((self.chi, self.chn), (self.xhi, self.xhn), (self.shi, self.shn)):
+            if len(hn) and ((hn < 0) | ((hn == 0) & (hi != 0))
+                            | ((hn > 0) & ((hi < 0) | (hi >= hn)))).any():
+                return False
+        for grp in self.groups:
+            if not grp or len(set(grp)) != len(grp) or min(grp) < 0 or max(grp) >= P:
+                return False
+        return ng * P <= 1 << 24
+
+    def bkey(self, fam, chunk, hs):
+        """A buffer as one int: (family, chunk, head slice code)."""
+        return (fam * self.P + chunk) * self.HS + hs
+
+    def rkey(self, rank, fam, chunk, hs):
+        """A (rank, buffer) pair as one int."""
+        return ((rank * _F + fam) * self.P + chunk) * self.HS + hs
+
+
+def _min_by_key(keys: np.ndarray, vals: np.ndarray, reduce=np.minimum):
+    """Sorted distinct keys and the ``reduce`` (min) of their values."""
+    if not len(keys):
+        return keys, vals
+    o = np.argsort(keys, kind="stable")
+    k, v = keys[o], vals[o]
+    uk, starts = _runs(k)
+    return uk, reduce.reduceat(v, starts)
+
+
+def _lookup(keys: np.ndarray, table_keys: np.ndarray, values: np.ndarray, default: int):
+    if not len(table_keys):
+        return np.full(len(keys), default, dtype=np.int64), np.zeros(len(keys), dtype=bool)
+    at = np.minimum(np.searchsorted(table_keys, keys), len(table_keys) - 1)
+    hit = table_keys[at] == keys
+    return np.where(hit, values[at], default), hit
+
+
 def _general_ok(tab: ProgramTable, need: np.ndarray | None, backward: bool, kv: str) -> bool | None:
-    return None
+    """:func:`_table_ok` on a general table's parts: True when every check passes, False to
+    let the op-by-op check name the fault."""
+    g = _Gen(tab)
+    if not g.ok:
+        return False
+    P = g.P
+    Q, KV, OUT, DQ, DKV, DOUT = (_FAMILY_CODE[f] for f in (_Q, _KV, _OUT, _DQ, _DKV, _DOUT))
+    # collectives: every member issues each (step, group, ordinal) once, of one kind, and
+    # what one member sends another receives
+    if len(g.kr):
+        if (g.me < 0).any():
+            return False
+        n_inst = len(g.inst_keys)
+        count = np.bincount(g.inst, minlength=n_inst)
+        first = np.full(n_inst, -1, dtype=np.int64)
+        first[g.inst[::-1]] = np.arange(len(g.inst))[::-1]
+        if not np.array_equal(count, g.glen[g.kg[first]]):
+            return False
+        kmin = np.full(n_inst, 9, np.int64)
+        kmax = np.full(n_inst, -1, np.int64)
+        np.minimum.at(kmin, g.inst, g.kk)
+        np.maximum.at(kmax, g.inst, g.kk)
+        if (kmin != kmax).any():
+            return False
+        if len(g.ss):
+            if (g.sidx < 0).any() or (g.sidx >= g.glen[g.kg[g.ss]]).any():
+                return False
+            o = np.lexsort((g.sidx, g.sdir, g.ss))
+            if not (o == np.arange(len(o))).all():
+                return False
+            dup = (np.diff(g.ss) == 0) & (np.diff(g.sdir) == 0) & (np.diff(g.sidx) == 0)
+            if dup.any():
+                return False
+        sme, sinst = g.me[g.ss], g.inst[g.ss]
+        b = g.bkey(g.sf, g.sc, g.shs)
+        own = g.sidx == sme
+        mine = [np.full(len(g.kr), -1, np.int64) for _ in range(2)]
+        for d in (0, 1):
+            sel = own & (g.sdir == d)
+            mine[d][g.ss[sel]] = b[sel]
+        if not np.array_equal(*mine):
+            return False
+        sent = ~own & (g.sdir == 0)
+        got = ~own & (g.sdir == 1)
+        a1 = np.stack([sinst[sent], sme[sent], g.sidx[sent], b[sent]])
+        a2 = np.stack([sinst[got], g.sidx[got], sme[got], b[got]])
+        if a1.shape != a2.shape:
+            return False
+        a1 = a1[:, np.lexsort(a1[::-1])]
+        a2 = a2[:, np.lexsort(a2[::-1])]
+        if not np.array_equal(a1, a2):
+            return False
+    # presence: each read at step t needs the buffer (or its whole-heads parent) owned, or
+    # written / received before t
+    isc, isg = g.ck == C_, g.ck == G_
+    ranks = np.arange(P)
+    zero = np.zeros(P, np.int64)
+    owned = [Q, KV] + ([OUT, DOUT] if backward else [])
+    writes = [(g.rkey(ranks, f, ranks, zero), zero) for f in owned]
+    cr, ct, cq, ckv, chs = g.cr, g.ct, g.cq, g.ckv, g.chs
+    writes += [(g.rkey(cr[isc], OUT, cq[isc], chs[isc]), ct[isc] + 1),
+               (g.rkey(cr[isg], DQ, cq[isg], chs[isg]), ct[isg] + 1),
+               (g.rkey(cr[isg], DKV, ckv[isg], chs[isg]), ct[isg] + 1),
+               (g.rkey(g.xd, g.xf, g.xc, g.xhs), g.xt + 1)]
+    if backward and kv == "keep":
+        writes.append((g.rkey(cr[isg], KV, ckv[isg], chs[isg]), np.zeros(int(isg.sum()), np.int64)))
+    srank, sstep = g.kr[g.ss], g.kt[g.ss]
+    rs = g.sdir == 1
+    writes.append((g.rkey(srank[rs], g.sf[rs], g.sc[rs], g.shs[rs]), sstep[rs] + 1))
+    reads = [(cr, Q, cq, chs, ct), (cr, KV, ckv, chs, ct),
+             (cr[isg], OUT, cq[isg], chs[isg], ct[isg]), (cr[isg], DOUT, cq[isg], chs[isg], ct[isg]),
+             (g.xs, g.xf, g.xc, g.xhs, g.xt),
+             (srank[~rs], g.sf[~rs], g.sc[~rs], g.shs[~rs], sstep[~rs])]
+    wk, wv = _min_by_key(np.concatenate([w[0] for w in writes]),
+                         np.concatenate([w[1] for w in writes]))
+    for r, f, ch, hs, t in reads:
+        if not len(r):
+            continue
+        rk, rt = _min_by_key(g.rkey(r, f, ch, hs), t)      # the earliest read of each
+        at, hit = _lookup(rk, wk, wv, 1 << 62)
+        if not ((hit & (at <= rt)).all()):
+            pk = (rk // g.HS) * g.HS                          # the whole-heads parent
+            at2, hit2 = _lookup(pk, wk, wv, 1 << 62)
+            if not (np.minimum(at, at2) <= rt).all():
+                return False
+    if need is not None and not _general_tiles_ok(g, need):
+        return False
+    return True
+
+
+def _general_tiles_ok(g: _Gen, need: np.ndarray) -> bool:
+    """Every non-empty tile computed exactly once (whole heads once, or each head slice of
+    one split once), no empty tile computed."""
+    P = g.P
+    whole = g.chn == 0
+    count = np.bincount(g.cq[whole] * P + g.ckv[whole], minlength=P * P)
+    sl = ~whole
+    if sl.any():
+        key, hi, hn = g.cq[sl] * P + g.ckv[sl], g.chi[sl], g.chn[sl]
+        o = np.lexsort((hi, key))
+        key, hi, hn = key[o], hi[o], hn[o]
+        uk, starts = _runs(key)
+        n = np.diff(np.append(starts, len(key)))
+        pos = np.arange(len(key)) - np.repeat(starts, n)
+        good = (hi == pos) & (hn == np.repeat(hn[starts], n))
+        cover = np.logical_and.reduceat(good, starts) & (n == hn[starts])
+        count[uk] += np.where(cover, 1, 2)
+    return np.array_equal(count.reshape(P, P), need.astype(np.int64))
 
 
 def _general_reverse(tab: ProgramTable, kv: str) -> list[Program] | None:
-    return None
+    """:func:`reverse` on a general table's parts (the same rules, the same programs); None
+    when the op-by-op rules must decide (errors, and routes the columns do not follow)."""
+    g = _Gen(tab)
+    if not g.ok or (g.ck != C_).any():
+        return None
+    P = g.P
+    grads = [_FAMILY_CODE[f] for f in _FAMILIES if f.is_gradient]
+    if np.isin(g.xf, grads).any() or np.isin(g.sf, grads).any() or (len(g.kr) and (g.me < 0).any()):
+        return None
+    Q, KV, OUT = (_FAMILY_CODE[f] for f in (_Q, _KV, _OUT))
+    T = 1 + max([int(x.max()) for x in (g.ct, g.xt, g.kt) if len(x)] or [-1])
+    cot = np.array([_FAMILY_CODE[f.cotangent] if f is not Family.ACC else -1 for f in _FAMILIES])
+    # adjoints, at twice the forward order (+1: an op that goes with its adjoint)
+    bcomp = dict(rank=g.cr, step=T - g.ct, kind=np.full(len(g.cr), G_), q=g.cq, kv=g.ckv,
+                 order=2 * g.co, hi=g.chi, hn=g.chn)
+    xs = [dict(step=T - g.xt, src=g.xd, dst=g.xs, fam=cot[g.xf], chunk=g.xc, order=2 * g.xro,
+               rorder=2 * g.xo, hi=g.xhi, hn=g.xhn)]
+    o_ = g.xf == OUT                        # the merged (out, lse) goes with its cotangent
+    if o_.any():
+        xs.append(dict(step=T - g.xt[o_], src=g.xd[o_], dst=g.xs[o_], fam=g.xf[o_],
+                       chunk=g.xc[o_], order=2 * g.xro[o_] + 1, rorder=2 * g.xo[o_] + 1,
+                       hi=g.xhi[o_], hn=g.xhn[o_]))
+    adj = np.array([ir_kinds.index(COLLECTIVE_ADJOINT[k]) for k in ir_kinds])
+    n_side = len(g.kr)
+    sides = [dict(rank=g.kr, step=T - g.kt, order=2 * g.ko, kind=adj[g.kk], group=g.kg)]
+    slots = [dict(slot_side=g.ss, slot_dir=1 - g.sdir, slot_idx=g.sidx, slot_fam=cot[g.sf],
+                  slot_chunk=g.sc, slot_hi=g.shi, slot_hn=g.shn)]
+    touch_out = np.zeros(n_side, dtype=bool)
+    touch_out[g.ss[g.sf == OUT]] = True
+    if touch_out.any():                     # outputs move back with their cotangents
+        tsides = np.flatnonzero(touch_out)
+        new_id = np.full(n_side, -1, np.int64)
+        new_id[tsides] = n_side + np.arange(len(tsides))
+        sel = touch_out[g.ss]
+        sides.append(dict(rank=g.kr[tsides], step=T - g.kt[tsides], order=2 * g.ko[tsides] + 1,
+                          kind=adj[g.kk[tsides]], group=g.kg[tsides]))
+        slots.append(dict(slot_side=new_id[g.ss[sel]], slot_dir=1 - g.sdir[sel],
+                          slot_idx=g.sidx[sel], slot_fam=g.sf[sel], slot_chunk=g.sc[sel],
+                          slot_hi=g.shi[sel], slot_hn=g.shn[sel]))
+    n_next = n_side + int(touch_out.sum())
+    # reads_at: the last forward step each rank's computes read each input buffer
+    rd_k = np.concatenate([g.rkey(g.cr, Q, g.cq, g.chs), g.rkey(g.cr, KV, g.ckv, g.chs)])
+    rd_t = np.concatenate([g.ct, g.ct])
+    ra_k, ra_t = _min_by_key(rd_k, rd_t, np.maximum)
+    # what each collective brought: input buffers received from other members
+    srank = g.kr[g.ss]
+    inp = np.isin(g.sf, [Q, KV])
+    own = g.sidx == g.me[g.ss]
+    recv = g.sdir == 1
+    sb = g.bkey(g.sf, g.sc, g.shs)
+    if (recv & own).any():                  # an own slot's buffer received again: rows decide
+        side_buf = g.ss * (_F * P * g.HS) + sb
+        o_k = side_buf[recv & own]
+        if np.isin(o_k, side_buf[recv & ~own]).any():
+            return None
+    brought_sel = recv & inp & ~own
+    bk = g.rkey(srank[brought_sel], g.sf[brought_sel], g.sc[brought_sel], g.shs[brought_sel])
+    b_inst = g.inst[g.ss[brought_sel]]
+    if len(np.unique(bk)) != len(bk):
+        return None                          # one (rank, buffer) brought twice: rows decide
+    ob = np.argsort(bk)
+    brought_k, brought_i = bk[ob], b_inst[ob]
+    n_inst = len(g.inst_keys)
+    last, hit = _lookup(bk, ra_k, ra_t, -1)
+    latest = np.full(n_inst, -1, np.int64)
+    np.maximum.at(latest, b_inst, np.where(hit, last, -1))
+    has_q = np.zeros(n_inst, dtype=bool)
+    has_q[b_inst[g.sf[brought_sel] == Q]] = True
+    when = {}
+    for i in np.flatnonzero(latest >= 0).tolist():
+        if not (kv == "keep" and not has_q[i]):
+            when[i] = T - int(latest[i]) - 1
+    inst_t = np.zeros(n_inst, np.int64)
+    inst_g = np.zeros(n_inst, np.int64)
+    inst_ord = np.zeros(n_inst, np.int64)
+    inst_t[g.inst], inst_g[g.inst], inst_ord[g.inst] = g.kt, g.kg, g.ordinal
+    if when:
+        sends = g.sdir == 0
+        s_inst = g.inst[g.ss[sends]]
+        s_key = g.rkey(srank[sends], g.sf[sends], g.sc[sends], g.shs[sends])
+        so = np.argsort(s_inst, kind="stable")
+        s_inst, s_key = s_inst[so], s_key[so]
+        bounds = np.searchsorted(s_inst, np.arange(n_inst + 1))
+        for i in sorted(range(n_inst), key=lambda i: -inst_t[i]):      # latest first
+            if i not in when:
+                continue
+            keys = s_key[bounds[i]:bounds[i + 1]]
+            dep, dh = _lookup(keys, brought_k, brought_i, -1)
+            for d in np.unique(dep[dh]).tolist():
+                when[d] = min(when.get(d, when[i] - 1), when[i] - 1)
+    base = 2 * (1 + max([int(x.max()) for x in (g.co, g.xo, g.xro, g.ko) if len(x)] or [0]))
+    side_bounds = np.searchsorted(g.ss, np.arange(n_side + 1))
+    by_inst = np.argsort(g.inst, kind="stable")
+    inst_bounds = np.searchsorted(g.inst[by_inst], np.arange(n_inst + 1))
+    emitted = sorted(when, key=lambda i: (int(inst_t[i]), g.groups[int(inst_g[i])], int(inst_ord[i])))
+    re_sides, re_slots = [], []
+    for n, i in enumerate(emitted):
+        u = when[i]
+        if u < 0:
+            return None                      # the op rules raise with the message
+        for side in by_inst[inst_bounds[i]:inst_bounds[i + 1]].tolist():
+            new = n_next + len(re_sides)
+            re_sides.append((int(g.kr[side]), u, base + n, int(g.kk[side]), int(g.kg[side])))
+            lo, hi = side_bounds[side], side_bounds[side + 1]
+            re_slots.append(np.stack([np.full(hi - lo, new), g.sdir[lo:hi], g.sidx[lo:hi],
+                                      g.sf[lo:hi], g.sc[lo:hi], g.shi[lo:hi], g.shn[lo:hi]]))
+    if re_sides:
+        a = np.array(re_sides, dtype=np.int64)
+        sides.append(dict(zip(("rank", "step", "order", "kind", "group"), a.T)))
+        b_ = np.concatenate(re_slots, axis=1)
+        slots.append(dict(zip(("slot_side", "slot_dir", "slot_idx", "slot_fam", "slot_chunk",
+                               "slot_hi", "slot_hn"), b_)))
+    # re-sends of inputs the backward reads again, along the reversed routes
+    fams = [Q, KV] if kv == "resend" else [Q]
+    extra = _general_resend(g, T, fams, np.unique(bk), base + len(emitted))
+    if extra is None:
+        return None
+    xs.append(extra)
+    bxfer = {k: np.concatenate([x[k] for x in xs]) for k in xs[0]}
+    bcoll = {k: np.concatenate([x[k] for x in sides]) for k in sides[0]}
+    sl = {k: np.concatenate([x[k] for x in slots]) for k in slots[0]}
+    o = np.lexsort((sl["slot_idx"], sl["slot_dir"], sl["slot_side"]))
+    bcoll.update({k: v[o] for k, v in sl.items()})
+    bcoll["groups"] = g.groups
+    return list(ProgramTable._of_parts(P, bcomp, bxfer, bcoll).programs())
+
+
+def _general_resend(g: _Gen, T: int, fams: list, skip: np.ndarray, after: int) -> dict | None:
+    """The re-sends of input buffers (families ``fams``) that ranks read again in the
+    backward and received by point-to-point hops (``skip``: sorted (rank, buffer) keys a
+    re-issued collective delivers), as transfer rows ordered after ``after``, in the order
+    of the op rules: buffers by (family name, chunk, first appearance), then by rank."""
+    P = g.P
+    isin = np.isin(g.xf, fams)
+    xt, xs, xd, xf, xc, xhs = (x[isin] for x in (g.xt, g.xs, g.xd, g.xf, g.xc, g.xhs))
+    xo = g.xro[isin]
+    Q, KV = _FAMILY_CODE[_Q], _FAMILY_CODE[_KV]
+    # reads by computes of the families, not owned, not delivered by a collective
+    rr, rt, rf, rc, rh, rorder, rpart = [], [], [], [], [], [], []
+    for fam, ch in ((Q, g.cq), (KV, g.ckv)):
+        if fam in fams:
+            m = ch != g.cr
+            rr.append(g.cr[m]); rt.append(g.ct[m]); rf.append(np.full(int(m.sum()), fam))
+            rc.append(ch[m]); rh.append(g.chs[m]); rorder.append(g.co[m])
+            rpart.append(np.full(int(m.sum()), 0 if fam == Q else 1))
+    if rr:
+        rr, rt, rf, rc, rh, rorder, rpart = (np.concatenate(x) for x in
+                                             (rr, rt, rf, rc, rh, rorder, rpart))
+        k = g.rkey(rr, rf, rc, rh)
+        keep = ~np.isin(k, skip)
+        rr, rt, rf, rc, rh, rorder, rpart = (x[keep] for x in (rr, rt, rf, rc, rh, rorder, rpart))
+    else:
+        rr = rt = rf = rc = rh = rorder = rpart = np.zeros(0, np.int64)
+    hop_k = g.rkey(xd, xf, xc, xhs)
+    if np.isin(hop_k, skip).any():
+        return None                           # brought by a collective and a hop: rows decide
+    if not len(xt) and not len(rr):
+        return _no_xfer_general()
+    # compact buffer ids in emission order: (family name, chunk, first appearance)
+    fam_rank = np.argsort(np.argsort([f.value for f in _FAMILIES]))
+    bk_r = g.bkey(rf, rc, rh)
+    bk_x = g.bkey(xf, xc, xhs)
+    allb = np.concatenate([bk_r, bk_x])
+    # first appearance: reads in program order (rank, step, order, q before kv), then hops
+    big = np.int64(1) << 20
+    ap = np.concatenate([((rr * big + rt) * big + rorder) * 2 + rpart,
+                         (np.int64(1) << 61) + (xd * big + xt) * big + xo])
+    ub, inv = np.unique(allb, return_inverse=True)
+    first = np.full(len(ub), np.iinfo(np.int64).max)
+    np.minimum.at(first, inv.reshape(-1), ap)
+    ufam, uchunk = ub // g.HS // P, ub // g.HS % P
+    emit_order = np.lexsort((first, uchunk, fam_rank[ufam]))
+    bid = np.empty(len(ub), np.int64)
+    bid[emit_order] = np.arange(len(ub))
+    inv = inv.reshape(-1)
+    r_bid, x_bid = bid[inv[:len(bk_r)]], bid[inv[len(bk_r):]]
+    owner = np.empty(len(ub), np.int64)
+    owner[bid] = uchunk
+    if len(ub) * P > 1 << 27:
+        return None
+    rows = _resend_parts(P, T, rr, rt, r_bid, xt, xs, xd, x_bid, g.xo[isin], after, owner=owner)
+    if rows is None:
+        return None
+    by_bid = ub[emit_order]                  # buffer key of each id
+    b = by_bid[rows["chunk"]]
+    hs = b % g.HS
+    hn = np.zeros(len(hs), np.int64)
+    hi = np.zeros(len(hs), np.int64)
+    if (hs > 0).any():
+        n_ = np.floor((1 + np.sqrt(8 * np.maximum(hs - 1, 0) + 1)) / 2).astype(np.int64)
+        n_ = np.where(n_ * (n_ - 1) // 2 > hs - 1, n_ - 1, n_)
+        n_ = np.where((n_ + 1) * n_ // 2 <= hs - 1, n_ + 1, n_)
+        hn = np.where(hs > 0, n_, 0)
+        hi = np.where(hs > 0, hs - 1 - n_ * (n_ - 1) // 2, 0)
+    return dict(step=rows["step"], src=rows["src"], dst=rows["dst"], fam=b // g.HS // P,
+                chunk=b // g.HS % P, order=rows["order"], rorder=rows["order"], hi=hi, hn=hn)
+
+
+def _no_xfer_general():
+    z = np.zeros(0, np.int64)
+    return dict(step=z, src=z, dst=z, fam=z, chunk=z, order=z, rorder=z, hi=z, hn=z)
+
+
+def _general_prune(tab: ProgramTable, ok: np.ndarray) -> list[Program] | None:
+    """:func:`prune` on a general table: the programs themselves when it drops nothing (every
+    compute's tile is non-empty and every input hop feeds a compute), else None (the op
+    rules rebuild them)."""
+    g = _Gen(tab)
+    if not g.ok or not ok[g.cq, g.ckv].all():
+        return None
+    P = g.P
+    fams = [_FAMILY_CODE[_Q], _FAMILY_CODE[_KV]]
+    hop = np.isin(g.xf, fams)
+    if not hop.any():
+        return list(tab.programs())
+    hb = g.bkey(g.xf[hop], g.xc[hop], g.xhs[hop])
+    ub, inv = np.unique(hb, return_inverse=True)
+    if len(ub) * P > 1 << 27:
+        return None
+    use = np.zeros((len(ub), P), dtype=bool)
+    for fam, ch in ((fams[0], g.cq), (fams[1], g.ckv)):
+        ck = g.bkey(fam, ch, g.chs)
+        i, hit = _lookup(ck, ub, np.arange(len(ub)), 0)
+        use[i[hit], g.cr[hit]] = True
+    keep = _keep_hops(P, inv.reshape(-1), g.xt[hop], g.xs[hop], g.xd[hop], use, buffers=len(ub))
+    return list(tab.programs()) if keep.all() else None
