@@ -1,0 +1,136 @@
+"""The passes on a general ProgramTable (head slices and collectives as columns) give the
+programs the op-by-op rules give, and reject what those reject.
+
+The collective schedules (allgather, ulysses, compose) build general tables so that a
+P=1024 plan does not build millions of op objects; the column passes must stay op-for-op
+equal to the rules they replace, for any tile map, or ranks would run different plans than
+the documented rules say.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from fringe import schedules
+from fringe.schedules import ScheduleError, passes
+from fringe.schedules.ir import (Buffer, Collective, Compute, Program, ProgramTable, Step,
+                                 format_programs)
+
+SPECS = ("allgather", "allgather:3", "ulysses", "compose:zigzag+ulysses:2",
+         "compose:ring+ulysses:4", "compose:striped+ulysses:2", "compose:allgather+ulysses:2",
+         "compose:balanced+ulysses:2", "zigzag")
+
+
+def _need(P: int, seed: int, density: float) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    need = rng.random((P, P)) < density
+    need[np.arange(P), np.arange(P)] |= rng.random(P) < 0.5
+    return need
+
+
+def _op_programs(spec: str, P: int, need: np.ndarray) -> list[Program]:
+    """The schedule's programs as plain op values (no table behind them)."""
+    progs = schedules.get(spec).programs(P, need)
+    return [Program(p.rank, p.steps) for p in progs]
+
+
+def _cases():
+    for spec in SPECS:
+        for P in ((2, 4) if spec == "ulysses" else (4, 8)):
+            for seed, density in ((0, 0.3), (1, 0.7), (2, 1.0)):
+                yield spec, P, seed, density
+
+
+@pytest.mark.parametrize("spec,P,seed,density", list(_cases()))
+def test_column_passes_equal_the_op_rules(spec, P, seed, density):
+    need = _need(P, seed, density)
+    plain = _op_programs(spec, P, need)
+    tab = ProgramTable.general_of(plain)
+    assert tab.general and list(tab.programs()) == plain
+    assert passes._general_ok(tab, need, False, "resend") is True
+    assert passes._general_prune(tab, need) == plain
+    for kv in ("resend", "keep"):
+        want = passes.reverse(plain, kv=kv)
+        got = passes._general_reverse(tab, kv)
+        assert got is not None, (spec, kv)
+        assert format_programs(got) == format_programs(want), (spec, kv)
+        assert got[0].table.general
+        assert passes._general_ok(got[0].table, need, True, kv) is True
+        assert passes._general_ok(got[0].table, need, True,
+                                  "resend" if kv == "keep" else "keep") is (kv == "resend")
+
+
+def _plan_programs():
+    need = np.ones((8, 8), dtype=bool) & np.tri(8, dtype=bool)
+    return need, _op_programs("compose:zigzag+ulysses:2", 8, need)
+
+
+def _edit(progs, rank, fn):
+    progs = list(progs)
+    p = progs[rank]
+    progs[rank] = Program(rank, tuple(fn(list(p.steps))))
+    return progs
+
+
+def _drop_compute(steps):
+    i = next(i for i, s in enumerate(steps) if s.computes)
+    ops = list(steps[i].ops)
+    del ops[next(j for j, o in enumerate(ops) if isinstance(o, Compute))]
+    steps[i] = Step(steps[i].index, tuple(ops))
+    return steps
+
+
+def _compute_too_early(steps):
+    late = next(o for o in steps[-2].ops if isinstance(o, Compute))
+    steps[0] = Step(steps[0].index, steps[0].ops + (late,))
+    del_ops = [o for o in steps[-2].ops if o is not late]
+    steps[-2] = Step(steps[-2].index, tuple(del_ops))
+    return steps
+
+
+def _swap_collectives(steps):
+    ops = list(steps[0].ops)
+    a, b = [i for i, o in enumerate(ops) if isinstance(o, Collective)][:2]
+    ops[a], ops[b] = ops[b], ops[a]
+    steps[0] = Step(steps[0].index, tuple(ops))
+    return steps
+
+
+def _wrong_slot(steps):
+    ops = list(steps[0].ops)
+    i = next(i for i, o in enumerate(ops) if isinstance(o, Collective))
+    op = ops[i]
+    si, sb = op.sparse_sends
+    last = sb[-1]
+    other = Buffer.of(last.family, last.chunk, (1 - last.heads[0], last.heads[1]))
+    ops[i] = Collective.sparse(op.kind, op.group, (si, sb[:-1] + (other,)), op.sparse_recvs)
+    steps[0] = Step(steps[0].index, tuple(ops))
+    return steps
+
+
+@pytest.mark.parametrize("fault,message", [
+    (_drop_compute, "computed 1 times"), (_compute_too_early, "not on rank"),
+    (_swap_collectives, "receives kv0h1/2 from rank 0"), (_wrong_slot, "sends")])
+def test_a_fault_in_a_general_table_is_named_by_check(fault, message):
+    need, progs = _plan_programs()
+    bad = _edit(progs, 3 if fault in (_drop_compute, _compute_too_early) else 1, fault)
+    tab = ProgramTable.general_of(bad)
+    assert passes._general_ok(tab, need, False, "resend") is False
+    with pytest.raises(ScheduleError, match=message):
+        passes.check(list(tab.programs()), need=need)
+
+
+def test_general_digest_follows_the_programs():
+    need, progs = _plan_programs()
+    a = ProgramTable.general_of(progs)
+    b = ProgramTable.general_of([Program(p.rank, p.steps) for p in progs])
+    c = ProgramTable.general_of(_edit(progs, 3, _drop_compute))
+    assert a.digest() == b.digest() != c.digest()
+
+
+def test_a_general_table_has_no_row_columns():
+    _, progs = _plan_programs()
+    tab = ProgramTable.general_of(progs)
+    with pytest.raises(TypeError, match="no row columns"):
+        tab.kind
+    assert len(tab) == sum(len(s.ops) for p in progs for s in p.steps)
