@@ -101,16 +101,16 @@ def _wrong_slot(steps):
     i = next(i for i, o in enumerate(ops) if isinstance(o, Collective))
     op = ops[i]
     si, sb = op.sparse_sends
-    last = sb[-1]
-    other = Buffer.of(last.family, last.chunk, (1 - last.heads[0], last.heads[1]))
-    ops[i] = Collective.sparse(op.kind, op.group, (si, sb[:-1] + (other,)), op.sparse_recvs)
+    first = sb[0]                 # the slot to member 0 (rank 1's own slot is the last)
+    other = Buffer.of(first.family, first.chunk, (1 - first.heads[0], first.heads[1]))
+    ops[i] = Collective.sparse(op.kind, op.group, (si, (other,) + sb[1:]), op.sparse_recvs)
     steps[0] = Step(steps[0].index, tuple(ops))
     return steps
 
 
 @pytest.mark.parametrize("fault,message", [
     (_drop_compute, "computed 1 times"), (_compute_too_early, "not on rank"),
-    (_swap_collectives, "receives kv0h1/2 from rank 0"), (_wrong_slot, "sends")])
+    (_swap_collectives, "receives kv0h1/2 from rank 0"), (_wrong_slot, "but rank 0's side")])
 def test_a_fault_in_a_general_table_is_named_by_check(fault, message):
     need, progs = _plan_programs()
     bad = _edit(progs, 3 if fault in (_drop_compute, _compute_too_early) else 1, fault)
