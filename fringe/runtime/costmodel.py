@@ -837,16 +837,21 @@ def _fam_bytes(fams, L: int, shape: Shape) -> np.ndarray:
 
 def _columns(programs: Sequence, L: int, shape: Shape) -> _Cols:
     """Programs as :class:`_Cols`: from the IR's :class:`~fringe.schedules.ir.ProgramTable`
-    without building an op (P=1024 rings have millions), else by walking the ops once
-    (collectives and head slices, which the table has no column for)."""
+    without building an op (P=1024 rings have millions), plain or general (head slices and
+    collectives as columns), else by walking the ops once. Both table readers give the
+    columns the walk gives, up to the numbering of buffers and groups."""
     ir, fams, code = _family_codes()
     table_cls = getattr(ir, "ProgramTable", None)
     if table_cls is not None:
         try:
             t = table_cls.of(list(programs))
-        except TypeError:             # ops without a column form (collectives, head slices)
+        except TypeError:             # ops without a plain column form, not cut from a table
             t = None
-        if t is not None and _plain_table(t):
+        if t is not None and getattr(t, "general", False):
+            cols = _general_columns(t, len(programs), L, shape, ir, fams, code)
+            if cols is not None:
+                return cols
+        elif t is not None and _plain_table(t):
             return _table_columns(t, len(programs), L, shape, fams, code)
     import gc
     paused = gc.isenabled()           # the walk makes many small lists and tuples: without a
@@ -860,8 +865,8 @@ def _columns(programs: Sequence, L: int, shape: Shape) -> _Cols:
 
 def _plain_table(t) -> bool:
     """Whether a table holds only what :func:`_table_columns` reads (whole-heads computes,
-    sends and receives); anything else (a column form for collectives or head slices that
-    the IR may grow) is walked op by op instead of being dropped without a word."""
+    sends and receives); anything else (a general table has its own reader, and columns no
+    reader knows) is walked op by op instead of being dropped without a word."""
     parts = getattr(t, "_parts", None)
     if parts is not None:
         if len(parts) != 2:
@@ -925,6 +930,186 @@ def _table_columns(t, P: int, L: int, shape: Shape, fams, code) -> _Cols:
     e = np.zeros(0, dtype=np.int64)
     comp_cols = (*c, np.ones(len(c[0]), dtype=np.int64))
     return _Cols(P, comp_cols, sends, touches, (e,) * 7, [], np.repeat(fam_bytes, P), (1,))
+
+
+#: The parts of a general :class:`~fringe.schedules.ir.ProgramTable` that
+#: :func:`_general_columns` reads: computes, transfers, collective sides and their slots.
+_GENERAL_PARTS = (
+    frozenset({"rank", "step", "kind", "q", "kv", "order", "hi", "hn"}),
+    frozenset({"step", "src", "dst", "fam", "chunk", "order", "hi", "hn", "rorder"}),
+    frozenset({"rank", "step", "order", "kind", "group", "slot_side", "slot_dir", "slot_idx",
+               "slot_fam", "slot_chunk", "slot_hi", "slot_hn", "groups"}))
+
+
+def _within(x: np.ndarray, lo: int, hi: int) -> bool:
+    """Every value of ``x`` in ``[lo, hi)``."""
+    return not len(x) or (int(x.min()) >= lo and int(x.max()) < hi)
+
+
+def _cell_order(*keys: np.ndarray) -> np.ndarray | slice:
+    """Rows in (keys[0], keys[1], ...) order, ties in row order (a slice when already so)."""
+    if not len(keys[0]):
+        return slice(None)
+    lo = [int(k.min()) for k in keys]
+    spans = [int(k.max()) - m + 1 for k, m in zip(keys, lo)]
+    if math.prod(float(w) for w in spans) >= 2.0 ** 62:
+        return np.lexsort(keys[::-1])
+    key = keys[0] - lo[0]
+    for k, m, w in zip(keys[1:], lo[1:], spans[1:]):
+        key *= w
+        key += k - m
+    if (np.diff(key) >= 0).all():
+        return slice(None)
+    return np.argsort(key, kind="stable")
+
+
+def _member_index(groups: list, gid: np.ndarray, rank: np.ndarray, P: int) -> np.ndarray | None:
+    """The index of ``rank[i]`` in ``groups[gid[i]]`` (None when a rank is not in its group)."""
+    if not len(gid):
+        return _i64([])
+    M = 1 + max(P, max(max(g) for g in groups))
+    key = np.concatenate([i * M + _i64(g) for i, g in enumerate(groups)])
+    idx = np.concatenate([np.arange(len(g), dtype=np.int64) for g in groups])
+    o = np.argsort(key)
+    key, idx = key[o], idx[o]
+    want = gid * M + rank
+    at = np.minimum(np.searchsorted(key, want), len(key) - 1)
+    if not (key[at] == want).all():
+        return None
+    return idx[at]
+
+
+def _general_columns(t, P: int, L: int, shape: Shape, ir, fams, code) -> _Cols | None:
+    """Columns of a general :class:`~fringe.schedules.ir.ProgramTable` (head slices and
+    collectives) from its parts, with numpy: what :func:`_walk_columns` gives for its
+    programs (buffers and groups may be numbered otherwise; nothing the simulation reads
+    differs).
+
+    Returns None, to have the programs walked, for a part or column this reader does not
+    know and for anything the walk would refuse or build ops from that fail (a chunk or rank
+    outside ``[0, P)``, a bad head slice, a side whose rank is not in its group, slots out of
+    order): the walk then models it or raises its error, never a silent drop.
+    """
+    parts = t._parts
+    if len(parts) != 3 or any(set(d) != k for d, k in zip(parts, _GENERAL_PARTS)):
+        return None
+    comp, xfer, coll = ({k: (v if k == "groups" else _i64(v)) for k, v in d.items()}
+                        for d in parts)
+    nf = len(fams)
+    try:
+        kind_code = _i64([_COLL_KINDS[k] for k in ir.COLL_KINDS])
+    except (AttributeError, KeyError):           # collective kinds this model does not know
+        return None
+    raw_groups = coll["groups"]
+    for g in raw_groups:                         # what Collective checks of a group
+        if not g or len(set(g)) != len(g) or min(g) < 0:
+            return None
+    g_size = _i64([len(g) for g in raw_groups])
+
+    def heads_ok(hi, hn):
+        return _within(hn, 0, 1 << 16) and bool(((hn == 0) | ((hi >= 0) & (hi < hn))).all())
+
+    ss = coll["slot_side"]
+    n_sides = len(coll["rank"])
+    if not (_within(comp["kind"], 0, 2) and all(_within(comp[k], 0, P) for k in ("rank", "q", "kv"))
+            and _within(xfer["fam"], 0, nf) and all(_within(xfer[k], 0, P)
+                                                    for k in ("src", "dst", "chunk"))
+            and _within(coll["kind"], 0, len(kind_code)) and _within(coll["rank"], 0, P)
+            and _within(coll["group"], 0, len(raw_groups)) and _within(ss, 0, n_sides)
+            and _within(coll["slot_dir"], 0, 2) and _within(coll["slot_fam"], 0, nf)
+            and _within(coll["slot_chunk"], 0, P)
+            and all(_within(d["step"], 0, 1 << 40) for d in (comp, xfer, coll))
+            and heads_ok(comp["hi"], comp["hn"]) and heads_ok(xfer["hi"], xfer["hn"])
+            and heads_ok(coll["slot_hi"], coll["slot_hn"])):
+        return None
+    sx = coll["slot_idx"]
+    if len(ss) and not (_within(sx, 0, 1 << 40) and (sx < g_size[coll["group"][ss]]).all()):
+        return None
+    slot_key = (ss * 2 + coll["slot_dir"]) * (1 << 40) + sx
+    if (np.diff(slot_key) <= 0).any():           # slots in (side, dir, idx) order, distinct
+        return None
+
+    # buffer ids: whole heads family * P + chunk (as the walk), head slices one id each after
+    NH = 1 + max((int(d[k].max()) for d, k in ((comp, "hn"), (xfer, "hn"), (coll, "slot_hn"))
+                  if len(d[k])), default=0)
+    base = nf * P
+
+    def slice_key(fam, chunk, hi, hn):
+        return ((fam * P + chunk) * NH + hi) * NH + hn
+
+    o = _cell_order(comp["rank"], comp["step"], comp["order"])   # op order within a cell:
+    cr, ct, cg, cq, ckv, chi, chn = (comp[k][o] for k in     # the sums of compute times
+                                     ("rank", "step", "kind", "q", "kv", "hi", "hn"))
+    F = ir.Family
+    by_grad = ((0, ((F.Q, 0, False), (F.KV, 1, False), (F.OUT, 0, True))),
+               (1, ((F.Q, 0, False), (F.KV, 1, False), (F.OUT, 0, False), (F.DOUT, 0, False),
+                    (F.DQ, 0, True), (F.DKV, 1, True))))
+    whole = chn == 0
+    sl = ~whole
+    sliced_refs = []                             # computes on head slices other ranks own
+    for g, fam_chunks in by_grad:
+        sel = sl & (cg == g)
+        for fam, which, start in fam_chunks:
+            ch = ckv if which else cq
+            m = sel & (ch != cr)
+            if m.any():
+                sliced_refs.append((cr[m], ct[m], slice_key(code[fam], ch[m], chi[m], chn[m]),
+                                    start))
+    x_sl, k_sl = xfer["hn"] > 0, coll["slot_hn"] > 0
+    x_key = slice_key(xfer["fam"], xfer["chunk"], xfer["hi"], xfer["hn"])
+    k_key = slice_key(coll["slot_fam"], coll["slot_chunk"], coll["slot_hi"], coll["slot_hn"])
+    uniq = np.unique(np.concatenate([x_key[x_sl], k_key[k_sl]] + [r[2] for r in sliced_refs]))
+    u_hn = uniq % NH
+    u_fam = uniq // (NH * NH * P)
+    sliced_bytes = np.zeros(len(uniq), dtype=np.int64)
+    for f, n in sorted(set(zip(u_fam.tolist(), u_hn.tolist()))):
+        sliced_bytes[(u_fam == f) & (u_hn == n)] = shape.buffer_bytes(fams[f].value, L, split=n)
+    fam_bytes = _fam_bytes(fams, L, shape)
+    buf_bytes = np.concatenate([np.repeat(fam_bytes, P), sliced_bytes])
+
+    def ids(sliced, key, fam, chunk):
+        return np.where(sliced, base + np.searchsorted(uniq, key), fam * P + chunk)
+
+    touch = _compute_touches(P, cr[whole], ct[whole], cg[whole], cq[whole], ckv[whole], code)
+    touch += [(r, s, base + np.searchsorted(uniq, key), start) for r, s, key, start in sliced_refs]
+
+    xs, src, dst, xc = (xfer[k] for k in ("step", "src", "dst", "chunk"))
+    x_id = ids(x_sl, x_key, xfer["fam"], xc)
+    sends = (src, xs, dst, buf_bytes[x_id])
+    for rank, start in ((src, False), (dst, True)):     # a transfer touches a buffer another
+        m = xc != rank                                  # rank owns
+        touch.append((rank[m], xs[m], x_id[m], start))
+
+    # collectives: groups by value (as the walk keys them), the member index of each side's
+    # rank, and its ordinal (the collectives on its group earlier in the rank's step)
+    gid_of: dict[tuple, int] = {}
+    remap = _i64([gid_of.setdefault(g, len(gid_of)) for g in raw_groups])
+    groups = list(gid_of)
+    kr, kt = coll["rank"], coll["step"]
+    kg = remap[coll["group"]]
+    me = _member_index(groups, kg, kr, P)
+    if me is None:
+        return None                                     # a side whose rank is not a member
+    seq = np.arange(n_sides, dtype=np.int64)[_cell_order(kr, kt, coll["order"])]   # op order
+    seq = seq[_cell_order(kr[seq], kt[seq], kg[seq])]  # by (rank, step, group), op order kept
+    pos = np.arange(n_sides, dtype=np.int64)
+    head = np.r_[True, (np.diff(kr[seq]) != 0) | (np.diff(kt[seq]) != 0)
+                 | (np.diff(kg[seq]) != 0)][:n_sides]
+    ordinal = np.empty(n_sides, dtype=np.int64)
+    ordinal[seq] = pos - np.maximum.accumulate(np.where(head, pos, 0))
+    # bytes each side moves: its slots' buffers but its own slot (which stays in place)
+    s_id = ids(k_sl, k_key, coll["slot_fam"], coll["slot_chunk"])
+    s_bytes = np.where(sx == me[ss], 0, buf_bytes[s_id]) if len(ss) else _i64([])
+    moved = np.r_[0, np.cumsum(s_bytes)][np.searchsorted(
+        ss * 2 + coll["slot_dir"], np.arange(2 * n_sides + 1))]
+    moved = np.diff(moved)
+    coll_cols = (kr, kt, kg, ordinal, kind_code[coll["kind"]], moved[0::2], moved[1::2])
+    s_rank = kr[ss]
+    far = coll["slot_chunk"] != s_rank
+    touch.append((s_rank[far], kt[ss][far], s_id[far], coll["slot_dir"][far] == 1))
+    splits = tuple(sorted({1} | set(u_hn.tolist())))
+    return _Cols(P, (cr, ct, cg, cq, ckv, np.where(whole, 1, chn)), sends, touch, coll_cols,
+                 groups, buf_bytes, splits)
 
 
 def _walk_columns(programs: Sequence, L: int, shape: Shape, ir, fams, code) -> _Cols:

@@ -1,0 +1,150 @@
+"""The cost model reads a general ProgramTable (head slices, collectives) as columns, and
+predicts exactly what walking the same programs op by op predicts."""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+import fringe
+from fringe import masks, schedules
+from fringe.runtime import costmodel
+from fringe.schedules import ir
+
+# H=16, G=4: Ulysses over 16 ranks replicates kv heads, over 2 or 4 it splits them
+SHAPE = costmodel.Shape(batch=1, heads=16, kv_heads=4, head_dim=8, dtype="bfloat16")
+PRESETS = ("h100-ib", "h100-nvlink", "cpu")
+SPECS = ("allgather", "ulysses", "compose:zigzag+ulysses:2", "compose:zigzag+ulysses:4",
+         "compose:ring+ulysses:2", "compose:allgather+ulysses:2")
+S = 512
+
+
+def _mask(name: str):
+    if name == "causal":
+        return masks.causal()
+    ids = torch.repeat_interleave(torch.arange(5), torch.tensor([150, 20, 200, 80, 62]))
+    return masks.causal() & masks.document(ids)
+
+
+def _general(plan):
+    """The plan with programs cut from general tables (what the collective builders make)."""
+    return dataclasses.replace(
+        plan, forward=ir.ProgramTable.general_of(plan.forward).programs(),
+        backward=ir.ProgramTable.general_of(plan.backward).programs())
+
+
+def _untabled(plan):
+    """The plan with plain Program values (no table: the cost model walks their ops)."""
+    def plain(progs):
+        return tuple(ir.Program(p.rank, p.steps) for p in progs)
+    return dataclasses.replace(plan, forward=plain(plan.forward), backward=plain(plan.backward))
+
+
+def _walks_refused(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("the programs were walked op by op, not read as columns")
+    monkeypatch.setattr(costmodel, "_walk_columns", refuse)
+
+
+def assert_same_prediction(a: costmodel.Prediction, b: costmodel.Prediction) -> None:
+    """Every field bit for bit, and what reports derive from them."""
+    for f in dataclasses.fields(a):
+        x, y = getattr(a, f.name), getattr(b, f.name)
+        if isinstance(x, dict):
+            assert x.keys() == y.keys(), f.name
+            for k in x:
+                assert x[k].dtype == y[k].dtype and np.array_equal(x[k], y[k]), (f.name, k)
+        elif isinstance(x, np.ndarray):
+            assert x.dtype == y.dtype and np.array_equal(x, y), f.name
+        else:
+            assert x == y, f.name
+    assert (a.step_s, a.forward_s, a.backward_s, a.balance, a.exposed(), a.bytes_per_rank()) == \
+        (b.step_s, b.forward_s, b.backward_s, b.balance, b.exposed(), b.bytes_per_rank())
+    for which in ("forward", "backward"):
+        assert a.records(which) == b.records(which)
+        assert a.exposed(which) == b.exposed(which)
+
+
+@pytest.mark.parametrize("mask", ["causal", "document"])
+@pytest.mark.parametrize("spec", SPECS)
+def test_general_tables_predict_what_the_op_walk_predicts(spec, mask, monkeypatch):
+    checked = 0
+    for P, kv in ((4, "resend"), (4, "keep"), (8, "resend"), (16, "keep")):
+        if spec == "compose:allgather+ulysses:2" and P == 16:
+            continue                                 # (its planning is the slow part)
+        p = fringe.plan(schedules.get(spec), _mask(mask), seq_len=S, world_size=P,
+                        block_size=8, kv=kv)
+        gen, walked = _general(p), _untabled(p)
+        assert all(x.table is not None and x.table.general for x in gen.forward + gen.backward)
+        assert all(x.table is None for x in walked.forward + walked.backward)
+        for hw in PRESETS:
+            want = costmodel.simulate(walked, hw, SHAPE)
+            with monkeypatch.context() as m:
+                _walks_refused(m)
+                got = costmodel.simulate(gen, hw, SHAPE)
+            assert_same_prediction(got, want)
+            checked += 1
+        if "ulysses" in spec or spec == "allgather":  # they do communicate
+            assert want.bytes_per_rank() > 0
+    assert checked >= 9
+
+
+def test_plans_whose_builders_make_general_tables_are_read_as_columns(monkeypatch):
+    # whatever form the builders give (general tables, or programs cut from them here), the
+    # prediction is the walk's
+    p = fringe.plan(schedules.get("compose:zigzag+ulysses:2"), masks.causal(), seq_len=S,
+                    world_size=8, block_size=8)
+    want = costmodel.simulate(_untabled(p), "h100-ib", SHAPE)
+    src = p.forward[0].table
+    if src is None or not src.general:
+        p = _general(p)
+    _walks_refused(monkeypatch)
+    assert_same_prediction(costmodel.simulate(p, "h100-ib", SHAPE), want)
+
+
+def _parts_of(plan):
+    t = ir.ProgramTable.general_of(plan.forward)
+    comp, xfer, coll = (dict(d) for d in t._parts)
+    return t.world_size, comp, xfer, coll
+
+
+def test_a_general_table_with_a_column_the_reader_does_not_know_is_walked():
+    p = fringe.plan(schedules.get("compose:zigzag+ulysses:2"), masks.causal(), seq_len=S,
+                    world_size=4, block_size=8)
+    P, comp, xfer, coll = _parts_of(p)
+    L = p.local_len
+    _, fams, code = costmodel._family_codes()
+    t = ir.ProgramTable._of_parts(P, comp, xfer, coll)
+    assert costmodel._general_columns(t, P, L, SHAPE, ir, fams, code) is not None
+    extra = ir.ProgramTable._of_parts(P, {**comp, "dtype": comp["q"]}, xfer, coll)
+    assert extra.general
+    assert costmodel._general_columns(extra, P, L, SHAPE, ir, fams, code) is None
+    odd_kind = ir.ProgramTable._of_parts(P, comp, xfer, {**coll, "kind": coll["kind"] * 0 + 7})
+    assert costmodel._general_columns(odd_kind, P, L, SHAPE, ir, fams, code) is None
+
+
+def test_a_side_outside_its_group_gets_the_walks_error():
+    # a general table whose collective side names a rank outside its group: the reader does
+    # not guess, the walk raises what it always raised
+    p = fringe.plan(schedules.ulysses(), masks.causal(), seq_len=S, world_size=4, block_size=8)
+    P, comp, xfer, coll = _parts_of(p)
+    assert len(coll["groups"]) >= 1 and len(coll["rank"]) > 0
+    coll["groups"] = tuple(g[:-1] if len(g) > 1 else g for g in coll["groups"])
+    keep = np.isin(coll["slot_idx"], [len(g) for g in coll["groups"]], invert=True)
+    for k in ("slot_side", "slot_dir", "slot_idx", "slot_fam", "slot_chunk", "slot_hi",
+              "slot_hn"):
+        coll[k] = coll[k][keep]
+    progs = ir.ProgramTable._of_parts(P, comp, xfer, coll).programs()
+    bad = dataclasses.replace(p, forward=progs)
+    with pytest.raises(ValueError, match="does not list rank"):
+        costmodel.simulate(bad, "h100-ib", SHAPE)
+
+
+def test_head_splits_the_shape_cannot_take_are_refused_on_both_paths():
+    p = fringe.plan(schedules.ulysses(), masks.causal(), seq_len=S, world_size=4, block_size=8)
+    narrow = costmodel.Shape(heads=2, kv_heads=1, head_dim=8)
+    for plan in (_general(p), _untabled(p)):
+        with pytest.raises(ValueError, match="4"):
+            costmodel.simulate(plan, "h100-ib", narrow)
