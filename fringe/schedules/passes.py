@@ -1260,8 +1260,7 @@ class _Gen:
         ordinal[o] = np.arange(n) - start
         self.ordinal = ordinal
         key = (self.kt * max(ng, 1) + self.kg) * (int(ordinal.max()) + 1 if n else 1) + ordinal
-        self.inst_keys, self.inst = np.unique(key, return_inverse=True)
-        self.inst = self.inst.reshape(-1)
+        self.inst_keys, self.inst = _unique(key)
 
     @staticmethod
     def hs(hi: np.ndarray, hn: np.ndarray) -> np.ndarray:
@@ -1296,6 +1295,26 @@ class _Gen:
     def rkey(self, rank, fam, chunk, hs):
         """A (rank, buffer) pair as one int."""
         return ((rank * _F + fam) * self.P + chunk) * self.HS + hs
+
+
+def _unique(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Sorted distinct values of int array ``x`` and each entry's index among them (a sort:
+    numpy's hashed ``unique`` measured 1 s on a million keys)."""
+    o = np.argsort(x, kind="stable")
+    xs = x[o]
+    new = np.ones(len(xs), dtype=bool)
+    new[1:] = xs[1:] != xs[:-1]
+    inv = np.empty(len(x), dtype=np.int64)
+    inv[o] = np.cumsum(new) - 1
+    return xs[new], inv
+
+
+def _member(x: np.ndarray, sorted_keys: np.ndarray) -> np.ndarray:
+    """``np.isin(x, sorted_keys)`` by binary search (``isin`` hashes: slow on int64)."""
+    if not len(sorted_keys):
+        return np.zeros(len(x), dtype=bool)
+    at = np.minimum(np.searchsorted(sorted_keys, x), len(sorted_keys) - 1)
+    return sorted_keys[at] == x
 
 
 def _min_by_key(keys: np.ndarray, vals: np.ndarray, reduce=np.minimum):
@@ -1481,15 +1500,15 @@ def _general_reverse(tab: ProgramTable, kv: str) -> list[Program] | None:
     if (recv & own).any():                  # an own slot's buffer received again: rows decide
         side_buf = g.ss * (_F * P * g.HS) + sb
         o_k = side_buf[recv & own]
-        if np.isin(o_k, side_buf[recv & ~own]).any():
+        if _member(o_k, np.sort(side_buf[recv & ~own])).any():
             return None
     brought_sel = recv & inp & ~own
     bk = g.rkey(srank[brought_sel], g.sf[brought_sel], g.sc[brought_sel], g.shs[brought_sel])
     b_inst = g.inst[g.ss[brought_sel]]
-    if len(np.unique(bk)) != len(bk):
-        return None                          # one (rank, buffer) brought twice: rows decide
-    ob = np.argsort(bk)
+    ob = np.argsort(bk, kind="stable")
     brought_k, brought_i = bk[ob], b_inst[ob]
+    if (np.diff(brought_k) == 0).any():
+        return None                          # one (rank, buffer) brought twice: rows decide
     n_inst = len(g.inst_keys)
     last, hit = _lookup(bk, ra_k, ra_t, -1)
     latest = np.full(n_inst, -1, np.int64)
@@ -1542,7 +1561,7 @@ def _general_reverse(tab: ProgramTable, kv: str) -> list[Program] | None:
                                "slot_hi", "slot_hn"), b_)))
     # re-sends of inputs the backward reads again, along the reversed routes
     fams = [Q, KV] if kv == "resend" else [Q]
-    extra = _general_resend(g, T, fams, np.unique(bk), base + len(emitted))
+    extra = _general_resend(g, T, fams, brought_k, base + len(emitted))
     if extra is None:
         return None
     xs.append(extra)
@@ -1577,12 +1596,12 @@ def _general_resend(g: _Gen, T: int, fams: list, skip: np.ndarray, after: int) -
         rr, rt, rf, rc, rh, rorder, rpart = (np.concatenate(x) for x in
                                              (rr, rt, rf, rc, rh, rorder, rpart))
         k = g.rkey(rr, rf, rc, rh)
-        keep = ~np.isin(k, skip)
+        keep = ~_member(k, skip)
         rr, rt, rf, rc, rh, rorder, rpart = (x[keep] for x in (rr, rt, rf, rc, rh, rorder, rpart))
     else:
         rr = rt = rf = rc = rh = rorder = rpart = np.zeros(0, np.int64)
     hop_k = g.rkey(xd, xf, xc, xhs)
-    if np.isin(hop_k, skip).any():
+    if _member(hop_k, skip).any():
         return None                           # brought by a collective and a hop: rows decide
     if not len(xt) and not len(rr):
         return _no_xfer_general()
@@ -1595,14 +1614,13 @@ def _general_resend(g: _Gen, T: int, fams: list, skip: np.ndarray, after: int) -
     big = np.int64(1) << 20
     ap = np.concatenate([((rr * big + rt) * big + rorder) * 2 + rpart,
                          (np.int64(1) << 61) + (xd * big + xt) * big + xo])
-    ub, inv = np.unique(allb, return_inverse=True)
+    ub, inv = _unique(allb)
     first = np.full(len(ub), np.iinfo(np.int64).max)
-    np.minimum.at(first, inv.reshape(-1), ap)
+    _assign_min(first, inv, ap)
     ufam, uchunk = ub // g.HS // P, ub // g.HS % P
     emit_order = np.lexsort((first, uchunk, fam_rank[ufam]))
     bid = np.empty(len(ub), np.int64)
     bid[emit_order] = np.arange(len(ub))
-    inv = inv.reshape(-1)
     r_bid, x_bid = bid[inv[:len(bk_r)]], bid[inv[len(bk_r):]]
     owner = np.empty(len(ub), np.int64)
     owner[bid] = uchunk
@@ -1644,7 +1662,7 @@ def _general_prune(tab: ProgramTable, ok: np.ndarray) -> list[Program] | None:
     if not hop.any():
         return list(tab.programs())
     hb = g.bkey(g.xf[hop], g.xc[hop], g.xhs[hop])
-    ub, inv = np.unique(hb, return_inverse=True)
+    ub, inv = _unique(hb)
     if len(ub) * P > 1 << 27:
         return None
     use = np.zeros((len(ub), P), dtype=bool)
@@ -1652,5 +1670,5 @@ def _general_prune(tab: ProgramTable, ok: np.ndarray) -> list[Program] | None:
         ck = g.bkey(fam, ch, g.chs)
         i, hit = _lookup(ck, ub, np.arange(len(ub)), 0)
         use[i[hit], g.cr[hit]] = True
-    keep = _keep_hops(P, inv.reshape(-1), g.xt[hop], g.xs[hop], g.xd[hop], use, buffers=len(ub))
+    keep = _keep_hops(P, inv, g.xt[hop], g.xs[hop], g.xd[hop], use, buffers=len(ub))
     return list(tab.programs()) if keep.all() else None
