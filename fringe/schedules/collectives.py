@@ -40,14 +40,69 @@ import torch
 
 from .. import layout as _layout
 from .base import Schedule
-from .ir import (Buffer, Collective, Compute, Family, Program, Recv, Send, program_from_ops,
-                 steps_of)
+from .ir import (_FAMILY_CODE, C_, COLL_KINDS, Buffer, Collective, Compute, Family, Program,
+                 ProgramTable, Recv, Send, _no_coll, program_from_ops, steps_of)
+from .passes import _keep_hops
 
 __all__ = ["allgather", "compose", "inner_size_of", "ulysses"]
 
 
 def _need(P: int, need: np.ndarray | None) -> np.ndarray:
     return np.ones((P, P), dtype=bool) if need is None else np.asarray(need, dtype=bool)
+
+
+# ---------------------------------------------------------------------------------------
+# the general table, built column by column
+# ---------------------------------------------------------------------------------------
+_XFER = ("step", "src", "dst", "fam", "chunk", "order", "rorder", "hi", "hn")
+_SIDE = ("rank", "step", "order", "kind", "group")
+_SLOT = ("slot_side", "slot_dir", "slot_idx", "slot_fam", "slot_chunk", "slot_hi", "slot_hn")
+
+
+def _cat(parts: list[dict], names: tuple[str, ...] | None = None) -> dict:
+    """Columns of ``parts`` (dicts of equal-length int arrays) one after the other."""
+    names = names or tuple(parts[0])
+    return {n: np.concatenate([np.asarray(d[n], dtype=np.int64) for d in parts] or
+                              [np.zeros(0, np.int64)]) for n in names}
+
+
+def _within(keys: np.ndarray) -> np.ndarray:
+    """Each row's index within its run of equal ``keys`` (sorted)."""
+    return np.arange(len(keys)) - np.searchsorted(keys, keys)
+
+
+def _sorted_slots(slots: dict) -> dict:
+    """Collective slots in the order a table keeps them: by (side, dir, idx)."""
+    o = np.lexsort((slots["slot_idx"], slots["slot_dir"], slots["slot_side"]))
+    return {name: slots[name][o] for name in _SLOT}
+
+
+def _parts_of(programs: list[Program]) -> tuple[dict, dict, dict]:
+    """``(comp, xfer, coll)`` of programs in the general column form (read from the table
+    they were cut from, else converted)."""
+    tab = programs[0].table if programs else None
+    if tab is None or tab._parts is None or not all(
+            p.table is tab and p.rank == r for r, p in enumerate(programs)):
+        tab = ProgramTable.general_of(programs)
+    if tab.general:
+        return tab._parts
+    comp, xfer = tab._parts
+    return comp, dict(xfer, rorder=xfer["order"]), _no_coll()
+
+
+def _first_slots(rank, step, order, tie, count) -> np.ndarray:
+    """Ops at ``(rank, step)``, placed in their step by ``(order, tie)``, each to become
+    ``count`` ops in its place: the position of each one's first op in its rank's step."""
+    if not len(rank):
+        return np.zeros(0, np.int64)
+    o = np.lexsort((tie, order, step, rank))
+    r, s = rank[o], step[o]
+    n = np.asarray(count, dtype=np.int64)[o]
+    start = np.flatnonzero(np.r_[True, (r[1:] != r[:-1]) | (s[1:] != s[:-1])])
+    before = np.cumsum(n) - n
+    first = np.empty(len(o), np.int64)
+    first[o] = before - np.repeat(before[start], np.diff(np.r_[start, len(o)]))
+    return first
 
 
 # ---------------------------------------------------------------------------------------
@@ -60,16 +115,17 @@ def _offset_pieces(P: int, pieces: int) -> list[list[int]]:
     return [part.tolist() for part in np.array_split(np.array(d, dtype=np.int64), n) if len(part)]
 
 
-def _allgather_programs(P: int, need: np.ndarray | None, *, pieces: int,
-                        group: tuple[int, ...] | None = None) -> list[Program]:
-    """Python work per gathered chunk, not per (rank, member) slot: each rank's side is built
-    from its occupied slots (:meth:`Collective.sparse`)."""
+def _allgather_programs(P: int, need: np.ndarray | None, *, pieces: int) -> list[Program]:
+    """The all-gather programs, built as a general :class:`ProgramTable` with numpy.
+
+    Rank r's step s: its own tile (s = 0), the tiles of the chunks gathered by piece s-1 (in
+    chunk order), then its side of piece s's all-gather (every rank issues it, possibly
+    empty, unless no rank gathers anything in that piece)."""
     need = _need(P, need)
-    ops: list[dict[int, list]] = [{} for _ in range(P)]
-    members = tuple(range(P))
-    kv = [Buffer.of(Family.KV, k) for k in range(P)]
-    for r in np.flatnonzero(need.diagonal()).tolist():
-        ops[r].setdefault(0, []).append(Compute(r, r))
+    diag = np.flatnonzero(need.diagonal())
+    comp = [dict(rank=diag, step=np.zeros_like(diag), q=diag, kv=diag, order=np.zeros_like(diag))]
+    sides, slots = [], []
+    before = need.diagonal().astype(np.int64)       # ops ahead of the collective in step s
     ranks = np.arange(P)
     for s, offs in enumerate(_offset_pieces(P, pieces)):
         want = np.zeros((P, P), dtype=bool)          # want[r, k]: rank r gathers kv_k now
@@ -77,20 +133,27 @@ def _allgather_programs(P: int, need: np.ndarray | None, *, pieces: int,
             k = (ranks + d) % P
             want[ranks, k] = need[ranks, k]
         if not want.any():
+            before = np.zeros(P, np.int64)
             continue
+        first = sum(len(x["rank"]) for x in sides)
+        sides.append(dict(rank=ranks, step=np.full(P, s), order=before, kind=np.zeros(P),
+                          group=np.zeros(P)))
         to_r, to_k = np.nonzero(want.T)              # rank to_r sends kv_{to_r} to to_k
         at_r, at_k = np.nonzero(want)                # rank at_r receives kv_{at_k}
-        to_b = np.searchsorted(to_r, np.arange(P + 1)).tolist()
-        at_b = np.searchsorted(at_r, np.arange(P + 1)).tolist()
-        to_k, at_k = to_k.tolist(), at_k.tolist()
-        for r in range(P):
-            sent = tuple(to_k[to_b[r]:to_b[r + 1]])
-            got = tuple(at_k[at_b[r]:at_b[r + 1]])
-            ops[r].setdefault(s, []).append(Collective.sparse(
-                "AG", members, (sent, (kv[r],) * len(sent)), (got, tuple(map(kv.__getitem__, got)))))
-            if got:
-                ops[r].setdefault(s + 1, []).extend(Compute(r, k) for k in got)
-    return [program_from_ops(r, ops[r]) for r in range(P)]
+        for d, (side, idx, chunk) in enumerate(((to_r, to_k, to_r), (at_r, at_k, at_k))):
+            z = np.zeros_like(side)
+            slots.append(dict(slot_side=first + side, slot_dir=z + d, slot_idx=idx,
+                              slot_fam=z + _FAMILY_CODE[Family.KV], slot_chunk=chunk,
+                              slot_hi=z, slot_hn=z))
+        before = want.sum(axis=1)
+        comp.append(dict(rank=at_r, step=np.full(len(at_r), s + 1), q=at_r, kv=at_k,
+                         order=_within(at_r)))
+    comp = _cat(comp)
+    comp["kind"] = np.full(len(comp["rank"]), C_)
+    coll = _cat(sides, _SIDE)
+    coll.update(_sorted_slots(_cat(slots, _SLOT)))
+    coll["groups"] = (tuple(range(P)),)
+    return list(ProgramTable._of_parts(P, comp, _cat([], _XFER), coll).programs())
 
 
 def allgather(pieces: int = 2) -> Schedule:
@@ -136,98 +199,139 @@ def _groups(P: int, k: int, need: np.ndarray | None) -> tuple[int, np.ndarray, n
     return m, need, need.reshape(m, k, m, k).any(axis=(1, 3))
 
 
-def _outer_programs(outer: Schedule | None, m: int, need: np.ndarray) -> list[Program]:
-    if outer is None:                   # one group: everything is computed at step 0
-        return [program_from_ops(0, {0: [Compute(0, 0)] if need[0, 0] else []})]
-    return outer.programs(m, need)
-
-
 def _composed_programs(outer: Schedule | None, k: int, P: int,
                        need: np.ndarray | None) -> list[Program]:
-    """Ulysses inside groups of k consecutive ranks, ``outer`` across the P/k groups."""
+    """Ulysses inside groups of k consecutive ranks, ``outer`` across the P/k groups, built
+    as a general :class:`ProgramTable` with numpy.
+
+    Step 0: the all-to-alls of q and kv to head slices inside each group; outer step t
+    becomes step t+1, where every op of group g is done by each of its ranks (slot p) for
+    head slice p, in the outer op's place: a compute of group tile (a, b) is the non-empty
+    rank tiles of that block, a hop of group kv b the chunks b*k+c that go on to a group
+    using them, an all-gather one all-gather per chunk c a group uses; after the last step
+    the all-to-all of out back to sequence shards.
+    """
     m, need, blocks = _groups(P, k, need)
-    outer_progs = _outer_programs(outer, m, blocks)
+    if outer is None:                   # one group: everything is computed at step 0
+        z = np.zeros(int(need.any()), np.int64)
+        ocomp = dict(rank=z, step=z, kind=z, q=z, kv=z, order=z)
+        oxfer, ocoll = _cat([], _XFER), _no_coll()
+    else:
+        ocomp, oxfer, ocoll = _parts_of(outer.programs(m, blocks))
+    if (ocomp["kind"] != C_).any():
+        raise ValueError("compose: the outer schedule computes gradient tiles; the outer "
+                         "schedule must compute whole group tiles and move kv (ring, zigzag, "
+                         "striped, balanced, allgather)")
     rows, cols = need.any(axis=1), need.any(axis=0)
-    ops: list[dict[int, list]] = [{} for _ in range(P)]
+    T = 1 + max((int(x["step"].max()) for x in (ocomp, oxfer, ocoll) if len(x["step"])),
+                default=-1)
+    uses = need.reshape(m, k, P).any(axis=1)            # uses[a, j]: group a computes with kv_j
+    tiles = need.reshape(m, k, m, k).transpose(0, 2, 1, 3)      # [a, b]: block (a, b)'s tiles
+    kv_code = _FAMILY_CODE[Family.KV]
 
-    def add(r: int, t: int, op) -> None:
-        ops[r].setdefault(t, []).append(op)
+    # how many ops each outer op becomes, and where the first goes in its step
+    n_comp = tiles[ocomp["q"], ocomp["kv"]].sum(axis=(1, 2))
+    j = (oxfer["chunk"][:, None] * k + np.arange(k)).reshape(-1)
+    keep = (_keep_hops(P, j, *(np.repeat(oxfer[c], k) for c in ("step", "src", "dst")),
+                       _uses_by_chunk(uses, P)) if len(j) else np.zeros(0, dtype=bool)
+            ).reshape(-1, k)                                    # [hop, c]: moves chunk*k+c
+    ogroups = ocoll["groups"]
+    live = np.zeros((len(ogroups), k), dtype=bool)              # [group, c]: kv chunks b*k+c
+    by_group = uses.reshape(m, m, k)                            # move inside it
+    for n, g in enumerate(ogroups):
+        sub = by_group[np.ix_(g, g)]
+        sub[np.arange(len(g)), np.arange(len(g))] = False
+        live[n] = sub.any(axis=(0, 1))
+    side_live = live[ocoll["group"]]
+    first = _first_slots(*(np.concatenate([ocomp[a], oxfer[b], oxfer[c], ocoll[d]]) for a, b, c, d in
+                           (("rank", "src", "dst", "rank"), ("step",) * 4,
+                            ("order", "order", "rorder", "order"))),
+                         np.repeat(np.arange(4), [len(ocomp["rank"]), len(oxfer["src"]),
+                                                  len(oxfer["src"]), len(ocoll["rank"])]),
+                         np.concatenate([n_comp, keep.sum(1), keep.sum(1), side_live.sum(1)]))
+    f_comp, f_send, f_recv, f_coll = np.split(first, np.cumsum(
+        [len(ocomp["rank"]), len(oxfer["src"]), len(oxfer["src"])]))
+    slot = np.arange(k)
 
-    def sl(fam: Family, chunk: int, p: int) -> Buffer:
-        return Buffer.of(fam, chunk, (p, k))
+    def per_slot(x):                    # one value per outer-expanded op, then per slot p
+        return np.repeat(x, k)
 
-    T = 1 + max((prog.steps[-1].index for prog in outer_progs if prog.steps), default=-1)
-    for g in range(m):
-        members = tuple(range(g * k, (g + 1) * k))
-        for p, r in enumerate(members):      # step 0: to head slices, inside the group
-            add(r, 0, Collective(
-                "A2A", members,
-                tuple(sl(Family.Q, r, s) if rows[r] else None for s in range(k)),
-                tuple(sl(Family.Q, j, p) if rows[j] else None for j in members)))
-            add(r, 0, Collective(
-                "A2A", members,
-                tuple(sl(Family.KV, r, s) if cols[r] else None for s in range(k)),
-                tuple(sl(Family.KV, j, p) if cols[j] else None for j in members)))
-            add(r, T + 1, Collective(           # and back, after the last compute
-                "A2A", members,
-                tuple(sl(Family.OUT, j, p) if rows[j] else None for j in members),
-                tuple(sl(Family.OUT, r, s) if rows[r] else None for s in range(k))))
-    kept = _kept_slices(outer_progs, need, m, k)
-    for prog in outer_progs:
-        g = prog.rank
-        for t, op in prog.ops():
-            if isinstance(op, Compute):          # the tile's non-empty (i, j), once per op
-                tiles = (np.argwhere(need[op.q * k:(op.q + 1) * k, op.kv * k:(op.kv + 1) * k])
-                         + (op.q * k, op.kv * k)).tolist()
-            elif isinstance(op, (Send, Recv)):   # the chunks that go on to a group using them
-                hop = (t, g, op.peer) if isinstance(op, Send) else (t, op.peer, g)
-                moved = [j for j in range(op.buf.chunk * k, (op.buf.chunk + 1) * k)
-                         if hop + (j,) in kept]
-            for p in range(k):
-                r = g * k + p
-                if isinstance(op, Compute):
-                    for i, j in tiles:
-                        add(r, t + 1, Compute(i, j, (p, k)))
-                elif isinstance(op, (Send, Recv)):
-                    peer = op.peer * k + p
-                    for j in moved:
-                        add(r, t + 1, type(op)(sl(Family.KV, j, p), peer))
-                elif isinstance(op, Collective):
-                    group = tuple(a * k + p for a in op.group)
-                    for c in range(k):          # one collective per chunk of a group
-                        def wants(a: int, j: int) -> bool:     # group a computes with kv_j
-                            return bool(need[a * k:(a + 1) * k, j].any())
-                        sends = tuple(None if b is None or not wants(a, g * k + c)
-                                      else sl(Family.KV, g * k + c, p)
-                                      for a, b in zip(op.group, op.sends))
-                        recvs = tuple(None if b is None or not wants(g, a * k + c)
-                                      else sl(Family.KV, a * k + c, p)
-                                      for a, b in zip(op.group, op.recvs))
-                        if any(wants(a, b * k + c) for a in op.group for b in op.group if a != b):
-                            add(r, t + 1, Collective(op.kind, group, sends, recvs))
-                else:
-                    raise ValueError(f"compose: the outer schedule's op {op} has no 2D form")
-    return [program_from_ops(r, ops[r]) for r in range(P)]
+    # computes: the block's tiles (i-major), then each slot p of the group
+    op, ti, tj = np.nonzero(tiles[ocomp["q"], ocomp["kv"]])
+    at = _within(op)
+    n = len(op)
+    comp = dict(rank=per_slot(ocomp["rank"][op] * k) + np.tile(slot, n),
+                step=per_slot(ocomp["step"][op] + 1), kind=np.full(n * k, C_),
+                q=per_slot(ocomp["q"][op] * k + ti), kv=per_slot(ocomp["kv"][op] * k + tj),
+                order=per_slot(f_comp[op] + at), hi=np.tile(slot, n), hn=np.full(n * k, k))
+    # transfers: the kept chunks of each hop, between slot p of the two groups
+    hop, c = np.nonzero(keep)
+    at = _within(hop)
+    n = len(hop)
+    xfer = dict(step=per_slot(oxfer["step"][hop] + 1),
+                src=per_slot(oxfer["src"][hop] * k) + np.tile(slot, n),
+                dst=per_slot(oxfer["dst"][hop] * k) + np.tile(slot, n),
+                fam=np.full(n * k, kv_code), chunk=per_slot(oxfer["chunk"][hop] * k + c),
+                order=per_slot(f_send[hop] + at), rorder=per_slot(f_recv[hop] + at),
+                hi=np.tile(slot, n), hn=np.full(n * k, k))
+    # the all-to-alls: sides r (q), P + r (kv), 2P + r (out); slots x of [P, k] grids
+    r = np.arange(P)
+    g, p = r // k, r % k
+    a2a = COLL_KINDS.index("A2A")
+    sides = [dict(rank=r, step=np.full(P, s), order=np.full(P, o), kind=np.full(P, a2a), group=g)
+             for s, o in ((0, 0), (0, 1), (T + 1, 0))]
+    member = g[:, None] * k + slot                  # [r, x]: member x of r's group
+    own, mine = np.broadcast_to(r[:, None], (P, k)), np.broadcast_to(slot, (P, k))
+    rp = np.broadcast_to(p[:, None], (P, k))
+    slots = []
+    for side, fam, d, chunk, hi, on in (
+            (0, Family.Q, 0, own, mine, rows[own]), (0, Family.Q, 1, member, rp, rows[member]),
+            (1, Family.KV, 0, own, mine, cols[own]), (1, Family.KV, 1, member, rp, cols[member]),
+            (2, Family.OUT, 0, member, rp, rows[member]), (2, Family.OUT, 1, own, mine, rows[own])):
+        ri, x = np.nonzero(on)
+        slots.append(dict(slot_side=side * P + ri, slot_dir=np.full(len(ri), d), slot_idx=x,
+                          slot_fam=np.full(len(ri), _FAMILY_CODE[fam]),
+                          slot_chunk=chunk[ri, x], slot_hi=hi[ri, x], slot_hn=np.full(len(ri), k)))
+    # an outer all-gather: one per live chunk c, on every slot plane p
+    side, c = np.nonzero(side_live)
+    n = len(side)
+    sides.append(dict(rank=per_slot(ocoll["rank"][side] * k) + np.tile(slot, n),
+                      step=per_slot(ocoll["step"][side] + 1),
+                      order=per_slot(f_coll[side] + _within(side)),
+                      kind=per_slot(ocoll["kind"][side]),
+                      group=m + per_slot(ocoll["group"][side] * k) + np.tile(slot, n)))
+    expanded = np.full(side_live.shape, -1)
+    expanded[side, c] = np.arange(n)
+    ss = ocoll["slot_side"]
+    if len(ss):
+        flat = np.concatenate([np.asarray(x, dtype=np.int64) for x in ogroups])
+        start = np.cumsum([0] + [len(x) for x in ogroups])
+        a = flat[start[ocoll["group"][ss]] + ocoll["slot_idx"]]     # the slot's member
+        og = ocoll["rank"][ss]
+        sent = ocoll["slot_dir"] == 0
+        chunk = np.where(sent, og, a)[:, None] * k + slot               # [slot, c]
+        on = np.where(sent[:, None], uses[a[:, None], og[:, None] * k + slot],
+                      uses[og[:, None], chunk]) & (expanded[ss] >= 0)
+        e, c = np.nonzero(on)
+        n = len(e)
+        slots.append(dict(slot_side=3 * P + per_slot(expanded[ss[e], c] * k) + np.tile(slot, n),
+                          slot_dir=per_slot(ocoll["slot_dir"][e]),
+                          slot_idx=per_slot(ocoll["slot_idx"][e]),
+                          slot_fam=np.full(n * k, kv_code), slot_chunk=per_slot(chunk[e, c]),
+                          slot_hi=np.tile(slot, n), slot_hn=np.full(n * k, k)))
+    coll = _cat(sides, _SIDE)
+    coll.update(_sorted_slots(_cat(slots, _SLOT)))
+    coll["groups"] = tuple(tuple(range(h * k, (h + 1) * k)) for h in range(m)) + tuple(
+        tuple(a * k + q for a in grp) for grp in ogroups for q in range(k))
+    return list(ProgramTable._of_parts(P, comp, xfer, coll).programs())
 
 
-def _kept_slices(outer_progs: list[Program], need: np.ndarray, m: int,
-                 k: int) -> set[tuple[int, int, int, int]]:
-    """``(step, src group, dst group, kv chunk)`` of the outer hops whose kv chunk (a rank's
-    chunk inside the moved group chunk) is computed with by the receiving group or by a group
-    it is forwarded to later: what :func:`~fringe.schedules.prune` keeps of the slices, so
-    the programs are built pruned (each slice plane moves the same chunks)."""
-    from .passes import _keep_hops
-    P = m * k
-    hops = np.array([(t, prog.rank, op.peer, op.buf.chunk) for prog in outer_progs
-                     for t, op in prog.ops() if isinstance(op, Send)], dtype=np.int64).reshape(-1, 4)
-    if not len(hops):
-        return set()
-    j = (hops[:, 3:4] * k + np.arange(k)).reshape(-1)          # every chunk of the group chunk
-    t, src, dst = (np.repeat(hops[:, c], k) for c in range(3))
-    use = np.zeros((P, P), dtype=bool)                          # use[j, a]: group a uses kv_j
-    use[:, :m] = need.reshape(m, k, P).any(axis=1).T
-    keep = _keep_hops(P, j, t, src, dst, use)
-    return set(zip(t[keep].tolist(), src[keep].tolist(), dst[keep].tolist(), j[keep].tolist()))
+def _uses_by_chunk(uses: np.ndarray, P: int) -> np.ndarray:
+    """``use[j, a]`` ([P, P], groups in the first m columns): group a computes with kv_j, the
+    form :func:`~fringe.schedules.passes._keep_hops` reads."""
+    use = np.zeros((P, P), dtype=bool)
+    use[:, :len(uses)] = uses.T
+    return use
 
 
 def ulysses() -> Schedule:
