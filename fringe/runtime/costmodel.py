@@ -1056,9 +1056,9 @@ def _general_columns(t, P: int, L: int, shape: Shape, ir, fams, code) -> _Cols |
                 sliced_refs.append((cr[m], ct[m], slice_key(code[fam], ch[m], chi[m], chn[m]),
                                     start))
     x_sl, k_sl = xfer["hn"] > 0, coll["slot_hn"] > 0
-    x_key = slice_key(xfer["fam"], xfer["chunk"], xfer["hi"], xfer["hn"])
-    k_key = slice_key(coll["slot_fam"], coll["slot_chunk"], coll["slot_hi"], coll["slot_hn"])
-    uniq = np.unique(np.concatenate([x_key[x_sl], k_key[k_sl]] + [r[2] for r in sliced_refs]))
+    x_key = slice_key(*(xfer[k][x_sl] for k in ("fam", "chunk", "hi", "hn")))
+    k_key = slice_key(*(coll[k][k_sl] for k in ("slot_fam", "slot_chunk", "slot_hi", "slot_hn")))
+    uniq = np.unique(np.concatenate([x_key, k_key] + [r[2] for r in sliced_refs]))
     u_hn = uniq % NH
     u_fam = uniq // (NH * NH * P)
     sliced_bytes = np.zeros(len(uniq), dtype=np.int64)
@@ -1068,7 +1068,11 @@ def _general_columns(t, P: int, L: int, shape: Shape, ir, fams, code) -> _Cols |
     buf_bytes = np.concatenate([np.repeat(fam_bytes, P), sliced_bytes])
 
     def ids(sliced, key, fam, chunk):
-        return np.where(sliced, base + np.searchsorted(uniq, key), fam * P + chunk)
+        """Buffer ids of rows (``key``: the slice keys of the rows where ``sliced``)."""
+        out = fam * P + chunk
+        if len(key):
+            out[sliced] = base + np.searchsorted(uniq, key)
+        return out
 
     touch = _compute_touches(P, cr[whole], ct[whole], cg[whole], cq[whole], ckv[whole], code)
     touch += [(r, s, base + np.searchsorted(uniq, key), start) for r, s, key, start in sliced_refs]
