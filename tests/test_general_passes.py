@@ -134,3 +134,20 @@ def test_a_general_table_has_no_row_columns():
     with pytest.raises(TypeError, match="no row columns"):
         tab.kind
     assert len(tab) == sum(len(s.ops) for p in progs for s in p.steps)
+
+
+def test_a_table_checked_once_is_still_checked_for_its_tiles_and_cannot_be_refilled():
+    """check() remembers on a table which structural checks its columns passed (plans check
+    a forward twice); the columns are read-only, and the tile map is checked every call."""
+    need, progs = _plan_programs()
+    tab = ProgramTable.general_of(progs)
+    cut = list(tab.programs())
+    passes.check(cut, need=need)
+    assert (False, None) in tab._passed
+    with pytest.raises(ValueError, match="read-only"):
+        tab._parts[0]["q"][0] = 5
+    other = need.copy()
+    other[7, 0] = True                     # a tile nobody computes
+    with pytest.raises(ScheduleError, match="never computed"):
+        passes.check(cut, need=other)
+    passes.check(cut, need=need)

@@ -895,7 +895,9 @@ class ProgramTable:
 
     def __init__(self, world_size: int, rank, step, kind, a, b, c) -> None:
         import numpy as np
-        cols = [np.ascontiguousarray(x, dtype=np.int64) for x in (rank, step, kind, a, b, c)]
+        cols = [np.array(x, dtype=np.int64, order="C", copy=True) for x in (rank, step, kind, a, b, c)]
+        for x in cols:
+            x.setflags(write=False)      # the table's own memory: what was checked stays so
         if len({len(x) for x in cols}) != 1:
             raise ValueError(f"ProgramTable columns must have one length, got {[len(x) for x in cols]}")
         rank, step = cols[0], cols[1]
@@ -912,6 +914,7 @@ class ProgramTable:
         self._parts = parts
         self._bounds = None
         self._index = None
+        self._passed: set = set()        # check() flags whose structural checks passed
         self._programs = tuple(Program._from_table(self, r) for r in range(world_size))
 
     @classmethod
@@ -938,7 +941,9 @@ class ProgramTable:
         def small(x):                    # int32 where it fits: half the memory at P=1024
             x = np.asarray(x)
             fits = not len(x) or (int(x.min()) >= -2 ** 31 and int(x.max()) < 2 ** 31)
-            return np.ascontiguousarray(x, dtype=np.int32 if fits else np.int64)
+            x = np.array(x, dtype=np.int32 if fits else np.int64, order="C", copy=True)
+            x.setflags(write=False)      # its own read-only memory: nothing can refill it, so
+            return x                     # a check that passed on the table stays true
         self = object.__new__(cls)
         comp = {k: small(v) for k, v in comp.items()}
         xfer = {k: small(v) for k, v in xfer.items()}
@@ -952,7 +957,7 @@ class ProgramTable:
         for d in (comp, xfer):
             n = len(d["order"])
             for k in ("hi", "hn"):
-                d[k] = small(d[k]) if k in d else np.zeros(n, np.int32)
+                d[k] = small(d[k] if k in d else np.zeros(n, np.int32))
         if "rorder" not in xfer:
             xfer["rorder"] = xfer["order"]
         coll = _no_coll() if coll is None else dict(coll)
