@@ -147,7 +147,7 @@ def test_a_table_checked_once_is_still_checked_for_its_tiles_and_cannot_be_refil
     with pytest.raises(ValueError, match="read-only"):
         tab._parts[0]["q"][0] = 5
     other = need.copy()
-    other[7, 0] = True                     # a tile nobody computes
+    other[0, 7] = True                     # a tile nobody computes
     with pytest.raises(ScheduleError, match="never computed"):
         passes.check(cut, need=other)
     passes.check(cut, need=need)
