@@ -1367,11 +1367,8 @@ def _general_ok(tab: ProgramTable, need: np.ndarray | None, backward: bool, kv: 
         if len(g.ss):
             if (g.sidx < 0).any() or (g.sidx >= g.glen[g.kg[g.ss]]).any():
                 return False
-            o = np.lexsort((g.sidx, g.sdir, g.ss))
-            if not (o == np.arange(len(o))).all():
-                return False
-            dup = (np.diff(g.ss) == 0) & (np.diff(g.sdir) == 0) & (np.diff(g.sidx) == 0)
-            if dup.any():
+            n_idx = int(g.glen.max()) + 1       # slots strictly increasing by (side, dir, idx)
+            if np.diff((g.ss * 2 + g.sdir) * n_idx + g.sidx).min(initial=1) <= 0:
                 return False
         sme, sinst = g.me[g.ss], g.inst[g.ss]
         b = g.bkey(g.sf, g.sc, g.shs)
@@ -1384,14 +1381,19 @@ def _general_ok(tab: ProgramTable, need: np.ndarray | None, backward: bool, kv: 
             return False
         sent = ~own & (g.sdir == 0)
         got = ~own & (g.sdir == 1)
-        a1 = np.stack([sinst[sent], sme[sent], g.sidx[sent], b[sent]])
-        a2 = np.stack([sinst[got], g.sidx[got], sme[got], b[got]])
-        if a1.shape != a2.shape:
+        if int(sent.sum()) != int(got.sum()):
             return False
-        a1 = a1[:, np.lexsort(a1[::-1])]
-        a2 = a2[:, np.lexsort(a2[::-1])]
-        if not np.array_equal(a1, a2):
-            return False
+        n_idx, n_b = int(g.glen.max()), _F * P * g.HS
+        if float(len(g.inst_keys)) * n_idx * n_idx * n_b < 2.0 ** 62:   # one int64 key a slot
+            k1 = ((sinst[sent] * n_idx + sme[sent]) * n_idx + g.sidx[sent]) * n_b + b[sent]
+            k2 = ((sinst[got] * n_idx + g.sidx[got]) * n_idx + sme[got]) * n_b + b[got]
+            if not np.array_equal(np.sort(k1), np.sort(k2)):
+                return False
+        else:
+            a1 = np.stack([sinst[sent], sme[sent], g.sidx[sent], b[sent]])
+            a2 = np.stack([sinst[got], g.sidx[got], sme[got], b[got]])
+            if not np.array_equal(a1[:, np.lexsort(a1[::-1])], a2[:, np.lexsort(a2[::-1])]):
+                return False
     # presence: each read at step t needs the buffer (or its whole-heads parent) owned, or
     # written / received before t
     isc, isg = g.ck == C_, g.ck == G_
