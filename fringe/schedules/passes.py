@@ -1593,7 +1593,8 @@ def _general_reverse(tab: ProgramTable, kv: str) -> list[Program] | None:
     bxfer = {k: np.concatenate([x[k] for x in xs]) for k in xs[0]}
     bcoll = {k: np.concatenate([x[k] for x in sides]) for k in sides[0]}
     sl = {k: np.concatenate([x[k] for x in slots]) for k in slots[0]}
-    o = np.lexsort((sl["slot_idx"], sl["slot_dir"], sl["slot_side"]))
+    n_idx = int(g.glen.max()) + 1
+    o = np.argsort((sl["slot_side"] * 2 + sl["slot_dir"]) * n_idx + sl["slot_idx"])
     bcoll.update({k: v[o] for k, v in sl.items()})
     bcoll["groups"] = g.groups
     return list(ProgramTable._of_parts(P, bcomp, bxfer, bcoll).programs())
