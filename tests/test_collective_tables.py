@@ -1,8 +1,9 @@
 """The collective schedules' builders give programs cut from one general ProgramTable.
 
-allgather, ulysses and compose(outer, ulysses()) build their forward programs as the
-columns of a general :class:`~fringe.schedules.ir.ProgramTable` (head slices and
-collectives), with numpy. Here: the programs come from such a table, converting them
+allgather, ulysses, compose(outer, ulysses()) and the double rings compose(outer, inner
+sequence schedule) build their forward programs as the columns of a general
+:class:`~fringe.schedules.ir.ProgramTable` (head slices, collectives, a receive placed
+apart from its send), with numpy. Here: the programs come from such a table, converting them
 back to the general form gives the same programs, they pass the structural checks on
 random tile maps, and a few plans not drawn elsewhere match the dense float64 reference
 on the virtual mesh.
@@ -34,6 +35,13 @@ BUILDERS = [
                                                        inner_size=4), 8, 4),
     ("compose(allgather, ulysses, 2)", schedules.compose(schedules.allgather(),
                                                          schedules.ulysses(), inner_size=2), 8, 2),
+    ("compose(zigzag, zigzag, 2)", schedules.compose(schedules.zigzag(), schedules.zigzag(),
+                                                     inner_size=2), 8, 1),
+    ("compose(allgather, ring, 2)", schedules.compose(schedules.allgather(), schedules.ring(),
+                                                      inner_size=2), 6, 1),
+    ("compose(balanced, allgather, 4)", schedules.compose(schedules.balanced(),
+                                                          schedules.allgather(), inner_size=4),
+     8, 1),
 ]
 
 
@@ -55,10 +63,11 @@ def test_built_programs_are_cut_from_one_general_table_and_round_trip(name, sche
         check(progs)        # sends meet their receives, members issue the same collectives
 
 
-CASES = [   # (schedule, P, heads, mask): not among test_collectives' drawn cases
+CASES = [   # (schedule, P, heads, mask): grids and masks test_collectives, test_compose do not draw
     ("allgather(3)", 6, 2, "window"),
     ("compose(striped, ulysses, 4)", 8, 4, "document"),
     ("compose(allgather, ulysses, 2)", 8, 2, "causal"),
+    ("compose(balanced, allgather, 4)", 8, 2, "document"),
 ]
 
 

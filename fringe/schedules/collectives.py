@@ -32,7 +32,6 @@ r0:
 """
 from __future__ import annotations
 
-import collections
 import weakref
 
 import numpy as np
@@ -41,7 +40,7 @@ import torch
 from .. import layout as _layout
 from .base import Schedule
 from .ir import (_FAMILY_CODE, C_, COLL_KINDS, Buffer, Collective, Compute, Family, Program,
-                 ProgramTable, Recv, Send, _no_coll, program_from_ops, steps_of)
+                 ProgramTable, Recv, Send, _no_coll, steps_of)
 from .passes import _keep_hops
 
 __all__ = ["allgather", "compose", "inner_size_of", "ulysses"]
@@ -92,16 +91,18 @@ def _parts_of(programs: list[Program]) -> tuple[dict, dict, dict]:
 
 def _first_slots(rank, step, order, tie, count) -> np.ndarray:
     """Ops at ``(rank, step)``, placed in their step by ``(order, tie)``, each to become
-    ``count`` ops in its place: the position of each one's first op in its rank's step."""
+    ``count`` ops in its place (``count[i]`` a number, or an array of them for several
+    expansions of op i, each in its own step): the position of each one's first op in its
+    step, shaped like ``count``."""
+    count = np.asarray(count, dtype=np.int64)
+    first = np.zeros_like(count)
     if not len(rank):
-        return np.zeros(0, np.int64)
+        return first
     o = np.lexsort((tie, order, step, rank))
-    r, s = rank[o], step[o]
-    n = np.asarray(count, dtype=np.int64)[o]
+    r, s, n = rank[o], step[o], count[o]
     start = np.flatnonzero(np.r_[True, (r[1:] != r[:-1]) | (s[1:] != s[:-1])])
-    before = np.cumsum(n) - n
-    first = np.empty(len(o), np.int64)
-    first[o] = before - np.repeat(before[start], np.diff(np.r_[start, len(o)]))
+    before = np.cumsum(n, axis=0) - n
+    first[o] = before - np.repeat(before[start], np.diff(np.r_[start, len(o)]), axis=0)
     return first
 
 
@@ -365,136 +366,202 @@ def ulysses() -> Schedule:
 # ---------------------------------------------------------------------------------------
 # 2D composition with a sequence schedule inside the groups (a double ring)
 # ---------------------------------------------------------------------------------------
-def _lift(op, a: int, b: int, k: int) -> list:
-    """Inner op of group a, computing with group b's kv, in global ranks and chunks.
+def _inner_template(programs: list[Program], steps: int) -> tuple[np.ndarray, ...]:
+    """An inner sequence schedule's programs on k ranks as the rows a double ring copies
+    for every group tile it computes.
 
-    An inner all-gather becomes the point-to-point transfers of the same pattern: what it
-    forwards arrived by an outer hop, and the passes follow a chunk's route through
-    point-to-point hops (a hop that only feeds a collective would be pruned, and re-issuing
-    a chain of collectives needs more than the backward's one prologue step).
+    Returns ``(comp, xfer, counts)``: computes ``[n, 5]`` (slot p, inner step s, position in
+    the step, q, kv), transfers ``[n, 6]`` (s, src slot, dst slot, kv chunk, the send's and
+    the receive's positions) and ``counts[p, s]``, the ops of slot p's step s. An inner
+    all-gather becomes the point-to-point transfers of the same pattern (its sends, then
+    its receives): what it forwards arrived by an outer hop, and the passes follow a
+    chunk's route through point-to-point hops (a hop that only feeds a collective would be
+    pruned, and re-issuing a chain of collectives needs more than the backward's one
+    prologue step).
     """
-    def kv(buf: Buffer | None) -> Buffer | None:
-        if buf is None:
-            return None
+    k = len(programs)
+    comp, sends, recvs = [], {}, {}
+    counts = np.zeros((k, steps), dtype=np.int64)
+
+    def chunk(buf: Buffer) -> int:
         if buf.family is not Family.KV or buf.heads is not None:
             raise ValueError(f"compose: the inner schedule moves {buf}; an inner sequence "
                              f"schedule may move only whole kv chunks (ring, zigzag, striped, "
                              f"balanced, allgather), or use schedules.ulysses() inside")
-        return Buffer.of(Family.KV, b * k + buf.chunk)
+        return buf.chunk
 
-    if isinstance(op, Compute) and op.heads is None:
-        return [Compute(a * k + op.q, b * k + op.kv)]
-    if isinstance(op, (Send, Recv)):
-        return [type(op)(kv(op.buf), a * k + op.peer)]
-    if isinstance(op, Collective) and op.kind == "AG":     # the same pattern, point to point
-        return [Send(kv(x), a * k + peer) for peer, x in zip(op.group, op.sends) if x is not None] + [
-            Recv(kv(x), a * k + peer) for peer, x in zip(op.group, op.recvs) if x is not None]
-    raise ValueError(f"compose: the inner schedule's op {op} has no 2D form; inner sequence "
-                     f"schedules compute whole tiles and move kv (ring, zigzag, striped, "
-                     f"balanced, allgather)")
-
-
-def _outer_kv(op, k: int, p: int) -> Buffer | None:
-    """Slot p's part of an outer (group-level) kv buffer: group chunk b -> kv chunk b*k+p."""
-    if op is None:
-        return None
-    if op.family is not Family.KV or op.heads is not None:
-        raise ValueError(f"compose: the outer schedule moves {op}; an outer schedule may move "
-                         f"only whole kv chunks between groups (ring, zigzag, striped, balanced, "
-                         f"allgather)")
-    return Buffer.of(Family.KV, op.chunk * k + p)
+    for prog in programs:
+        p = prog.rank
+        for step in prog.steps:
+            s, at = step.index, 0
+            for op in step.ops:
+                if type(op) is Compute and op.heads is None:
+                    comp.append((p, s, at, op.q, op.kv))
+                    at += 1
+                elif type(op) in (Send, Recv):
+                    hop = (s, p, op.peer) if type(op) is Send else (s, op.peer, p)
+                    (sends if type(op) is Send else recvs).setdefault(
+                        hop + (chunk(op.buf),), []).append(at)
+                    at += 1
+                elif type(op) is Collective and op.kind == "AG":
+                    for (idx, bufs), out, mine in ((op.sparse_sends, sends, True),
+                                                   (op.sparse_recvs, recvs, False)):
+                        for x, buf in zip(idx, bufs):
+                            peer = op.group[x]
+                            hop = (s, p, peer) if mine else (s, peer, p)
+                            out.setdefault(hop + (chunk(buf),), []).append(at)
+                            at += 1
+                else:
+                    raise ValueError(f"compose: the inner schedule's op {op} has no 2D form; "
+                                     f"inner sequence schedules compute whole tiles and move kv "
+                                     f"(ring, zigzag, striped, balanced, allgather)")
+            counts[p, s] = at
+    xfer = []
+    for hop, at_src in sends.items():
+        at_dst = recvs.get(hop, [])
+        if len(at_dst) != len(at_src):
+            raise ValueError(f"compose: the inner schedule sends kv{hop[3]} from slot {hop[1]} "
+                             f"to slot {hop[2]} in step {hop[0]} {len(at_src)} time(s) but "
+                             f"receives it {len(at_dst)} time(s)")
+        xfer += [hop + (a, b) for a, b in zip(at_src, at_dst)]
+    return (np.array(comp, dtype=np.int64).reshape(-1, 5),
+            np.array(xfer, dtype=np.int64).reshape(-1, 6), counts)
 
 
 def _double_programs(outer: Schedule, inner: Schedule, k: int, P: int,
                      need: np.ndarray | None) -> list[Program]:
-    """``inner`` (a sequence schedule) inside groups of k consecutive ranks, ``outer`` across.
+    """``inner`` (a sequence schedule) inside groups of k consecutive ranks, ``outer`` across,
+    built as a general :class:`ProgramTable` with numpy.
 
     Rank ``r = g*k + p`` is slot p of group g. The outer programs (over the m groups, pruned
     by the group-level tile map) give, per outer step t, the group tiles to compute and the
-    group kv to move. Outer step t spans ``T_in`` global steps (the inner schedule's rounds):
+    group kv to move. Outer step t spans ``T_in`` global steps (the inner schedule's rounds),
+    and every op of group a's outer step becomes, in its place, on each slot p:
 
-    * an outer compute ``C qa·kvb`` becomes the inner programs of group a run on group b's kv
+    * an outer compute ``C qa·kvb``: the inner programs of group a run on group b's kv
       (rank (a, p) holds kv chunk b*k+p; inner ``C qi·kvj`` is ``C q(a*k+i)·kv(b*k+j)``, inner
       transfers move those chunks between members of group a), pruned by the rank-level
-      tile map of the (a, b) block;
-    * an outer transfer of group kv b is done by every slot p for its own chunk b*k+p, to or
-      from slot p of the peer group (an all-gather over groups is one all-gather per slot
-      plane), in the last of the T_in steps, which carries no inner communication.
+      tile map of the (a, b) block (:func:`_inner_template`);
+    * an outer transfer of group kv b: slot p's own chunk b*k+p, to or from slot p of the
+      peer group (an all-gather over groups is one all-gather per slot plane, moving the
+      chunks the receiving group uses, dropped where it moves none), in the last of the
+      T_in steps, which carries no inner communication.
 
     The result is pruned by the tile map like any schedule (a rank that needs nothing of a
     chunk receives nothing) and reversed by rule.
     """
     m, need, blocks = _groups(P, k, need)
-    outer_progs = outer.programs(m, torch.from_numpy(blocks))
+    ocomp, oxfer, ocoll = _parts_of(outer.programs(m, torch.from_numpy(blocks)))
     T_in = max(1, steps_of(inner.programs(k)))
-    cache: dict[bytes, list[list[tuple[int, object]]]] = {}
+    last = T_in - 1
+    if (ocomp["kind"] != C_).any() or np.any(ocomp.get("hn", 0)):
+        raise ValueError("compose: the outer schedule computes gradient tiles or head slices; "
+                         "the outer schedule must compute whole group tiles and move kv (ring, "
+                         "zigzag, striped, balanced, allgather)")
+    if len(oxfer["fam"]) and ((oxfer["fam"] != _FAMILY_CODE[Family.KV]).any()
+                              or np.any(oxfer.get("hn", 0))):
+        raise ValueError("compose: the outer schedule moves buffers other than whole kv "
+                         "chunks; an outer schedule may move only whole kv chunks between groups "
+                         "(ring, zigzag, striped, balanced, allgather)")
+    if len(ocoll["kind"]) and (ocoll["kind"] != COLL_KINDS.index("AG")).any():
+        raise ValueError("compose: the outer schedule issues collectives other than "
+                         "all-gathers; the outer schedule must compute whole group tiles and "
+                         "move kv (ring, zigzag, striped, balanced, allgather)")
+    uses = need.reshape(m, k, P).any(axis=1)            # uses[a, j]: group a computes with kv_j
+    slot = np.arange(k)
+    kv_code = _FAMILY_CODE[Family.KV]
 
-    def inner_ops(a: int, b: int) -> list[list[tuple[int, object]]]:
-        sub = np.ascontiguousarray(need[a * k:(a + 1) * k, b * k:(b + 1) * k])
-        key = sub.tobytes()
-        hit = cache.get(key)
-        if hit is None:
-            hit = cache[key] = [list(prog.ops()) for prog in inner.programs(k, torch.from_numpy(sub))]
-        return hit
+    # the inner programs of each distinct block of the tile map an outer compute covers
+    tiles = need.reshape(m, k, m, k).transpose(0, 2, 1, 3)
+    bits = np.packbits(tiles[ocomp["rank"], ocomp["kv"]].reshape(-1, k * k), axis=1)
+    keys, tpl_of = (np.unique(bits, axis=0, return_inverse=True) if len(bits) else
+                    (bits, np.zeros(0, np.int64)))
+    tpl_of = tpl_of.reshape(-1)
+    templates = []
+    for key in keys:
+        sub = np.unpackbits(key)[:k * k].reshape(k, k).astype(bool)
+        templates.append(_inner_template(inner.programs(k, torch.from_numpy(sub)), T_in))
 
-    def wants(a: int, j: int) -> bool:                       # group a computes with kv_j
-        return bool(need[a * k:(a + 1) * k, j].any())
+    # the outer all-gathers: sides of one collective share (step, group, occurrence)
+    ss = ocoll["slot_side"]
+    ogroups = ocoll["groups"]
+    n_side = len(ocoll["rank"])
+    where = np.full((len(ogroups), m), -1)             # [group, outer rank]: member index
+    for n, g in enumerate(ogroups):
+        where[n, list(g)] = np.arange(len(g))
+    inst = np.zeros(n_side, np.int64)                  # the collective each side is part of
+    if n_side:
+        o = np.lexsort((ocoll["order"], ocoll["group"], ocoll["step"], ocoll["rank"]))
+        cols = [ocoll[c][o] for c in ("rank", "step", "group")]
+        run = np.cumsum(np.r_[True, np.any([x[1:] != x[:-1] for x in cols], axis=0)])
+        occurrence = np.empty(n_side, np.int64)
+        occurrence[o] = _within(run)
+        inst = np.unique(np.stack([ocoll["step"], ocoll["group"], occurrence]), axis=1,
+                         return_inverse=True)[1].reshape(-1)
+    flat = np.concatenate([np.asarray(g, dtype=np.int64) for g in ogroups] or [np.zeros(0, int)])
+    start = np.cumsum([0] + [len(g) for g in ogroups])
+    side_g = ocoll["group"][ss]
+    member = flat[start[side_g] + ocoll["slot_idx"]] if len(ss) else np.zeros(0, np.int64)
+    own = ocoll["rank"][ss]
+    chunk = ocoll["slot_chunk"][:, None] * k + slot                     # [slot, p]
+    sent = ocoll["slot_dir"] == 0
+    on = ((ocoll["slot_idx"] != where[side_g, own])[:, None]
+          & uses[np.where(sent, member, own)[:, None], chunk])
+    live = np.zeros((int(inst.max(initial=-1)) + 1, k), dtype=bool)    # [collective, p]
+    e, p = np.nonzero(on & sent[:, None])
+    live[inst[ss[e]], p] = True
+    side_live = live[inst]                                              # [side, p]
 
-    ops: list[dict[int, list]] = [collections.defaultdict(list) for _ in range(P)]
-    outer_colls: dict[tuple, dict[int, Collective]] = collections.defaultdict(dict)
-    for prog in outer_progs:
-        a = prog.rank
-        seen: collections.Counter = collections.Counter()
-        for t, op in prog.ops():
-            base, last = t * T_in, t * T_in + T_in - 1
-            if isinstance(op, Compute) and op.heads is None:
-                for p, iops in enumerate(inner_ops(a, op.kv)):
-                    for s, iop in iops:
-                        ops[a * k + p][base + s].extend(_lift(iop, a, op.kv, k))
-            elif isinstance(op, (Send, Recv)):
-                for p in range(k):
-                    ops[a * k + p][last].append(type(op)(_outer_kv(op.buf, k, p), op.peer * k + p))
-            elif isinstance(op, Collective) and op.kind == "AG":
-                n = seen[(t, op.group)]
-                seen[(t, op.group)] += 1
-                outer_colls[(t, op.group, n)][a] = op
-                for p in range(k):
-                    ops[a * k + p][last].append(((t, op.group, n), p))       # placeholder
-            else:
-                raise ValueError(f"compose: the outer schedule's op {op} has no 2D form; the "
-                                 f"outer schedule must compute whole group tiles and move kv "
-                                 f"(ring, zigzag, striped, balanced, allgather)")
-    expanded: dict[tuple, Collective | None] = {}            # (key, p, group a) -> op
-    for key, sides in outer_colls.items():
-        t, group, _ = key
-        for p in range(k):
-            slots = {}
-            for a, op in sides.items():
-                me = group.index(a)
-                sends = tuple(None if x == me or buf is None or not wants(group[x], buf.chunk * k + p)
-                              else _outer_kv(buf, k, p) for x, buf in enumerate(op.sends))
-                recvs = tuple(None if x == me or buf is None or not wants(a, buf.chunk * k + p)
-                              else _outer_kv(buf, k, p) for x, buf in enumerate(op.recvs))
-                slots[a] = (sends, recvs)
-            live = any(b is not None for sends, _ in slots.values() for b in sends)
-            for a, (sends, recvs) in slots.items():
-                expanded[(key, p, a)] = (Collective("AG", tuple(x * k + p for x in group), sends,
-                                                    recvs) if live else None)
-    programs = []
-    for r in range(P):
-        g = r // k
-        steps = {}
-        for t, lst in ops[r].items():
-            out = []
-            for op in lst:
-                if isinstance(op, tuple):                     # an outer collective's slot plane
-                    op = expanded[(op[0], op[1], g)]
-                    if op is None:
-                        continue
-                out.append(op)
-            steps[t] = out
-        programs.append(program_from_ops(r, steps))
-    return programs
+    # how many ops each outer op gives slot p in inner step s, and where the first goes
+    n_comp, n_x = len(ocomp["rank"]), len(oxfer["src"])
+    counts = np.zeros((n_comp + 2 * n_x + n_side, k, T_in), dtype=np.int64)
+    for n, (_, _, tc) in enumerate(templates):
+        counts[np.flatnonzero(tpl_of == n)] = tc
+    counts[n_comp:n_comp + 2 * n_x, :, last] = 1
+    counts[n_comp + 2 * n_x:, :, last] = side_live
+    first = _first_slots(
+        *(np.concatenate([ocomp[a], oxfer[b], oxfer[c], ocoll[d]]) for a, b, c, d in
+          (("rank", "src", "dst", "rank"), ("step",) * 4, ("order", "order", "rorder", "order"))),
+        np.repeat(np.arange(4), [n_comp, n_x, n_x, n_side]), counts)
+    f_comp, f_send, f_recv, f_coll = np.split(first, np.cumsum([n_comp, n_x, n_x]))
+
+    comps, xfers = [], []
+    for n, (tc, tx, _) in enumerate(templates):      # the inner programs of each outer compute
+        op = np.flatnonzero(tpl_of == n)
+        a, b, base = ocomp["rank"][op], ocomp["kv"][op], ocomp["step"][op] * T_in
+        i, r = np.repeat(np.arange(len(op)), len(tc)), np.tile(np.arange(len(tc)), len(op))
+        p, s = tc[r, 0], tc[r, 1]
+        comps.append(dict(rank=a[i] * k + p, step=base[i] + s, kind=np.full(len(r), C_),
+                          q=a[i] * k + tc[r, 3], kv=b[i] * k + tc[r, 4],
+                          order=f_comp[op[i], p, s] + tc[r, 2]))
+        i, r = np.repeat(np.arange(len(op)), len(tx)), np.tile(np.arange(len(tx)), len(op))
+        s, src, dst = tx[r, 0], tx[r, 1], tx[r, 2]
+        xfers.append(dict(step=base[i] + s, src=a[i] * k + src, dst=a[i] * k + dst,
+                          fam=np.full(len(r), kv_code), chunk=b[i] * k + tx[r, 3],
+                          order=f_comp[op[i], src, s] + tx[r, 4],
+                          rorder=f_comp[op[i], dst, s] + tx[r, 5]))
+    x = np.repeat(np.arange(n_x), k)                 # outer hops: slot p's own chunk, plane p
+    p = np.tile(slot, n_x)
+    xfers.append(dict(step=oxfer["step"][x] * T_in + last, src=oxfer["src"][x] * k + p,
+                      dst=oxfer["dst"][x] * k + p, fam=np.full(len(x), kv_code),
+                      chunk=oxfer["chunk"][x] * k + p, order=f_send[x, p, last],
+                      rorder=f_recv[x, p, last]))
+    side, p = np.nonzero(side_live)                  # outer all-gathers, one per slot plane
+    renumber = np.full(side_live.shape, -1)
+    renumber[side, p] = np.arange(len(side))
+    sides = dict(rank=ocoll["rank"][side] * k + p, step=ocoll["step"][side] * T_in + last,
+                 order=f_coll[side, p, last], kind=ocoll["kind"][side],
+                 group=ocoll["group"][side] * k + p)
+    e, p = np.nonzero(on & (renumber[ss] >= 0))
+    slots = dict(slot_side=renumber[ss[e], p], slot_dir=ocoll["slot_dir"][e],
+                 slot_idx=ocoll["slot_idx"][e], slot_fam=np.full(len(e), kv_code),
+                 slot_chunk=chunk[e, p], slot_hi=np.zeros(len(e)), slot_hn=np.zeros(len(e)))
+    coll = _cat([sides], _SIDE)
+    coll.update(_sorted_slots(_cat([slots], _SLOT)))
+    coll["groups"] = tuple(tuple(a * k + q for a in g) for g in ogroups for q in range(k))
+    comp = _cat(comps, ("rank", "step", "kind", "q", "kv", "order"))
+    xfer = _cat(xfers, ("step", "src", "dst", "fam", "chunk", "order", "rorder"))
+    return list(ProgramTable._of_parts(P, comp, xfer, coll).programs())
 
 
 def _is_sequence_schedule(s: Schedule) -> bool:
