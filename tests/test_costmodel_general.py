@@ -91,6 +91,17 @@ def test_general_tables_predict_what_the_op_walk_predicts(spec, mask, monkeypatc
     assert checked >= 9
 
 
+def test_head_slices_numbered_by_sorting_give_the_same_prediction(monkeypatch):
+    # past costmodel._SLICE_LOOKUP possible slice keys the reader sorts them instead of
+    # marking a dense table: the same ids, the same prediction
+    p = _general(fringe.plan(schedules.get("compose:zigzag+ulysses:4"), _mask("document"),
+                             seq_len=S, world_size=8, block_size=8, kv="keep"))
+    want = costmodel.simulate(_untabled(p), "h100-ib", SHAPE)
+    monkeypatch.setattr(costmodel, "_SLICE_LOOKUP", 0)
+    _walks_refused(monkeypatch)
+    assert_same_prediction(costmodel.simulate(p, "h100-ib", SHAPE), want)
+
+
 def test_plans_whose_builders_make_general_tables_are_read_as_columns(monkeypatch):
     # whatever form the builders give (general tables, or programs cut from them here), the
     # prediction is the walk's

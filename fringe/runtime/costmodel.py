@@ -79,6 +79,7 @@ _CHUNK = 1 << 15          # tiles whose block maps are packed at once in tile_wo
 _BAND_BLOCKS = 1 << 24    # blocks of the block map made dense at once in tile_work
 _BULK_OPS = 16            # steps of this many ops take their computes in bulk (op walk)
 _RECT_CHUNK = 1 << 16     # rectangles hashed at once in _distinct_maps_from_rects (in cache)
+_SLICE_LOOKUP = 1 << 22   # head-slice keys looked up in a dense table up to this many
 
 
 def _tile(plan, i: int, j: int, n: int) -> torch.Tensor:
@@ -1041,24 +1042,38 @@ def _general_columns(t, P: int, L: int, shape: Shape, ir, fams, code) -> _Cols |
     cr, ct, cg, cq, ckv, chi, chn = (comp[k][o] for k in     # the sums of compute times
                                      ("rank", "step", "kind", "q", "kv", "hi", "hn"))
     F = ir.Family
-    by_grad = ((0, ((F.Q, 0, False), (F.KV, 1, False), (F.OUT, 0, True))),
-               (1, ((F.Q, 0, False), (F.KV, 1, False), (F.OUT, 0, False), (F.DOUT, 0, False),
-                    (F.DQ, 0, True), (F.DKV, 1, True))))
+    by_grad = ((0, ((F.Q, F.OUT), (F.KV,)), ((False, True), (False,))),
+               (1, ((F.Q, F.OUT, F.DOUT, F.DQ), (F.KV, F.DKV)),
+                ((False, False, False, True), (False, True))))
     whole = chn == 0
     sl = ~whole
-    sliced_refs = []                             # computes on head slices other ranks own
-    for g, fam_chunks in by_grad:
-        sel = sl & (cg == g)
-        for fam, which, start in fam_chunks:
-            ch = ckv if which else cq
+    sliced_refs = []                             # computes on head slices other ranks own:
+    for g, fams_of, starts_of in by_grad:        # a forward reads q, kv, writes out; its VJP
+        sel = sl & (cg == g)                     # reads q, kv, out, dout, writes dq, dkv
+        if not sel.any():
+            continue
+        for ch, fs, starts in zip((cq, ckv), fams_of, starts_of):
             m = sel & (ch != cr)
-            if m.any():
-                sliced_refs.append((cr[m], ct[m], slice_key(code[fam], ch[m], chi[m], chn[m]),
-                                    start))
+            if not m.any():
+                continue
+            r, s, k = cr[m], ct[m], slice_key(0, ch[m], chi[m], chn[m])
+            for fam, start in zip(fs, starts):
+                sliced_refs.append((r, s, k + code[fam] * (P * NH * NH), start))
     x_sl, k_sl = xfer["hn"] > 0, coll["slot_hn"] > 0
     x_key = slice_key(*(xfer[k][x_sl] for k in ("fam", "chunk", "hi", "hn")))
     k_key = slice_key(*(coll[k][k_sl] for k in ("slot_fam", "slot_chunk", "slot_hi", "slot_hn")))
-    uniq = np.unique(np.concatenate([x_key, k_key] + [r[2] for r in sliced_refs]))
+    keys = [x_key, k_key] + [r[2] for r in sliced_refs]
+    if nf * P * NH * NH <= _SLICE_LOOKUP:        # few possible slices: a dense lookup
+        seen = np.zeros(nf * P * NH * NH, dtype=bool)
+        for k in keys:
+            seen[k] = True
+        uniq, at = np.flatnonzero(seen), np.cumsum(seen) - 1
+        slot_of = at.__getitem__
+    else:
+        uniq = np.unique(np.concatenate(keys))
+
+        def slot_of(key):
+            return np.searchsorted(uniq, key)
     u_hn = uniq % NH
     u_fam = uniq // (NH * NH * P)
     sliced_bytes = np.zeros(len(uniq), dtype=np.int64)
@@ -1071,11 +1086,11 @@ def _general_columns(t, P: int, L: int, shape: Shape, ir, fams, code) -> _Cols |
         """Buffer ids of rows (``key``: the slice keys of the rows where ``sliced``)."""
         out = fam * P + chunk
         if len(key):
-            out[sliced] = base + np.searchsorted(uniq, key)
+            out[sliced] = base + slot_of(key)
         return out
 
     touch = _compute_touches(P, cr[whole], ct[whole], cg[whole], cq[whole], ckv[whole], code)
-    touch += [(r, s, base + np.searchsorted(uniq, key), start) for r, s, key, start in sliced_refs]
+    touch += [(r, s, base + slot_of(key), start) for r, s, key, start in sliced_refs]
 
     xs, src, dst, xc = (xfer[k] for k in ("step", "src", "dst", "chunk"))
     x_id = ids(x_sl, x_key, xfer["fam"], xc)
