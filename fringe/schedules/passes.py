@@ -1043,7 +1043,10 @@ def _assign_min(arr: np.ndarray, idx: np.ndarray, val: np.ndarray) -> None:
     that is already the minimum (checked), else by ``np.minimum.at``."""
     arr[idx] = np.minimum(arr[idx], val)
     if len(idx) and not (arr[idx] <= val).all():
-        np.minimum.at(arr, idx, val)
+        o = _by_step(val, descending=True)      # the smallest last: the last assignment wins
+        arr[idx[o]] = np.minimum(arr[idx[o]], val[o])
+        if not (arr[idx] <= val).all():
+            np.minimum.at(arr, idx, val)
 
 
 def _parts_ok(tab: ProgramTable, need: np.ndarray | None, backward: bool, kv: str) -> bool | None:
@@ -1400,33 +1403,23 @@ def _general_ok(tab: ProgramTable, need: np.ndarray | None, backward: bool, kv: 
     ranks = np.arange(P)
     zero = np.zeros(P, np.int64)
     owned = [Q, KV] + ([OUT, DOUT] if backward else [])
-    writes = [(g.rkey(ranks, f, ranks, zero), zero) for f in owned]
+    writes = [(ranks, f, ranks, zero, zero) for f in owned]     # (rank, fam, chunk, hs, t)
     cr, ct, cq, ckv, chs = g.cr, g.ct, g.cq, g.ckv, g.chs
-    writes += [(g.rkey(cr[isc], OUT, cq[isc], chs[isc]), ct[isc] + 1),
-               (g.rkey(cr[isg], DQ, cq[isg], chs[isg]), ct[isg] + 1),
-               (g.rkey(cr[isg], DKV, ckv[isg], chs[isg]), ct[isg] + 1),
-               (g.rkey(g.xd, g.xf, g.xc, g.xhs), g.xt + 1)]
+    writes += [(cr[isc], OUT, cq[isc], chs[isc], ct[isc] + 1),
+               (cr[isg], DQ, cq[isg], chs[isg], ct[isg] + 1),
+               (cr[isg], DKV, ckv[isg], chs[isg], ct[isg] + 1),
+               (g.xd, g.xf, g.xc, g.xhs, g.xt + 1)]
     if backward and kv == "keep":
-        writes.append((g.rkey(cr[isg], KV, ckv[isg], chs[isg]), np.zeros(int(isg.sum()), np.int64)))
+        writes.append((cr[isg], KV, ckv[isg], chs[isg], np.zeros(int(isg.sum()), np.int64)))
     srank, sstep = g.kr[g.ss], g.kt[g.ss]
     rs = g.sdir == 1
-    writes.append((g.rkey(srank[rs], g.sf[rs], g.sc[rs], g.shs[rs]), sstep[rs] + 1))
+    writes.append((srank[rs], g.sf[rs], g.sc[rs], g.shs[rs], sstep[rs] + 1))
     reads = [(cr, Q, cq, chs, ct), (cr, KV, ckv, chs, ct),
              (cr[isg], OUT, cq[isg], chs[isg], ct[isg]), (cr[isg], DOUT, cq[isg], chs[isg], ct[isg]),
              (g.xs, g.xf, g.xc, g.xhs, g.xt),
              (srank[~rs], g.sf[~rs], g.sc[~rs], g.shs[~rs], sstep[~rs])]
-    wk, wv = _min_by_key(np.concatenate([w[0] for w in writes]),
-                         np.concatenate([w[1] for w in writes]))
-    for r, f, ch, hs, t in reads:
-        if not len(r):
-            continue
-        rk, rt = _min_by_key(g.rkey(r, f, ch, hs), t)      # the earliest read of each
-        at, hit = _lookup(rk, wk, wv, 1 << 62)
-        if not ((hit & (at <= rt)).all()):
-            pk = (rk // g.HS) * g.HS                          # the whole-heads parent
-            at2, hit2 = _lookup(pk, wk, wv, 1 << 62)
-            if not (np.minimum(at, at2) <= rt).all():
-                return False
+    if not _present(P, g.HS, writes, reads):
+        return False
     if need is not None and not _general_tiles_ok(g, need):
         return False
     return True
@@ -1448,6 +1441,70 @@ def _table_tiles_ok(tab: ProgramTable, need: np.ndarray) -> bool:
     return np.array_equal(count, need.astype(np.int64))
 
 
+def _by_family(entries) -> dict:
+    """``(rank, fam, chunk, hs, t)`` column tuples (``fam`` an int or a column) split by
+    family: ``{fam: [(rank, chunk, hs, t), ...]}``."""
+    out = collections.defaultdict(list)
+    for r, f, ch, hs, t in entries:
+        if not len(r):
+            continue
+        if isinstance(f, (int, np.integer)):
+            out[int(f)].append((r, ch, hs, t))
+            continue
+        for fv in np.flatnonzero(np.bincount(f, minlength=_F)).tolist():
+            m = f == fv
+            out[fv].append((r[m], ch[m], hs[m], t[m]))
+    return out
+
+
+def _present(P: int, HS: int, writes: list, reads: list) -> bool:
+    """Whether every read ``(rank, fam, chunk, hs, t)`` finds its buffer, or the buffer's
+    whole-heads parent (``hs`` 0), written at a step <= t on that rank.
+
+    Dense, a family at a time: a plane ``[rank, buffer]`` of earliest write steps over the
+    family's buffers that occur (no sort of the millions of compute reads)."""
+    w_by, r_by = _by_family(writes), _by_family(reads)
+    for fam, rs in r_by.items():
+        ws = w_by.get(fam, [])
+        used = np.zeros(P * HS, dtype=bool)           # (chunk, hs) buffers of this family
+        for _, ch, hs, _ in itertools.chain(ws, rs):
+            used[ch * HS + hs] = True
+        for _, ch, _, _ in rs:                        # the parents of what is read
+            used[ch * HS] = True
+        ids = np.cumsum(used) - 1
+        n = int(ids[-1]) + 1 if len(ids) else 0
+        if P * n > 1 << 27:
+            return _present_sorted(P, HS, fam, ws, rs)
+        avail = np.full(P * n, np.iinfo(np.int64).max, dtype=np.int64)
+        for r, ch, hs, t in ws:
+            _assign_min(avail, r * n + ids[ch * HS + hs], t)
+        for r, ch, hs, t in rs:
+            late = avail[r * n + ids[ch * HS + hs]] > t
+            if late.any():
+                r, ch, t = r[late], ch[late], t[late]
+                if (avail[r * n + ids[ch * HS]] > t).any():
+                    return False
+    return True
+
+
+def _present_sorted(P: int, HS: int, fam: int, ws: list, rs: list) -> bool:
+    """:func:`_present` for one family by sorting keys (planes too large to allocate)."""
+    def key(r, ch, hs):
+        return (r * P + ch) * HS + hs
+    if not ws:
+        return False
+    wk, wv = _min_by_key(np.concatenate([key(r, ch, hs) for r, ch, hs, _ in ws]),
+                         np.concatenate([t for *_, t in ws]))
+    for r, ch, hs, t in rs:
+        at, _ = _lookup(key(r, ch, hs), wk, wv, 1 << 62)
+        late = at > t
+        if late.any():
+            at2, _ = _lookup(key(r[late], ch[late], 0), wk, wv, 1 << 62)
+            if (at2 > t[late]).any():
+                return False
+    return True
+
+
 def _general_tiles_ok(g: _Gen | None, need: np.ndarray, cq=None, ckv=None, chi=None,
                       chn=None) -> bool:
     """Every non-empty tile computed exactly once (whole heads once, or each head slice of
@@ -1460,7 +1517,8 @@ def _general_tiles_ok(g: _Gen | None, need: np.ndarray, cq=None, ckv=None, chi=N
     sl = ~whole
     if sl.any():
         key, hi, hn = cq[sl] * P + ckv[sl], chi[sl], chn[sl]
-        o = np.lexsort((hi, key))
+        span = int(hi.max()) + 1
+        o = np.argsort(key * span + hi)
         key, hi, hn = key[o], hi[o], hn[o]
         uk, starts = _runs(key)
         n = np.diff(np.append(starts, len(key)))
