@@ -820,6 +820,9 @@ class _Cols:
     groups: list
     buf_bytes: np.ndarray
     splits: tuple
+    #: the peak bytes of other ranks' buffers alive at once per rank, once computed (it does
+    #: not depend on the hardware: a plan simulated on several presets computes it once)
+    live_peak: np.ndarray | None = None
 
 
 def _i64(x) -> np.ndarray:
@@ -1371,8 +1374,9 @@ def _flatten(cols: _Cols, fixed: np.ndarray, per_heads: np.ndarray, hw: Hardware
     tiles = np.bincount(cell, minlength=P * T).reshape(P, T)
     sends = (s_rank, s_pos, s_peer, s_bytes)
     colls = _instances(cols, at, hw)
-    live = _live_peak(P, T, touch, cols.buf_bytes)
-    return _Flat(steps, active, tiles, compute, sends, colls, live)
+    if cols.live_peak is None:
+        cols.live_peak = _live_peak(P, T, touch, cols.buf_bytes)
+    return _Flat(steps, active, tiles, compute, sends, colls, cols.live_peak)
 
 
 def _instances(cols: _Cols, at, hw: Hardware) -> tuple:
@@ -1428,7 +1432,7 @@ def _live_peak(P: int, T: int, touch: list, size_of: np.ndarray) -> np.ndarray:
         used[t[2]] = True
     ids = np.flatnonzero(used)                        # the buffers touched anywhere
     NB = len(ids)
-    if P * NB > 1 << 24:                              # compact the keys (large sliced plans)
+    if P * NB > 1 << 26:                              # compact the keys (large sliced plans)
         remap = np.cumsum(used) - 1
         keys = [t[0] * NB + remap[t[2]] for t in touch]
         uniq, inv = np.unique(np.concatenate(keys), return_inverse=True)
