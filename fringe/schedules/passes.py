@@ -1668,53 +1668,58 @@ def _general_resend(g: _Gen, T: int, fams: list, skip: np.ndarray, after: int) -
     xt, xs, xd, xf, xc, xhs = (x[isin] for x in (g.xt, g.xs, g.xd, g.xf, g.xc, g.xhs))
     xo = g.xro[isin]
     Q, KV = _FAMILY_CODE[_Q], _FAMILY_CODE[_KV]
-    # reads by computes of the families, not owned, not delivered by a collective
-    rr, rt, rf, rc, rh, rorder, rpart = [], [], [], [], [], [], []
-    for fam, ch in ((Q, g.cq), (KV, g.ckv)):
-        if fam in fams:
-            m = ch != g.cr
-            rr.append(g.cr[m]); rt.append(g.ct[m]); rf.append(np.full(int(m.sum()), fam))
-            rc.append(ch[m]); rh.append(g.chs[m]); rorder.append(g.co[m])
-            rpart.append(np.full(int(m.sum()), 0 if fam == Q else 1))
-    if rr:
-        rr, rt, rf, rc, rh, rorder, rpart = (np.concatenate(x) for x in
-                                             (rr, rt, rf, rc, rh, rorder, rpart))
-        k = g.rkey(rr, rf, rc, rh)
-        keep = ~_member(k, skip)
-        rr, rt, rf, rc, rh, rorder, rpart = (x[keep] for x in (rr, rt, rf, rc, rh, rorder, rpart))
-    else:
-        rr = rt = rf = rc = rh = rorder = rpart = np.zeros(0, np.int64)
-    hop_k = g.rkey(xd, xf, xc, xhs)
-    if _member(hop_k, skip).any():
+    NBC = _F * P * g.HS                       # buffer codes (family, chunk, head slice)
+    # reads by computes of the families, not owned: (rank, step, buffer code, position in
+    # program order: rank, step, order, q before kv)
+    big = np.int64(1) << 20
+    pos = ((g.cr * big + g.ct) * big + g.co) * 2
+    reads = [(g.cr[m], g.ct[m], g.bkey(fam, ch[m], g.chs[m]), pos[m] + part)
+             for fam, ch, part in ((Q, g.cq, 0), (KV, g.ckv, 1)) if fam in fams
+             for m in [ch != g.cr]]
+    rr, rt, rb, rp = ([np.concatenate(c) for c in zip(*reads)] if reads else
+                      [np.zeros(0, np.int64)] * 4)
+    xb = g.bkey(xf, xc, xhs)
+    skip_r, skip_b = skip // NBC, skip % NBC
+    # compact ids over the buffers involved; (rank, id) planes for what a collective delivers
+    used = np.zeros(NBC, dtype=bool)
+    for x in (rb, xb, skip_b):
+        used[x] = True
+    id_of = np.cumsum(used) - 1
+    n = int(id_of[-1]) + 1 if NBC else 0
+    if P * n > 1 << 27:
+        return None
+    by_coll = np.zeros(P * n, dtype=bool)
+    by_coll[skip_r * n + id_of[skip_b]] = True
+    if by_coll[xd * n + id_of[xb]].any():
         return None                           # brought by a collective and a hop: rows decide
+    keep = ~by_coll[rr * n + id_of[rb]]
+    rr, rt, rb, rp = rr[keep], rt[keep], rb[keep], rp[keep]
     if not len(xt) and not len(rr):
         return _no_xfer_general()
-    # compact buffer ids in emission order: (family name, chunk, first appearance)
+    # what is left was brought by hops (else the op rules decide): ids over those buffers
+    used[:] = False
+    used[xb] = True
+    if not used[rb].all():
+        return None                           # read where it never arrived: rows decide
+    id_of = np.cumsum(used) - 1
+    n = int(id_of[-1]) + 1
+    # buffer ids in emission order: (family name, chunk, first appearance: reads, then hops)
+    first = np.full(n, np.iinfo(np.int64).max)
+    _assign_min(first, id_of[rb], rp)
+    _assign_min(first, id_of[xb], (np.int64(1) << 61) + (xd * big + xt) * big + xo)
+    ub = np.flatnonzero(used)                 # buffer code of each compact id
     fam_rank = np.argsort(np.argsort([f.value for f in _FAMILIES]))
-    bk_r = g.bkey(rf, rc, rh)
-    bk_x = g.bkey(xf, xc, xhs)
-    allb = np.concatenate([bk_r, bk_x])
-    # first appearance: reads in program order (rank, step, order, q before kv), then hops
-    big = np.int64(1) << 20
-    ap = np.concatenate([((rr * big + rt) * big + rorder) * 2 + rpart,
-                         (np.int64(1) << 61) + (xd * big + xt) * big + xo])
-    ub, inv = _unique(allb)
-    first = np.full(len(ub), np.iinfo(np.int64).max)
-    _assign_min(first, inv, ap)
     ufam, uchunk = ub // g.HS // P, ub // g.HS % P
     emit_order = np.lexsort((first, uchunk, fam_rank[ufam]))
-    bid = np.empty(len(ub), np.int64)
-    bid[emit_order] = np.arange(len(ub))
-    r_bid, x_bid = bid[inv[:len(bk_r)]], bid[inv[len(bk_r):]]
-    owner = np.empty(len(ub), np.int64)
+    bid = np.empty(n, np.int64)
+    bid[emit_order] = np.arange(n)
+    r_bid, x_bid = bid[id_of[rb]], bid[id_of[xb]]
+    owner = np.empty(n, np.int64)
     owner[bid] = uchunk
-    if len(ub) * P > 1 << 27:
-        return None
     rows = _resend_parts(P, T, rr, rt, r_bid, xt, xs, xd, x_bid, g.xo[isin], after, owner=owner)
     if rows is None:
         return None
-    by_bid = ub[emit_order]                  # buffer key of each id
-    b = by_bid[rows["chunk"]]
+    b = ub[emit_order][rows["chunk"]]         # the buffer code of each row's id
     hs = b % g.HS
     hn = np.zeros(len(hs), np.int64)
     hi = np.zeros(len(hs), np.int64)
