@@ -1659,7 +1659,8 @@ def simulate(plan, hardware: str | Hardware = "cpu", shape: Shape = Shape(), *,
             cache[key] = _columns(progs, L, shape)
         cols[which] = cache[key]
     for n in sorted({k for c in cols.values() for k in c.splits} | {
-            int(k) for c in cols.values() for k in np.unique(c.comp[5])}):
+            int(k) for c in cols.values() if len(c.comp[5])
+            for k in np.flatnonzero(np.bincount(c.comp[5]))}):          # splits: small ints
         if n > 1:
             check_head_split(n, shape.heads, shape.kv_heads,
                              what=f"schedule {label!r} (heads split {n} ways)")
