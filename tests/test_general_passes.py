@@ -18,7 +18,8 @@ from fringe.schedules.ir import (Buffer, Collective, Compute, Program, ProgramTa
 
 SPECS = ("allgather", "allgather:3", "ulysses", "compose:zigzag+ulysses:2",
          "compose:ring+ulysses:4", "compose:striped+ulysses:2", "compose:allgather+ulysses:2",
-         "compose:balanced+ulysses:2", "zigzag")
+         "compose:balanced+ulysses:2", "compose:zigzag+ring:2", "compose:zigzag+allgather:2:2",
+         "zigzag")
 
 
 def _need(P: int, seed: int, density: float) -> np.ndarray:
@@ -49,6 +50,10 @@ def test_column_passes_equal_the_op_rules(spec, P, seed, density):
     assert tab.general and list(tab.programs()) == plain
     assert passes._general_ok(tab, need, False, "resend") is True
     assert passes._general_prune(tab, need) == plain
+    less = need & _need(P, seed + 10, 0.8)           # a map the programs were not built for
+    if less.any():
+        got = passes._general_prune(tab, less)
+        assert got is not None and got == passes.prune(plain, less), (spec, "prune")
     for kv in ("resend", "keep"):
         want = passes.reverse(plain, kv=kv)
         got = passes._general_reverse(tab, kv)

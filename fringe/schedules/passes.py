@@ -1739,25 +1739,32 @@ def _no_xfer_general():
 
 
 def _general_prune(tab: ProgramTable, ok: np.ndarray) -> list[Program] | None:
-    """:func:`prune` on a general table: the programs themselves when it drops nothing (every
-    compute's tile is non-empty and every input hop feeds a compute), else None (the op
-    rules rebuild them)."""
+    """:func:`prune` on a general table: computes of empty tiles dropped, and transfers of
+    q / kv whose receiver, and every rank it forwards them to later, computes nothing with
+    them (the programs themselves when nothing is dropped); None when the op rules must
+    decide."""
     g = _Gen(tab)
-    if not g.ok or not ok[g.cq, g.ckv].all():
+    if not g.ok:
         return None
     P = g.P
+    keep_c = ok[g.cq, g.ckv]
     fams = [_FAMILY_CODE[_Q], _FAMILY_CODE[_KV]]
     hop = np.isin(g.xf, fams)
-    if not hop.any():
-        return list(tab.programs())
-    hb = g.bkey(g.xf[hop], g.xc[hop], g.xhs[hop])
-    ub, inv = _unique(hb)
-    if len(ub) * P > 1 << 27:
-        return None
-    use = np.zeros((len(ub), P), dtype=bool)
-    for fam, ch in ((fams[0], g.cq), (fams[1], g.ckv)):
-        ck = g.bkey(fam, ch, g.chs)
-        i, hit = _lookup(ck, ub, np.arange(len(ub)), 0)
-        use[i[hit], g.cr[hit]] = True
-    keep = _keep_hops(P, inv, g.xt[hop], g.xs[hop], g.xd[hop], use, buffers=len(ub))
-    return list(tab.programs()) if keep.all() else None
+    keep_x = np.ones(len(g.xf), dtype=bool)
+    if hop.any():
+        hb = g.bkey(g.xf[hop], g.xc[hop], g.xhs[hop])
+        ub, inv = _unique(hb)
+        if len(ub) * P > 1 << 27:
+            return None
+        use = np.zeros((len(ub), P), dtype=bool)       # [buffer, rank]: a kept compute reads it
+        for fam, ch in ((fams[0], g.cq), (fams[1], g.ckv)):
+            i, hit = _lookup(g.bkey(fam, ch, g.chs), ub, np.arange(len(ub)), 0)
+            hit &= keep_c
+            use[i[hit], g.cr[hit]] = True
+        keep_x[hop] = _keep_hops(P, inv, g.xt[hop], g.xs[hop], g.xd[hop], use, buffers=len(ub))
+    if keep_c.all() and keep_x.all():
+        return list(tab.programs())          # nothing to drop: the same values
+    comp, xfer, coll = tab._parts            # the same rows less the dropped (orders kept)
+    return list(ProgramTable._of_parts(P, {k: v[keep_c] for k, v in comp.items()},
+                                       {k: v[keep_x] for k, v in xfer.items()},
+                                       coll).programs())
