@@ -156,3 +156,18 @@ def test_a_table_checked_once_is_still_checked_for_its_tiles_and_cannot_be_refil
     with pytest.raises(ScheduleError, match="never computed"):
         passes.check(cut, need=other)
     passes.check(cut, need=need)
+
+
+def test_past_the_plane_limit_the_checks_sort_and_the_rules_decide(monkeypatch):
+    """Plans too large for a dense (rank, buffer) plane check presence by sorting keys, and
+    hand re-sends and pruning to the op rules: the same answers, faults still found."""
+    need, progs = _plan_programs()
+    monkeypatch.setattr(passes, "PLANE_CELLS", 0)
+    tab = ProgramTable.general_of(progs)
+    assert passes._general_ok(tab, need, False, "resend") is True
+    assert passes._general_reverse(tab, "resend") is None
+    assert passes._general_prune(tab, need) is None
+    assert format_programs(passes.reverse(list(tab.programs()))) == format_programs(
+        passes.reverse(progs))
+    bad = ProgramTable.general_of(_edit(progs, 3, _compute_too_early))
+    assert passes._general_ok(bad, need, False, "resend") is False

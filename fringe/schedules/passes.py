@@ -1220,6 +1220,11 @@ def _no_xfer():
 # the passes on a general table's parts (head slices and collectives: what the collective
 # schedules build); None: the op-by-op rules decide
 # ---------------------------------------------------------------------------------------
+#: The largest dense (rank, buffer) plane the general passes allocate; past it presence is
+#: checked by sorting keys, and re-sends and pruning go to the op rules.
+PLANE_CELLS = 1 << 27
+
+
 class _Gen:
     """A general table's parts as int64 columns, with the derived codes the passes share:
     ``hs`` a head slice code (0: all heads, else ``hn*(hn-1)/2 + hi + 1``), ``HS`` one more
@@ -1473,7 +1478,7 @@ def _present(P: int, HS: int, writes: list, reads: list) -> bool:
             used[ch * HS] = True
         ids = np.cumsum(used) - 1
         n = int(ids[-1]) + 1 if len(ids) else 0
-        if P * n > 1 << 27:
+        if P * n > PLANE_CELLS:
             return _present_sorted(P, HS, fam, ws, rs)
         avail = np.full(P * n, np.iinfo(np.int64).max, dtype=np.int64)
         for r, ch, hs, t in ws:
@@ -1686,7 +1691,7 @@ def _general_resend(g: _Gen, T: int, fams: list, skip: np.ndarray, after: int) -
         used[x] = True
     id_of = np.cumsum(used) - 1
     n = int(id_of[-1]) + 1 if NBC else 0
-    if P * n > 1 << 27:
+    if P * n > PLANE_CELLS:
         return None
     by_coll = np.zeros(P * n, dtype=bool)
     by_coll[skip_r * n + id_of[skip_b]] = True
@@ -1754,7 +1759,7 @@ def _general_prune(tab: ProgramTable, ok: np.ndarray) -> list[Program] | None:
     if hop.any():
         hb = g.bkey(g.xf[hop], g.xc[hop], g.xhs[hop])
         ub, inv = _unique(hb)
-        if len(ub) * P > 1 << 27:
+        if len(ub) * P > PLANE_CELLS:
             return None
         use = np.zeros((len(ub), P), dtype=bool)       # [buffer, rank]: a kept compute reads it
         for fam, ch in ((fams[0], g.cq), (fams[1], g.ckv)):
