@@ -113,8 +113,12 @@ def test_prune_keeps_unchanged_programs_as_they_are():
     need = torch.tril(torch.ones(P, P, dtype=torch.bool))
     fwd = schedules.allgather().programs(P, torch.ones(P, P, dtype=torch.bool))
     pruned = schedules.prune(fwd, need)
-    assert pruned[0] is not fwd[0] and pruned[P - 1] is fwd[P - 1]     # rank P-1 needs every tile
-    assert pruned == schedules.prune(_dense_copy(fwd), need)
+    assert pruned[0] != fwd[0] and pruned[P - 1] == fwd[P - 1]     # rank P-1 needs every tile
+    plain = _dense_copy(fwd)                 # op values: the unchanged ones come back as is
+    by_ops = schedules.prune(plain, need)
+    assert by_ops[0] is not plain[0] and by_ops[P - 1] is plain[P - 1]
+    assert pruned == by_ops
+    assert schedules.prune(fwd, torch.ones(P, P, dtype=torch.bool)) == list(fwd)
 
 
 def _ring_parts(P, need):
