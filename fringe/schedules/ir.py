@@ -913,7 +913,8 @@ class ProgramTable:
         self._cols = cols
         self._parts = parts
         self._bounds = None
-        self._index = None
+        self._index = None               # plain parts: each rank's rows
+        self._gindex = None              # general parts: each rank's rows and sides' slots
         self._passed: set = set()        # check() flags whose structural checks passed
         self._programs = tuple(Program._from_table(self, r) for r in range(world_size))
 
@@ -1066,15 +1067,15 @@ class ProgramTable:
         """Per part, the rows of each rank: (order, bounds) for computes, sends, receives,
         collective sides."""
         import numpy as np
-        if self._index is None:
+        if self._gindex is None:
             comp, xfer, coll = self._parts
             ix = []
             for col in (comp["rank"], xfer["src"], xfer["dst"], coll["rank"]):
                 o = np.argsort(col, kind="stable")
                 ix.append((o, np.searchsorted(col[o], np.arange(self.world_size + 1))))
             sb = np.searchsorted(coll["slot_side"], np.arange(len(coll["rank"]) + 1))
-            self._index = (ix, sb)
-        return self._index
+            self._gindex = (ix, sb)
+        return self._gindex
 
     def _general_steps_of(self, rank: int) -> tuple[Step, ...]:
         import numpy as np

@@ -967,29 +967,21 @@ def _resend_rows(P, T, rank, step, kind, a, b, c):
     if H == 0:
         return _no_rows()
 
-    def lookup(keys, table_keys, values, default):
-        """``values`` at ``keys`` in sorted ``table_keys`` (``default`` where absent), hit mask."""
-        if len(table_keys) == 0:
-            return np.full(len(keys), default, dtype=np.int64), np.zeros(len(keys), dtype=bool)
-        at = np.minimum(np.searchsorted(table_keys, keys), len(table_keys) - 1)
-        hit = table_keys[at] == keys
-        return np.where(hit, values[at], default), hit
-
     ro = np.argsort(rd_key, kind="stable")
     rkeys, rstart = _runs(rd_key[ro])
     rmax = np.maximum.reduceat(rd_t[ro], rstart) if len(ro) else np.zeros(0, np.int64)
-    maxread, has_read = lookup(hk, rkeys, rmax, 0)
+    maxread, has_read = _lookup(hk, rkeys, rmax, 0)
     io = np.argsort(in_key)
     ikeys = in_key[io]
-    arr, has_in = lookup(hk, ikeys, in_t[io], -1)
-    src, _ = lookup(hk, ikeys, in_src[io], -1)
-    sup_t, has_sup = lookup(hk, last_key, last_t, 0)
-    sup_d, _ = lookup(hk, last_key, last_dst, -1)
+    arr, has_in = _lookup(hk, ikeys, in_t[io], -1)
+    src, _ = _lookup(hk, ikeys, in_src[io], -1)
+    sup_t, has_sup = _lookup(hk, last_key, last_t, 0)
+    sup_d, _ = _lookup(hk, last_key, last_dst, -1)
     need_at = np.where(has_read, T - maxread, NONE)
     # upstream: src (not the owner) whose latest hop went to this rank
     up_key = hb * P + np.where(has_in, src, 0)
-    up_idx, up_hit = lookup(up_key, hk, np.arange(H), -1)
-    src_sup, src_has = lookup(up_key, last_key, last_dst, -1)
+    up_idx, up_hit = _lookup(up_key, hk, np.arange(H), -1)
+    src_sup, src_has = _lookup(up_key, last_key, last_dst, -1)
     relay_up = has_in & (src != hb % P) & up_hit & src_has & (src_sup == hr)
     if (relay_up & (arr[np.where(up_hit, up_idx, 0)] >= arr)).any():
         return None                                # not a tree in time: let the op rules decide
@@ -1006,7 +998,7 @@ def _resend_rows(P, T, rank, step, kind, a, b, c):
     emit = np.lexsort((hr, hb % P, fam_rank[hb // P]))
     emit = emit[need_at[emit] != NONE]
     e = need_at[emit]
-    d_idx, d_hit = lookup(hb[emit] * P + sup_d[emit], hk, np.arange(H), -1)
+    d_idx, d_hit = _lookup(hb[emit] * P + sup_d[emit], hk, np.arange(H), -1)
     relay = (has_sup[emit] & (T - sup_t[emit] <= e) & d_hit
              & (need_at[np.where(d_hit, d_idx, 0)] != NONE))
     if ((~relay) & (e - 1 < 0)).any():
@@ -1323,10 +1315,7 @@ def _unique(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def _member(x: np.ndarray, sorted_keys: np.ndarray) -> np.ndarray:
     """``np.isin(x, sorted_keys)`` by binary search (``isin`` hashes: slow on int64)."""
-    if not len(sorted_keys):
-        return np.zeros(len(x), dtype=bool)
-    at = np.minimum(np.searchsorted(sorted_keys, x), len(sorted_keys) - 1)
-    return sorted_keys[at] == x
+    return _lookup(x, sorted_keys, sorted_keys, 0)[1]
 
 
 def _min_by_key(keys: np.ndarray, vals: np.ndarray, reduce=np.minimum):
@@ -1340,6 +1329,7 @@ def _min_by_key(keys: np.ndarray, vals: np.ndarray, reduce=np.minimum):
 
 
 def _lookup(keys: np.ndarray, table_keys: np.ndarray, values: np.ndarray, default: int):
+    """``values`` at ``keys`` in sorted ``table_keys`` (``default`` where absent), hit mask."""
     if not len(table_keys):
         return np.full(len(keys), default, dtype=np.int64), np.zeros(len(keys), dtype=bool)
     at = np.minimum(np.searchsorted(table_keys, keys), len(table_keys) - 1)
@@ -1425,7 +1415,7 @@ def _general_ok(tab: ProgramTable, need: np.ndarray | None, backward: bool, kv: 
              (srank[~rs], g.sf[~rs], g.sc[~rs], g.shs[~rs], sstep[~rs])]
     if not _present(P, g.HS, writes, reads):
         return False
-    if need is not None and not _general_tiles_ok(g, need):
+    if need is not None and not _general_tiles_ok(need, g.cq, g.ckv, g.chi, g.chn):
         return False
     return True
 
@@ -1434,8 +1424,8 @@ def _table_tiles_ok(tab: ProgramTable, need: np.ndarray) -> bool:
     """The tile check alone, on any table's columns."""
     if tab.general:
         comp = tab._parts[0]
-        cols = [np.asarray(comp[k], dtype=np.int64) for k in ("q", "kv", "hi", "hn")]
-        return _general_tiles_ok(None, need, *cols)
+        return _general_tiles_ok(need, *(np.asarray(comp[k], dtype=np.int64)
+                                          for k in ("q", "kv", "hi", "hn")))
     if tab._parts is not None and tab._cols is None:
         q, kv = (np.asarray(tab._parts[0][k], dtype=np.int64) for k in ("q", "kv"))
     else:
@@ -1510,12 +1500,10 @@ def _present_sorted(P: int, HS: int, fam: int, ws: list, rs: list) -> bool:
     return True
 
 
-def _general_tiles_ok(g: _Gen | None, need: np.ndarray, cq=None, ckv=None, chi=None,
-                      chn=None) -> bool:
+def _general_tiles_ok(need: np.ndarray, cq: np.ndarray, ckv: np.ndarray, chi: np.ndarray,
+                      chn: np.ndarray) -> bool:
     """Every non-empty tile computed exactly once (whole heads once, or each head slice of
-    one split once), no empty tile computed (the computes' columns: ``g``'s, or given)."""
-    if g is not None:
-        cq, ckv, chi, chn = g.cq, g.ckv, g.chi, g.chn
+    one split once), no empty tile computed, from the computes' columns."""
     P = len(need)
     whole = chn == 0
     count = np.bincount(cq[whole] * P + ckv[whole], minlength=P * P)
