@@ -90,11 +90,12 @@ def test_programs_are_those_planned_before_the_fast_paths(spec):
 
 def test_programs_do_not_depend_on_the_string_hash_seed():
     """Buffers that sort alike (head slices of one chunk) keep program order, not set order:
-    two processes with different hash seeds plan the same programs (else ranks disagree)."""
+    two processes with different hash seeds plan the same programs, and the plan fingerprint
+    (its digest of the general table's columns) is the same (else ranks disagree)."""
     code = ("import hashlib, torch; from fringe import masks, schedules, plan; "
             "p = plan(schedules.get('compose:zigzag+ulysses:2'), masks.causal(), seq_len=512, "
             "world_size=8, block_size=16); print(hashlib.sha1(('\\n'.join(x.ascii() for x in "
-            "p.forward + p.backward)).encode()).hexdigest())")
+            "p.forward + p.backward)).encode()).hexdigest() + p.digests()['programs'])")
     here = {}
     exec(code.replace("print(", "here['digest'] = ("), {"here": here})
     seed = "2" if os.environ.get("PYTHONHASHSEED") == "1" else "1"    # not this process's
