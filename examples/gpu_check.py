@@ -15,8 +15,9 @@ Checks the CUDA paths CI cannot (it has no GPU), each against the float64 dense 
    global offsets, GQA, Lq != Lk and FULL / PARTIAL / EMPTY blocks, forward merged and
    backward with the GLOBAL out/lse and an lse cotangent, in float32 and bfloat16 against the
    float64 reference; the 64-token BlockMask variant (``sparse_multiple=None``); a plan with
-   ``kernel="flex"`` on the virtual mesh; recompiles across batches; and a timing of one
-   whole-sequence tile against SDPA and native FlexAttention.
+   ``kernel="flex"`` on the virtual mesh; two masks in one process (a Ulysses plan on a
+   document mask, then on a sliding window: pytorch #176211); recompiles across batches; and a
+   timing of one whole-sequence tile against SDPA and native FlexAttention.
 
     python examples/gpu_check.py --only flex     # just step 6 (or e.g. --only tiles,flex)
 
@@ -294,6 +295,33 @@ def flex(dev: torch.device, *, S_time: int = 16384) -> None:
     check("flex plan (zigzag P=4, causal & 7 docs) bf16 fwd+bwd vs float64",
           max(errs) < FLEX_TOL[torch.bfloat16], " ".join(f"{e:.1e}" for e in errs)
           + f" ({time.perf_counter() - t0:.0f} s incl. compile)")
+
+    # two masks in one process (issue 17, pytorch #176211): a Ulysses plan on a document mask,
+    # then one on a sliding window, through the one shared kernel="flex" (which has compiled
+    # the zigzag plan's mask above). Before one compiled function per mask structure, the
+    # second raised "TypeError: 'int' object is not subscriptable" from Dynamo's guards.
+    S2 = 2048
+    q2, k2, v2 = make_qkv(B=1, H=8, G=2, S=S2, D=64, seed=94, device=dev, requires_grad=True)
+    for i, (name, m) in enumerate((("causal & 5 docs",
+                                    masks.causal() & masks.document(torch.arange(S2) * 5 // S2)),
+                                   ("sliding_window(300)", masks.sliding_window(300)))):
+        label = f"flex plan (ulysses P=2, {name}: mask {i + 1} of 2 in one process) bf16 fwd+bwd"
+        t0 = time.perf_counter()
+        try:
+            ro2, rl2 = reference.attention(q2, k2, v2, mask_mod=m)
+            want2 = torch.autograd.grad(ro2.square().sum() + rl2.sum(), (q2, k2, v2))
+            p2 = fringe.plan(schedules.ulysses(), m, seq_len=S2, world_size=2, block_size=64,
+                             kernel="flex")
+            qb2, kb2, vb2 = (t.detach().to(torch.bfloat16).requires_grad_() for t in (q2, k2, v2))
+            out2, lse2 = fringe.simulate.attention(qb2, kb2, vb2, plan=p2, return_lse=True)
+            got2 = torch.autograd.grad(out2.float().square().sum() + lse2.sum(), (qb2, kb2, vb2))
+            errs = [rel_err(out2, ro2), rel_err(lse2, rl2)] + [rel_err(a, b)
+                                                               for a, b in zip(got2, want2)]
+            check(f"{label} vs float64", max(errs) < FLEX_TOL[torch.bfloat16],
+                  " ".join(f"{e:.1e}" for e in errs)
+                  + f" ({time.perf_counter() - t0:.0f} s incl. compile)")
+        except Exception as e:          # noqa: BLE001 - the failure this case exists to catch
+            check(label, False, f"{type(e).__name__}: {str(e)[:300]}")
 
     # recompiles: new documents, same tile shape -> the later calls cost no compile
     times = []

@@ -447,3 +447,42 @@ def test_stand_in_through_a_plan_on_the_virtual_mesh_float64():
     want = torch.autograd.grad(ro.square().sum() + rl.sum(), (q, k, v))
     assert_close(out, ro, **TIGHT)
     assert_close(got, want, **TIGHT)
+
+
+# ---------------------------------------------------------------------------------------------
+# several masks in one process (issue 17 item 4: pytorch #176211)
+
+
+def test_eager_flex_runs_several_masks_and_schedules_in_one_process_float64():
+    """A document mask, then a sliding window, then a prefix-LM mask, each under ring,
+    ulysses and compose(ring, ulysses) in one process: before one compiled function per call
+    structure, the second mask raised ``TypeError: 'int' object is not subscriptable`` from
+    Dynamo's guards (pytorch #176211). A new batch's document ids reuse their function."""
+    import fringe
+    from fringe import schedules
+    from fringe.simulate import attention
+
+    S, H, G = 32, 4, 2
+    kern = eager_flex()
+    q, k, v = make_qkv(B=1, H=H, G=G, S=S, D=4, seed=91)
+
+    def docs(sizes):
+        return masks.causal() & masks.document(packed(S, sizes))
+
+    cases = [docs([5, 14, S]), masks.sliding_window(7), masks.prefix_lm(9)]
+    plans = {"ring": (schedules.ring(), 2), "ulysses": (schedules.ulysses(), 2),
+             "compose": (schedules.compose(schedules.ring(), schedules.ulysses(),
+                                           inner_size=2), 4)}
+    next_batch = docs([17, 2, S])                       # both cross the middle (tile q1.kv0)
+    for mask in [*cases, next_batch]:
+        want, _ = reference.attention(q, k, v, mask_mod=mask)
+        for name, (sched, P) in plans.items():
+            made = getattr(kern, "_made", None)      # compiled functions so far
+            p = fringe.plan(sched, mask, seq_len=S, world_size=P, block_size=8, kernel=kern)
+            with torch.no_grad():
+                out = attention(q, k, v, plan=p)
+            assert_close(out, want, **TIGHT, msg=lambda m, mask=mask, name=name: f"{mask} "
+                         f"{name}: {m}")
+            if mask is next_batch:
+                assert kern._made == made, f"{name}: a new batch compiled a new function"
+    assert 0 < len(kern._fns) == kern._made

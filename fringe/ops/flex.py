@@ -45,11 +45,26 @@ FlexAttention's own backward folds the lse cotangent into its delta, so it compu
 ``w * (delta - dlse)`` there. Cost: one extra tile forward per backward (the recompute).
 
 **Compiled, static shapes**: on CUDA, FlexAttention runs through
-``torch.compile(flex_attention, dynamic=False)`` (one compiled function per kernel object);
-a tile keeps its shape from call to call in a plan, and the block map, positions and mask
-tensors are inputs, not constants, so a new batch's document ids do not recompile (measured on
-CPU with a counting backend, ``tests/test_flex.py``). A mask whose *Python constants* change
-(``sliding_window(5)`` then ``sliding_window(7)``) does recompile, as in FlexAttention.
+``torch.compile(flex_attention, dynamic=False)``; a tile keeps its shape from call to call in a
+plan, and the block map, positions and mask tensors are inputs, not constants, so a new batch's
+document ids do not recompile (measured on CPU with a counting backend, ``tests/test_flex.py``).
+A mask whose *Python constants* change (``sliding_window(5)`` then ``sliding_window(7)``) does
+recompile, as in FlexAttention.
+
+**One compiled function per mask structure** (a workaround for pytorch issue #176211, fixed by
+PR #184793, open at the time of writing): when a compiled function's guards fail, Dynamo
+re-evaluates the tensor sources its first compile recorded (``...__closure__[0]
+.cell_contents[1]...``) to word a recompile reason, and raises ``TypeError: 'int' object is
+not subscriptable`` where a second mask_mod has another closure layout there (a document
+mask, then a sliding window: torch 2.13, eager ``flex_attention`` and every backend alike,
+since they all share one code object's cache). So each kernel keeps its own compiled functions
+(each a fresh copy of one small code object, so that each has its own cache), one per
+*structure* of the call (:func:`call_structure`: the code objects and closure layout of the
+mask_mod and score_mod, tensor dtypes and ranks but not their values, the tile's shapes), at
+most :data:`MAX_COMPILED` of them, least recently used dropped first. A new batch's document
+ids keep their structure, so they reuse their function. ``backend=None`` (FlexAttention's
+eager semantics) compiles the same way with the ``"eager"`` backend, as ``flex_attention``'s
+own eager path does, only per structure.
 
 **CPU**: FlexAttention has no CPU backward (torch 2.13: "FlexAttention does not support
 backward on CPU") and its eager path is dense math over the whole score matrix that ignores
@@ -61,6 +76,7 @@ restricted to the BlockMask's own semantics to check block sparsity and the back
 """
 from __future__ import annotations
 
+import collections
 import functools
 import importlib.util
 import math
@@ -73,14 +89,18 @@ from fringe.masks import BlockKind, Mask
 
 from .reference import compute_dtype
 
-__all__ = ["FLEX", "FlexKernel", "block_mask", "flex_block_size", "on_device", "on_global",
-           "tile_vjp"]
+__all__ = ["FLEX", "MAX_COMPILED", "FlexKernel", "block_mask", "call_structure",
+           "flex_block_size", "on_device", "on_global", "tile_vjp"]
 
 #: The sparse block of a BlockMask is a multiple of this many tokens by default (see the module
 #: docstring): FlexAttention's own default block size, which its default Triton configs divide.
 SPARSE_MULTIPLE = 128
 
 _EMPTY, _FULL = int(BlockKind.EMPTY), int(BlockKind.FULL)
+
+#: At most this many compiled FlexAttention functions per kernel (one per call structure, see
+#: the module docstring and :func:`call_structure`); the least recently used is dropped first.
+MAX_COMPILED = 64
 
 
 def flex_block_size(block_size: int, sparse_multiple: int | None = SPARSE_MULTIPLE) -> int:
@@ -255,6 +275,65 @@ def block_mask(blocks: torch.Tensor, *, block_size: int, q_pos: torch.Tensor,
                                     seq_lengths=(Lq, Lk))
 
 
+def call_structure(*objs) -> tuple:
+    """A hashable summary of the object graphs Dynamo guards on in a FlexAttention call.
+
+    The same summary means the same paths from the call's arguments to every tensor and
+    constant: functions by their code object and the structure of their closure cells and
+    defaults (walking :class:`~fringe.masks.Mask` mods, ``functools.partial``, bound methods,
+    tuples, lists and dicts), tensors by dtype, rank, device and ``requires_grad`` (never
+    their values or lengths: a new batch's document ids keep the summary), other values by
+    their type (``sliding_window(5)`` and ``sliding_window(7)`` share one). Cycles are cut.
+    """
+    memo: dict[int, int] = {}
+    return tuple(_structure(o, memo) for o in objs)
+
+
+def _structure(obj, memo: dict[int, int]):
+    if isinstance(obj, (bool, int, float, str, type(None))):
+        return type(obj)
+    key = id(obj)
+    if key in memo:
+        return ("seen", memo[key])
+    memo[key] = len(memo)
+    if isinstance(obj, torch.Tensor):
+        return ("tensor", obj.dtype, obj.dim(), obj.device.type, obj.requires_grad)
+    if isinstance(obj, Mask):
+        return ("mask", _structure(obj.mod, memo))
+    if isinstance(obj, types.FunctionType):
+        cells = []
+        for c in obj.__closure__ or ():
+            try:
+                cells.append(_structure(c.cell_contents, memo))
+            except ValueError:                      # an empty cell
+                cells.append("empty")
+        kw = obj.__kwdefaults__ or {}
+        return ("fn", obj.__code__, tuple(cells),
+                tuple(_structure(d, memo) for d in obj.__defaults__ or ()),
+                tuple((k, _structure(v, memo)) for k, v in kw.items()))
+    if isinstance(obj, functools.partial):
+        return ("partial", _structure(obj.func, memo),
+                tuple(_structure(a, memo) for a in obj.args),
+                tuple((k, _structure(v, memo)) for k, v in obj.keywords.items()))
+    if isinstance(obj, types.MethodType):
+        return ("method", _structure(obj.__func__, memo), _structure(obj.__self__, memo))
+    if type(obj) in (tuple, list):
+        return (type(obj), tuple(_structure(v, memo) for v in obj))
+    if type(obj) is dict:
+        return (dict, tuple((k if isinstance(k, (str, int)) else repr(k), _structure(v, memo))
+                            for k, v in obj.items()))
+    return type(obj)
+
+
+def _flex_call(q, k, v, score_mod, block_mask, scale, enable_gqa, kernel_options, return_aux):
+    """The function each compiled copy runs (see :meth:`FlexKernel._compiled`)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale,
+                          enable_gqa=enable_gqa, kernel_options=kernel_options,
+                          return_aux=return_aux)
+
+
 def tile_vjp(fwd: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor, *,
              dlse: torch.Tensor | None = None,
@@ -304,8 +383,9 @@ class FlexKernel:
 
     Args:
         backend: ``torch.compile`` backend for ``flex_attention`` (``"inductor"``: the fused
-            Triton kernels); None runs FlexAttention's eager path (dense math, forward only on
-            CPU: for tests).
+            Triton kernels); None gives FlexAttention's eager semantics (dense math, forward
+            only on CPU: for tests), compiled with the ``"eager"`` backend as
+            ``flex_attention`` itself does, but per call structure (see the module docstring).
         devices: device types on which :meth:`available` may say yes.
         sparse_multiple: the BlockMask block is a multiple of this (see :func:`flex_block_size`);
             None keeps fringe's block size and sets the forward's BLOCK_M / BLOCK_N to divide it.
@@ -324,7 +404,9 @@ class FlexKernel:
         self.devices = tuple(devices)
         self.sparse_multiple = sparse_multiple
         self.kernel_options = dict(kernel_options or {})
-        self._fn = None
+        # call structure -> compiled copy of _flex_call, least recently used first (#176211)
+        self._fns: collections.OrderedDict = collections.OrderedDict()
+        self._made = 0
 
     # -- availability --------------------------------------------------------------------------
 
@@ -352,14 +434,31 @@ class FlexKernel:
 
     # -- the FlexAttention call ----------------------------------------------------------------
 
-    def _flex(self):
-        from torch.nn.attention.flex_attention import flex_attention
+    def _compiled(self, key: tuple) -> Callable:
+        """The compiled function for one call structure (made on first use).
 
-        if self.backend is None:
-            return flex_attention
-        if self._fn is None:
-            self._fn = torch.compile(flex_attention, backend=self.backend, dynamic=False)
-        return self._fn
+        Workaround for pytorch issue #176211 (fix: pytorch PR #184793, open when written):
+        Dynamo keeps its compiled graphs on the *code object*, so every ``torch.compile`` of
+        ``flex_attention`` (and its eager path) shares one cache, and a guard failure on a
+        second mask_mod of another closure layout raises ``TypeError: 'int' object is not
+        subscriptable`` while wording the recompile reason. Each structure gets a fresh copy
+        of :func:`_flex_call`'s code object, so a function's guards only ever see one layout.
+        """
+        fn = self._fns.get(key)
+        if fn is not None:
+            self._fns.move_to_end(key)
+            return fn
+        while len(self._fns) >= MAX_COMPILED:
+            self._fns.popitem(last=False)
+        self._made += 1
+        code = _flex_call.__code__.replace(co_name=f"_flex_call_{self._made}")
+        copy = types.FunctionType(code, _flex_call.__globals__, code.co_name)
+        if self.backend is None:                 # flex_attention's eager path, per structure
+            fn = torch.compile(copy, backend="eager", fullgraph=True, dynamic=False)
+        else:
+            fn = torch.compile(copy, backend=self.backend, dynamic=False)
+        self._fns[key] = fn
+        return fn
 
     def _options(self, fb: int) -> dict | None:
         opts = {}
@@ -373,10 +472,12 @@ class FlexKernel:
         """FlexAttention on one tile: ``(out, lse)``, differentiable where flex is."""
         from torch.nn.attention.flex_attention import AuxRequest
 
-        out, aux = self._flex()(q, k, v, score_mod=score_mod, block_mask=block_mask,
-                                scale=scale, enable_gqa=q.shape[1] != k.shape[1],
-                                kernel_options=self._options(block_mask.BLOCK_SIZE[0]),
-                                return_aux=AuxRequest(lse=True))
+        opts = self._options(block_mask.BLOCK_SIZE[0])
+        key = (call_structure(block_mask.mask_mod, score_mod, opts),
+               tuple((t.shape, t.dtype, t.device) for t in (q, k, v)), block_mask.BLOCK_SIZE,
+               tuple(block_mask.kv_indices.shape))
+        out, aux = self._compiled(key)(q, k, v, score_mod, block_mask, scale,
+                                       q.shape[1] != k.shape[1], opts, AuxRequest(lse=True))
         return out, aux.lse
 
     def _tile(self, *, q_pos, kv_pos, blocks, block_size, mask_mod, score_mod, scale):
