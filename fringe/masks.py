@@ -60,6 +60,7 @@ import weakref
 from typing import Callable
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 #: Default mask-block size (tokens per side of a classification block). A parameter
 #: everywhere; this is only its default. (Defined here, the lowest module that uses it;
@@ -361,17 +362,24 @@ class Mask:
     Attributes:
         mod: the mask_mod.
         name: display name (also ``repr(mask)`` and ``mask.__name__``).
-        bh_invariant: True when the mask ignores ``b`` and ``h``. Every factory is. A plain
-            callable wrapped by :func:`as_mask` is *assumed* invariant, as FlexAttention
-            assumes with ``B=None, H=None``; pass ``bh_invariant=False`` to have
-            :func:`classify` take the union over ``b < B``, ``h < H``.
+        bh_invariant: a declaration, one of three values. ``True``: the mask ignores ``b``
+            and ``h`` (every factory; :func:`as_mask` with ``bh_invariant=True``: trusted,
+            the mask is classified once). ``False``: it reads them (classified for every
+            ``b < B``, ``h < H``). ``None`` (:func:`as_mask`'s default): not declared; fringe
+            decides where it can prove it: a mask evaluated by broadcasting reads ``b`` /
+            ``h`` exactly when its output varies along that axis, but a mask evaluated per
+            scalar index (torch.vmap; see :func:`evaluate`) cannot be proven to ignore
+            them by a probe (a probe proves nothing about values it did not try), so
+            :func:`fringe.plan` classifies it for every ``b`` / ``h`` it is given, or
+            raises when it is given neither. ``&`` / ``|``: True if every operand is True,
+            False if one is False, else None.
         op: ``"leaf"``, ``"and"`` or ``"or"``; ``children`` are the operands.
         rule: the structured block rule of a leaf (None: classified densely).
     """
 
     mod: MaskMod
     name: str
-    bh_invariant: bool = True
+    bh_invariant: bool | None = True
     op: str = "leaf"
     children: tuple[Mask, ...] = ()
     rule: object | None = None
@@ -419,9 +427,10 @@ def _combine(op: str, *masks) -> Mask:
             kids.append(m)
         parts.append(f"({m.name})" if m.display_op not in (None, op) else m.name)
     name = f" {'&' if op == 'and' else '|'} ".join(parts)
+    decl = [k.bh_invariant for k in kids]
+    inv = True if all(d is True for d in decl) else False if any(d is False for d in decl) else None
     return Mask(mod=_combined_mod(op, tuple(k.mod for k in kids), name), name=name,
-                bh_invariant=all(k.bh_invariant for k in kids), op=op, children=tuple(kids),
-                display_op=op)
+                bh_invariant=inv, op=op, children=tuple(kids), display_op=op)
 
 
 def _combined_mod(op: str, mods: tuple, name: str) -> MaskMod:
@@ -442,14 +451,19 @@ def _combined_mod(op: str, mods: tuple, name: str) -> MaskMod:
     return mod
 
 
-def as_mask(fn, name: str | None = None, *, bh_invariant: bool = True) -> Mask:
+def as_mask(fn, name: str | None = None, *, bh_invariant: bool | None = None) -> Mask:
     """Wrap an arbitrary mask_mod (returned unchanged if it already is a :class:`Mask`).
 
     Args:
         fn: ``fn(b, h, q_idx, kv_idx) -> bool tensor`` on global indices.
-        name: display name; defaults to ``fn.__name__``.
-        bh_invariant: whether ``fn`` ignores ``b`` / ``h`` (assumed, like FlexAttention's
-            ``B=None, H=None``; set False if it reads them).
+        name: display name; defaults to ``fn.__name__`` (or ``fn.bh_invariant``, when
+            the function carries that attribute, for ``bh_invariant``).
+        bh_invariant: ``True`` declares that ``fn`` ignores ``b`` and ``h`` (trusted: it is
+            classified once, for ``b = h = 0``); ``False`` that it reads them; ``None``
+            (default) declares nothing: fringe reads the dependence from the output's
+            shape where it evaluates ``fn`` by broadcasting, and otherwise (a mod
+            evaluated per scalar index) :func:`fringe.plan` needs ``batch_size=`` /
+            ``num_heads=`` or this declaration (see :attr:`Mask.bh_invariant`).
 
     Returns:
         a :class:`Mask` classified by dense evaluation.
@@ -461,8 +475,18 @@ def as_mask(fn, name: str | None = None, *, bh_invariant: bool = True) -> Mask:
     if not callable(fn):
         raise TypeError(f"a mask_mod must be callable (b, h, q_idx, kv_idx) -> bool tensor, "
                         f"got {type(fn).__name__}")
+    if bh_invariant is None:
+        bh_invariant = declared_bh_invariant(fn)
     return Mask(mod=fn, name=name or getattr(fn, "__name__", "mask_mod"),
                 bh_invariant=bh_invariant)
+
+
+def declared_bh_invariant(mask_mod) -> bool | None:
+    """What ``mask_mod`` declares about ``b`` / ``h``: ``True`` (ignores both), ``False``
+    (reads them) or ``None`` (nothing). A :class:`Mask` by :attr:`Mask.bh_invariant`; a plain
+    function by a ``bh_invariant`` attribute that is exactly True or False."""
+    d = getattr(mask_mod, "bh_invariant", None)
+    return d if d is True or d is False else None
 
 
 def _leaf(mod: MaskMod, name: str, rule) -> Mask:
@@ -559,6 +583,67 @@ def prefix_lm(prefix_len: int) -> Mask:
 #: The probe on which a mask_mod's broadcast evaluation is compared with its per-index (vmap)
 #: evaluation: ``(B, H, Lq, Lk)``, non-square so that a reduction over one axis cannot hide.
 PROBE_SHAPE = (2, 3, 5, 7)
+
+#: The second probe shape: a mod whose broadcast evaluation depends on the index tensors'
+#: shape (``q_idx.numel()``) agrees with itself at one shape only by coincidence.
+PROBE_SHAPE_2 = (3, 4, 11, 13)
+
+# What a mask_mod may not do with an index tensor (or a tensor computed from one) for its
+# broadcast evaluation to mean its per-scalar one: read the shape or turn it into Python.
+_SHAPE_READS = frozenset({
+    "numel", "nelement", "size", "dim", "ndimension", "__len__", "shape", "ndim", "stride",
+    "item", "tolist", "numpy", "__array__", "__int__", "__float__", "__index__",
+    "data_ptr", "storage_offset", "is_contiguous", "count_nonzero", "unique", "nonzero"})
+
+
+def _func_name(func) -> str:
+    name = getattr(func, "__name__", "")
+    if name == "__get__":                     # a property such as .shape / .ndim
+        name = getattr(getattr(func, "__self__", None), "__name__", name)
+    return str(name)
+
+
+class _IndexWatch(TorchFunctionMode):
+    """Watches a mask_mod called on broadcast index tensors and records the first thing it
+    does with them (or with a tensor computed from them) that is not elementwise: reading a
+    shape (``q_idx.numel()``, ``len``, ``.shape``), turning one into a Python value, or an
+    op whose result is smaller than its index-tensor input (``.sum()``, ``.any()``,
+    ``q_idx[0]``). Such a mod means something else broadcast than per scalar index, even
+    where the two agree on a probe."""
+
+    def __init__(self, inputs) -> None:
+        super().__init__()
+        self.tainted = {id(t): t for t in inputs}
+        self.found: str | None = None
+
+    def __torch_function__(self, func, types_, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        ins = [a for a in _leaves((args, kwargs)) if isinstance(a, torch.Tensor)
+               and id(a) in self.tainted]
+        if not ins:
+            return out
+        outs = [o for o in _leaves(out) if isinstance(o, torch.Tensor)]
+        name = _func_name(func)
+        if self.found is None:
+            on_index = args and isinstance(args[0], torch.Tensor) and id(args[0]) in self.tainted
+            if name in _SHAPE_READS:
+                self.found = f"reads .{name} of an index tensor"
+            elif on_index and not name.startswith("new_") and \
+                    any(o.numel() < max(t.numel() for t in ins) for o in outs):
+                self.found = (f"reduces an index tensor ({name} returns fewer elements than "
+                              f"it was given)")
+        for o in outs:
+            self.tainted[id(o)] = o
+        return out
+
+
+def _leaves(tree) -> list:
+    if isinstance(tree, (tuple, list)):
+        return [x for t in tree for x in _leaves(t)]
+    if isinstance(tree, dict):
+        return [x for t in tree.values() for x in _leaves(t)]
+    return [tree]
 
 _CONTROL_FLOW_HINT = (
     "mask_mod uses Python control flow on tensors (if / and / or / not, bool(), or a "
@@ -717,28 +802,36 @@ def _decide(mod, q_pos: torch.Tensor, kv_pos: torch.Tensor, nb: int, nh: int,
             ``strict`` is False (positions made up, not the caller's), which returns None
             instead; a non-strict "broadcast" verdict is used but not cached.
     """
-    pb, ph, pq, pk = PROBE_SHAPE
+    pb, ph, _, _ = PROBE_SHAPE
     seen_b, seen_h = min(nb, pb), min(nh, ph)
     hit = _cached(mod)
     if hit is not None and (hit[0] == "vmap" or (hit[1] >= seen_b and hit[2] >= seen_h)):
         return hit[0]
     dev = q_pos.device
-    b, h = _cycle(nb, pb, dev), _cycle(nh, ph, dev)
-    qp, kp = _spread(q_pos, pq), _spread(kv_pos, pk)
-    t0 = time.perf_counter()
-    try:
-        want = _by_vmap_pairs(mod, b, h, qp[None], kp[None])[0]
-    except MaskError:
-        if strict:
-            raise
-        return None
-    t1 = time.perf_counter()
     reason = None
-    try:
-        got = _by_broadcast(mod, b, h, qp, kp)
-    except Exception as e:  # noqa: BLE001 - a mod written for scalars may reject broadcasting
-        reason = f"calling it on broadcast index tensors raises {type(e).__name__}: {e}"
-    else:
+    t0 = t1 = t2 = 0.0
+    for shape in (PROBE_SHAPE, PROBE_SHAPE_2):     # two shapes: see PROBE_SHAPE_2
+        sb, sh, pq, pk = shape
+        b, h = _cycle(nb, sb, dev), _cycle(nh, sh, dev)
+        qp, kp = _spread(q_pos, pq), _spread(kv_pos, pk)
+        t0 = time.perf_counter()
+        try:
+            want = _by_vmap_pairs(mod, b, h, qp[None], kp[None])[0]
+        except MaskError:
+            if strict:
+                raise
+            return None
+        t1 = time.perf_counter()
+        args = (b.view(-1, 1, 1, 1), h.view(1, -1, 1, 1), qp.view(1, 1, -1, 1),
+                kp.view(1, 1, 1, -1))
+        watch = _IndexWatch(args)
+        try:
+            with watch:
+                out = mod(*args)
+            got = _check_result(out, (b.numel(), h.numel(), qp.numel(), kp.numel()))
+        except Exception as e:  # noqa: BLE001 - a mod written for scalars may reject broadcasting
+            reason = f"calling it on broadcast index tensors raises {type(e).__name__}: {e}"
+            break
         t2 = time.perf_counter()
         diff = (got != want).nonzero()
         if len(diff):
@@ -747,6 +840,11 @@ def _decide(mod, q_pos: torch.Tensor, kv_pos: torch.Tensor, nb: int, nh: int,
                       f"broadcasting gives {bool(got[i, j, k, l_])} and FlexAttention's "
                       f"per-index evaluation gives {bool(want[i, j, k, l_])} (a reduction such "
                       f"as .all() / .any() / .sum() over the index tensors does this)")
+            break
+        if watch.found is not None:     # agrees here, but only by the probe's choice of shape
+            reason = (f"called on broadcast index tensors it {watch.found}, so what it means "
+                      f"depends on the tensors' shape, not only on each (b, h, q_idx, kv_idx)")
+            break
     method = "broadcast" if reason is None else "vmap"
     if hit is not None and hit[0] == "vmap":
         method = "vmap"
@@ -759,7 +857,7 @@ def _decide(mod, q_pos: torch.Tensor, kv_pos: torch.Tensor, nb: int, nh: int,
             (type(mod).__module__, 0, type(mod).__qualname__)
         if where not in _WARNED:
             _WARNED.add(where)
-            cost = "" if reason.startswith("calling") else \
+            cost = "" if t2 < t1 else \
                 f" (on the probe: {1e3 * (t1 - t0):.2f} ms by vmap vs {1e3 * (t2 - t1):.2f} ms)"
             warnings.warn(
                 f"mask_mod {_name(mod)} does not evaluate elementwise on broadcast index tensors "
@@ -958,16 +1056,102 @@ def _dense_codes(mask: Mask, method: str, qpos: torch.Tensor, kpos: torch.Tensor
     return torch.where(allv, _FULL, torch.where(anyv, _PARTIAL, _EMPTY)).to(torch.int8)
 
 
+def _probe_positions(seq_len, q_pos, kv_pos):
+    """The probe positions of :func:`reads_batch_head` and whether they are the caller's."""
+    given = q_pos is not None or seq_len is not None
+    if q_pos is None:
+        q_pos = torch.arange(2) if seq_len is None else \
+            torch.linspace(0, max(0, int(seq_len) - 1), PROBE_SHAPE[3]).round().long()
+    kv_pos = q_pos if kv_pos is None else kv_pos.to(q_pos.device)
+    return q_pos, kv_pos, given
+
+
+def _leaf_bh(mod, q_pos: torch.Tensor, kv_pos: torch.Tensor, *, strict: bool,
+             elementwise: bool) -> tuple[bool, bool, bool]:
+    """``(reads_b, reads_h, proven)`` for one mask_mod (a leaf of a Mask tree).
+
+    A mod evaluated by broadcasting (``elementwise``: a factory rule; else as
+    :func:`_decide` finds) is called with ``b [2,1,1,1]``, ``h [1,2,1,1]``: it reads an
+    index exactly when its output broadcasts along that axis (``proven``). A mod evaluated
+    per scalar index is evaluated for ``b < 2``, ``h < 3`` on the probe: an output that varies
+    there is a witness that it reads the index; one that does not vary proves nothing about
+    the values the probe did not try (``proven`` False).
+    """
+    if not elementwise:
+        # B and H are unknown here: a mod indexing a per-head table may accept fewer heads
+        for pb, ph in ((2, 3), (2, 2), (1, 1)):
+            try:
+                method = _decide(mod, q_pos, kv_pos, pb, ph, strict)
+                if method != "vmap":
+                    break
+                out = _by_vmap_pairs(mod, torch.arange(pb, device=q_pos.device),
+                                     torch.arange(ph, device=q_pos.device),
+                                     _spread(q_pos, PROBE_SHAPE[2])[None],
+                                     _spread(kv_pos, PROBE_SHAPE[3])[None])[0]
+            except _VmapFailure:
+                if (pb, ph) == (1, 1):
+                    raise
+                continue
+            reads_b = pb > 1 and not torch.equal(out[0], out[1])
+            reads_h = any(not torch.equal(out[:, 0], out[:, j]) for j in range(1, ph))
+            return reads_b, reads_h, False
+    idx = torch.arange(2, device=q_pos.device)
+    try:
+        out = mod(idx.view(2, 1, 1, 1), idx.view(1, 2, 1, 1), _spread(q_pos, 2).view(1, 1, 2, 1),
+                  _spread(kv_pos, 2).view(1, 1, 1, 2))
+    except Exception:           # noqa: BLE001 - evaluate()/classify() report real errors
+        return False, False, True
+    shape = tuple(torch.as_tensor(out).shape)
+    shape = (1,) * (4 - len(shape)) + shape
+    return shape[0] == 2, shape[1] == 2, True
+
+
+def _bh_leaves(mask_mod, q_pos, kv_pos, strict: bool) -> list[tuple[str, bool | None, tuple]]:
+    """``(name, declared, (reads_b, reads_h, proven))`` for each leaf of ``mask_mod`` (a
+    plain callable is one leaf)."""
+    if isinstance(mask_mod, Mask) and mask_mod.op != "leaf":
+        return [x for c in mask_mod.children for x in _bh_leaves(c, q_pos, kv_pos, strict)]
+    if isinstance(mask_mod, Mask):
+        mod, rule, decl = mask_mod.mod, mask_mod.rule, mask_mod.bh_invariant
+    else:
+        mod, rule, decl = mask_mod, None, declared_bh_invariant(mask_mod)
+    return [(_name(mask_mod), decl,
+             _leaf_bh(mod, q_pos, kv_pos, strict=strict, elementwise=rule is not None))]
+
+
+def unproven_bh(mask_mod: MaskMod, *, seq_len: int | None = None,
+                q_pos: torch.Tensor | None = None,
+                kv_pos: torch.Tensor | None = None) -> tuple[str, ...]:
+    """The names of the parts of ``mask_mod`` that fringe cannot prove ignore ``b`` and ``h``.
+
+    Those are the mask_mods it evaluates per scalar index (vmap; see :func:`evaluate`) that
+    are not declared ``bh_invariant=True`` (:func:`as_mask`): a probe proves nothing about
+    the ``b`` / ``h`` values it did not try. (A mod evaluated by broadcasting is decided by
+    its output's shape; factories are invariant by construction.) :func:`fringe.plan`
+    classifies such a mask for every ``b < batch_size``, ``h < num_heads``, and refuses it
+    when it is given neither.
+
+    Args: as :func:`reads_batch_head`.
+    """
+    q_pos, kv_pos, given = _probe_positions(seq_len, q_pos, kv_pos)
+    if q_pos.numel() == 0 or kv_pos.numel() == 0:
+        return ()
+    return tuple(name for name, decl, (_, _, proven) in
+                 _bh_leaves(mask_mod, q_pos, kv_pos, given) if decl is not True and not proven)
+
+
 def reads_batch_head(mask_mod: MaskMod, *, seq_len: int | None = None,
                      q_pos: torch.Tensor | None = None,
                      kv_pos: torch.Tensor | None = None) -> tuple[bool, bool]:
     """Whether ``mask_mod`` reads ``b`` / ``h``, probed on a few positions (no S² evaluation).
 
-    A mod that :func:`evaluate` broadcasts is called once with ``b`` of shape ``[2, 1, 1, 1]``
-    and ``h`` of shape ``[1, 2, 1, 1]`` on a 2x2 tile: an output that broadcasts along a
-    dimension read that index. A mod evaluated per scalar index (vmap, see :func:`evaluate`)
-    is evaluated for ``b < 2``, ``h < 3`` on the probe positions: it reads an index when its
-    output varies with it there (a check on the probe, like the evaluation method itself).
+    Leaf by leaf (a plain callable is one leaf). A mod that :func:`evaluate` broadcasts is
+    called once with ``b`` of shape ``[2, 1, 1, 1]`` and ``h`` of shape ``[1, 2, 1, 1]`` on a
+    2x2 tile: an output that broadcasts along a dimension read that index (exact). A mod
+    evaluated per scalar index (vmap, see :func:`evaluate`) is evaluated for ``b < 2``,
+    ``h < 3`` on the probe positions: True means it was seen reading the index there; False
+    proves nothing about other values (see :func:`unproven_bh`: :func:`fringe.plan` does not
+    rely on it).
 
     Args:
         mask_mod: the mask_mod.
@@ -979,38 +1163,11 @@ def reads_batch_head(mask_mod: MaskMod, *, seq_len: int | None = None,
     Returns:
         ``(reads_b, reads_h)``.
     """
-    given = q_pos is not None or seq_len is not None
-    if q_pos is None:
-        q_pos = torch.arange(2) if seq_len is None else \
-            torch.linspace(0, max(0, int(seq_len) - 1), PROBE_SHAPE[3]).round().long()
-    kv_pos = q_pos if kv_pos is None else kv_pos.to(q_pos.device)
+    q_pos, kv_pos, given = _probe_positions(seq_len, q_pos, kv_pos)
     if q_pos.numel() == 0 or kv_pos.numel() == 0:
         return False, False
-    # B and H are unknown here: a mod indexing a per-head table may accept fewer heads
-    for pb, ph in ((2, 3), (2, 2), (1, 1)):
-        try:
-            method = _method(mask_mod, q_pos, kv_pos, pb, ph, strict=given)
-            if method not in ("vmap", "tree"):
-                break
-            out = evaluate(mask_mod, _spread(q_pos, PROBE_SHAPE[2]),
-                           _spread(kv_pos, PROBE_SHAPE[3]), B=pb, H=ph)
-        except _VmapFailure:
-            if (pb, ph) == (1, 1):
-                raise
-            continue
-        reads_b = pb > 1 and not torch.equal(out[0], out[1])
-        reads_h = any(not torch.equal(out[:, 0], out[:, j]) for j in range(1, ph))
-        return reads_b, reads_h
-    idx = torch.arange(2, device=q_pos.device)
-    mod = mask_mod.mod if isinstance(mask_mod, Mask) else mask_mod
-    try:
-        out = mod(idx.view(2, 1, 1, 1), idx.view(1, 2, 1, 1), _spread(q_pos, 2).view(1, 1, 2, 1),
-                  _spread(kv_pos, 2).view(1, 1, 1, 2))
-    except Exception:           # noqa: BLE001 - evaluate()/classify() report real errors
-        return False, False
-    shape = tuple(torch.as_tensor(out).shape)
-    shape = (1,) * (4 - len(shape)) + shape
-    return shape[0] == 2, shape[1] == 2
+    leaves = _bh_leaves(mask_mod, q_pos, kv_pos, given)
+    return any(r[2][0] for r in leaves), any(r[2][1] for r in leaves)
 
 
 # --------------------------------------------------------------------------------------
@@ -1377,10 +1534,15 @@ def classify(mask_mod: MaskMod, q_pos: torch.Tensor, kv_pos: torch.Tensor, *,
     q_pos = q_pos.cpu()
     kv_pos = kv_pos.cpu()
     nqb, nkb = q_pos.numel() // bs, kv_pos.numel() // bs
-    # a plain callable is invariant only if it does not read b / h (probed by broadcasting)
-    invariant = mask.bh_invariant and (isinstance(mask_mod, Mask) or not any(
-        reads_batch_head(mask_mod, q_pos=q_pos, kv_pos=kv_pos)))
+    # declared invariant (factories, as_mask(fn, bh_invariant=True)): trusted. Undeclared:
+    # invariant only where proven (every leaf broadcast-evaluated, its output's shape
+    # without a b / h axis); a leaf evaluated per scalar index is classified for each b, h.
+    decl = mask.bh_invariant if isinstance(mask_mod, Mask) else declared_bh_invariant(mask_mod)
+    invariant = decl is True or (decl is None and q_pos.numel() > 0 and kv_pos.numel() > 0 and
+                                 _proven_invariant(mask_mod, q_pos, kv_pos))
     nb, nh = (1, 1) if invariant else (B or 1, H or 1)
+    if nb * nh > 1 and nqb and nkb and not _has_rule(mask):    # every pair is evaluated
+        _check_bh_budget(mask, nqb * nkb * bs * bs, nb, nh)
     info = dict(cells=0, dense_blocks=0)
     parts: list[tuple[torch.Tensor, torch.Tensor]] = []
     if nqb and nkb:
@@ -1412,6 +1574,35 @@ def classify(mask_mod: MaskMod, q_pos: torch.Tensor, kv_pos: torch.Tensor, *,
     return bm if sparse else bm.dense(limit=None)
 
 
+#: The most token-pair evaluations (counted once per ``b`` and ``h``) :func:`classify` spends on
+#: classifying a mask for every ``b < B``, ``h < H`` (2e10: minutes through vmap at ~50 ns a
+#: pair); above it, it raises instead of proving over that many values.
+BH_BUDGET_PAIRS = 2 * 10 ** 10
+
+
+def _proven_invariant(mask_mod, q_pos: torch.Tensor, kv_pos: torch.Tensor) -> bool:
+    q = _spread(q_pos, PROBE_SHAPE[3])
+    k = _spread(kv_pos, PROBE_SHAPE[3])
+    return all(decl is True or (proven and not rb and not rh)
+               for _, decl, (rb, rh, proven) in _bh_leaves(mask_mod, q, k, True))
+
+
+def _check_bh_budget(mask: Mask, pairs: int, nb: int, nh: int) -> None:
+    """Raise before classifying ``mask`` for ``nb * nh`` values of (b, h) on up to ``pairs``
+    token pairs each, when that exceeds :data:`BH_BUDGET_PAIRS`."""
+    total = pairs * nb * nh
+    if total > BH_BUDGET_PAIRS:
+        raise ValueError(
+            f"classify: mask {mask.name} is not proven to ignore b and h, so it is classified "
+            f"for every b < {nb} and h < {nh}: up to {total:.3g} token-pair evaluations "
+            f"({pairs:.3g} pairs x {nb * nh} (b, h)), over the planning budget "
+            f"fringe.masks.BH_BUDGET_PAIRS={BH_BUDGET_PAIRS:.3g}; whether it reads b or h "
+            f"cannot be proven within it. Declare masks.as_mask(fn, bh_invariant=True) if it "
+            f"ignores b and h, write it elementwise (no .any() / .all() / .item() over the "
+            f"indices) so fringe reads that from its output's shape, plan with fewer heads / "
+            f"rows, or build it from the factories (causal, sliding_window, document, ...)")
+
+
 class _Resolver:
     """Exact codes of block pairs the summaries left UNKNOWN, by evaluating the mask."""
 
@@ -1433,6 +1624,9 @@ class _Resolver:
 
     def __call__(self, i: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
         out = torch.empty(i.numel(), dtype=torch.int8)
+        if self.nb * self.nh > 1:       # the pairs evaluated so far and these, per (b, h)
+            _check_bh_budget(self.mask, (self.info["dense_blocks"] + i.numel()) *
+                             self.qb.block_size ** 2, self.nb, self.nh)
         for c0 in range(0, i.numel(), self.per):
             ii, jj = i[c0:c0 + self.per], j[c0:c0 + self.per]
             if self.method is None:  # decided once, on the first pairs that need it
@@ -1683,7 +1877,7 @@ def digest(mask_mod, *, order: torch.Tensor, blocks: torch.Tensor | BlockMap, bl
 
 def _mask_digest(hs: _Hasher, m, ctx: dict) -> None:
     if not isinstance(m, Mask):
-        _values_digest(hs, m, ctx, invariant=bool(getattr(m, "bh_invariant", False)))
+        _values_digest(hs, m, ctx, invariant=_digest_invariant(m, declared_bh_invariant(m), ctx))
         return
     hs.put("mask", f"{m.op}/{m.name}/{len(m.children)}/{m.bh_invariant}")
     if m.op != "leaf":
@@ -1692,7 +1886,15 @@ def _mask_digest(hs: _Hasher, m, ctx: dict) -> None:
     elif m.rule is not None:
         _rule_digest(hs, m.rule)
     else:
-        _values_digest(hs, m.mod, ctx, invariant=m.bh_invariant)
+        _values_digest(hs, m.mod, ctx, invariant=_digest_invariant(m.mod, m.bh_invariant, ctx))
+
+
+def _digest_invariant(mod, decl: bool | None, ctx: dict) -> bool:
+    """Whether a leaf's bits are hashed once (b = h = 0): declared or proven invariant."""
+    if decl is not None:
+        return decl
+    order = ctx["order"]
+    return order.numel() > 0 and _proven_invariant(mod, order, order)
 
 
 def _values_digest(hs: _Hasher, mod, ctx: dict, *, invariant: bool) -> None:

@@ -696,7 +696,12 @@ def plan(schedule: Schedule, mask_mod: Callable | None = None, *, seq_len: int,
         kv: a :class:`~fringe.KVPolicy` or its string: ``"resend"`` (backward re-sends kv;
             O(L) memory) or ``"keep"``.
         kernel: tile kernel name (``None`` chooses; see :mod:`fringe.ops`).
-        batch_size, num_heads: give them if the mask depends on b or h.
+        batch_size, num_heads: the B and H the mask is classified for, and the only ones
+            the plan then accepts. Give them if the mask depends on b or h. A mask fringe
+            evaluates per scalar index (not elementwise on broadcast index tensors: a
+            ``.any()``, ``.all()``, a read of ``q_idx.numel()``) cannot be proven by a probe
+            to ignore b and h: it needs them (one given: the other is 1) or a declaration
+            ``masks.as_mask(fn, bh_invariant=True)``; see :func:`classified_bh`.
         layout: plan over this existing layout instead of the schedule's own (several
             masks over one batch, e.g. full and sliding-window layers, share the tokens'
             sharding). Must be for ``seq_len`` and ``world_size``.
@@ -749,17 +754,8 @@ def plan(schedule: Schedule, mask_mod: Callable | None = None, *, seq_len: int,
         for t in score_params:
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"score_params must be tensors, got {type(t).__name__}")
-    reads_b, reads_h = _masks.reads_batch_head(mask_mod, seq_len=seq_len)
-    name = getattr(mask_mod, "__name__", "mask_mod")
-    for reads, given, arg, idx in ((reads_b, batch_size, "batch_size", "b"),
-                                   (reads_h, num_heads, "num_heads", "h")):
-        if reads and given is None:
-            raise ValueError(f"{name} reads the {idx} index (its output varies with {idx}), so "
-                             f"its empty/full blocks depend on {idx}; pass {arg}= to "
-                             f"fringe.plan so every {idx} is classified")
-        if reads and getattr(mask_mod, "bh_invariant", False):
-            raise ValueError(f"{name} is declared bh_invariant but reads the {idx} index; "
-                             f"wrap it with masks.as_mask(fn, bh_invariant=False)")
+    reads_b, reads_h, unproven, batch_size, num_heads = classified_bh(
+        mask_mod, seq_len=seq_len, batch_size=batch_size, num_heads=num_heads)
     natural = None
     if layout is not None:
         if not isinstance(layout, Layout):
@@ -806,4 +802,56 @@ def plan(schedule: Schedule, mask_mod: Callable | None = None, *, seq_len: int,
                 block_map=block_map, tiles=tiles, forward=tuple(fwd), backward=tuple(bwd), kv=kv,
                 score_mod=score_mod, scale=scale, kernel=kernel, batch_size=batch_size,
                 num_heads=num_heads, score_params=score_params,
-                reads_batch=reads_b or _probe_reads_b(score_mod))
+                reads_batch=reads_b or bool(unproven) or _probe_reads_b(score_mod))
+
+
+def classified_bh(mask_mod: Callable, *, seq_len: int, batch_size: int | None,
+                  num_heads: int | None) -> tuple[bool, bool, tuple[str, ...], int | None,
+                                                  int | None]:
+    """The ``(B, H)`` :func:`plan` classifies ``mask_mod`` for, and why.
+
+    A probe proves nothing about values it did not try. A mask fringe evaluates by
+    broadcasting reads ``b`` / ``h`` exactly when its output varies along that axis; one it
+    evaluates per scalar index (vmap) may read them only for values a probe never tries (a
+    rule for heads >= 4), so unless it is declared ``masks.as_mask(fn, bh_invariant=True)``
+    (or built from factories) it is classified for every ``b < batch_size`` and
+    ``h < num_heads``: with one of them given the other is taken as 1, with neither it is
+    refused. The plan records the result and a call with another B or H raises before
+    any communication.
+
+    Returns:
+        ``(reads_b, reads_h, unproven, batch_size, num_heads)``: ``reads_*`` as
+        :func:`fringe.masks.reads_batch_head`, ``unproven`` the names of the parts that
+        cannot be proven to ignore b and h (:func:`fringe.masks.unproven_bh`), and the
+        B and H to classify for and record (None: any).
+
+    Raises:
+        ValueError: the mask reads b or h and the count is not given; it is declared
+            ``bh_invariant=True`` but is seen reading one; or it cannot be proven to
+            ignore them and neither count is given (naming both remedies).
+    """
+    reads_b, reads_h = _masks.reads_batch_head(mask_mod, seq_len=seq_len)
+    name = getattr(mask_mod, "__name__", "mask_mod")
+    for reads, given, arg, idx in ((reads_b, batch_size, "batch_size", "b"),
+                                   (reads_h, num_heads, "num_heads", "h")):
+        if reads and given is None:
+            raise ValueError(f"{name} reads the {idx} index (its output varies with {idx}), so "
+                             f"its empty/full blocks depend on {idx}; pass {arg}= to "
+                             f"fringe.plan so every {idx} is classified")
+        if reads and _masks.declared_bh_invariant(mask_mod) is True:
+            raise ValueError(f"{name} is declared bh_invariant but reads the {idx} index; "
+                             f"wrap it with masks.as_mask(fn, bh_invariant=False)")
+    unproven = _masks.unproven_bh(mask_mod, seq_len=seq_len)
+    if unproven:
+        if batch_size is None and num_heads is None:
+            parts = ", ".join(unproven)
+            raise ValueError(
+                f"{name}: {parts} is evaluated per scalar index (torch.vmap, as FlexAttention "
+                f"does: it is not elementwise on broadcast index tensors), and a probe cannot "
+                f"prove such a mask ignores b and h (it may read them only for values the probe "
+                f"never tried, e.g. heads >= 4). Either pass num_heads= and batch_size= to "
+                f"fringe.plan (every b and h is then classified, and calls must use that B "
+                f"and H), or, if it ignores b and h, declare it: "
+                f"fringe.masks.as_mask(fn, bh_invariant=True)")
+        batch_size, num_heads = batch_size or 1, num_heads or 1
+    return reads_b, reads_h, unproven, batch_size, num_heads

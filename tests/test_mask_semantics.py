@@ -96,8 +96,8 @@ def test_elementwise_mods_keep_the_fast_path_without_warning():
     ids = torch.arange(20) // 6
     calls = []
 
-    def doc(b, h, q_idx, kv_idx):
-        calls.append(tuple(q_idx.shape))
+    def doc(b, h, q_idx, kv_idx):       # keeps q_idx: reading its shape in here is not elementwise
+        calls.append(q_idx)
         return ids[q_idx] == ids[kv_idx]
 
     def everything(b, h, q_idx, kv_idx):                # a scalar result broadcasts, like full()
@@ -109,7 +109,7 @@ def test_elementwise_mods_keep_the_fast_path_without_warning():
         assert torch.equal(M.evaluate(doc, q, q)[0, 0], ids[:, None] == ids[None, :])
         calls.clear()
         M.evaluate(doc, q, q)
-        assert calls == [(1, 1, 20, 1)]                # one broadcast call once decided
+        assert [tuple(t.shape) for t in calls] == [(1, 1, 20, 1)]   # one broadcast call
         assert M.evaluate(everything, q, q[:7], B=2, H=3).all()
         assert M.evaluate(M.causal() & M.document(ids), q, q).shape == (1, 1, 20, 20)
 
@@ -180,8 +180,9 @@ def test_check_mask_catches_a_broadcast_meaning_and_passes_once_fringe_vmaps(mon
         with pytest.raises(AssertionError, match=r"schedule=zigzag P=2 block_size=2.*(classified|differs)"):
             check_mask(all_causal_cm, **kw)
         monkeypatch.undo()
-        assert check_mask(all_causal_cm, **kw) == 1
-        assert check_mask(reduction_mods()[2], **kw) == 1
+        # per scalar index, so b / h are classified (the rows and heads check_mask runs)
+        assert check_mask(all_causal_cm, num_heads=8, batch_size=3, **kw) == 1
+        assert check_mask(reduction_mods()[2], num_heads=8, batch_size=3, **kw) == 1
 
 
 def test_check_mask_fails_on_nan_where_dense_is_finite(monkeypatch):
@@ -196,7 +197,7 @@ def test_check_mask_fails_on_nan_where_dense_is_finite(monkeypatch):
     monkeypatch.setattr(fringe.simulate, "attention", poisoned)
     with pytest.raises(AssertionError, match=r"out differs from dense attention \(NaN at 4 entries"):
         check_mask(M.causal(), world_sizes=(2,), block_sizes=(2,),
-                   schedules={"ring": schedules.ring()}, heads=1)
+                   schedules={"ring": schedules.ring()}, heads=1, batch=1)
 
 
 # ----------------------------------------------------------------------------- snapshot

@@ -157,8 +157,10 @@ def test_names_and_composition():
     assert repr(m) == "mine & causal" and isinstance(m, M.Mask)
     assert repr(M.causal() | mine) == "causal | mine"
     assert repr(M.as_mask(mine, "offdiag")) == "offdiag"
-    assert all(f.bh_invariant for f in (M.causal(), M.full(), M.sliding_window(3), M.document(ids),
-                                        M.prefix_lm(2), M.as_mask(mine)))
+    assert all(f.bh_invariant is True for f in (M.causal(), M.full(), M.sliding_window(3),
+                                                M.document(ids), M.prefix_lm(2),
+                                                M.as_mask(mine, bh_invariant=True)))
+    assert M.as_mask(mine).bh_invariant is None         # not declared: decided, never assumed
     assert not (M.causal() & M.as_mask(mine, bh_invariant=False)).bh_invariant
     with pytest.raises(dataclasses_frozen_error()):
         M.causal().name = "x"

@@ -35,8 +35,11 @@ def check_inputs(q, k, v, *, plan, local: bool) -> None:
                          f" or pass tensors of the planned length")
     for name, val, size in (("batch_size", plan.batch_size, q.shape[0]),
                             ("num_heads", plan.num_heads, q.shape[1])):
-        if val is not None and val != size:
-            raise ValueError(f"the plan's mask was classified for {name}={val}, but q has {size}")
+        if val is not None and val != size:     # a plan accepts only the B / H it classified
+            raise ValueError(f"the plan's mask was classified for {name}={val} only (the value "
+                             f"fringe.plan was given, or 1 when it was not given for a mask that "
+                             f"cannot be proven to ignore b and h), but q has {size}; re-plan "
+                             f"with fringe.plan(..., {name}={size})")
     for t in plan.score_params:
         if t.device != q.device:
             raise ValueError(f"a score_mod parameter is on {t.device} but q is on {q.device}")

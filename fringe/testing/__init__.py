@@ -14,6 +14,11 @@ __all__ = ["CHECK_MASK_SCHEDULES", "check_mask", "make_qkv", "mask_family", "pro
 #: schedule (``fringe.schedules.names()``, read when check_mask runs) and this 2D one.
 CHECK_MASK_SCHEDULES = ("compose:zigzag+ulysses:2",)
 
+#: The heads and rows (batch entries) :func:`check_mask` runs when it is not told: a mask may
+#: read ``h`` or ``b`` only for some values (heads >= 4), so two heads prove little.
+CHECK_MASK_HEADS = 8
+CHECK_MASK_ROWS = 3
+
 
 def warm_up_cpu_math() -> None:
     """Run each elementwise transcendental once, multi-threaded, and throw the result away.
@@ -96,8 +101,9 @@ def seeds():
 
 
 def check_mask(mask_mod, *, seq_len: int | None = None, world_sizes=(1, 2, 3, 4),
-               block_sizes=(1, 2, 4), schedules=None, score_mod=None, heads: int = 2,
-               kv_heads: int = 1, num_heads: int | None = None, seed: int = 0) -> int:
+               block_sizes=(1, 2, 4), schedules=None, score_mod=None, heads: int | None = None,
+               kv_heads: int = 1, num_heads: int | None = None, batch: int | None = None,
+               batch_size: int | None = None, seed: int = 0) -> int:
     """Check a mask_mod (and score_mod) end to end against dense attention, on one process.
 
     For every schedule × world size × block size: the block classification equals the
@@ -108,6 +114,11 @@ def check_mask(mask_mod, *, seq_len: int | None = None, world_sizes=(1, 2, 3, 4)
     something else (a reduction such as ``.all()`` over the indices) fails here unless
     fringe evaluates it the FlexAttention way. A NaN or infinity where dense attention has
     none fails too. Use it in your own tests before training with a new mask.
+
+    A probe proves nothing about values it did not try: the check runs, and compares
+    against the dense mask of, every head and row the user will run (``heads`` / ``batch``),
+    at least :data:`CHECK_MASK_HEADS` heads and :data:`CHECK_MASK_ROWS` rows when not told,
+    so a mask that reads ``h`` only for heads >= 4 (or ``b`` only for row 2) is caught.
 
     Args:
         mask_mod: ``mask_mod(b, h, q_idx, kv_idx)`` on global positions.
@@ -120,8 +131,14 @@ def check_mask(mask_mod, *, seq_len: int | None = None, world_sizes=(1, 2, 3, 4)
             (``fringe.schedules.registry.why_not``: ulysses needs H % P == 0, ...); a
             ``Schedule`` at every one.
         score_mod: optional ``score_mod(score, b, h, q_idx, kv_idx)``.
-        heads, kv_heads: H and G of the random q/k/v.
-        num_heads: pass ``heads`` here if the mask reads ``h``.
+        heads, batch: H and B the user will run (of the random q/k/v). Default: ``num_heads``
+            / ``batch_size`` when given, else the H / B the plan records for this mask
+            (:func:`fringe.plan.classified_bh`: a plan accepts only those), else
+            :data:`CHECK_MASK_HEADS` / :data:`CHECK_MASK_ROWS`.
+        kv_heads: G of the random k/v.
+        num_heads, batch_size: what the user passes to :func:`fringe.plan` (needed when the
+            mask reads ``h`` / ``b``, or is evaluated per scalar index and not declared
+            ``masks.as_mask(fn, bh_invariant=True)``).
         seed: for the random tensors.
 
     Returns:
@@ -129,7 +146,10 @@ def check_mask(mask_mod, *, seq_len: int | None = None, world_sizes=(1, 2, 3, 4)
 
     Raises:
         AssertionError: naming the first combination that differs, and by how much.
-        ValueError: an unknown schedule name, or one that runs at none of ``world_sizes``.
+        ValueError: an unknown schedule name, or one that runs at none of ``world_sizes``;
+            or what :func:`fringe.plan` / the call raise for this mask with these
+            ``num_heads`` / ``batch_size`` (e.g. a mask evaluated per scalar index planned
+            with neither: pass them or declare the mask ``bh_invariant=True``).
     """
     import math
 
@@ -140,7 +160,20 @@ def check_mask(mask_mod, *, seq_len: int | None = None, world_sizes=(1, 2, 3, 4)
     from ..ops import reference
     from ..schedules import registry
 
+    from ..plan import classified_bh
+
     default = schedules is None
+    if seq_len is None:
+        unit = 1
+        for P in world_sizes:
+            for bs in block_sizes:
+                unit = unit * (2 * P * bs) // math.gcd(unit, 2 * P * bs)
+        seq_len = 2 * unit
+    # the B and H a plan of this mask accepts (raises as fringe.plan would, naming the fix)
+    _, _, _, plan_b, plan_h = classified_bh(_masks.snapshot(mask_mod), seq_len=seq_len,
+                                            batch_size=batch_size, num_heads=num_heads)
+    heads = heads if heads is not None else plan_h if plan_h is not None else CHECK_MASK_HEADS
+    batch = batch if batch is not None else plan_b if plan_b is not None else CHECK_MASK_ROWS
     if default:
         schedules = [*registry.names(), *CHECK_MASK_SCHEDULES]
     if isinstance(schedules, str):
@@ -162,21 +195,17 @@ def check_mask(mask_mod, *, seq_len: int | None = None, world_sizes=(1, 2, 3, 4)
                                  f"({'; '.join(why.values())}): give world sizes or heads it "
                                  f"runs with, or leave it out")
     warm_up_cpu_math()
-    if seq_len is None:
-        unit = 1
-        for P in world_sizes:
-            for bs in block_sizes:
-                unit = unit * (2 * P * bs) // math.gcd(unit, 2 * P * bs)
-        seq_len = 2 * unit
-    q, k, v = make_qkv(B=1, H=heads, G=kv_heads, S=seq_len, D=4, seed=seed, requires_grad=True)
+    q, k, v = make_qkv(B=batch, H=heads, G=kv_heads, S=seq_len, D=4, seed=seed,
+                       requires_grad=True)
     # The oracle follows FlexAttention's definition: the mask_mod evaluated per scalar index
     # (vmap), never fringe's broadcast fast path, so a mod whose broadcast meaning differs
-    # fails here unless fringe evaluates it correctly.
+    # fails here unless fringe evaluates it correctly; for every b < B and h < H, never
+    # assuming that a mask ignores them.
     everything = torch.arange(seq_len)
-    truth = _masks.evaluate(mask_mod, everything, everything, H=num_heads, method="vmap")[0]
+    truth = _masks.evaluate(mask_mod, everything, everything, B=batch, H=heads, method="vmap")
 
-    def oracle_mask(b, h, q_idx, kv_idx):          # [H or 1, S, S] looked up, elementwise
-        return truth[h % truth.shape[0], q_idx, kv_idx]
+    def oracle_mask(b, h, q_idx, kv_idx):          # [B, H, S, S] looked up, elementwise
+        return truth[b, h, q_idx, kv_idx]
 
     ref, ref_lse = reference.attention(q, k, v, mask_mod=oracle_mask, score_mod=score_mod)
     dout = torch.randn(ref.shape, generator=torch.Generator().manual_seed(seed + 1),
@@ -189,9 +218,10 @@ def check_mask(mask_mod, *, seq_len: int | None = None, world_sizes=(1, 2, 3, 4)
             for bs in block_sizes:
                 where = f"schedule={name} P={P} block_size={bs} S={seq_len}"
                 p = _plan(sched, mask_mod, seq_len=seq_len, world_size=P, block_size=bs,
-                          score_mod=score_mod, num_heads=num_heads)
+                          score_mod=score_mod, num_heads=num_heads, batch_size=batch_size)
                 pos = p.layout.order
-                dense = truth[:, pos][:, :, pos].reshape(-1, seq_len // bs, bs, seq_len // bs, bs)
+                dense = truth[:, :, pos][:, :, :, pos].reshape(-1, seq_len // bs, bs,
+                                                               seq_len // bs, bs)
                 kinds = torch.full(dense.shape[1:4:2], int(_masks.BlockKind.PARTIAL),
                                    dtype=torch.int8)
                 kinds[dense.all(dim=(0, 2, 4))] = int(_masks.BlockKind.FULL)
