@@ -6,20 +6,14 @@ import dataclasses
 
 import torch
 
-from .autograd import apply_sinks, attention_stacked
-from .runtime.distributed import DistRuntime
+from . import _attention_op as _op
+from .autograd import attention as _attention
 
-_LAST: dict = {}           # group key -> the runtime of this process's last call on that group
-_RECORDERS: list = []      # open recording() blocks
-
-
-def _group_key(group):
-    import torch.distributed as dist
-
-    from .runtime.distributed import is_device_mesh, mesh_ranks
-    if is_device_mesh(group):
-        return ("mesh",) + mesh_ranks(group)
-    return tuple(dist.get_process_group_ranks(group)) if group is not None else "default"
+_LAST = _op.LAST           # group key -> the runtime of this process's last call on that group
+_RECORDERS = _op.RECORDERS  # open recording() blocks
+_group_key = _op.group_key
+# the op's name for a group, computed once at trace time (no guard on a string per call)
+_where = torch.compiler.assume_constant_result(_op.register_group)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, plan, group=None,
@@ -48,22 +42,25 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, plan, group=
     Returns:
         out ``[B, H, L, D]`` for this rank's queries (and lse).
 
+    Compiles: it is one custom op (``fringe::attention``, backward ``fringe::attention_backward``)
+    to ``torch.compile``, with ``fullgraph=True``; a new plan of the same shapes (a new batch's
+    documents) reuses the compiled graph.
+
     Raises:
         ValueError: this or another rank got invalid input (every rank raises, naming the
             rank), before any attention data moves.
         RankMismatch: ranks disagree on shapes, dtype, device, plan content or sinks.
         CommTimeout: a peer stopped answering.
     """
-    rt = DistRuntime(group, timeout_s=timeout_s)
-    rt.agree(plan, q, k, v, sinks=sinks)  # every call; folds in this rank's input validation
-    out, lse = attention_stacked(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), plan=plan,
-                                 runtime=rt)
-    out, lse = out[0], lse[0]
-    if sinks is not None:
-        out, lse = apply_sinks(out, lse, sinks)
-    _LAST[_group_key(group)] = rt
-    for rec in _RECORDERS:
-        rec.runtimes.append(rt)
+    if group is None:
+        where = _op.DIST
+    elif torch.compiler.is_compiling():
+        where = _where(group)
+    else:
+        where = _op.register_group(group)
+    # one custom op, compiled or not: the agreement (every call, with this rank's input
+    # validation), the forward programs and all communication run inside it
+    out, lse = _attention(q, k, v, plan=plan, where=where, timeout_s=timeout_s, sinks=sinks)
     return (out, lse) if return_lse else out
 
 

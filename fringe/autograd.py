@@ -1,125 +1,115 @@
-"""The autograd Function: forward runs the plan, backward runs ``reverse(plan)``.
+"""Differentiable fringe attention: an autograd.Function around fringe's custom ops.
 
-Inputs are stacked over the ranks this process drives (``q [R, B, H, L, D]``); the
-*runtime* (virtual mesh or torch.distributed) decides who those ranks are. Nothing here
-knows about a particular schedule.
+:func:`attention` is what :func:`fringe.attention` and :func:`fringe.simulate.attention` run,
+compiled or not. Its :class:`Attention` Function calls the op ``fringe::attention``
+(:mod:`fringe._attention_op`: planner data, interpreter, agreement and communication inside,
+unseen by ``torch.compile``); its backward calls ``fringe::attention_backward`` (the plan's
+derived backward programs) through :class:`AttentionBackward`. Attention sinks are applied
+after the merge with plain torch math. The plan reaches the ops as its handle
+(``plan.handle``), so the compiler guards on tensor metadata only: a model compiles once, with
+``fullgraph=True``, and a new plan of the same shapes (next batch's documents) reuses it.
 
-Written in the ``setup_context`` style so ``torch.func.grad`` / ``vjp`` work. Both the
-forward and the backward Function have an explicit ``vmap`` rule that folds the vmapped
-dimension into the batch (B): a generated vmap rule cannot see through the collectives,
-and the backward re-enters a Function so that ``vmap(grad(f))`` works too. Saved state is
-the local q, k, v, out and lse (plus the kept kv buffers when the plan asks for
-``kv="keep"``): O(L) per rank.
+Written in the ``setup_context`` style so ``torch.func.grad`` / ``vjp`` work (a custom op's
+own ``register_autograd`` does not, in torch 2.13). Both Functions have an explicit ``vmap``
+rule that folds the vmapped dimension into the batch (B): a generated vmap rule cannot see
+through the collectives, and the backward re-enters a Function so that ``vmap(grad(f))``
+works too. When the mask or score_mod reads ``b``, or there are score_mod parameters (their
+gradients stay per slice), each slice runs alone. Saved state is the local q, k, v, out and
+lse (plus the kept kv buffers, packed flat, when the plan asks for ``kv="keep"``): O(L) per
+rank.
 """
 from __future__ import annotations
 
 import torch
 
+from . import _attention_op as _op
+from .plan import Plan
+
 
 def _fold(x: torch.Tensor, bdim: int | None, n: int) -> torch.Tensor:
-    """Fold the vmapped dim N into dim 1: ``[R, B, ...]`` per example -> ``[R, N*B, ...]``.
-
-    Used for rank-stacked tensors (R ranks, B batch) and for kept kv buffers
-    (``[2, B, G, L, D]``, where dim 1 is the batch too).
-    """
-    if bdim is None:
-        x = x.unsqueeze(0).expand(n, *x.shape)
-    else:
-        x = x.movedim(bdim, 0)
-    x = x.movedim(0, 1)                                   # [R, N, B, ...]
-    return x.reshape(x.shape[0], n * x.shape[2], *x.shape[3:])
+    """``[B, ...]`` per example -> ``[N*B, ...]`` (the vmapped dim N folded into the batch)."""
+    x = x.unsqueeze(0).expand(n, *x.shape) if bdim is None else x.movedim(bdim, 0)
+    return x.reshape(n * x.shape[1], *x.shape[2:])
 
 
 def _unfold(x: torch.Tensor, n: int) -> torch.Tensor:
-    """Inverse of :func:`_fold`: ``[R, N*B, ...] -> [N, R, B, ...]`` (vmapped dim 0)."""
-    x = x.reshape(x.shape[0], n, x.shape[1] // n, *x.shape[2:])
-    return x.movedim(1, 0)
+    """Inverse of :func:`_fold`: ``[N*B, ...] -> [N, B, ...]`` (vmapped dim 0)."""
+    return x.reshape(n, x.shape[0] // n, *x.shape[1:])
 
 
-def _per_slice(plan) -> bool:
-    """Fold vmap into the batch only when that cannot change the numbers.
-
-    A mask or score_mod that reads ``b`` would see ``n*B + b`` after folding, and the
-    gradients of score_mod parameters must stay per slice; then each slice runs alone.
-    """
-    return bool(plan.reads_batch or plan.score_params)
-
-
-def _slices(x: torch.Tensor, bdim: int | None, n: int) -> list:
-    return [x] * n if bdim is None else list(x.movedim(bdim, 0).unbind(0))
+def _slices(x, bdim: int | None, n: int) -> list:
+    return [x] * n if x is None or bdim is None else list(x.movedim(bdim, 0).unbind(0))
 
 
 class Attention(torch.autograd.Function):
-    """``(q, k, v, *params) -> (out, lse, *kept)`` over the driven ranks.
+    """``(q, k, v, sinks, handle, where, timeout_s, keep, reads_batch, *params) ->
+    (out, lse, kept)``.
 
     ``params`` are the plan's ``score_params`` (read by the score_mod through its closure;
-    passed here so autograd routes their gradients). lse is differentiable (its cotangent
-    enters every tile's backward); the kept kv buffers are not.
+    passed so autograd routes their gradients). ``sinks`` only reach the op's checks and
+    agreement (the caller applies them). lse is differentiable (its cotangent enters every
+    tile's backward); ``kept`` (the kept kv buffers, flat) is not.
     """
 
     @staticmethod
-    def forward(q, k, v, plan, runtime, *params):
-        out, lse, kept = runtime.forward(plan, q, k, v)
-        flat = [t for per_rank in kept for t in per_rank]
-        return (out, lse, *flat)
+    def forward(q, k, v, sinks, handle, where, timeout_s, keep, reads_batch, *params):
+        return _op.attention_op(q, k, v, list(params), sinks, handle, where, timeout_s, keep,
+                                reads_batch)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        q, k, v, plan, runtime, *params = inputs
-        out, lse, *flat = output
-        ctx.plan, ctx.runtime = plan, runtime
-        ctx.save_for_backward(q, k, v, out, lse, *flat)
-        ctx.mark_non_differentiable(*flat)
+        q, k, v, sinks, handle, where, timeout_s, keep, reads_batch, *params = inputs
+        out, lse, kept = output
+        ctx.save_for_backward(q, k, v, out, lse, kept, handle, *params)
+        ctx.consts = (where, timeout_s, reads_batch)
+        ctx.mark_non_differentiable(kept)
 
     @staticmethod
-    def backward(ctx, dout, dlse, *_dkept):
-        q, k, v, out, lse, *flat = ctx.saved_tensors
+    def backward(ctx, dout, dlse, _dkept):
+        q, k, v, out, lse, kept, handle, *params = ctx.saved_tensors
         if dout is None:
             dout = torch.zeros_like(out)
         if dlse is None:
             dlse = torch.zeros_like(lse)
-        dq, dk, dv, *dparams = AttentionBackward.apply(q, k, v, out, lse, dout, dlse, ctx.plan,
-                                                       ctx.runtime, *flat)
-        return (dq, dk, dv, None, None, *dparams)
+        if torch.compiler.is_compiling():     # the op itself: nothing to vmap in a graph
+            dq, dk, dv, dparams = _op.attention_backward_op(q, k, v, out, lse, dout, dlse, kept,
+                                                            params, handle, *ctx.consts)
+        else:
+            dq, dk, dv, *dparams = AttentionBackward.apply(q, k, v, out, lse, dout, dlse, kept,
+                                                           handle, *ctx.consts, *params)
+        return (dq, dk, dv, None, None, None, None, None, None, *dparams)
 
     @staticmethod
-    def vmap(info, in_dims, q, k, v, plan, runtime, *params):
+    def vmap(info, in_dims, q, k, v, sinks, handle, where, timeout_s, keep, reads_batch,
+             *params):
         n = info.batch_size
-        if any(d is not None for d in in_dims[5:]):
+        qd, kd, vd, sd, hd = in_dims[:5]
+        if hd is not None or any(d is not None for d in in_dims[9:]):
             raise NotImplementedError("fringe attention cannot vmap over score_mod parameters")
-        if _per_slice(plan):
-            res = [Attention.apply(*xs, plan, runtime, *params) for xs in
-                   zip(*(_slices(x, d, n) for x, d in zip((q, k, v), in_dims[:3])))]
-            outs = tuple(torch.stack(parts) for parts in zip(*res))
-            return outs, tuple(0 for _ in outs)
-        qd, kd, vd = in_dims[:3]
-        res = Attention.apply(_fold(q, qd, n), _fold(k, kd, n), _fold(v, vd, n), plan, runtime,
-                              *params)
-        out, lse, *flat = res
-        outs = (_unfold(out, n), _unfold(lse, n), *(_unfold(t, n) for t in flat))
-        return outs, tuple(0 for _ in outs)
-
-
-def _split_kept(plan, runtime, flat):
-    from .runtime.engine import kept_names
-    kept, i = [], 0
-    for r in runtime.ranks:
-        m = len(kept_names(plan, r))
-        kept.append(list(flat[i:i + m]))
-        i += m
-    return kept
+        sinks = sinks if sinks is None or sd is None else sinks.select(sd, 0)   # checks only
+        consts = (where, timeout_s, keep, reads_batch)
+        if reads_batch or params:
+            res = [Attention.apply(qi, ki, vi, sinks, handle, *consts, *params)
+                   for qi, ki, vi in zip(_slices(q, qd, n), _slices(k, kd, n), _slices(v, vd, n))]
+            return tuple(torch.stack(parts) for parts in zip(*res)), (0, 0, 0)
+        out, lse, kept = Attention.apply(_fold(q, qd, n), _fold(k, kd, n), _fold(v, vd, n),
+                                         sinks, handle, *consts, *params)
+        # kept belongs to the folded batch: the backward rule takes it unbatched, as it came
+        return (_unfold(out, n), _unfold(lse, n), kept), (0, 0, None)
 
 
 class AttentionBackward(torch.autograd.Function):
-    """The backward program as a Function of its own, so it can be vmapped.
+    """The backward op as a Function of its own, so it can be vmapped.
 
     Returns ``(dq, dk, dv, *dparams)``, one gradient per ``plan.score_params``.
     """
 
     @staticmethod
-    def forward(q, k, v, out, lse, dout, dlse, plan, runtime, *flat):
-        kept = _split_kept(plan, runtime, flat)
-        dq, dk, dv, dparams = runtime.backward(plan, q, k, v, out, lse, dout, dlse, kept)
+    def forward(q, k, v, out, lse, dout, dlse, kept, handle, where, timeout_s, reads_batch,
+                *params):
+        dq, dk, dv, dparams = _op.attention_backward_op(q, k, v, out, lse, dout, dlse, kept,
+                                                        list(params), handle, where, timeout_s,
+                                                        reads_batch)
         return (dq, dk, dv, *dparams)
 
     @staticmethod
@@ -132,30 +122,57 @@ class AttentionBackward(torch.autograd.Function):
                                   "(gradients of gradients); take one derivative of attention")
 
     @staticmethod
-    def vmap(info, in_dims, q, k, v, out, lse, dout, dlse, plan, runtime, *flat):
+    def vmap(info, in_dims, q, k, v, out, lse, dout, dlse, kept, handle, where, timeout_s,
+             reads_batch, *params):
         n = info.batch_size
         d = in_dims
+        if d[8] is not None or any(e is not None for e in d[12:]):
+            raise NotImplementedError("fringe attention cannot vmap over score_mod parameters")
         tensors = (q, k, v, out, lse, dout, dlse)
-        if _per_slice(plan):
+        consts = (handle, where, timeout_s, reads_batch)
+        if reads_batch or params:
             cols = [_slices(x, bd, n) for x, bd in zip(tensors, d[:7])]
-            kcols = [_slices(x, bd, n) for x, bd in zip(flat, d[9:])]
-            res = [AttentionBackward.apply(*(c[i] for c in cols), plan, runtime,
-                                           *(c[i] for c in kcols)) for i in range(n)]
+            kcol = _slices(kept, d[7], n)
+            res = [AttentionBackward.apply(*(c[i] for c in cols), kcol[i], *consts, *params)
+                   for i in range(n)]
             outs = tuple(torch.stack(parts) for parts in zip(*res))
             return outs, tuple(0 for _ in outs)
+        if d[7] is not None:
+            raise NotImplementedError("fringe attention: the kept kv buffers of a folded vmap "
+                                      "come back unbatched; got them batched")
         args = [_fold(x, bd, n) for x, bd in zip(tensors, d[:7])]
-        kept = [_fold(x, bd, n) for x, bd in zip(flat, d[9:])]
-        dq, dk, dv, *dparams = AttentionBackward.apply(*args, plan, runtime, *kept)
+        dq, dk, dv = AttentionBackward.apply(*args, kept, *consts)
         return (_unfold(dq, n), _unfold(dk, n), _unfold(dv, n)), (0, 0, 0)
 
 
-def attention_stacked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, plan, runtime):
-    """Differentiable attention over rank-stacked tensors; returns ``(out, lse)``.
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, plan, where: str,
+              timeout_s: float | None = None, sinks: torch.Tensor | None = None):
+    """``(out, lse)`` of ``plan`` through the custom op; both differentiable.
 
-    Both are differentiable: a loss may use lse (merging with another attention, a z-loss,
-    attention sinks), and its cotangent enters the backward exactly.
+    Args:
+        q, k, v: global tensors (``where="virtual"``) or this rank's shard.
+        plan: a :class:`fringe.Plan`.
+        where: ``"virtual"`` or what :func:`fringe._attention_op.register_group` returned.
+        timeout_s: for torch.distributed.
+        sinks: optional ``[H]`` sink logits (checked inside the op, applied here).
+
+    Raises:
+        TypeError: plan is not a Plan, or q / k / v are not tensors (everything else is
+            checked inside the op, before any communication).
     """
-    out, lse, *_ = Attention.apply(q, k, v, plan, runtime, *plan.score_params)
+    if not isinstance(plan, Plan):
+        raise TypeError(f"plan must be a fringe.Plan from fringe.plan(schedule, mask_mod, ...), "
+                        f"got {type(plan).__name__}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if sinks is not None and not isinstance(sinks, torch.Tensor):
+        raise TypeError(f"sinks must be a tensor of per-head sink logits [H], got "
+                        f"{type(sinks).__name__}")
+    out, lse, _ = Attention.apply(q, k, v, sinks, plan.handle, where, timeout_s,
+                                  plan.kv == "keep", plan.reads_batch, *plan.score_params)
+    if sinks is not None:
+        out, lse = apply_sinks(out, lse, sinks)
     return out, lse
 
 

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from . import masks as _masks
+from ._handle import new_handle
 from .layout import DEFAULT_BLOCK_SIZE, Layout
 from .schedules import KVPolicy, Program, Schedule, check, reverse
 from .schedules.ir import C_, R_, S_, Collective, Compute, Family, ProgramTable, Recv, Send
@@ -53,6 +54,7 @@ class Plan:
             :func:`captured_params`, or given); attention returns their gradients.
         reads_batch: the mask or the score_mod depends on ``b`` (``torch.func.vmap`` then
             runs each vmapped slice alone instead of folding it into the batch).
+        handle: set on construction: the plan's name for fringe's custom op.
     """
 
     schedule: Schedule
@@ -71,6 +73,17 @@ class Plan:
     num_heads: int | None = None
     score_params: tuple = ()
     reads_batch: bool = False
+    #: a 0-d int64 tensor naming this plan to fringe's custom op (:mod:`fringe._handle`), so
+    #: ``torch.compile`` guards on tensor metadata, not on the plan: no recompile per batch
+    handle: torch.Tensor = dataclasses.field(init=False, repr=False, compare=False)
+
+    def __setstate__(self, state: dict) -> None:
+        """A copied or unpickled plan gets a handle of its own (keys are per process)."""
+        self.__dict__.update(state)
+        object.__setattr__(self, "handle", new_handle(self))
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "handle", new_handle(self))
 
     # ---- sizes ---------------------------------------------------------------------
     @property

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from .autograd import apply_sinks, attention_stacked
-from .runtime.distributed import check_sinks
+from ._attention_op import VIRTUAL
+from .autograd import attention as _attention
 from .runtime.engine import check_inputs
 from .runtime.virtual import VirtualRuntime
 
@@ -44,19 +44,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, plan,
     Returns:
         out ``[B, H, S, D]`` (and lse), equal to dense attention under the plan's mask.
     """
-    check_inputs(q, k, v, plan=plan, local=False)
-    if sinks is not None:
-        check_sinks(sinks, q)
-    lay = plan.layout
-    out, lse = attention_stacked(_stack(plan, q), _stack(plan, k), _stack(plan, v), plan=plan,
-                                 runtime=VirtualRuntime(plan.world_size))
-    if _identity(plan):                        # squeeze, not [0]: [0] copies in the backward
-        out, lse = out.squeeze(0), lse.squeeze(0)
-    else:
-        out = lay.unshard(list(out.unbind(0)))
-        lse = lay.unshard(list(lse.unsqueeze(-1).unbind(0))).squeeze(-1)
-    if sinks is not None:
-        out, lse = apply_sinks(out, lse, sinks)
+    out, lse = _attention(q, k, v, plan=plan, where=VIRTUAL, sinks=sinks)  # checks inside
     return (out, lse) if return_lse else out
 
 

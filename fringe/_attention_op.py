@@ -1,0 +1,287 @@
+"""fringe attention as one opaque ``torch.library`` custom op, so compiled models see one call.
+
+``torch.compile`` (dynamo, AOTAutograd, inductor) sees ``fringe::attention`` and
+``fringe::attention_backward`` as single ops with fake (shape-only) implementations; the
+planner's data, the interpreter, the agreement between ranks and all communication run
+inside them, where no compiler looks. The same ops run eagerly (one path: every call, compiled
+or not, goes through them).
+
+What crosses the op boundary:
+
+* tensors that carry gradients are inputs: q, k, v, the plan's ``score_params`` (the tensors
+  its score_mod captures, ``Tensor[]``) and ``sinks`` (``Tensor?``, checked and agreed on
+  here; applied by the caller, outside the op, so autograd and the compiler see that math);
+* the plan as its handle (:mod:`fringe._handle`): a 0-d int64 tensor, guarded by metadata
+  only, so a new plan of the same shapes (next batch's document ids) does not recompile;
+* where it runs as a string: ``"virtual"`` (every rank in this process, global tensors) or
+  ``"dist"`` / ``"dist:<n>"`` (this rank over the default group / a registered group);
+* constants: the timeout, and two booleans read from the plan that fix output structure
+  (``keep``: the kv buffers kept for the backward) and the vmap rule (``reads_batch``).
+
+Outputs: ``out`` (q's shape and dtype), ``lse`` (``q.shape[:-1]``, float32, float64 for
+float64 input) and ``kept``, the kept kv buffers packed flat (empty unless the plan keeps kv;
+its length is data-dependent, an unbacked size to the compiler).
+
+The backward is the op ``fringe::attention_backward``; it returns ``(dq, dk, dv, dparams)``,
+one gradient per score parameter. :mod:`fringe.autograd` joins the two in an
+``autograd.Function`` with ``setup_context`` and vmap rules (a custom op's own
+``register_autograd`` does not work under ``torch.func.grad`` in torch 2.13: its generated
+Function has no ``setup_context``); dynamo traces that Function, so a compiled graph holds
+the forward op and its backward graph the backward op.
+
+Legend: B batch · H query heads · G kv heads · S global sequence · L = S/P · D head dim.
+"""
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+
+import torch
+
+from ._handle import resolve
+from .runtime.distributed import DistRuntime, check_sinks, is_device_mesh, mesh_ranks
+from .runtime.engine import acc_dtype, check_inputs, kept_names
+from .runtime.interpreter import head_range
+from .runtime.virtual import VirtualRuntime
+
+VIRTUAL = "virtual"
+DIST = "dist"
+
+#: group key -> the runtime of this process's last call on that group (``fringe.last_run``)
+LAST: dict = {}
+#: open ``fringe.recording()`` blocks
+RECORDERS: list = []
+#: group key -> forward runtimes whose backward has not run yet (LIFO: the backward of a
+#: model runs its layers in reverse; a recomputed forward pushes and pops its own)
+_PENDING: dict = collections.defaultdict(lambda: collections.deque(maxlen=1024))
+#: ``"dist:<n>"`` -> a process group or DeviceMesh passed to ``fringe.attention``
+_GROUPS: dict = {}
+
+
+def group_key(group):
+    """The key ``fringe.last_run(group)`` finds a group's last call under."""
+    import torch.distributed as dist
+    if is_device_mesh(group):
+        return ("mesh",) + mesh_ranks(group)
+    return tuple(dist.get_process_group_ranks(group)) if group is not None else "default"
+
+
+def register_group(group) -> str:
+    """The ``where`` string naming ``group`` (None: the default group) to the ops.
+
+    Groups are kept for the life of the process, as torch keeps them.
+    """
+    if group is None:
+        return DIST
+    for name, g in _GROUPS.items():
+        if g is group:
+            return name
+    name = f"{DIST}:{len(_GROUPS)}"
+    _GROUPS[name] = group
+    return name
+
+
+def _group(where: str):
+    if where == DIST:
+        return None
+    if where not in _GROUPS:
+        raise RuntimeError(f"fringe: no process group registered as {where!r} in this process")
+    return _GROUPS[where]
+
+
+# --------------------------------------------------------------------------------------
+# the virtual mesh: global tensors <-> rank-stacked ones
+# --------------------------------------------------------------------------------------
+
+
+def _identity(plan) -> bool:
+    """One rank holding every position in natural order: sharding is a view, not a copy."""
+    order = plan.layout.order
+    return plan.world_size == 1 and torch.equal(order, torch.arange(order.numel()))
+
+
+def _stack(plan, x: torch.Tensor) -> torch.Tensor:
+    """Global ``[..., S, D]`` -> rank-stacked ``[P, ..., L, D]`` in the plan's layout."""
+    if _identity(plan):
+        return x.unsqueeze(0)
+    if plan.world_size == 1:
+        return plan.layout.shard(x, 0).unsqueeze(0)
+    return torch.stack([plan.layout.shard(x, r) for r in range(plan.world_size)])
+
+
+def _unstack(plan, x: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`_stack`."""
+    if _identity(plan):
+        return x.squeeze(0)
+    return plan.layout.unshard(list(x.unbind(0)))
+
+
+def _stack_rows(plan, x: torch.Tensor) -> torch.Tensor:
+    """:func:`_stack` for ``[..., S]`` (lse)."""
+    return _stack(plan, x.unsqueeze(-1)).squeeze(-1)
+
+
+def _unstack_rows(plan, x: torch.Tensor) -> torch.Tensor:
+    return _unstack(plan, x.unsqueeze(-1)).squeeze(-1)
+
+
+# --------------------------------------------------------------------------------------
+# kept kv buffers, packed flat
+# --------------------------------------------------------------------------------------
+
+
+def _pack(kept: list, k: torch.Tensor) -> torch.Tensor:
+    flat = [t.reshape(-1) for per_rank in kept for t in per_rank]
+    return torch.cat(flat) if flat else k.new_empty(0)
+
+
+def _unpack(plan, ranks, flat: torch.Tensor, k: torch.Tensor, H: int) -> list:
+    """Per-rank lists of kept kv buffers ``[2, B, G', L, D]`` (G' the heads a slice holds)."""
+    B, G, _, D = k.shape
+    L = plan.local_len
+    kept, off = [], 0
+    for r in ranks:
+        mine = []
+        for b in kept_names(plan, r):
+            shape = [2, B, G, L, D]
+            if b.heads is not None:
+                dim, lo, hi = head_range(b, H, G)
+                shape[dim] = hi - lo
+            n = 2 * B * L * D * shape[2]
+            mine.append(flat[off:off + n].view(shape))
+            off += n
+        kept.append(mine)
+    if off != flat.numel():
+        raise RuntimeError(f"fringe: the kept kv buffers hold {flat.numel()} values but the plan "
+                           f"reads {off}; was the plan changed between forward and backward?")
+    return kept
+
+
+def _unaliased(outputs: list, inputs: tuple) -> list:
+    """Outputs that share no storage with an input or an earlier output (a custom op's rule):
+    the interpreter hands out parts of packed buffers (dk and dv of one ``[2, ...]`` kv
+    gradient, out and lse of one ``[..., D+1]`` partial), copied here only where they share."""
+    seen = {t.untyped_storage().data_ptr() for t in inputs
+            if isinstance(t, torch.Tensor) and t.numel()}
+    fresh = []
+    for t in outputs:
+        if t.numel():
+            ptr = t.untyped_storage().data_ptr()
+            if ptr in seen:
+                t = t.clone()
+                ptr = t.untyped_storage().data_ptr()
+            seen.add(ptr)
+        fresh.append(t)
+    return fresh
+
+
+_WORKER: list = []       # one thread, made on first use (see _with_autograd)
+
+
+def _autograd_excluded() -> bool:
+    """True inside a custom op's kernel, where torch has switched autograd off for this thread
+    (below the Autograd dispatch key: ``requires_grad`` tensors record nothing)."""
+    with torch.enable_grad():
+        return not (torch.ones((), requires_grad=True) * 1.0).requires_grad
+
+
+def _with_autograd(fn, device: torch.device):
+    """``fn()`` where autograd records: the tile backward of a score_mod with parameters (their
+    gradients come from ``torch.autograd.grad`` through the user's closure) and FlexAttention's
+    backward need it, and a custom op's kernel runs with autograd switched off for its thread
+    by a thread-local guard that no public API lifts. So ``fn`` runs on a worker thread (fresh
+    thread-local state; on CUDA the caller's device and current stream) and this thread waits.
+    """
+    if not _autograd_excluded():
+        return fn()
+    if not _WORKER:
+        _WORKER.append(concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="fringe"))
+    stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
+
+    def run():
+        if stream is None:
+            return fn()
+        with torch.cuda.device(device), torch.cuda.stream(stream):
+            return fn()
+    return _WORKER[0].submit(run).result()
+
+
+# --------------------------------------------------------------------------------------
+# the ops
+# --------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("fringe::attention", mutates_args=())
+def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: list[torch.Tensor],
+                 sinks: torch.Tensor | None, plan: torch.Tensor, where: str,
+                 timeout_s: float | None, keep: bool, reads_batch: bool
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(out, lse, kept)`` of the plan named by ``plan`` (see the module docstring)."""
+    p = resolve(plan)
+    if where == VIRTUAL:
+        check_inputs(q, k, v, plan=p, local=False)
+        if sinks is not None:
+            check_sinks(sinks, q)
+        rt = VirtualRuntime(p.world_size)
+        out, lse, kept = rt.forward(p, _stack(p, q), _stack(p, k), _stack(p, v))
+        out, lse = _unstack(p, out), _unstack_rows(p, lse)
+    else:
+        group = _group(where)
+        rt = DistRuntime(group, timeout_s=timeout_s)
+        rt.agree(p, q, k, v, sinks=sinks)   # every call; folds in this rank's input validation
+        out, lse, kept = rt.forward(p, q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0))
+        out, lse = out[0], lse[0]
+        key = group_key(group)
+        LAST[key] = rt
+        _PENDING[key].append(rt)
+        for rec in RECORDERS:
+            rec.runtimes.append(rt)
+    out, lse, flat = _unaliased([out.contiguous(), lse.contiguous(), _pack(kept, k)],
+                                (q, k, v, sinks, *params))
+    return out, lse, flat
+
+
+@attention_op.register_fake
+def _(q, k, v, params, sinks, plan, where, timeout_s, keep, reads_batch):
+    out = q.new_empty(q.shape)
+    lse = q.new_empty(q.shape[:-1], dtype=acc_dtype(q.dtype))
+    n = torch.library.get_ctx().new_dynamic_size() if keep else 0
+    return out, lse, k.new_empty(n)
+
+
+@torch.library.custom_op("fringe::attention_backward", mutates_args=())
+def attention_backward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                          lse: torch.Tensor, dout: torch.Tensor, dlse: torch.Tensor,
+                          kept: torch.Tensor, params: list[torch.Tensor], plan: torch.Tensor,
+                          where: str, timeout_s: float | None, reads_batch: bool
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """``(dq, dk, dv, dparams)``: the plan's backward programs (``reverse(plan)``)."""
+    p = resolve(plan)
+    H = q.shape[-3]
+    if where == VIRTUAL:
+        rt = VirtualRuntime(p.world_size)
+        args = [_stack(p, x) for x in (q, k, v, out)] + [_stack_rows(p, lse), _stack(p, dout),
+                                                         _stack_rows(p, dlse)]
+    else:
+        group = _group(where)
+        pending = _PENDING[group_key(group)]
+        rt = pending.pop() if pending else DistRuntime(group, timeout_s=timeout_s)
+        args = [x.unsqueeze(0) for x in (q, k, v, out, lse, dout, dlse)]
+    kept = _unpack(p, rt.ranks, kept, k, H)
+    if p.score_params or q.is_cuda:         # autograd inside (score_mod parameters, flex)
+        dq, dk, dv, dparams = _with_autograd(lambda: rt.backward(p, *args, kept), q.device)
+    else:
+        dq, dk, dv, dparams = rt.backward(p, *args, kept)
+    if where == VIRTUAL:
+        dq, dk, dv = _unstack(p, dq), _unstack(p, dk), _unstack(p, dv)
+    else:
+        dq, dk, dv = dq[0], dk[0], dv[0]
+    dq, dk, dv, *dparams = _unaliased([dq.contiguous(), dk.contiguous(), dv.contiguous(),
+                                       *dparams], (q, k, v, out, lse, dout, dlse, kept, *params))
+    return dq, dk, dv, dparams
+
+
+@attention_backward_op.register_fake
+def _(q, k, v, out, lse, dout, dlse, kept, params, plan, where, timeout_s, reads_batch):
+    return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
+            [t.new_empty(t.shape) for t in params])
