@@ -360,7 +360,8 @@ def _clamped(fn, n: int, *, name: str, bh_invariant: bool) -> _masks.Mask:
 def _extend(m, n: int, padded: int):
     if not isinstance(m, _masks.Mask):
         reads = any(_masks.reads_batch_head(m, seq_len=n))
-        return _clamped(m, n, name=getattr(m, "__name__", "mask_mod"), bh_invariant=not reads)
+        return _clamped(m, n, name=getattr(m, "__name__", "mask_mod"),   # a probe is no proof:
+                        bh_invariant=False if reads else _masks.declared_bh_invariant(m))
     if m.op == "leaf":
         return _extend_leaf(m, n, padded)
     kids = [_extend(c, n, padded) for c in m.children]
