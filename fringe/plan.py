@@ -13,6 +13,7 @@ from __future__ import annotations
 import bisect
 import collections
 import dataclasses
+import functools
 import hashlib
 import math
 import operator
@@ -55,6 +56,21 @@ class Plan:
         reads_batch: the mask or the score_mod depends on ``b`` (``torch.func.vmap`` then
             runs each vmapped slice alone instead of folding it into the batch).
         handle: set on construction: the plan's name for fringe's custom op.
+
+    Mutable state. A plan is immutable, and two rules keep it so:
+
+    * accessors that compute or hand out tensors (:meth:`positions`, :meth:`tile_blocks`,
+      :attr:`blocks`, :meth:`tile_block_counts`, ``layout.positions`` / ``shard`` /
+      ``owner``) return **copies** or new tensors: edit them freely;
+    * the tensors the plan holds as attributes (``layout.order``, ``tiles``,
+      ``block_map.rects`` / ``codes``, the tensors its ``mask_mod`` and ``score_mod``
+      captured, e.g. document ids) are its state: read them, never write them. Their
+      ``_version`` is recorded when the plan is built and checked on every call
+      (:meth:`check_unchanged`, run by :func:`fringe.attention` and the virtual mesh before
+      any communication): an in-place edit raises instead of running a plan whose
+      classification, programs and digest no longer describe it. :meth:`digests` is cached
+      only while those versions are unchanged. ``score_params`` are exempt: they are the
+      live learnable tensors, meant to change.
     """
 
     schedule: Schedule
@@ -83,7 +99,54 @@ class Plan:
         object.__setattr__(self, "handle", new_handle(self))
 
     def __post_init__(self) -> None:
+        self._guard()
         object.__setattr__(self, "handle", new_handle(self))
+
+    def _guard(self) -> list:
+        """``(what, tensor, version)`` of every tensor of the plan's state. Recorded when the
+        plan is built; a copied or unpickled plan (another object) records its own."""
+        d = self.__dict__
+        if d.get("_guard_of") != id(self) or d["_guarded"][0][1] is not self.layout.order:
+            d["_guarded"] = [(what, t, t._version) for what, t in _covered(self)]
+            d["_guard_of"] = id(self)
+            for name in ("_pos_cache", "_tile_cache"):      # copied caches: start afresh
+                d.pop(name, None)
+        return d["_guarded"]
+
+    def _versions(self) -> tuple[int, ...]:
+        return tuple(t._version for _, t, _ in self._guard())
+
+    def check_unchanged(self) -> None:
+        """Raise if a tensor of the plan's state was edited in place since it was built.
+
+        Covers ``layout.order``, ``tiles``, ``block_map``, the tensors the mask_mod and the
+        score_mod captured (``score_params`` excepted) and the plan's own cached positions
+        and tile maps. Cheap (one ``_version`` read per tensor); runs on every call.
+
+        Raises:
+            ValueError: naming the edited tensor and the fix.
+        """
+        for what, t, v in self._guard():
+            if t._version != v:
+                raise ValueError(
+                    f"{self!r}: {what} was edited in place after the plan was built, so the "
+                    f"plan's block classification, programs and digest no longer describe it "
+                    f"(a wrong answer, not an error, if it ran). A plan is immutable: edit a "
+                    f"copy (layout.positions(rank), plan.positions(rank) and plan.tile_blocks() "
+                    f"return copies; tensor.clone() for the rest) and build a new plan for "
+                    f"changed data")
+
+    def _cached(self, name: str, key, make):
+        """``make()`` cached under ``key`` in the plan's cache ``name`` (internal: never
+        handed out; its version is guarded like the plan's own tensors)."""
+        guard = self._guard()
+        cache = self.__dict__.setdefault(name, {})
+        hit = cache.get(key)
+        if hit is None:
+            hit = cache[key] = make()
+            guard.append((f"the plan's cached {name[1:].replace('_', ' ')} {key} (a mask_mod "
+                          f"or kernel wrote into its arguments?)", hit, hit._version))
+        return hit
 
     # ---- sizes ---------------------------------------------------------------------
     @property
@@ -100,12 +163,15 @@ class Plan:
 
     # ---- per tile ------------------------------------------------------------------
     def positions(self, rank: int, device: torch.device | str | None = None) -> torch.Tensor:
-        """Global positions of ``rank``'s tokens (cached per device)."""
-        cache = self.__dict__.setdefault("_pos_cache", {})
-        key = (rank, str(device or "cpu"))
-        if key not in cache:
-            cache[key] = self.layout.positions(rank).to(device or "cpu")
-        return cache[key]
+        """Global positions of ``rank``'s tokens (int64 ``[L]`` on ``device``): a **copy**,
+        yours to edit (the runtime's cached tensor is never handed out)."""
+        return self._positions(rank, device).clone()
+
+    def _positions(self, rank: int, device: torch.device | str | None = None) -> torch.Tensor:
+        """The runtime's cached positions (per rank and device; internal, never handed out:
+        the tile kernels' call cache keys on this very object and its ``_version``)."""
+        return self._cached("_pos_cache", (rank, str(device or "cpu")),
+                            lambda: self.layout.positions(rank).to(device or "cpu"))
 
     def tile_kind(self, i: int, j: int) -> BlockKind:
         return BlockKind(int(self.tiles[i, j]))
@@ -134,15 +200,16 @@ class Plan:
         return idx
 
     def tile_blocks(self, i: int, j: int) -> torch.Tensor:
-        """int8 ``[L/block, L/block]`` block map of tile (q of rank i, kv of rank j).
+        """int8 ``[L/block, L/block]`` block map of tile (q of rank i, kv of rank j): a
+        **copy**, yours to edit (the runtime's cached map is never handed out)."""
+        return self._tile_blocks(i, j).clone()
 
-        Built from :attr:`block_map` on first use and cached (a rank reads its own row of
-        tiles: ``P * (L/block)^2`` bytes).
-        """
-        cache = self.__dict__.setdefault("_tile_cache", {})
-        hit = cache.get((i, j))
-        if hit is not None:
-            return hit
+    def _tile_blocks(self, i: int, j: int) -> torch.Tensor:
+        """The runtime's cached :meth:`tile_blocks` (built from :attr:`block_map` on first
+        use; a rank reads its own row of tiles: ``P * (L/block)^2`` bytes). Internal."""
+        return self._cached("_tile_cache", (i, j), lambda: self._paint_tile(i, j))
+
+    def _paint_tile(self, i: int, j: int) -> torch.Tensor:
         n, P = self.local_len // self.block_size, self.world_size
         kind = int(self.tiles[i, j])
         if kind == BlockKind.FULL:
@@ -156,7 +223,6 @@ class Plan:
             sel = order[a:b]
             out = _masks._paint(self.block_map.rects[sel], self.block_map.codes[sel],
                                 i * n, (i + 1) * n, j * n, (j + 1) * n)
-        cache[(i, j)] = out
         return out
 
     def tile_block_counts(self) -> torch.Tensor:
@@ -165,8 +231,12 @@ class Plan:
         return _tile_areas(self.block_map, P, n)[0]
 
     def digests(self) -> dict[str, str]:
-        """One content digest per component that decides the numbers (cached; a plan is
-        immutable and its mask a snapshot). Ranks exchange these on every call.
+        """One content digest per component that decides the numbers. Ranks exchange these
+        on every call.
+
+        Cached while the tensors they cover are unchanged: the cache is keyed on the
+        ``_version`` of every tensor :meth:`check_unchanged` guards, so an in-place edit of
+        plan state hashes again (and :meth:`check_unchanged` raises before any call runs).
 
         ``layout``: the permutation; ``programs``: schedule name, forward and backward
         programs; ``blocks``: the block classification; ``mask``: the mask's content
@@ -177,9 +247,10 @@ class Plan:
         of ``score_params``; ``options``: scale, kernel, kv policy, block size, B / H the
         mask was classified for.
         """
+        vers = self._versions()
         cached = self.__dict__.get("_digests")
-        if cached:
-            return cached
+        if cached and cached[0] == vers:
+            return cached[1]
 
         def sha(*parts) -> str:
             h = hashlib.sha1()
@@ -211,7 +282,7 @@ class Plan:
             "options": sha(self.scale, _kernel_name(self.kernel), self.kv, self.block_size,
                            self.batch_size, self.num_heads),
         }
-        self.__dict__["_digests"] = out
+        self.__dict__["_digests"] = (vers, out)
         return out
 
     def fingerprint(self) -> str:
@@ -625,6 +696,60 @@ def _size(name: str, val, low: int = 1) -> int:
     if n < low:
         raise ValueError(f"{name} must be an int >= {low}, got {n}")
     return n
+
+
+def _covered(plan: Plan) -> list[tuple[str, torch.Tensor]]:
+    """The tensors a plan holds as state (what :meth:`Plan.check_unchanged` guards)."""
+    out = [("its layout's order (plan.layout.order)", plan.layout.order),
+           ("plan.tiles", plan.tiles), ("plan.block_map.rects", plan.block_map.rects),
+           ("plan.block_map.codes", plan.block_map.codes)]
+    seen = {id(t) for _, t in out}
+    for what, fn in (("mask_mod", plan.mask_mod), ("score_mod", plan.score_mod)):
+        for where, t in _captured_tensors(fn, what, {}, 0):
+            if id(t) not in seen and not t.requires_grad:
+                seen.add(id(t))
+                out.append((f"a tensor its {where} holds", t))
+    return out
+
+
+def _captured_tensors(obj, where: str, memo: dict, depth: int):
+    """``(where, tensor)`` for the tensors ``obj`` holds: a :class:`fringe.masks.Mask`'s
+    rule fields (document ids) and mod, closure cells and defaults of functions, partials,
+    tuples, lists and dicts, recursively (what :func:`fringe.masks.snapshot` copies)."""
+    if depth > 16 or id(obj) in memo:
+        return
+    memo[id(obj)] = obj
+    if isinstance(obj, torch.Tensor):
+        yield where, obj
+    elif isinstance(obj, _masks.Mask):
+        name = f"mask {obj.name!r}" if obj.op == "leaf" else where
+        if obj.rule is not None and dataclasses.is_dataclass(obj.rule):
+            for f in dataclasses.fields(obj.rule):
+                yield from _captured_tensors(getattr(obj.rule, f.name), f"{name} ({f.name})",
+                                             memo, depth + 1)
+        yield from _captured_tensors(obj.mod, name, memo, depth + 1)
+        for c in obj.children:
+            yield from _captured_tensors(c, where, memo, depth + 1)
+    elif callable(obj) and hasattr(obj, "__code__"):
+        for c in getattr(obj, "__closure__", None) or ():
+            try:
+                v = c.cell_contents
+            except ValueError:
+                continue
+            yield from _captured_tensors(v, where, memo, depth + 1)
+        for v in (getattr(obj, "__defaults__", None) or ()):
+            yield from _captured_tensors(v, where, memo, depth + 1)
+        for v in (getattr(obj, "__kwdefaults__", None) or {}).values():
+            yield from _captured_tensors(v, where, memo, depth + 1)
+    elif isinstance(obj, functools.partial):
+        for v in (obj.func, *obj.args, *obj.keywords.values()):
+            yield from _captured_tensors(v, where, memo, depth + 1)
+    elif type(obj) in (tuple, list):
+        for v in obj:
+            yield from _captured_tensors(v, where, memo, depth + 1)
+    elif type(obj) is dict:
+        for v in obj.values():
+            yield from _captured_tensors(v, where, memo, depth + 1)
 
 
 def _document_leaves(m):

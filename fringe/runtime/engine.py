@@ -25,6 +25,7 @@ def check_inputs(q, k, v, *, plan, local: bool) -> None:
     if not isinstance(plan, Plan):
         raise TypeError(f"plan must be a fringe.Plan from fringe.plan(schedule, mask_mod, ...), "
                         f"got {type(plan).__name__}")
+    plan.check_unchanged()      # every call: plan state edited in place since it was built
     check_qkv(q, k, v)
     want = plan.local_len if local else plan.seq_len
     where = "local (per-rank) " if local else "global "
@@ -143,9 +144,9 @@ def _tile_args(plan, op, device: torch.device, num_heads: int) -> dict:
     i, j = op.q, op.kv
     offset = 0 if op.heads is None else op.heads[0] * (num_heads // op.heads[1])
     mask_mod, score_mod = _shifted(plan, offset)
-    return dict(q_pos=plan.positions(i, device), kv_pos=plan.positions(j, device),
+    return dict(q_pos=plan._positions(i, device), kv_pos=plan._positions(j, device),
                 mask_mod=mask_mod, score_mod=score_mod, scale=plan.scale,
-                kind=plan.tile_kind(i, j), blocks=plan.tile_blocks(i, j),
+                kind=plan.tile_kind(i, j), blocks=plan._tile_blocks(i, j),
                 block_size=plan.block_size, kernel=plan.kernel,
                 cache=True)   # the plan's mask_mod is a snapshot, its maps and positions cached
 

@@ -1,0 +1,169 @@
+"""Issue 17, item 2: never hand out mutable state, and never let a cached check outlive what
+it covers.
+
+Accessors of a plan or layout return copies (editing them changes no plan); the tensors a
+plan holds as state are guarded by their ``_version`` on every call (an in-place edit raises
+before any communication), and the cached digests hash again after such an edit. Also: a
+layout does not alias the order it was built from, and ``layout.shard(t, group=mesh)`` takes
+the mesh coordinate (sharding by ``dist.get_rank()`` on a permuted DeviceMesh is wrong).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+import fringe
+import fringe.simulate
+from fringe import layout, masks, packing, schedules
+from fringe.launch import Workers
+from fringe.ops import reference
+from fringe.testing import make_qkv, tolerances
+
+TOL = tolerances(torch.float64)
+S, P, BLOCK = 64, 4, 4
+CU = [0, 10, 29, 40, S]
+
+
+def _case(schedule="zigzag", score_mod=None):
+    doc = packing.doc_ids_from_cu_seqlens(torch.tensor(CU))
+    mask = masks.causal() & packing.document_mask(doc)
+    plan = fringe.plan(schedules.get(schedule), mask, seq_len=S, world_size=P, block_size=BLOCK,
+                       score_mod=score_mod)
+    q, k, v = make_qkv(B=1, H=2, G=2, S=S, D=4, seed=17)
+    want, _ = reference.attention(q, k, v, mask_mod=mask, score_mod=score_mod)
+    return doc, plan, (q, k, v), want
+
+
+def test_editing_positions_in_place_changes_no_plan_and_results_stay_exact():
+    """The issue's case: per-document RoPE positions derived in place from
+    ``layout.positions(rank)`` after the first call (its digest cached) must not move the
+    plan's tokens. Also the plan's own positions / tile-map accessors."""
+    doc, plan, (q, k, v), want = _case()
+    assert_close(fringe.simulate.attention(q, k, v, plan=plan), want, **TOL)
+    before = dict(plan.digests())
+    order = plan.layout.order.clone()
+    starts = torch.tensor(CU[:-1])
+    for r in range(P):
+        pos = plan.layout.positions(r)
+        pos -= starts[doc[pos]]                     # RoPE positions within each document
+        p2 = plan.positions(r)
+        p2.zero_()
+        plan.tile_blocks(r, (r + 1) % P).fill_(int(masks.BlockKind.FULL))
+    assert torch.equal(plan.layout.order, order)
+    assert plan.digests() == before
+    assert_close(fringe.simulate.attention(q, k, v, plan=plan), want, **TOL)
+    # a shard is the caller's to edit: editing it leaves the plan alone too
+    sh = plan.layout.shard(q, 1)
+    sh.zero_()
+    assert torch.equal(plan.layout.order, order)
+
+
+def test_in_place_edit_of_plan_state_after_the_first_call_raises():
+    """A covered tensor edited after the first call (digest cached): the next call raises
+    naming it, and the digest is not the stale cached one."""
+    bias = torch.linspace(-1.0, 1.0, S, dtype=torch.float64)
+
+    def bias_mod(score, b, h, q_idx, kv_idx):
+        return score + bias[kv_idx]
+
+    edits = {
+        "layout order": lambda p: p.layout.order[:2].copy_(p.layout.order[:2].flip(0)),
+        "tiles": lambda p: p.tiles.fill_(int(masks.BlockKind.FULL)),
+        "block map": lambda p: p.block_map.codes.fill_(int(masks.BlockKind.FULL)),
+        "document ids": lambda p: next(packing_doc_ids(p.mask_mod)).copy_(torch.zeros(S)),
+        "score_mod tensor": lambda p: p.score_mod.__closure__[0].cell_contents.mul_(2.0),
+    }
+    for what, edit in edits.items():
+        doc, plan, (q, k, v), want = _case(score_mod=bias_mod)
+        assert_close(fringe.simulate.attention(q, k, v, plan=plan), want, **TOL)
+        before = dict(plan.digests())
+        edit(plan)
+        with pytest.raises(ValueError, match="edited in place after the plan was built"):
+            fringe.simulate.attention(q, k, v, plan=plan)
+        if what == "layout order":                  # the layout refuses to hash an edited order
+            with pytest.raises(ValueError, match="order tensor was edited in place"):
+                plan.digests()
+        else:                                       # hashed again, not the stale cached digest
+            assert plan.digests() != before, what
+    # the layout itself refuses to shard by an edited order
+    lay = layout.zigzag(S, P, block_size=BLOCK)
+    lay.order[:2] = lay.order[:2].flip(0)
+    with pytest.raises(ValueError, match="order tensor was edited in place"):
+        lay.shard(torch.zeros(1, 1, S, 2), 0)
+
+
+def packing_doc_ids(m):
+    """The document-id tensors of a Mask tree."""
+    if m.rule is not None and isinstance(getattr(m.rule, "doc_ids", None), torch.Tensor):
+        yield m.rule.doc_ids
+    for c in m.children:
+        yield from packing_doc_ids(c)
+
+
+def test_a_layout_owns_its_order():
+    """Unreported case of the class: ``from_order`` kept the caller's tensor, so refilling
+    it (the next batch's order) silently changed a layout, and every plan over it."""
+    order = torch.arange(S).view(P, -1).flip(0).reshape(-1).clone()
+    lay = layout.from_order(order, P, block_size=BLOCK)
+    plan = fringe.plan(schedules.ring(), masks.causal(), seq_len=S, world_size=P,
+                       block_size=BLOCK, layout=lay)
+    want = lay.positions(0)
+    order.copy_(torch.arange(S))                     # the caller reuses its buffer
+    assert torch.equal(lay.positions(0), want) and torch.equal(plan.layout.positions(0), want)
+    q, k, v = make_qkv(B=1, H=2, G=2, S=S, D=4, seed=3)
+    ref, _ = reference.attention(q, k, v, mask_mod=masks.causal())
+    assert_close(fringe.simulate.attention(q, k, v, plan=plan), ref, **TOL)
+
+
+def test_shard_takes_the_rank_or_the_group_not_both():
+    lay = layout.zigzag(S, P, block_size=BLOCK)
+    x = torch.arange(S, dtype=torch.float64).view(1, S, 1)
+    assert torch.equal(lay.shard(x, 2, dim=1).flatten().long(), lay.positions(2))
+    with pytest.raises(ValueError, match="give the plan rank"):
+        lay.shard(x, dim=1)
+    with pytest.raises(ValueError, match="not both"):
+        lay.shard(x, 1, dim=1, group=object())
+    with pytest.raises(ValueError, match=r"rank must be in \[0, 4\)"):
+        lay.positions(4)
+
+
+# ---- gloo ranks on a permuted DeviceMesh ------------------------------------------------
+
+
+def worker_permuted_mesh(rank: int, world_size: int, seed: int):
+    """Plan rank 0 is global rank 1. Shard by the mesh (group=mesh), run, then edit this
+    rank's positions in place (rank 0 only) and run again."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    mesh = DeviceMesh("cpu", torch.tensor([1, 0]))
+    doc = packing.doc_ids_from_cu_seqlens(torch.tensor([0, 10, 29, 32]))
+    mask = masks.causal() & packing.document_mask(doc)
+    plan = fringe.plan(schedules.zigzag(), mask, seq_len=32, world_size=2, block_size=4)
+    q, k, v = make_qkv(B=1, H=2, G=2, S=32, D=4, seed=seed)
+    me = plan.layout.rank_in(mesh)
+    ql, kl, vl = (plan.layout.shard(t, group=mesh) for t in (q, k, v))
+    first = fringe.attention(ql, kl, vl, plan=plan, group=mesh, timeout_s=60)
+    if dist.get_rank() == 0:
+        pos = plan.layout.positions(group=mesh)
+        pos -= torch.tensor([0, 10, 29])[doc[pos]]
+    second = fringe.attention(ql, kl, vl, plan=plan, group=mesh, timeout_s=60)
+    by_global_rank = plan.layout.shard(q, dist.get_rank())     # the mistake group= prevents
+    return me, first, second, torch.equal(by_global_rank, ql)
+
+
+def test_shard_by_a_permuted_device_mesh_reads_the_mesh_coordinate():
+    seed = 23
+    with Workers(2, timeout_s=120, threads=1) as w:
+        res = w.run(worker_permuted_mesh, seed)
+    doc = packing.doc_ids_from_cu_seqlens(torch.tensor([0, 10, 29, 32]))
+    mask = masks.causal() & packing.document_mask(doc)
+    plan = fringe.plan(schedules.zigzag(), mask, seq_len=32, world_size=2, block_size=4)
+    q, k, v = make_qkv(B=1, H=2, G=2, S=32, D=4, seed=seed)
+    want, _ = reference.attention(q, k, v, mask_mod=mask)
+    assert [res[g][0] for g in (0, 1)] == [1, 0]     # global rank 1 is plan rank 0
+    by_plan_rank = {res[g][0]: res[g] for g in (0, 1)}
+    for i in (1, 2):                                 # before and after the in-place edit
+        got = plan.layout.unshard([by_plan_rank[r][i] for r in (0, 1)])
+        assert_close(got, want, **TOL)
+    assert not res[0][3] and not res[1][3]           # dist.get_rank() would shard wrongly
