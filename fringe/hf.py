@@ -296,13 +296,23 @@ def _balanced_layout(schedule, kind_masks, counts, *, seq_len, world_size, plan_
 def model_inputs(shard, plans: Plans) -> dict:
     """Keyword arguments for the model: the shard's inputs plus ``fringe=`` (:data:`KWARG`).
 
+    The shard and the plans describe one batch and are checked against each other: the
+    layout, and (:func:`fringe.packing.check_batch`) the real length, B and the documents
+    of every plan whose mask holds document ids as a fringe rule (``packing.document_mask``,
+    ``masks.document``, through ``&`` and ``pad_mask``). Layouts alone are equal for any two
+    batches of one length, so plans made for the previous batch would otherwise run on this
+    one with no error. For a mask with no document ids as a rule (a plain callable) the
+    documents cannot be compared: that part of the check does not apply.
+
     Raises:
-        ValueError: the shard's tokens follow another layout than the plans'.
+        ValueError: the shard's tokens follow another layout than the plans', or a batch
+            mismatch (the plans were made for another batch than the shard's).
     """
     if shard.layout_fingerprint != plans.layout_fingerprint:
         raise ValueError(f"the batch was sharded by layout {shard.layout_fingerprint} but the plans "
                          f"are for layout {plans.layout_fingerprint}; shard the batch with these plans "
                          f"(packing.shard_batch(..., plan=plans.plans))")
+    _packing.check_batch(plans.plans, shard, where="fringe.hf.model_inputs")
     out = shard.model_inputs()
     out[KWARG] = dataclasses.replace(plans, batch_fingerprint=shard.layout_fingerprint)
     return out

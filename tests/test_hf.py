@@ -240,7 +240,7 @@ def test_softcap_dropout_and_layout_mismatches_raise():
     plans_a, _ = _shard_inputs(llama, schedules.zigzag())
     plans_b, _ = _shard_inputs(llama, schedules.striped())
     ids = torch.arange(S).view(1, S)
-    shard_b = packing.shard_batch(ids, ids, plan=plans_b.plans, rank=0)
+    shard_b = packing.shard_batch(ids, ids, plan=plans_b.plans, rank=0, cu_seqlens=[0, 20, S])
     with pytest.raises(ValueError, match="sharded by layout striped"):
         fringe.hf.model_inputs(shard_b, plans_a)
     _, inputs = _shard_inputs(llama, plans=plans_a)
