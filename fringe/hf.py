@@ -378,8 +378,12 @@ def attention_forward(module, query: torch.Tensor, key: torch.Tensor, value: tor
         raise ValueError(f"fringe: layer {getattr(module, 'layer_idx', '?')} scales scores by {got!r} but "
                          f"its plan was made with scale={lp.plan.scale!r} (= {want!r}); plan with "
                          f"scale=module.scaling (fringe.hf.plans does)")
-    fp = lp.plan.layout.fingerprint()
-    if ctx.batch_fingerprint is not None and fp != ctx.batch_fingerprint:
+    # Plans hold one layout (checked when built) and model_inputs checked the batch against it.
+    # Checked again eagerly; a compiled graph would guard on these strings and recompile for
+    # every new layout (a balanced one changes per batch), so it skips this one comparison.
+    fp = ctx.layout_fingerprint
+    if (ctx.batch_fingerprint is not None and not torch.compiler.is_compiling()
+            and fp != ctx.batch_fingerprint):
         raise ValueError(f"fringe: the plan for this layer shards tokens by layout {fp} but the batch was "
                          f"sharded by {ctx.batch_fingerprint}; plan every layer over the batch's layout")
     if query.shape[2] != key.shape[2]:
