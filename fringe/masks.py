@@ -15,9 +15,13 @@ Layers:
 * :func:`evaluate` — the dense mask ``[B or 1, H or 1, Lq, Lk]`` with FlexAttention's
   semantics (a mask_mod is defined on scalar indices). Fast path: call the mask_mod once on
   broadcast index tensors, used for a mod only where it agreed with the vmap evaluation
-  (torch's public ``create_mask``) on a small non-square probe; otherwise vmap, or the
-  :class:`MaskError` FlexAttention's refusal implies (``.item()``, control flow, non-bool).
-  :func:`classify` and :func:`reads_batch_head` follow the same per-mod decision.
+  (torch's public ``create_mask``) on small non-square probes at two shapes and did nothing
+  with its index tensors but elementwise ops (no shape read, no reduction); otherwise vmap,
+  or the :class:`MaskError` FlexAttention's refusal implies (``.item()``, control flow,
+  non-bool). :func:`classify` and :func:`reads_batch_head` follow the same per-mod decision.
+  Whether a mask reads ``b`` / ``h`` is read from a broadcast mod's output shape; a mod
+  evaluated per scalar index cannot be proven to ignore them by a probe, so it is classified
+  for every ``b`` / ``h`` it will run with, or declared (:attr:`Mask.bh_invariant`).
 * :func:`classify` — the exact block map ``[nQb, nKb]`` (int8 :class:`BlockKind` codes)
   for arbitrary global index sets, without evaluating all pairs for structured masks; with
   ``sparse=True`` a :class:`BlockMap` (the non-empty blocks as rectangles), which is what
@@ -795,7 +799,9 @@ def _decide(mod, q_pos: torch.Tensor, kv_pos: torch.Tensor, nb: int, nh: int,
 
     The probe is :data:`PROBE_SHAPE`: b and h cycle through the call's ``nb`` / ``nh``
     values, q / kv positions are spread over the call's own (so captured tables are
-    indexed in range). A check on one probe, not a proof.
+    indexed in range), then again at :data:`PROBE_SHAPE_2`; the broadcast calls run under a
+    watch of the index tensors (:class:`_IndexWatch`: a shape read or a reduction means
+    "vmap" even where the values agree). Checks, not a proof of equality everywhere.
 
     Raises:
         MaskError: the mod fails per scalar index (FlexAttention would refuse it), unless
@@ -929,8 +935,11 @@ def evaluate(mask_mod: MaskMod, q_pos: torch.Tensor, kv_pos: torch.Tensor, *,
     (:data:`PROBE_SHAPE`, positions spread over the call's own) the first time it sees a mod,
     caches the verdict per mod, and from then on broadcasts where they agreed and vmaps
     (warning once, with the reason) where they did not. Masks from the factories are
-    elementwise by construction and never probed. This is a **check, not a proof**: a mod
-    that agrees on the probe and differs elsewhere would be broadcast.
+    elementwise by construction and never probed. The probe runs at two shapes and watches
+    what the mod does with its index tensors: reading their shape (``q_idx.numel()``) or
+    reducing them sends it to vmap even where the probe's values agree. Still a **check,
+    not a proof**: a mod whose meaning depends on state the probe cannot see (a global
+    it changes between calls) could still be broadcast.
 
     Args:
         mask_mod: a :class:`Mask` or any ``(b, h, q_idx, kv_idx) -> bool tensor``.

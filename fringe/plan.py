@@ -49,8 +49,12 @@ class Plan:
         forward / backward: one program per rank.
         kv: the :class:`~fringe.KVPolicy` (how the backward gets kv again).
         score_mod, scale, kernel: passed to the tile ops.
-        batch_size, num_heads: the B and H the mask was classified for (None: the mask
-            does not depend on b / h, as in FlexAttention's ``B=None, H=None``).
+        batch_size, num_heads: the B and H the mask was classified for, and the only ones a
+            call may use (another raises before any communication). None: any; the mask
+            is declared or proven not to depend on b / h (FlexAttention's ``B=None,
+            H=None``). A mask evaluated per scalar index and not declared
+            ``bh_invariant=True`` records 1 for the one :func:`plan` was not given (see
+            :func:`classified_bh`).
         score_params: tensors the score_mod reads that require grad (found by
             :func:`captured_params`, or given); attention returns their gradients.
         reads_batch: the mask or the score_mod depends on ``b`` (``torch.func.vmap`` then

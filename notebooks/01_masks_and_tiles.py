@@ -117,11 +117,11 @@ render.tile_map_figure(mine)
 
 # %%
 from fringe.schedules import registry
-from fringe.testing import CHECK_MASK_SCHEDULES
+from fringe.testing import CHECK_MASK_HEADS, CHECK_MASK_SCHEDULES
 
 n = check_mask(every_third_token_sees_the_past, world_sizes=(2, 4), block_sizes=(4,))
 print(f"{n} (schedule, P, block) combinations match dense attention")
 runs = {P: [s for s in [*registry.names(), *CHECK_MASK_SCHEDULES]
-            if registry.why_not(s, world_size=P, heads=2, kv_heads=1) is None] for P in (2, 4)}
+            if registry.why_not(s, world_size=P, heads=CHECK_MASK_HEADS, kv_heads=1) is None] for P in (2, 4)}
 print({P: names for P, names in runs.items()})
 assert n == sum(len(names) for names in runs.values())
