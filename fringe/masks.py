@@ -310,12 +310,23 @@ class _Document:
     is a single-doc block lying inside a contiguous block's range; else disjoint doc ranges
     give EMPTY and the rest is UNKNOWN. Quadtree nodes use the doc min / max of their blocks
     (FULL iff one doc on both sides; EMPTY if the doc ranges are disjoint).
+
+    ``sorted_ids`` is a check cached from ``doc_ids``: it must not outlive an in-place edit
+    of them, so the ids' ``_version`` is recorded and classifying edited ids raises.
     """
 
     doc_ids: torch.Tensor
     sorted_ids: bool
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_ids_version", self.doc_ids._version)
+
     def _summ(self, b: _Blocks) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if self.doc_ids._version != self._ids_version:
+            raise MaskError("document: its doc_ids were edited in place after masks.document() "
+                            "built the mask (which recorded whether they were sorted, and named "
+                            "it by their count), so its block rule no longer describes them; "
+                            "build a new mask for new ids: masks.document(new_ids)")
         n = self.doc_ids.numel()
         if b.pos.numel() and (int(b.hi.max()) >= n or int(b.lo.min()) < 0):
             raise MaskError(

@@ -116,6 +116,17 @@ def test_a_layout_owns_its_order():
     assert_close(fringe.simulate.attention(q, k, v, plan=plan), ref, **TOL)
 
 
+def test_a_document_mask_edited_in_place_before_planning_raises():
+    """Unreported case of the class: ``masks.document`` records whether its ids are sorted
+    (its block rule reads only a block's end ids then); ids edited in place afterwards were
+    classified by that stale flag: off by ~1.4 with no error. Now planning raises."""
+    m = masks.document(torch.tensor([0] * (S // 2) + [1] * (S // 2)))
+    m.rule.doc_ids.copy_(torch.tensor([0, 1, 1, 0]).repeat(S // 4))     # unsorted now
+    with pytest.raises(ValueError, match="doc_ids were edited in place"):
+        fringe.plan(schedules.zigzag(), m & masks.causal(), seq_len=S, world_size=P,
+                    block_size=BLOCK)
+
+
 def test_shard_takes_the_rank_or_the_group_not_both():
     lay = layout.zigzag(S, P, block_size=BLOCK)
     x = torch.arange(S, dtype=torch.float64).view(1, S, 1)
