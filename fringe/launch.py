@@ -12,8 +12,14 @@ how the tests avoid paying the spawn cost per case:
 ...     w.run(my_fn, 1.0)
 ...     w.run(other_fn)
 
-``fn`` must be importable (a module-level function), as with any spawned process.
-Notebooks should use the in-process virtual mesh (:mod:`fringe.simulate`) instead.
+``fn`` must be importable (a module-level function), as with any spawned process: spawned
+workers re-import ``__main__`` from its file, so a program on standard input, ``python -c`` or
+an interactive session cannot launch functions (or pass objects) defined in it. That is
+checked in this process before anything is spawned or sent, and the error says what to move
+where. Notebooks should use the in-process virtual mesh (:mod:`fringe.simulate`) instead.
+
+A worker that dies says why: each worker's stderr passes through this process (to our
+stderr, as before) and its last lines travel in the :class:`LaunchError`.
 
 Nothing outlives its launcher:
 
@@ -34,11 +40,17 @@ Nothing outlives its launcher:
   or a call is interrupted, the process group can no longer be trusted: the pool stops its
   workers and every later ``run`` raises :class:`LaunchError` naming the cause. ``close()``
   and ``start()`` (or a new :class:`Workers`) give a fresh pool.
+* **A silent rank is not waited for.** Once a rank has reported a communication failure or
+  died, the others have ``peer_grace_s`` (default :data:`PEER_GRACE_S`) to answer; a rank
+  still silent then (stopped by SIGSTOP, hung, deadlocked) is named in a :class:`LaunchError`
+  (``kind == "unresponsive"``) and the whole pool is stopped, stopped processes included.
+  Errors that every rank reports (a ``RankMismatch``, a ``ValueError``) leave the pool alive.
 """
 from __future__ import annotations
 
 import atexit
 import datetime
+import io
 import math
 import numbers
 import operator
@@ -48,7 +60,9 @@ import queue as _queue
 import re
 import shutil
 import signal
+import sys
 import tempfile
+import textwrap
 import threading
 import time
 import traceback
@@ -56,6 +70,8 @@ import weakref
 from typing import Any, Callable
 
 import torch.multiprocessing as mp
+from multiprocessing import process as _mp_process
+from multiprocessing.reduction import ForkingPickler
 
 #: Exit status of a worker whose parent is gone (its lifeline pipe reached EOF).
 ORPHANED_EXIT_CODE = 75
@@ -67,6 +83,12 @@ _DIR_PATTERN = re.compile(re.escape(DIR_PREFIX) + r"(\d+)-")
 _BREAKING = frozenset({"CommTimeout", "TimeoutError", "DistError"})
 _COLLECT_SLACK_S = 30.0     # the parent waits timeout_s + this before declaring a call lost
 _DEAD_GRACE_S = 2.0         # a dead rank's last message may still be in the queue
+#: Default ``peer_grace_s``: how long the other ranks have to answer once one rank reported a
+#: communication failure or died, before the pool is stopped and the silent ranks are named.
+PEER_GRACE_S = 5.0
+_STDERR_TAIL_BYTES = 8192   # what the parent keeps of each worker's stderr
+_STDERR_TAIL_LINES = 12     # ... and how many of its last lines a LaunchError carries
+_JOINING = "joining the process group"
 
 
 class LaunchError(RuntimeError):
@@ -77,7 +99,9 @@ class LaunchError(RuntimeError):
             a dead process, and both over a peer's timeout that followed them).
         remote_traceback: that rank's traceback.
         kind: its exception type name, ``"ProcessDied"``, ``"timeout"`` (a call the ranks did
-            not answer in time) or ``"broken"`` (a call on a pool that broke earlier).
+            not answer in time), ``"unresponsive"`` (``rank`` stayed silent after a peer
+            reported a communication failure or died; the pool was stopped) or ``"broken"``
+            (a call on a pool that broke earlier).
         errors: rank -> (exception type name, traceback) for every rank that failed.
     """
 
@@ -109,37 +133,190 @@ def _breaks_pool(e: BaseException) -> bool:
     return any(c.__name__ in _BREAKING for c in type(e).__mro__)
 
 
+def _redirect_stderr(stderr) -> None:
+    """Point this process's fd 2 at ``stderr`` (a pipe the parent reads and forwards), so the
+    parent sees the last words of a worker that dies (a C++ abort, a fatal error, os._exit)."""
+    try:
+        sys.stderr.flush()
+    except Exception:               # noqa: BLE001
+        pass
+    os.dup2(stderr.fileno(), 2)
+    stderr.close()
+
+
 def _worker(rank: int, world_size: int, store: str, backend: str, timeout_s: float,
-            tasks, results, threads: int, lifeline) -> None:
+            tasks, answers, threads: int, lifeline, stderr=None) -> None:
     _watch_parent(lifeline)
+    if stderr is not None:
+        _redirect_stderr(stderr)
     # Ctrl-C reaches the whole process group: the parent handles it (and stops us)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     import torch
     import torch.distributed as dist
     torch.set_num_threads(threads)
+
+    def answer(call_id: int, value: Any = None, error: BaseException | None = None,
+               tb: str = "", breaks: bool = False) -> None:
+        # Sent from this thread on this rank's own pipe (no lock shared with other ranks, so a
+        # rank that dies or stops cannot hold up its peers' answers). The value is pickled
+        # here, so a result that cannot be pickled is reported as such.
+        if error is None:
+            try:
+                answers.send((rank, call_id, "ok", bytes(ForkingPickler.dumps(value)), "", False))
+                return
+            except Exception as e:  # noqa: BLE001
+                error, tb = e, (f"rank {rank}: the result of the call cannot be sent back "
+                                f"(it must be picklable): {type(e).__name__}: {e}\n\n"
+                                + traceback.format_exc())
+        answers.send((rank, call_id, "error", type(error).__name__, tb, breaks))
+
     try:
         dist.init_process_group(backend, init_method=f"file://{store}", rank=rank,
                                 world_size=world_size,
                                 timeout=datetime.timedelta(seconds=timeout_s))
     except Exception as e:          # noqa: BLE001 — reported to the parent
-        results.put((rank, -1, "error", type(e).__name__, traceback.format_exc(), True))
+        answer(-1, error=e, tb=traceback.format_exc(), breaks=True)
         return
-    results.put((rank, -1, "ok", None, "", False))
+    answer(-1)
     while True:
         task = tasks.get()
         if task is None:
             break
-        call_id, fn, args, kwargs = task
+        call_id, payload = task
+        try:
+            fn, args, kwargs = pickle.loads(payload)
+        except BaseException as e:  # noqa: BLE001 — e.g. a function this process cannot import
+            answer(call_id, error=e, tb=(f"rank {rank} could not unpickle the call (fn and its "
+                                         f"arguments): {type(e).__name__}: {e}\n{_UNPICKLE_FIX}"
+                                         f"\n\n" + traceback.format_exc()))
+            continue
         try:
             value = fn(rank, world_size, *args, **kwargs)
-            results.put((rank, call_id, "ok", value, "", False))
         except BaseException as e:  # noqa: BLE001
-            results.put((rank, call_id, "error", type(e).__name__, traceback.format_exc(),
-                         _breaks_pool(e)))
+            answer(call_id, error=e, tb=traceback.format_exc(), breaks=_breaks_pool(e))
+        else:
+            answer(call_id, value)
+        del fn, args, kwargs
+        value = None
     try:
         dist.destroy_process_group()
     except Exception:               # noqa: BLE001
         pass
+
+
+def _read_answers(conn, sink: _queue.Queue) -> None:
+    """The parent's reader of one rank's answers: into ``sink`` until the rank is gone."""
+    try:
+        while True:
+            sink.put(conn.recv())
+    except (EOFError, OSError):
+        pass
+    finally:
+        try:
+            conn.close()
+        except OSError:
+            pass
+
+
+_UNPICKLE_FIX = ("fn and everything passed to it must be importable by the workers: define "
+                 "them at module level in a file the workers can import (not in `python -c`, "
+                 "standard input or a notebook)")
+
+
+# ---------------------------------------------------------------------------------------------
+# what this process checks before it spawns or sends anything
+
+
+def _main_problem() -> tuple[str, str] | None:
+    """Why spawned workers cannot re-import this program's ``__main__``, or None.
+
+    Returns ``("path", why)`` where the workers cannot even start (spawn re-runs a
+    ``__main__.__file__`` that is not a file, e.g. ``<stdin>``), ``("nofile", why)`` where
+    they start but cannot import anything defined in ``__main__`` (``python -c``, an
+    interactive session). Mirrors ``multiprocessing.spawn.get_preparation_data``.
+    """
+    main = sys.modules.get("__main__")
+    if main is None:
+        return None
+    if getattr(getattr(main, "__spec__", None), "name", None):
+        return None                     # python -m: the workers import it by name
+    path = getattr(main, "__file__", None)
+    if path is None:
+        return ("nofile", "this program's __main__ has no file (it runs from `python -c`, "
+                          "standard input or an interactive session)")
+    if os.path.splitext(os.path.basename(path))[0] == "ipython":
+        return None                     # spawn leaves an ipython __main__ alone
+    if not os.path.isabs(path) and _mp_process.ORIGINAL_DIR is not None:
+        path = os.path.join(_mp_process.ORIGINAL_DIR, path)
+    if os.path.isfile(path):
+        return None
+    return ("path", f"this program's __main__ comes from {getattr(main, '__file__')!r}, which "
+                    f"is not a file the workers can re-run (spawned workers re-import __main__ "
+                    f"from its file; a program on standard input has none)")
+
+
+def _check_main_can_spawn() -> None:
+    problem = _main_problem()
+    if problem is not None and problem[0] == "path":
+        raise LaunchError(f"fringe.launch cannot start workers from this program: {problem[1]}. "
+                          f"Save it to a file and run `python file.py` (with the launching code "
+                          f"under `if __name__ == \"__main__\":`), or put the launching code in "
+                          f"a module and run `python -m package.module`", kind="unimportable")
+
+
+class _CallPickler(ForkingPickler):
+    """ForkingPickler (torch's tensor sharing included) that notes the functions and classes
+    it pickles by reference to ``__main__``."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.main_refs: list[str] = []
+
+    def reducer_override(self, obj):
+        if isinstance(obj, type) or callable(obj) and hasattr(obj, "__qualname__"):
+            if getattr(obj, "__module__", None) == "__main__":
+                name = getattr(obj, "__qualname__", None) or repr(obj)
+                if name not in self.main_refs:
+                    self.main_refs.append(name)
+        return NotImplemented
+
+
+def _encode_calls(fn: Callable, args: tuple, kwargs: dict, world_size: int) -> list[bytes]:
+    """One pickled ``(fn, args, kwargs)`` per rank (torch shares a tensor's memory once per
+    pickle, so each rank needs its own), checked here before anything is sent.
+
+    Raises:
+        LaunchError: ``__main__`` cannot be re-imported by spawned workers at all.
+        TypeError: ``fn`` or an argument cannot be pickled, or refers to ``__main__`` where
+            the workers cannot import it.
+    """
+    _check_main_can_spawn()
+    problem = _main_problem()
+    check_main = problem is not None and problem[0] == "nofile"
+    payloads = []
+    for r in range(world_size):
+        buf = io.BytesIO()
+        pickler = _CallPickler(buf)
+        try:
+            pickler.dump((fn, args, kwargs))
+        except Exception as e:          # noqa: BLE001
+            try:
+                pickle.dumps(fn)
+            except Exception:           # noqa: BLE001
+                raise TypeError(f"fn must be importable by the workers (a module-level "
+                                f"function), got {fn!r}, which cannot be pickled: {e}") from None
+            raise TypeError(f"the arguments of {_name(fn)} cannot be sent to the workers: "
+                            f"{type(e).__name__}: {e}") from None
+        if check_main and pickler.main_refs:
+            names = ", ".join(pickler.main_refs)
+            raise TypeError(f"{names} (passed to the workers as fn or in its arguments) is "
+                            f"defined in __main__, which the workers cannot import: "
+                            f"{problem[1]}. Move it into a module file and import it from "
+                            f"there, or save this program to a file and run `python file.py` "
+                            f"(with the launching code under `if __name__ == \"__main__\":`)")
+        payloads.append(buf.getvalue())
+        check_main = False              # the same objects: one check is enough
+    return payloads
 
 
 # ---------------------------------------------------------------------------------------------
@@ -196,8 +373,76 @@ def sweep_stale_dirs(root: str | None = None) -> list[str]:
     return removed
 
 
+class _StderrTail:
+    """Forwards one worker's stderr (the read end of its pipe) to ours and keeps its last
+    bytes, so a worker that dies can say why. Data written before a worker died stays in the
+    pipe, so nothing is lost to a crash; the pump ends at EOF (every write end closed)."""
+
+    def __init__(self, reader, rank: int) -> None:
+        self._reader = reader
+        self._buf = bytearray()
+        self._lock = threading.Lock()
+        self.done = threading.Event()
+        threading.Thread(target=self._pump, name=f"fringe-stderr-{rank}", daemon=True).start()
+
+    def _pump(self) -> None:
+        fd = self._reader.fileno()
+        try:
+            while True:
+                data = os.read(fd, 65536)
+                if not data:
+                    break
+                with self._lock:
+                    self._buf += data
+                    del self._buf[:-_STDERR_TAIL_BYTES]
+                view = memoryview(data)
+                try:
+                    while view:
+                        view = view[os.write(2, view):]
+                except OSError:             # no stderr here: the tail is still kept
+                    pass
+        except OSError:
+            pass
+        finally:
+            try:
+                self._reader.close()
+            except OSError:
+                pass
+            self.done.set()
+
+    def text(self, wait_s: float = 0.0) -> str:
+        """The last lines the worker wrote (after up to ``wait_s`` for its pipe to drain)."""
+        self.done.wait(wait_s)
+        with self._lock:
+            data = bytes(self._buf)
+        lines = [ln.rstrip() for ln in data.decode(errors="replace").splitlines() if ln.strip()]
+        return "\n".join(lines[-_STDERR_TAIL_LINES:])
+
+
+def _error_line(text: str) -> str:
+    """The line of a stderr tail that most likely names the error (the last one that looks
+    like an exception or a fatal message, else the last line)."""
+    lines = text.splitlines()
+    pattern = re.compile(r"^\w[\w.]*(Error|Exception|Exit|Interrupt)\b|terminate called|"
+                         r"what\(\)|Fatal|Segmentation|Aborted|Killed")
+    for line in reversed(lines):
+        if pattern.search(line.strip()):
+            return line.strip()
+    return lines[-1].strip() if lines else ""
+
+
+def _exit_words(code: int | None) -> str:
+    if code is not None and code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
 class _Resources:
-    """What one started pool holds: its processes, its temp dir, the lifeline's write end."""
+    """What one started pool holds: its processes, its temp dir, the lifeline's write end,
+    the read ends of the workers' stderr pipes."""
 
     def __init__(self, directory: str) -> None:
         self.owner = os.getpid()        # a forked child must not clean up its parent's pool
@@ -205,6 +450,7 @@ class _Resources:
         self.procs: list = []
         self.lifeline = None
         self.queues: list = []
+        self.tails: list[_StderrTail] = []
         self.released = False
 
     def release(self, grace_s: float = 0.0, *, force: bool = False) -> None:
@@ -220,6 +466,7 @@ class _Resources:
         for p in self.procs:
             if p.exitcode is None:
                 p.terminate()
+                _continue(p)            # a stopped (SIGSTOP) worker acts on SIGTERM only then
         for p in self.procs:
             p.join(timeout=5)
             if p.exitcode is None:
@@ -235,6 +482,14 @@ class _Resources:
                 pass
         shutil.rmtree(self.directory, ignore_errors=True)
         _LIVE.discard(self)
+
+
+def _continue(p) -> None:
+    if hasattr(signal, "SIGCONT") and p.pid is not None:
+        try:
+            os.kill(p.pid, signal.SIGCONT)
+        except OSError:
+            pass
 
 
 _LIVE: set[_Resources] = set()
@@ -291,18 +546,26 @@ class Workers:
             group's own timeout); a positive, finite number of seconds.
         backend: ``"gloo"`` here; ``"nccl"`` only makes sense with one GPU per rank.
         threads: torch intra-op threads per rank (default: cores / P, at least 1).
+        peer_grace_s: once a rank reported a communication failure or died, how long the
+            other ranks have to answer before the pool is stopped and :class:`LaunchError`
+            (``kind == "unresponsive"``) names the silent ones (default :data:`PEER_GRACE_S`).
 
     Raises:
         ValueError / TypeError: for arguments that do not fit, saying what was expected.
     """
 
     def __init__(self, world_size: int, *, timeout_s: float = 120.0, backend: str = "gloo",
-                 threads: int | None = None) -> None:
+                 threads: int | None = None, peer_grace_s: float = PEER_GRACE_S) -> None:
         self.world_size = _positive_int("world_size", world_size)
         if isinstance(timeout_s, bool) or not isinstance(timeout_s, numbers.Real) \
                 or not math.isfinite(timeout_s) or timeout_s <= 0:
             raise ValueError(f"timeout_s must be a positive, finite number of seconds, "
                              f"got {timeout_s!r}")
+        if isinstance(peer_grace_s, bool) or not isinstance(peer_grace_s, numbers.Real) \
+                or not math.isfinite(peer_grace_s) or peer_grace_s < 0:
+            raise ValueError(f"peer_grace_s must be a finite number of seconds >= 0, "
+                             f"got {peer_grace_s!r}")
+        self.peer_grace_s = float(peer_grace_s)
         if not isinstance(backend, str) or not backend:
             raise TypeError(f"backend must be a torch.distributed backend name such as 'gloo', "
                             f"got {backend!r}")
@@ -346,11 +609,14 @@ class Workers:
 
         Raises:
             RuntimeError: if this pool is already running.
-            LaunchError: if a rank could not join the process group.
+            LaunchError: if a rank could not join the process group, or (before anything
+                is spawned) this program's ``__main__`` cannot be re-imported by spawned
+                workers (``kind == "unimportable"``: a program on standard input).
         """
         if self._res is not None:
             raise RuntimeError("this Workers pool is already started; close() it before "
                                "start() again")
+        _check_main_can_spawn()
         self._broken = None
         sweep_stale_dirs()
         _install_cleanup_hooks()
@@ -360,19 +626,33 @@ class Workers:
             ctx = mp.get_context("spawn")
             reader, res.lifeline = ctx.Pipe(duplex=False)
             store = os.path.join(res.directory, "store")
-            self._results = ctx.Queue()
+            self._answers = _queue.Queue()     # every rank's answers, read by threads
             self._tasks = [ctx.Queue() for _ in range(self.world_size)]
-            res.queues = [self._results, *self._tasks]
+            res.queues = list(self._tasks)
             for r in range(self.world_size):
-                p = ctx.Process(target=_worker, daemon=True, name=f"fringe-rank-{r}",
-                                args=(r, self.world_size, store, self.backend, self.timeout_s,
-                                      self._tasks[r], self._results, self.threads, reader))
-                p.start()
+                ans_r, ans_w = ctx.Pipe(duplex=False)
+                err_r, err_w = ctx.Pipe(duplex=False)
+                try:
+                    p = ctx.Process(target=_worker, daemon=True, name=f"fringe-rank-{r}",
+                                    args=(r, self.world_size, store, self.backend,
+                                          self.timeout_s, self._tasks[r], ans_w,
+                                          self.threads, reader, err_w))
+                    p.start()
+                except BaseException:
+                    ans_r.close()
+                    err_r.close()
+                    raise
+                finally:
+                    ans_w.close()       # only the worker holds the write ends: EOF when it dies
+                    err_w.close()
                 res.procs.append(p)
+                threading.Thread(target=_read_answers, args=(ans_r, self._answers), daemon=True,
+                                 name=f"fringe-answers-{r}").start()
+                res.tails.append(_StderrTail(err_r, r))
             reader.close()              # only the workers hold the read end now
             self._res = res
             self._finalizer = weakref.finalize(self, _Resources.release, res)
-            self._collect(-1, what="joining the process group")
+            self._collect(-1, what=_JOINING)
         except BaseException:
             self._res = None
             self._broken = None
@@ -383,11 +663,18 @@ class Workers:
         """Call ``fn(rank, world_size, *args, **kwargs)`` on every rank; results by rank.
 
         Raises:
-            LaunchError: a rank failed (``kind`` is its exception type), died, or the call
-                timed out; or this pool broke earlier (``kind == "broken"``).
-            TypeError: ``fn`` cannot be sent to the workers (not a module-level function).
+            LaunchError: a rank failed (``kind`` is its exception type), died, stayed silent
+                after a peer failed (``"unresponsive"``), or the call timed out; or this
+                pool broke earlier (``kind == "broken"``).
+            TypeError: ``fn`` or an argument cannot be sent to the workers (not picklable,
+                or defined in a ``__main__`` the workers cannot import: ``python -c``, an
+                interactive session); checked before anything is sent.
             RuntimeError: the pool is not started.
         """
+        self._check_usable()
+        return self._run_payloads(fn, _encode_calls(fn, args, kwargs, self.world_size))
+
+    def _check_usable(self) -> None:
         if self._broken is not None:
             raise LaunchError(f"this Workers pool is broken since {self._broken}; call close() "
                               f"and start a new Workers (or start() this one again)",
@@ -395,15 +682,13 @@ class Workers:
         if self._res is None:
             raise RuntimeError("this Workers pool is not started; use 'with Workers(P) as w:' "
                                "or call start()")
-        try:
-            pickle.dumps(fn)
-        except Exception as e:          # noqa: BLE001
-            raise TypeError(f"fn must be importable by the workers (a module-level function), "
-                            f"got {fn!r}, which cannot be pickled: {e}") from None
+
+    def _run_payloads(self, fn: Callable, payloads: list[bytes]) -> list:
+        self._check_usable()
         self._calls += 1
         try:
-            for q in self._tasks:
-                q.put((self._calls, fn, args, kwargs))
+            for q, payload in zip(self._tasks, payloads):
+                q.put((self._calls, payload))
             return self._collect(self._calls, what=f"call {self._calls} ({_name(fn)})")
         except LaunchError:
             raise
@@ -413,6 +698,7 @@ class Workers:
             raise
 
     def _break(self, cause: str) -> None:
+        """Stop the pool (a stopped or hung worker included) and remember why."""
         self._broken = cause
         res, self._res = self._res, None
         if res is not None:
@@ -424,34 +710,49 @@ class Workers:
         breaking: dict[int, bool] = {}
         deadline = time.monotonic() + self.timeout_s + _COLLECT_SLACK_S
         dead_since: dict[int, float] = {}
+        silent_after: float | None = None     # set when a rank broke the group or died
         procs = self._res.procs
+        tails = self._res.tails
         while len(out) + len(errors) < self.world_size:
             try:
-                rank, cid, status, value, tb, breaks = self._results.get(timeout=0.5)
+                msg = self._answers.get(timeout=0.5)
             except _queue.Empty:
-                now = time.monotonic()
-                for r, p in enumerate(procs):
-                    if r not in out and r not in errors and not p.is_alive():
-                        # give its last message a moment to arrive, then call it dead
-                        if now - dead_since.setdefault(r, now) > _DEAD_GRACE_S:
-                            errors[r] = ("ProcessDied", f"rank {r} exited with code "
-                                                        f"{p.exitcode} without answering")
-                if now > deadline:
-                    missing = sorted(set(range(self.world_size)) - set(out) - set(errors))
-                    cause = (f"{what}, when ranks {missing} did not answer within "
-                             f"{self.timeout_s + _COLLECT_SLACK_S:g}s")
-                    self._break(cause)
-                    raise LaunchError(f"ranks {missing} did not answer {what} within "
-                                      f"{self.timeout_s + _COLLECT_SLACK_S:g}s", kind="timeout",
-                                      errors=errors) from None
+                msg = None
+            now = time.monotonic()
+            if msg is not None:
+                rank, cid, status, value, tb, breaks = msg
+                if cid != call_id:
+                    continue
+                if status == "ok":
+                    try:
+                        out[rank] = pickle.loads(value)
+                    except Exception as e:      # noqa: BLE001 — e.g. a class we cannot import
+                        errors[rank] = (type(e).__name__, f"the result of rank {rank} cannot be "
+                                        f"unpickled here: {type(e).__name__}: {e}")
+                        breaking[rank] = False
+                else:
+                    errors[rank] = (value, tb)
+                    breaking[rank] = bool(breaks)
+                    if breaks and silent_after is None:
+                        silent_after = now + self.peer_grace_s
                 continue
-            if cid != call_id:
-                continue
-            if status == "ok":
-                out[rank] = value
-            else:
-                errors[rank] = (value, tb)
-                breaking[rank] = bool(breaks)
+            for r, p in enumerate(procs):
+                if r not in out and r not in errors and not p.is_alive():
+                    # give its last message a moment to arrive, then call it dead
+                    if now - dead_since.setdefault(r, now) > _DEAD_GRACE_S:
+                        errors[r] = ("ProcessDied", self._died(r, p, what))
+                        if silent_after is None:
+                            silent_after = now + self.peer_grace_s
+            missing = sorted(set(range(self.world_size)) - set(out) - set(errors))
+            if missing and silent_after is not None and now > silent_after:
+                self._silent(missing, errors, breaking, what)
+            if now > deadline:
+                cause = (f"{what}, when ranks {missing} did not answer within "
+                         f"{self.timeout_s + _COLLECT_SLACK_S:g}s")
+                self._break(cause)
+                raise LaunchError(f"ranks {missing} did not answer {what} within "
+                                  f"{self.timeout_s + _COLLECT_SLACK_S:g}s", kind="timeout",
+                                  errors=errors) from None
         if errors:
             # lead with a rank's own exception, then a dead process, then the timeouts of its
             # peers that usually follow from either
@@ -462,7 +763,7 @@ class Workers:
             others = ", ".join(f"rank {r}: {errors[r][0]}" for r in sorted(errors) if r != rank)
             died = sorted(r for r in errors if errors[r][0] == "ProcessDied")
             if died:
-                self._break(f"{what}, when {errors[died[0]][1]}")
+                self._break(f"{what}, when {errors[died[0]][1].splitlines()[0]}")
             elif any(breaking.values()):
                 r = min(r for r in breaking if breaking[r])
                 self._break(f"{what}, when rank {r} raised "
@@ -471,6 +772,43 @@ class Workers:
                               + (f" (also failed: {others})" if others else "") + f":\n{tb}",
                               rank=rank, remote_traceback=tb, kind=kind, errors=errors)
         return [out[r] for r in range(self.world_size)]
+
+    def _died(self, r: int, p, what: str) -> str:
+        """What a dead rank left: its exit status and the last lines of its stderr."""
+        text = f"rank {r} {_exit_words(p.exitcode)} without answering"
+        tail = self._res.tails[r].text(wait_s=1.0) if r < len(self._res.tails) else ""
+        if tail:
+            line = _error_line(tail)
+            text += (f" ({line})" if line else "") + \
+                f"; the last lines of its stderr:\n" + textwrap.indent(tail, "    ")
+        elif what == _JOINING:
+            text += ("; it wrote nothing once it started, so it most likely failed while "
+                     "starting (re-importing this program's __main__: the launching code "
+                     "must sit under `if __name__ == \"__main__\":`); its error is on stderr "
+                     "above")
+        return text
+
+    def _silent(self, missing: list[int], errors: dict, breaking: dict, what: str):
+        """Ranks that stay silent after a peer broke the group or died: stop the pool (a
+        stopped process included) and raise, naming them and what came before."""
+        died = sorted(r for r in errors if errors[r][0] == "ProcessDied")
+        cause_rank = died[0] if died else min(r for r in breaking if breaking[r])
+        kind, tb = errors[cause_rank]
+        cause = (errors[cause_rank][1].splitlines()[0] if died else
+                 f"rank {cause_rank} raised {_last_line(tb) or kind}")
+        ranks = (f"rank {missing[0]}" if len(missing) == 1 else f"ranks {missing}")
+        silent = (f"{ranks} did not answer {what} within {self.peer_grace_s:g}s after {cause}")
+        self._break(silent)
+        for r in missing:
+            errors[r] = ("unresponsive", f"rank {r} did not answer within "
+                                          f"{self.peer_grace_s:g}s after {cause}")
+        others = ", ".join(f"rank {r}: {errors[r][0]}" for r in sorted(errors)
+                           if r not in missing)
+        raise LaunchError(f"{silent}; the pool was stopped ({ranks} may be stopped (SIGSTOP), "
+                          f"hung or deadlocked; peer_grace_s= sets the wait). Failed: {others}; "
+                          f"rank {cause_rank}'s report:\n{tb}",
+                          rank=missing[0], remote_traceback=tb, kind="unresponsive",
+                          errors=errors)
 
     def close(self) -> None:
         """Stop the ranks (they finish the current call first, up to 10 s) and remove the
@@ -512,5 +850,7 @@ def run(fn: Callable, *args: Any, world_size: int = 4, timeout_s: float = 120.0,
     and return the results by rank (raises :class:`LaunchError` on a failure). The ranks and
     their temporary directory are gone when it returns or raises, and if this process is
     terminated (see the module docstring)."""
-    with Workers(world_size, timeout_s=timeout_s, backend=backend) as w:
-        return w.run(fn, *args, **kwargs)
+    w = Workers(world_size, timeout_s=timeout_s, backend=backend)
+    payloads = _encode_calls(fn, args, kwargs, w.world_size)   # checked before any spawn
+    with w:
+        return w._run_payloads(fn, payloads)
