@@ -552,6 +552,10 @@ def document(doc_ids: torch.Tensor) -> Mask:
     Args:
         doc_ids: 1-D integer tensor, one doc id per **global** position. Packed documents
             (non-decreasing ids) classify exactly from block summaries; any ids work.
+
+    Mutable state: the mask owns a copy of ``doc_ids`` (refilling yours for the next batch
+    changes nothing). Its copy (``mask.rule.doc_ids``) is its state: edited in place, the
+    mask raises when it is classified or planned, and a plan over it on its next call.
     """
     if not isinstance(doc_ids, torch.Tensor):
         doc_ids = torch.as_tensor(doc_ids)
