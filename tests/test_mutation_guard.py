@@ -160,7 +160,10 @@ def worker_permuted_mesh(rank: int, world_size: int, seed: int):
         pos -= torch.tensor([0, 10, 29])[doc[pos]]
     second = fringe.attention(ql, kl, vl, plan=plan, group=mesh, timeout_s=60)
     by_global_rank = plan.layout.shard(q, dist.get_rank())     # the mistake group= prevents
-    return me, first, second, torch.equal(by_global_rank, ql)
+    tokens = torch.arange(32).view(1, 32)
+    sh = packing.shard_batch(tokens, tokens, plan=plan, group=mesh, cu_seqlens=[0, 10, 29, 32])
+    same = torch.equal(sh.input_ids, plan.layout.shard(tokens, me, dim=1)) and sh.rank == me
+    return me, first, second, torch.equal(by_global_rank, ql), same
 
 
 def test_shard_by_a_permuted_device_mesh_reads_the_mesh_coordinate():
@@ -178,3 +181,4 @@ def test_shard_by_a_permuted_device_mesh_reads_the_mesh_coordinate():
         got = plan.layout.unshard([by_plan_rank[r][i] for r in (0, 1)])
         assert_close(got, want, **TOL)
     assert not res[0][3] and not res[1][3]           # dist.get_rank() would shard wrongly
+    assert res[0][4] and res[1][4]                   # shard_batch(group=mesh) likewise
