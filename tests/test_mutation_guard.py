@@ -163,7 +163,14 @@ def worker_permuted_mesh(rank: int, world_size: int, seed: int):
     tokens = torch.arange(32).view(1, 32)
     sh = packing.shard_batch(tokens, tokens, plan=plan, group=mesh, cu_seqlens=[0, 10, 29, 32])
     same = torch.equal(sh.input_ids, plan.layout.shard(tokens, me, dim=1)) and sh.rank == me
-    return me, first, second, torch.equal(by_global_rank, ql), same
+    if dist.get_rank() == 0:                  # plan state edited on one rank: every rank raises
+        plan.tiles.fill_(int(masks.BlockKind.FULL))
+    try:
+        fringe.attention(ql, kl, vl, plan=plan, group=mesh, timeout_s=60)
+        err = ""
+    except ValueError as e:
+        err = str(e)
+    return me, first, second, torch.equal(by_global_rank, ql), same, err
 
 
 def test_shard_by_a_permuted_device_mesh_reads_the_mesh_coordinate():
@@ -182,3 +189,6 @@ def test_shard_by_a_permuted_device_mesh_reads_the_mesh_coordinate():
         assert_close(got, want, **TOL)
     assert not res[0][3] and not res[1][3]           # dist.get_rank() would shard wrongly
     assert res[0][4] and res[1][4]                   # shard_batch(group=mesh) likewise
+    for g in (0, 1):                                 # global rank 0 is plan rank 1
+        assert "rank 1 of 2 got invalid input" in res[g][5], res[g][5]
+        assert "plan.tiles was edited in place" in res[g][5], res[g][5]
