@@ -278,3 +278,199 @@ def test_workers_validate_their_arguments(kwargs, error, match):
 def test_numpy_integer_world_size_is_accepted():
     import numpy as np
     assert Workers(np.int64(3)).world_size == 3
+
+
+# ---------------------------------------------------------------------------------------------
+# loud failures that say why: an unimportable __main__, a dying rank's stderr, a silent rank
+
+MAIN_SCRIPT = textwrap.dedent("""
+    import json, multiprocessing
+    from fringe import launch
+
+    def hello(rank, world_size):
+        return rank
+
+    try:
+        launch.run(hello, world_size=2, timeout_s=60)
+        out = {"error": None}
+    except Exception as e:
+        out = {"error": type(e).__name__, "message": str(e)}
+    out["children"] = [p.name for p in multiprocessing.active_children()]
+    print(json.dumps(out))
+""")
+
+
+@pytest.mark.parametrize("how", ["python -c", "stdin"])
+def test_launch_from_an_unimportable_main_says_what_to_move_before_spawning(tmp_path, how):
+    env = dict(os.environ, TMPDIR=str(tmp_path))
+    cmd = [sys.executable, "-c", MAIN_SCRIPT] if how == "python -c" else [sys.executable, "-"]
+    proc = subprocess.run(cmd, input=None if how == "python -c" else MAIN_SCRIPT, env=env,
+                          cwd=tmp_path, capture_output=True, text=True, timeout=DEADLINE_S)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    if how == "python -c":      # workers would start, but cannot import __main__.hello
+        assert out["error"] == "TypeError", out
+        assert "hello" in out["message"] and "defined in __main__" in out["message"]
+        assert "`python -c`" in out["message"] and "Move it into a module file" in out["message"]
+    else:                       # spawn would re-run '<stdin>' as a file: nothing can start
+        assert out["error"] == "LaunchError", out
+        assert "'<stdin>'" in out["message"] and "Save it to a file" in out["message"]
+    assert "without answering" not in out["message"]
+    assert out["children"] == [] and os.listdir(tmp_path) == []      # nothing was spawned
+    assert "Traceback" not in proc.stderr                             # no worker said a word
+
+
+def test_workers_check_main_references_in_the_arguments_before_sending(monkeypatch):
+    """A class defined in a file-less ``__main__`` cannot be sent: said in this process,
+    without starting workers (``run`` encodes the call before it spawns)."""
+    import types
+    main = types.ModuleType("__main__")           # as in `python -c`: no __file__, no spec
+    exec("class Point:\n    pass\n", main.__dict__)
+    monkeypatch.setitem(sys.modules, "__main__", main)
+    with pytest.raises(TypeError, match=r"Point \(passed to the workers as fn or in its "
+                                        r"arguments\) is defined in __main__"):
+        launch.run(echo_rank, main.Point(), world_size=2, timeout_s=60)
+    assert not [p for p in multiprocessing.active_children() if p.name.startswith("fringe-rank")]
+
+
+def echo_rank(rank: int, world_size: int, x=None):
+    return rank
+
+
+def every_rank_raises_value_error(rank: int, world_size: int):
+    raise ValueError(f"bad input on rank {rank}")
+
+
+def every_rank_disagrees(rank: int, world_size: int):
+    """A real RankMismatch: every rank raises it from the agreement before attention."""
+    import fringe
+    from fringe import masks, schedules
+    from fringe.testing import make_qkv
+    plan = fringe.plan(schedules.ring(), masks.causal(), seq_len=8, world_size=world_size,
+                       block_size=2)
+    q, k, v = make_qkv(B=1, H=1, G=1, S=8, D=4, seed=0,
+                       dtype=torch.float64 if rank == 0 else torch.float32)
+    return fringe.attention(*(plan.layout.shard(t, rank) for t in (q, k, v)), plan=plan,
+                            timeout_s=60)
+
+
+def rank_1_stops_mid_call(rank: int, world_size: int, comm_timeout_s: float):
+    """Rank 1 stops (SIGSTOP) inside the call; rank 0 reaches the agreement exchange and
+    raises CommTimeout after ``comm_timeout_s``; rank 1 never answers."""
+    import fringe
+    from fringe import masks, schedules
+    from fringe.testing import make_qkv
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGSTOP)
+    plan = fringe.plan(schedules.ring(), masks.causal(), seq_len=8, world_size=world_size,
+                       block_size=2)
+    q, k, v = make_qkv(B=1, H=1, G=1, S=8, D=4, seed=0)
+    return fringe.attention(*(plan.layout.shard(t, rank) for t in (q, k, v)), plan=plan,
+                            timeout_s=comm_timeout_s)
+
+
+def rank_1_says_why_and_dies(rank: int, world_size: int):
+    if rank == 1:
+        sys.stderr.write("some warning nobody reads\n")
+        os.write(2, b"RuntimeError: rank 1 could not map its shard (a stand-in for a C++ abort)\n")
+        os._exit(7)
+    return rank
+
+
+try:
+    import torch
+except ImportError:                 # pragma: no cover — torch is a dependency
+    torch = None
+
+PARENT_ONLY = "fringe_test_parent_only"     # a module that exists in this process only
+
+
+@pytest.fixture(scope="module")
+def pool(tmp_path_factory):
+    """One 2-rank pool for the failure tests below; ``healthy()`` restarts it if a test left
+    it broken. Its temp dirs live under a private TMPDIR, checked empty after each failure."""
+    root = tmp_path_factory.mktemp("pool")
+    old = tempfile.tempdir
+    tempfile.tempdir = str(root)
+    w = Workers(2, timeout_s=60, peer_grace_s=3.0)
+
+    def healthy() -> Workers:
+        if w.broken is not None or not w.pids:
+            w.close()
+            w.start()
+        return w
+    try:
+        yield healthy, root
+    finally:
+        w.close()
+        tempfile.tempdir = old
+
+
+def test_a_call_the_workers_cannot_unpickle_is_reported_by_every_rank_and_the_pool_lives(
+        pool, monkeypatch):
+    import types
+    healthy, root = pool
+    w = healthy()
+    pids = w.pids
+    mod = types.ModuleType(PARENT_ONLY)
+    exec("class Token:\n    pass\n", mod.__dict__)
+    mod.Token.__module__ = PARENT_ONLY
+    monkeypatch.setitem(sys.modules, PARENT_ONLY, mod)
+    with pytest.raises(LaunchError) as info:
+        w.run(echo_rank, mod.Token())
+    assert info.value.kind == "ModuleNotFoundError" and sorted(info.value.errors) == [0, 1]
+    assert "could not unpickle the call" in str(info.value) and PARENT_ONLY in str(info.value)
+    assert "must be importable by the workers" in str(info.value)
+    assert w.broken is None and [pid for _, pid in w.run(ranks_and_pids)] == pids
+
+
+def test_a_stopped_rank_is_named_and_reaped_after_a_peer_times_out(pool):
+    healthy, root = pool
+    w = healthy()
+    pids = w.pids
+    # errors every rank reports leave the pool alive, same processes
+    with pytest.raises(LaunchError, match="rank 0 failed with ValueError"):
+        w.run(every_rank_raises_value_error)
+    with pytest.raises(LaunchError) as info:
+        w.run(every_rank_disagrees)
+    assert info.value.kind == "RankMismatch" and sorted(info.value.errors) == [0, 1]
+    assert w.broken is None and [pid for _, pid in w.run(ranks_and_pids)] == pids
+
+    start = time.monotonic()
+    with pytest.raises(LaunchError) as info:
+        w.run(rank_1_stops_mid_call, 2.0)
+    waited = time.monotonic() - start
+    err = info.value
+    assert err.kind == "unresponsive" and err.rank == 1, str(err)
+    assert str(err).startswith("rank 1 did not answer call")
+    headline = str(err).splitlines()[0]
+    assert "after rank 0 raised fringe.runtime.distributed.CommTimeout" in headline, headline
+    assert err.errors[0][0] == "CommTimeout" and err.errors[1][0] == "unresponsive"
+    # the call's own timeout is 60 s (and the launcher waits 60 + 30 before calling a call
+    # lost): the peer's report, not the launcher's deadline, ended this call
+    assert waited < w.timeout_s
+    assert "rank 1 did not answer" in w.broken
+    assert _wait_gone(pids) == [] and os.listdir(root) == []        # stopped rank included
+    assert not [p for p in multiprocessing.active_children() if p.name.startswith("fringe-rank")]
+    with pytest.raises(LaunchError, match="broken since"):
+        w.run(ranks_and_pids)
+
+    w = healthy()                                   # restarts as before
+    assert set(w.pids).isdisjoint(pids)
+    assert [r for r, _ in w.run(ranks_and_pids)] == [0, 1]
+
+
+def test_a_rank_that_dies_carries_its_last_stderr_lines_into_the_error(pool):
+    healthy, root = pool
+    w = healthy()
+    pids = w.pids
+    with pytest.raises(LaunchError) as info:
+        w.run(rank_1_says_why_and_dies)
+    err = info.value
+    assert err.kind == "ProcessDied" and err.rank == 1
+    said = str(err).splitlines()[1]
+    assert said.startswith("rank 1 exited with code 7 without answering (RuntimeError: rank 1 "
+                           "could not map its shard (a stand-in for a C++ abort))"), str(err)
+    assert "some warning nobody reads" in err.remote_traceback
+    assert "rank 1 exited with code 7" in w.broken
+    assert _wait_gone(pids) == [] and os.listdir(root) == []
