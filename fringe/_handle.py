@@ -9,6 +9,10 @@ weak references and drops an entry when its owner is collected (``weakref.finali
 Keys carry a random per-process prefix, so a handle carried to another process (a pickled
 tensor) finds nothing instead of another plan; a plan that is copied or unpickled gets a
 handle of its own.
+
+The handle also holds its owner (an attribute of the tensor: a reference cycle, freed by the
+cycle collector): autograd saves the handle for the backward, and that keeps the plan alive
+for a backward that runs after the caller dropped the plan (``model(x, fringe.plan(...))``).
 """
 from __future__ import annotations
 
@@ -28,7 +32,9 @@ def new_handle(obj) -> torch.Tensor:
     key = _PREFIX | next(_NEXT)
     _OBJECTS[key] = weakref.ref(obj)
     weakref.finalize(obj, _OBJECTS.pop, key, None)
-    return torch.tensor(key, dtype=torch.int64)
+    handle = torch.tensor(key, dtype=torch.int64)
+    handle.owner = obj          # see the module docstring: saved for backward, it keeps obj
+    return handle
 
 
 def resolve(handle: torch.Tensor):

@@ -175,6 +175,18 @@ def test_plan_handles_leave_with_their_plans_and_copies_get_their_own():
         _handle.resolve(key)
 
 
+@pytest.mark.parametrize("compiled", [False, True])
+def test_a_plan_dropped_after_the_forward_lives_until_the_backward(compiled):
+    """``model(x, fringe.plan(...))``: nothing but the autograd graph holds the plan (through
+    its saved handle) when the backward runs."""
+    model = Tiny(torch.float64)
+    run = torch.compile(model, backend="aot_eager", fullgraph=True) if compiled else model
+    loss = run(_batch(0, torch.float64), _plan(model, 0)).square().mean()
+    gc.collect()
+    loss.backward()
+    assert model.rel.grad is not None and model.rel.grad.abs().sum() > 0
+
+
 def test_eager_errors_keep_their_types_through_the_op():
     model = Tiny(torch.float64)
     plan = _plan(model, 0)
