@@ -732,7 +732,7 @@ def check_batch(plan, shard, *, where: str = "fringe") -> None:
         if want.batch_size is not None and key.batch_size is not None \
                 and want.batch_size != key.batch_size:
             diffs.append(f"B={want.batch_size} rows, the batch {key.batch_size}")
-        elif want.real_len == key.real_len:
+        elif want.real_len == key.real_len and key.documents:
             for rows in want.documents:
                 bad = _rows_match(rows, key.documents[0])
                 if bad is None:
