@@ -471,12 +471,12 @@ def as_mask(fn, name: str | None = None, *, bh_invariant: bool | None = None) ->
 
     Args:
         fn: ``fn(b, h, q_idx, kv_idx) -> bool tensor`` on global indices.
-        name: display name; defaults to ``fn.__name__`` (or ``fn.bh_invariant``, when
-            the function carries that attribute, for ``bh_invariant``).
+        name: display name; defaults to ``fn.__name__``.
         bh_invariant: ``True`` declares that ``fn`` ignores ``b`` and ``h`` (trusted: it is
             classified once, for ``b = h = 0``); ``False`` that it reads them; ``None``
-            (default) declares nothing: fringe reads the dependence from the output's
-            shape where it evaluates ``fn`` by broadcasting, and otherwise (a mod
+            (default) takes ``fn``'s own ``bh_invariant`` attribute when that is True or
+            False, and otherwise declares nothing: fringe reads the dependence from the
+            output's shape where it evaluates ``fn`` by broadcasting, and otherwise (a mod
             evaluated per scalar index) :func:`fringe.plan` needs ``batch_size=`` /
             ``num_heads=`` or this declaration (see :attr:`Mask.bh_invariant`).
 
