@@ -66,27 +66,57 @@ def group_key(group):
     return tuple(dist.get_process_group_ranks(group)) if group is not None else "default"
 
 
+def ranks_where(ranks) -> str:
+    """The ``where`` string of the process group over these global ranks (plain string
+    arithmetic: dynamo traces it, ``dist.get_process_group_ranks`` is a constant to it)."""
+    return f"{DIST}:" + ",".join(str(int(r)) for r in ranks)
+
+
 def register_group(group) -> str:
     """The ``where`` string naming ``group`` (None: the default group) to the ops.
 
-    Groups are kept for the life of the process, as torch keeps them.
+    A process group is named by its ranks and remembered, so an eager call runs on the very
+    group given; a compiled call names it by its ranks and finds it here, or (never seen
+    eagerly) runs on fringe's cached group over the same ranks. A DeviceMesh is named by its
+    place in the registry. Groups are kept for the life of the process, as torch keeps them.
     """
+    import torch.distributed as dist
     if group is None:
         return DIST
+    if not is_device_mesh(group):
+        name = ranks_where(dist.get_process_group_ranks(group))
+        _GROUPS[name] = group
+        return name
     for name, g in _GROUPS.items():
         if g is group:
             return name
-    name = f"{DIST}:{len(_GROUPS)}"
+    name = f"mesh:{len(_GROUPS)}"
     _GROUPS[name] = group
     return name
 
 
+def _key(where: str, group):
+    """:func:`group_key` of the group a ``where`` names (by its ranks: the group a compiled
+    call runs on may be fringe's own over the same ranks)."""
+    if where.startswith(f"{DIST}:"):
+        return tuple(int(r) for r in where[len(DIST) + 1:].split(","))
+    return group_key(group)
+
+
 def _group(where: str):
+    import torch.distributed as dist
+
+    from .runtime.distributed import subgroup
     if where == DIST:
         return None
-    if where not in _GROUPS:
-        raise RuntimeError(f"fringe: no process group registered as {where!r} in this process")
-    return _GROUPS[where]
+    if where in _GROUPS:
+        return _GROUPS[where]
+    if where.startswith(f"{DIST}:"):
+        ranks = tuple(int(r) for r in where[len(DIST) + 1:].split(","))
+        if sorted(ranks) == list(range(dist.get_world_size())):
+            return None
+        return subgroup(ranks)
+    raise RuntimeError(f"fringe: no process group registered as {where!r} in this process")
 
 
 # --------------------------------------------------------------------------------------
@@ -231,7 +261,7 @@ def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: list
         rt.agree(p, q, k, v, sinks=sinks)   # every call; folds in this rank's input validation
         out, lse, kept = rt.forward(p, q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0))
         out, lse = out[0], lse[0]
-        key = group_key(group)
+        key = _key(where, group)
         LAST[key] = rt
         _PENDING[key].append(rt)
         for rec in RECORDERS:
@@ -264,7 +294,7 @@ def attention_backward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out
                                                          _stack_rows(p, dlse)]
     else:
         group = _group(where)
-        pending = _PENDING[group_key(group)]
+        pending = _PENDING[_key(where, group)]
         rt = pending.pop() if pending else DistRuntime(group, timeout_s=timeout_s)
         args = [x.unsqueeze(0) for x in (q, k, v, out, lse, dout, dlse)]
     kept = _unpack(p, rt.ranks, kept, k, H)

@@ -5,14 +5,16 @@ import contextlib
 import dataclasses
 
 import torch
+import torch.distributed as dist
 
 from . import _attention_op as _op
 from .autograd import attention as _attention
+from .runtime.distributed import is_device_mesh
 
 _LAST = _op.LAST           # group key -> the runtime of this process's last call on that group
 _RECORDERS = _op.RECORDERS  # open recording() blocks
 _group_key = _op.group_key
-# the op's name for a group, computed once at trace time (no guard on a string per call)
+# a DeviceMesh's name for the op, computed once at trace time
 _where = torch.compiler.assume_constant_result(_op.register_group)
 
 
@@ -54,10 +56,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, plan, group=
     """
     if group is None:
         where = _op.DIST
-    elif torch.compiler.is_compiling():
+    elif not torch.compiler.is_compiling():
+        where = _op.register_group(group)
+    elif is_device_mesh(group):
         where = _where(group)
     else:
-        where = _op.register_group(group)
+        where = _op.ranks_where(dist.get_process_group_ranks(group))
     # one custom op, compiled or not: the agreement (every call, with this rank's input
     # validation), the forward programs and all communication run inside it
     out, lse = _attention(q, k, v, plan=plan, where=where, timeout_s=timeout_s, sinks=sinks)

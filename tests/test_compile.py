@@ -233,6 +233,33 @@ def test_gloo_model_compiles_fullgraph_bitwise_and_once():
         assert r["stats"]["forward"]["steps"] > 0 and r["stats"]["backward"]["steps"] > 0, r
 
 
+def test_compiled_calls_on_a_process_group_and_a_device_mesh():
+    """group= a ProcessGroup (named to the op by its ranks) or a DeviceMesh (named once at
+    trace time): fullgraph, equal to eager, and last_run(group) sees the compiled call."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    plan = fringe.plan(schedules.zigzag(), masks.causal(), seq_len=32, world_size=1,
+                       block_size=BLOCK)
+    q, k, v = (torch.randn(1, 2, 32, 4, generator=torch.Generator().manual_seed(n),
+                           dtype=torch.float64, requires_grad=True) for n in range(3))
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        for group in (dist.new_group([0]), init_device_mesh("cpu", (1,))):
+            torch._dynamo.reset()
+            cnt = CompileCounterWithBackend("aot_eager")
+            f = torch.compile(lambda q, k, v, p: fringe.attention(q, k, v, plan=p, group=group),
+                              backend=cnt, fullgraph=True)
+            got = f(q, k, v, plan)
+            (dq,) = torch.autograd.grad(got.sum(), (q,))
+            assert fringe.last_run(group).summary()["backward"]["steps"] > 0
+            want = fringe.attention(q, k, v, plan=plan, group=group)
+            assert torch.equal(got, want) and cnt.frame_count == 1
+            assert torch.equal(dq, torch.autograd.grad(want.sum(), (q,))[0])
+    finally:
+        dist.destroy_process_group()
+
+
 # ---- transformers -------------------------------------------------------------------------
 
 
