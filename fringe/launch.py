@@ -233,19 +233,25 @@ def _main_problem() -> tuple[str, str] | None:
     Returns ``("path", why)`` where the workers cannot even start (spawn re-runs a
     ``__main__.__file__`` that is not a file, e.g. ``<stdin>``), ``("nofile", why)`` where
     they start but cannot import anything defined in ``__main__`` (``python -c``, an
-    interactive session). Mirrors ``multiprocessing.spawn.get_preparation_data``.
+    interactive session, a package's ``__main__``). Mirrors what
+    ``multiprocessing.spawn`` re-imports (``get_preparation_data`` and ``_fixup_main_*``).
     """
     main = sys.modules.get("__main__")
     if main is None:
         return None
-    if getattr(getattr(main, "__spec__", None), "name", None):
-        return None                     # python -m: the workers import it by name
+    name = getattr(getattr(main, "__spec__", None), "name", None)
+    if name == "__main__" or name and name.endswith(".__main__"):
+        return ("nofile", f"this program's __main__ is the module {name!r}, which spawned "
+                          f"workers do not re-import (a package's or a zip's __main__)")
+    if name:
+        return None                     # python -m module: the workers import it by name
     path = getattr(main, "__file__", None)
     if path is None:
         return ("nofile", "this program's __main__ has no file (it runs from `python -c`, "
                           "standard input or an interactive session)")
     if os.path.splitext(os.path.basename(path))[0] == "ipython":
-        return None                     # spawn leaves an ipython __main__ alone
+        return ("nofile", "this program's __main__ is an IPython session, which spawned "
+                          "workers do not re-import")
     if not os.path.isabs(path) and _mp_process.ORIGINAL_DIR is not None:
         path = os.path.join(_mp_process.ORIGINAL_DIR, path)
     if os.path.isfile(path):
@@ -296,7 +302,7 @@ def _encode_calls(fn: Callable, args: tuple, kwargs: dict, world_size: int) -> l
     payloads = []
     for r in range(world_size):
         buf = io.BytesIO()
-        pickler = _CallPickler(buf)
+        pickler = (_CallPickler if check_main else ForkingPickler)(buf)
         try:
             pickler.dump((fn, args, kwargs))
         except Exception as e:          # noqa: BLE001
@@ -419,14 +425,17 @@ class _StderrTail:
         return "\n".join(lines[-_STDERR_TAIL_LINES:])
 
 
+# an exception line of a Python traceback (unindented ``Name: message``), or a fatal message
+_ERROR_LINE = re.compile(r"^[A-Za-z_][\w.]*: |terminate called|what\(\):|Fatal Python error|"
+                         r"Segmentation fault|Aborted|Killed")
+
+
 def _error_line(text: str) -> str:
     """The line of a stderr tail that most likely names the error (the last one that looks
     like an exception or a fatal message, else the last line)."""
     lines = text.splitlines()
-    pattern = re.compile(r"^\w[\w.]*(Error|Exception|Exit|Interrupt)\b|terminate called|"
-                         r"what\(\)|Fatal|Segmentation|Aborted|Killed")
     for line in reversed(lines):
-        if pattern.search(line.strip()):
+        if _ERROR_LINE.search(line):
             return line.strip()
     return lines[-1].strip() if lines else ""
 

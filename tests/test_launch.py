@@ -5,7 +5,8 @@ failed start leaks nothing, and a pool broken by a timeout or a dead rank says s
 No clocks are asserted: where a process must die we poll with a generous deadline. Process
 spawns are few (each costs seconds of torch import): two parents of two workers each (one
 in ``run``, one holding a ``Workers`` pool), run side by side, one failed single-rank start,
-and one pool started twice.
+one pool started twice, and one pool shared by the failure tests at the end (started twice).
+The launches from ``python -c`` and standard input spawn no worker: they fail before that.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import textwrap
 import time
 
 import pytest
+import torch
 
 from fringe import launch
 from fringe.launch import LaunchError, Workers
@@ -376,11 +378,6 @@ def rank_1_says_why_and_dies(rank: int, world_size: int):
         os._exit(7)
     return rank
 
-
-try:
-    import torch
-except ImportError:                 # pragma: no cover — torch is a dependency
-    torch = None
 
 PARENT_ONLY = "fringe_test_parent_only"     # a module that exists in this process only
 
