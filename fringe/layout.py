@@ -75,6 +75,16 @@ class Layout:
         object.__setattr__(self, "order", order)
         object.__setattr__(self, "_order_version", order._version)
 
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state.pop("_order_version", None)
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        """A copied or unpickled layout records its own order's version (unpickling bumps it)."""
+        self.__dict__.update(state)
+        object.__setattr__(self, "_order_version", self.order._version)
+
     # ---- sizes -------------------------------------------------------------------
     @property
     def seq_len(self) -> int:

@@ -100,21 +100,27 @@ class Plan:
     def __setstate__(self, state: dict) -> None:
         """A copied or unpickled plan gets a handle of its own (keys are per process)."""
         self.__dict__.update(state)
+        self._guard()           # the copy's own tensors, at their versions now
         object.__setattr__(self, "handle", new_handle(self))
 
     def __post_init__(self) -> None:
         self._guard()
         object.__setattr__(self, "handle", new_handle(self))
 
+    def __getstate__(self) -> dict:
+        """Copies and pickles leave the guard and the caches behind: the copy's tensors are
+        others (unpickling bumps their ``_version``): it records its own (``__setstate__``)."""
+        state = dict(self.__dict__)
+        for name in _LOCAL_STATE:
+            state.pop(name, None)
+        return state
+
     def _guard(self) -> list:
         """``(what, tensor, version)`` of every tensor of the plan's state. Recorded when the
-        plan is built; a copied or unpickled plan (another object) records its own."""
+        plan is built, copied or unpickled."""
         d = self.__dict__
-        if d.get("_guard_of") != id(self) or d["_guarded"][0][1] is not self.layout.order:
+        if "_guarded" not in d:
             d["_guarded"] = [(what, t, t._version) for what, t in _covered(self)]
-            d["_guard_of"] = id(self)
-            for name in ("_pos_cache", "_tile_cache"):      # copied caches: start afresh
-                d.pop(name, None)
         return d["_guarded"]
 
     def _versions(self) -> tuple[int, ...]:
@@ -700,6 +706,11 @@ def _size(name: str, val, low: int = 1) -> int:
     if n < low:
         raise ValueError(f"{name} must be an int >= {low}, got {n}")
     return n
+
+
+#: What a plan derives and keeps for this process only (dropped by copies and pickles).
+_LOCAL_STATE = ("_guarded", "_pos_cache", "_tile_cache", "_tile_idx", "_digests", "_head_shift",
+                "_head_splits")
 
 
 def _covered(plan: Plan) -> list[tuple[str, torch.Tensor]]:

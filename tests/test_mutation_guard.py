@@ -93,6 +93,26 @@ def test_in_place_edit_of_plan_state_after_the_first_call_raises():
         lay.shard(torch.zeros(1, 1, S, 2), 0)
 
 
+def test_copies_and_pickles_of_a_plan_guard_their_own_state():
+    """A copy of a plan, or an unpickled layout (unpickling bumps a tensor's ``_version``),
+    runs exactly and records its own versions; an edit of a copy raises there and leaves the
+    original alone."""
+    import copy
+    import pickle
+    doc, plan, (q, k, v), want = _case()
+    fringe.simulate.attention(q, k, v, plan=plan)
+    for other in (copy.deepcopy(plan), copy.copy(plan)):
+        assert other.digests() == plan.digests()
+        assert_close(fringe.simulate.attention(q, k, v, plan=other), want, **TOL)
+    lay = pickle.loads(pickle.dumps(plan.layout))
+    assert torch.equal(lay.shard(q, 1), plan.layout.shard(q, 1))
+    twin = copy.deepcopy(plan)
+    twin.tiles.fill_(int(masks.BlockKind.FULL))
+    with pytest.raises(ValueError, match="plan.tiles was edited in place"):
+        fringe.simulate.attention(q, k, v, plan=twin)
+    assert_close(fringe.simulate.attention(q, k, v, plan=plan), want, **TOL)
+
+
 def packing_doc_ids(m):
     """The document-id tensors of a Mask tree."""
     if m.rule is not None and isinstance(getattr(m.rule, "doc_ids", None), torch.Tensor):
