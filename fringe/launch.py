@@ -100,8 +100,9 @@ class LaunchError(RuntimeError):
         remote_traceback: that rank's traceback.
         kind: its exception type name, ``"ProcessDied"``, ``"timeout"`` (a call the ranks did
             not answer in time), ``"unresponsive"`` (``rank`` stayed silent after a peer
-            reported a communication failure or died; the pool was stopped) or ``"broken"``
-            (a call on a pool that broke earlier).
+            reported a communication failure or died; the pool was stopped), ``"broken"``
+            (a call on a pool that broke earlier) or ``"unimportable"`` (this program's
+            ``__main__`` cannot be re-imported by spawned workers; nothing was started).
         errors: rank -> (exception type name, traceback) for every rank that failed.
     """
 
@@ -721,7 +722,6 @@ class Workers:
         dead_since: dict[int, float] = {}
         silent_after: float | None = None     # set when a rank broke the group or died
         procs = self._res.procs
-        tails = self._res.tails
         while len(out) + len(errors) < self.world_size:
             try:
                 msg = self._answers.get(timeout=0.5)
