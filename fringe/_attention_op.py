@@ -131,19 +131,23 @@ def _identity(plan) -> bool:
 
 
 def _stack(plan, x: torch.Tensor) -> torch.Tensor:
-    """Global ``[..., S, D]`` -> rank-stacked ``[P, ..., L, D]`` in the plan's layout."""
+    """Global ``[..., S, D]`` -> rank-stacked ``[P, ..., L, D]`` in the plan's layout (one
+    gather: rank r's rows are ``order[r*L:(r+1)*L]``, as ``layout.shard(x, r)``)."""
     if _identity(plan):
         return x.unsqueeze(0)
-    if plan.world_size == 1:
-        return plan.layout.shard(x, 0).unsqueeze(0)
-    return torch.stack([plan.layout.shard(x, r) for r in range(plan.world_size)])
+    P, L = plan.world_size, plan.local_len
+    rows = x.index_select(-2, plan.layout.order.to(x.device))      # [..., P*L, D]
+    return rows.unflatten(-2, (P, L)).movedim(-3, 0).contiguous()
 
 
 def _unstack(plan, x: torch.Tensor) -> torch.Tensor:
-    """Inverse of :func:`_stack`."""
+    """Inverse of :func:`_stack` (``layout.unshard`` of the P shards)."""
     if _identity(plan):
         return x.squeeze(0)
-    return plan.layout.unshard(list(x.unbind(0)))
+    order = plan.layout.order.to(x.device)
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel(), device=x.device)
+    return x.movedim(0, -3).flatten(-3, -2).index_select(-2, inverse)
 
 
 def _stack_rows(plan, x: torch.Tensor) -> torch.Tensor:
