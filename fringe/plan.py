@@ -17,6 +17,7 @@ import functools
 import hashlib
 import math
 import operator
+import warnings
 from typing import Callable
 
 import numpy as np
@@ -826,6 +827,66 @@ def _probe_reads_b(score_mod: Callable | None) -> bool:
     return len(shape) == 4 and shape[0] == 2
 
 
+def _block_table_mod(bm) -> Callable:
+    """A mask_mod that is a BlockMask's block tables: ``(b, h, q_idx, kv_idx)`` is allowed iff
+    its block is listed (partial or full), as FlexAttention runs a BlockMask whose mask_mod
+    is ``noop_mask`` (``BlockMask.from_kv_blocks`` without one)."""
+    dense = bm.to_dense().to(torch.bool).cpu()             # [B, H, S/bq, S/bkv]
+    nb, nh = int(dense.shape[0]), int(dense.shape[1])
+    bq, bkv = (int(n) for n in bm.BLOCK_SIZE)
+
+    table = dense[:, 0] if nh == 1 else dense              # B = 1 / H = 1 broadcast: the
+    table = table[0] if nb == 1 else table                 # mod then does not read b / h
+
+    def block_table_mod(b, h, q_idx, kv_idx):
+        bh = (() if nb == 1 else (b,)) + (() if nh == 1 else (h,))
+        return table.to(q_idx.device)[bh + (torch.div(q_idx, bq, rounding_mode="floor"),
+                                            torch.div(kv_idx, bkv, rounding_mode="floor"))]
+    block_table_mod.__name__ = f"block_table(BLOCK_SIZE=({bq}, {bkv}))"
+    if nb == 1 and nh == 1:
+        block_table_mod.bh_invariant = True
+    return block_table_mod
+
+
+def _from_block_mask(bm, *, seq_len: int, block_size: int, batch_size: int | None,
+                     num_heads: int | None) -> tuple[Callable, int | None, int | None]:
+    """The mask_mod :func:`plan` classifies for a FlexAttention ``BlockMask``, and the B / H
+    it records. See :func:`plan` (``mask_mod``)."""
+    from torch.nn.attention.flex_attention import noop_mask
+    q_len, kv_len = (int(n) for n in bm.seq_lengths)
+    if (q_len, kv_len) != (seq_len, seq_len):
+        raise ValueError(
+            f"the BlockMask was built for Q_LEN={q_len}, KV_LEN={kv_len} but seq_len={seq_len}: "
+            f"context-parallel attention is self-attention over the S global tokens, so build it "
+            f"with create_block_mask(mask_mod, B, H, {seq_len}, {seq_len}, device=...) or plan "
+            f"with the length it was made for")
+    B, H = int(bm.shape[0]), int(bm.shape[1])
+    for n, given, arg, dim in ((B, batch_size, "batch_size", "B"), (H, num_heads, "num_heads", "H")):
+        if n > 1 and given is not None and given != n:
+            raise ValueError(f"the BlockMask was built for {dim}={n} but {arg}={given}; pass "
+                             f"{arg}={n} (or build the BlockMask with {dim}={given}, or {dim}=None "
+                             f"to broadcast)")
+    batch_size = B if B > 1 else batch_size                # B=None / H=None broadcast: any
+    num_heads = H if H > 1 else num_heads
+    mod = bm.mask_mod
+    tables = mod is None or mod is noop_mask
+    if tables:                                             # its block tables are the mask
+        dense = bm.to_dense()
+        mod = _masks.full() if bool(dense.all()) else _block_table_mod(bm)
+    bq, bkv = (int(n) for n in bm.BLOCK_SIZE)
+    if (bq, bkv) != (block_size, block_size):
+        what = ("its block tables (it has no mask_mod: they are the mask) at token level" if tables
+                else "its mask_mod")
+        warnings.warn(
+            f"fringe.plan: the BlockMask has BLOCK_SIZE=({bq}, {bkv}) but the plan's "
+            f"block_size={block_size}, so fringe re-blocked it: it classified {what} in "
+            f"{block_size}-token blocks (the attention is the same; only the granularity of "
+            f"skipped and masked blocks differs). Pass block_size={bq if bq == bkv else 'n'} to "
+            f"keep the BlockMask's blocking (L=S/P must be a multiple of it), or build the "
+            f"BlockMask with BLOCK_SIZE={block_size}", stacklevel=3)
+    return mod, batch_size, num_heads
+
+
 def plan(schedule: Schedule, mask_mod: Callable | None = None, *, seq_len: int,
          world_size: int, block_size: int = DEFAULT_BLOCK_SIZE,
          score_mod: Callable | None = None, scale: float | None = None,
@@ -840,7 +901,17 @@ def plan(schedule: Schedule, mask_mod: Callable | None = None, *, seq_len: int,
         mask_mod: FlexAttention-style ``mask_mod(b, h, q_idx, kv_idx)`` on global
             positions; ``None`` means full attention. The plan keeps a snapshot
             (:func:`fringe.masks.snapshot`): refilling a tensor the mask captured (next
-            batch's document ids) does not change a plan already made.
+            batch's document ids) does not change a plan already made. A FlexAttention
+            ``BlockMask`` (``create_block_mask(mask_mod, B, H, S, S, ...)``) is taken as its
+            ``mask_mod``: the plan equals one made from that mask_mod (same digests), since
+            fringe classifies blocks from the mask_mod itself and does not read the
+            BlockMask's tables. Its ``seq_lengths`` must be ``(seq_len, seq_len)``; a B or H
+            above 1 must agree with ``batch_size`` / ``num_heads`` and is recorded as them
+            (B=None / H=None broadcast: nothing recorded). A ``BLOCK_SIZE`` other than
+            ``(block_size, block_size)`` is re-blocked: the mask_mod is classified at
+            ``block_size``, with a warning saying so. A BlockMask without a mask_mod
+            (``BlockMask.from_kv_blocks(...)``: ``noop_mask``) is its block tables, as
+            FlexAttention runs it: a token pair is allowed iff its block is listed.
         seq_len: S, the global sequence length.
         world_size: P, the context-parallel group size.
         block_size: mask block in tokens (classification and kernel granularity).
@@ -889,9 +960,14 @@ def plan(schedule: Schedule, mask_mod: Callable | None = None, *, seq_len: int,
     if kernel is not None:
         from .ops import get_kernel
         get_kernel(kernel)                  # unknown names raise here, not at the first tile
+    from torch.nn.attention.flex_attention import BlockMask
+    if isinstance(mask_mod, BlockMask):
+        mask_mod, batch_size, num_heads = _from_block_mask(
+            mask_mod, seq_len=seq_len, block_size=block_size, batch_size=batch_size,
+            num_heads=num_heads)
     if mask_mod is not None and not callable(mask_mod):
-        raise TypeError(f"mask_mod must be callable (b, h, q_idx, kv_idx) -> bool tensor, got "
-                        f"{type(mask_mod).__name__}")
+        raise TypeError(f"mask_mod must be callable (b, h, q_idx, kv_idx) -> bool tensor, or a "
+                        f"FlexAttention BlockMask, got {type(mask_mod).__name__}")
     mask_mod = mask_mod if mask_mod is not None else _masks.full()
     mask_mod = _masks.snapshot(mask_mod)
     for leaf, ids in _document_leaves(mask_mod):
