@@ -273,10 +273,10 @@ class Plan:
         progs = hashlib.sha1(self.schedule.name.encode())
         for programs in (self.forward, self.backward):
             try:                # columns: no op objects built (millions at P=1024)
-                progs.update(ProgramTable.of(programs).digest().encode())
-            except TypeError:   # ops the table has no columns for: their text
-                for prog in programs:
-                    progs.update(str(prog).encode())
+                tab = ProgramTable.of(programs)
+            except TypeError:   # head slices or collectives: the general form, whose digest
+                tab = ProgramTable.general_of(programs)  # equals the plain one's and the
+            progs.update(tab.digest().encode())          # builder's (pickled plans agree)
         out = {
             "layout": sha(self.layout.fingerprint(), self.layout.order.numpy().tobytes()),
             "programs": progs.hexdigest()[:16],

@@ -56,10 +56,14 @@ def head_splits(plan) -> tuple[int, ...]:
     """The ways the plan's programs split heads (``n`` of every ``h<i>/<n>`` buffer), sorted."""
     hit = plan.__dict__.get("_head_splits")
     if hit is None:
-        found = set()
+        found, tables = set(), set()
         for progs in (plan.forward, plan.backward):
             for prog in progs:
-                if prog.table is not None:        # columns hold no head slices
+                tab = prog.table
+                if tab is not None:               # every program form: read its columns
+                    if id(tab) not in tables:
+                        tables.add(id(tab))
+                        found.update(tab.head_splits())
                     continue
                 for _, op in prog.ops():
                     for b in op.reads() + op.writes():

@@ -32,6 +32,8 @@ r0:
 """
 from __future__ import annotations
 
+import functools
+
 import weakref
 
 import numpy as np
@@ -183,7 +185,7 @@ def allgather(pieces: int = 2) -> Schedule:
     if isinstance(pieces, bool) or not isinstance(pieces, int) or pieces < 1:
         raise ValueError(f"allgather(pieces=) must be an int >= 1, got {pieces!r}")
     return Schedule("allgather" if pieces == 2 else f"allgather({pieces})", layout=_layout.zigzag,
-                    build=lambda P, need: _allgather_programs(P, need, pieces=pieces))
+                    build=functools.partial(_allgather_programs, pieces=pieces))
 
 
 # ---------------------------------------------------------------------------------------
@@ -335,6 +337,10 @@ def _uses_by_chunk(uses: np.ndarray, P: int) -> np.ndarray:
     return use
 
 
+def _ulysses_programs(P: int, need: np.ndarray | None) -> list[Program]:
+    return _composed_programs(None, P, P, need)
+
+
 def ulysses() -> Schedule:
     """Ulysses (DeepSpeed): all-to-all to head-sharded, full-sequence attention, all-to-all back.
 
@@ -360,7 +366,7 @@ def ulysses() -> Schedule:
     └────────┴──────────────────────────────────┴──────────────────────────────────┘
     """
     return Schedule("ulysses", layout=_layout.contiguous,
-                    build=lambda P, need: _composed_programs(None, P, P, need))
+                    build=_ulysses_programs)
 
 
 # ---------------------------------------------------------------------------------------
@@ -701,8 +707,8 @@ def compose(outer: Schedule, inner: Schedule, *, inner_size: int) -> Schedule:
                                   block_size=block_size)
 
     name = f"compose({outer.name}, {inner.name}, inner_size={k})"
-    build = ((lambda P, need: _composed_programs(outer, k, P, need)) if heads else
-             (lambda P, need: _double_programs(outer, inner, k, P, need)))
+    build = (functools.partial(_composed_programs, outer, k) if heads else
+             functools.partial(_double_programs, outer, inner, k))
     sched = Schedule(name, layout=make, build=build,
                      mask_aware=outer.mask_aware or inner.mask_aware)
     _INNER_SIZES[sched] = k

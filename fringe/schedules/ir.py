@@ -1016,28 +1016,82 @@ class ProgramTable:
             return len(comp["rank"]) + 2 * len(xfer["src"]) + n_coll
         return len(self._cols[0])
 
+    def head_splits(self) -> set[int]:
+        """The ways the table's buffers split heads (``n`` of every ``h<i>/<n>``), from the
+        columns: only the general form holds head slices."""
+        if not self.general:
+            return set()
+        import numpy as np
+        comp, xfer, coll = self._parts
+        found = set()
+        for x in (comp["hn"], xfer["hn"], coll["slot_hn"]):
+            if len(x):
+                found.update(int(n) for n in np.unique(x) if n)
+        return found
+
     def programs(self) -> tuple[Program, ...]:
         """One (lazily built) program per rank."""
         return self._programs
 
     def digest(self) -> str:
-        """A hash of the columns: equal for equal programs, without building any op.
+        """A hash of the programs: equal for equal programs whatever their form (rows, plain
+        parts, general parts, or op objects turned into a table), without building any op.
 
-        ``ProgramTable.of(plan.forward).digest()`` is what a plan fingerprint can hash at
-        P=1024 instead of the programs' text (millions of ops).
+        Every form hashes the same canonical columns: one row per op in program order
+        (``rank, step, kind, a, b, c`` as the row columns; a collective side is kind
+        ``4 + its code`` with ``a`` its group's index in order of first use and ``b, c`` its
+        send and receive slot counts), then head slices and collective slots only when
+        there are any. ``ProgramTable.of(plan.forward).digest()`` is what a plan fingerprint
+        hashes at P=1024 instead of the programs' text (millions of ops).
         """
         import hashlib
         h = hashlib.sha1(f"programs/{self.world_size}/".encode())
-        if self.general:            # the parts in a canonical order (int64), and the groups
-            import numpy as np
-            for part in self._parts:
-                for k in sorted(part):
-                    h.update(k.encode())
-                    h.update(repr(part[k]).encode() if k == "groups" else
-                             np.ascontiguousarray(part[k], dtype=np.int64).tobytes())
-            return "g" + h.hexdigest()[1:]
-        for col in self._rows():
-            h.update(col.tobytes())
+        if not self.general:
+            for col in self._rows():
+                h.update(col.tobytes())
+            return h.hexdigest()
+        import numpy as np
+        comp, xfer, coll = self._parts
+        i64 = lambda x: np.asarray(x, dtype=np.int64)
+        nc, nx, nk = len(comp["rank"]), len(xfer["src"]), len(coll["rank"])
+        cat = np.concatenate
+        slot_side = i64(coll["slot_side"])
+        n_send = np.bincount(slot_side[i64(coll["slot_dir"]) == 0], minlength=nk)[:nk]
+        n_recv = np.bincount(slot_side[i64(coll["slot_dir"]) == 1], minlength=nk)[:nk]
+        rank = cat([i64(comp["rank"]), i64(xfer["src"]), i64(xfer["dst"]), i64(coll["rank"])])
+        step = cat([i64(comp["step"]), i64(xfer["step"]), i64(xfer["step"]), i64(coll["step"])])
+        order = cat([i64(comp["order"]), i64(xfer["order"]), i64(xfer["rorder"]),
+                     i64(coll["order"])])
+        tie = np.repeat(np.arange(4), [nc, nx, nx, nk])
+        kind = cat([i64(comp["kind"]), np.full(nx, S_), np.full(nx, R_), 4 + i64(coll["kind"])])
+        a = cat([i64(comp["q"]), i64(xfer["fam"]), i64(xfer["fam"]), i64(coll["group"])])
+        b = cat([i64(comp["kv"]), i64(xfer["chunk"]), i64(xfer["chunk"]), n_send])
+        c = cat([np.full(nc, -1), i64(xfer["dst"]), i64(xfer["src"]), n_recv])
+        hi = cat([i64(comp["hi"]), i64(xfer["hi"]), i64(xfer["hi"]), np.zeros(nk, np.int64)])
+        hn = cat([i64(comp["hn"]), i64(xfer["hn"]), i64(xfer["hn"]), np.zeros(nk, np.int64)])
+        o = np.lexsort((tie, order, step, rank))          # stable: the programs' op order
+        sides = o[o >= 2 * nx + nc] - (2 * nx + nc)      # collective sides in program order
+        if nk:                                           # groups by first use, not by index
+            g = a[2 * nx + nc:]
+            first = {}
+            for x in g[sides].tolist():
+                first.setdefault(x, len(first))
+            a = a.copy()
+            a[2 * nx + nc:] = [first[x] for x in g.tolist()]
+        for col in (rank, step, kind, a, b, c):
+            h.update(np.ascontiguousarray(col[o]).tobytes())
+        if hn.any():
+            h.update(b"heads")
+            h.update(np.ascontiguousarray(hi[o]).tobytes())
+            h.update(np.ascontiguousarray(hn[o]).tobytes())
+        if nk:
+            groups = coll["groups"]
+            h.update(b"collectives")
+            h.update(repr([groups[x] for x in sorted(first, key=first.get)]).encode())
+            so = np.lexsort((i64(coll["slot_idx"]), i64(coll["slot_dir"]),
+                             np.argsort(sides)[slot_side]))   # slots by side's program position
+            for k in ("slot_dir", "slot_idx", "slot_fam", "slot_chunk", "slot_hi", "slot_hn"):
+                h.update(np.ascontiguousarray(i64(coll[k])[so]).tobytes())
         return h.hexdigest()
 
     def _rank_cols(self, rank: int):
