@@ -19,6 +19,7 @@ PUBLIC = {
                          "allgather", "balanced", "compose", "ulysses", "get", "names", "register",
                          "Schedule", "ScheduleError", "Send", "Step", "check", "lower", "parse_op",
                          "prune", "reverse", "ring", "ring_hops", "striped", "zigzag"],
+    "fringe.train": ["GradSync", "Step", "dp_cp_mesh", "group_ranks"],
     "fringe.runtime": ["CommTimeout", "DistRuntime", "DistTransport", "Pool", "RankMismatch",
                        "RankState", "Runtime", "StepRecord", "VirtualMesh", "VirtualRuntime",
                        "execute"],
