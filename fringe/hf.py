@@ -6,12 +6,18 @@ Ten lines (see ``examples/hf_train.py`` for the whole loop)::
     from fringe import masks, packing, schedules
     fringe.hf.register()                                         # once per process
     model = LlamaForCausalLM(config)                             # config._attn_implementation="fringe"
-    doc_ids = packing.doc_ids_from_cu_seqlens(cu_seqlens)        # this batch's documents
+    doc_ids = packing.doc_ids_from_cu_seqlens(cu_seqlens)        # this batch's documents, [B, S]
     plans = fringe.hf.plans(model, schedules.zigzag(), packing.document_mask(doc_ids),
-                            seq_len=S, world_size=P)              # one plan per layer kind, one layout
+                            seq_len=S, world_size=P, batch_size=B)  # one plan per layer kind, one layout
     shard = packing.shard_batch(input_ids, labels, plan=plans.plans, rank=rank, cu_seqlens=cu_seqlens)
     out = model(**fringe.hf.model_inputs(shard, plans), use_cache=False)
     out.loss.backward()          # this rank's share: sum the CP ranks' gradients (all_reduce SUM)
+
+``batch_size=B`` is needed when documents differ per row (per-row ``cu_seqlens`` or
+``position_ids`` give ``doc_ids [B, S]``, a mask that reads ``b``) and harmless otherwise (the
+plans then accept only B rows). ``labels`` follow transformers' convention (aligned with
+``input_ids``, usually ``labels = input_ids``): ``shard_batch`` shifts them on the global
+sequence before sharding; pass ``shift=False`` for labels that are next-token targets already.
 
 How the pieces meet transformers (read from its ``integrations/sdpa_attention.py``,
 ``modeling_utils.AttentionInterface`` and ``masking_utils``):
@@ -35,7 +41,9 @@ Legend: B batch · H query heads · G kv heads · S global sequence · L = S/P �
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+import re
 from typing import Any, Callable
 
 import torch
@@ -181,6 +189,48 @@ def layer_kinds(model) -> list[dict]:
     return list(kinds.values())
 
 
+def _named_plans(fn: Callable) -> Callable:
+    """Errors raised under :func:`plans` name ``fringe.hf.plans``, the function the user
+    called, not the :func:`fringe.plan` it calls for each layer kind (whose messages say
+    which keyword to pass: ``batch_size=``, ``block_size=``...: keywords of
+    ``fringe.hf.plans`` too)."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except (ValueError, TypeError) as e:
+            if type(e) not in (ValueError, TypeError):
+                raise
+            msg = re.sub(r"\bfringe\.plan\b(?![\w.])", "fringe.hf.plans", str(e))
+            if not msg.startswith("fringe.hf.plans"):
+                msg = f"fringe.hf.plans: {msg}"
+            raise type(e)(msg).with_traceback(e.__traceback__) from None
+    return wrapper
+
+
+def _check_rows(mask, plan_kwargs: dict) -> None:
+    """A mask whose document ids differ per row (``doc_ids [B, S]``) needs ``batch_size=B``."""
+    rows = sorted({int(t.shape[0]) for t in _packing._and_documents(mask) if t.dim() == 2})
+    if not rows:
+        return
+    given = plan_kwargs.get("batch_size")
+    if len(rows) > 1:
+        raise ValueError(f"fringe.hf.plans: the mask's document ids have {rows} rows in different "
+                         f"parts; give every part one id row per batch row")
+    B = rows[0]
+    if given is None:
+        raise ValueError(f"fringe.hf.plans: the mask's document ids differ per row ({B} rows: "
+                         f"per-row cu_seqlens or position_ids), so each row's blocks are "
+                         f"classified and the plans are for batches of {B} rows; pass "
+                         f"batch_size={B} to fringe.hf.plans(model, schedule, mask, seq_len=, "
+                         f"world_size=, batch_size={B})")
+    if given != B:
+        raise ValueError(f"fringe.hf.plans: batch_size={given} but the mask's document ids have {B} "
+                         f"rows (one per batch row); pass batch_size={B}, or document ids of "
+                         f"{given} rows")
+
+
+@_named_plans
 def plans(model, schedule, mask=None, *, seq_len: int, world_size: int, group=None,
           timeout_s: float | None = None, layout=None, **plan_kwargs) -> Plans:
     """Plan ``mask`` for every attention-layer kind of ``model``, over one layout.
@@ -204,18 +254,36 @@ def plans(model, schedule, mask=None, *, seq_len: int, world_size: int, group=No
         model: a transformers model (or anything :func:`layer_kinds` reads).
         schedule: e.g. ``schedules.zigzag()``.
         mask: the batch's mask on global positions (e.g. ``packing.document_mask(doc_ids)``),
-            without causal / window (added per layer); None: full.
+            without causal / window (added per layer); None: full. A FlexAttention
+            ``BlockMask`` is taken as its mask_mod, as :func:`fringe.plan` takes one.
         seq_len, world_size: S (the batch's real length) and P.
         group, timeout_s: for :func:`fringe.attention`.
         layout: a :class:`fringe.Layout` to plan over (default: from the first kind's plan).
         **plan_kwargs: passed to :func:`fringe.plan` (``block_size``, ``batch_size``, ``kv``,
-            ``kernel``, ``tp_size``...).
+            ``kernel``, ``tp_size``...). ``batch_size=B`` is required when the mask's
+            document ids differ per row (``packing.document_mask`` of ``doc_ids [B, S]``, from
+            per-row ``cu_seqlens`` or ``position_ids``), and the plans then take batches of B
+            rows only.
 
     Returns:
         :class:`Plans` (``real_len=S`` when padded).
+
+    Raises:
+        ValueError / TypeError: as :func:`fringe.plan`, naming ``fringe.hf.plans`` and its
+            keyword to fix (e.g. ``batch_size=`` for per-row documents, with the value).
     """
     kinds = sorted(layer_kinds(model), key=lambda k: (k["sliding_window"] is not None,
                                                        k["sliding_window"] or 0))
+    from torch.nn.attention.flex_attention import BlockMask
+    if isinstance(mask, BlockMask):          # its mask_mod, checked as fringe.plan does
+        from .layout import DEFAULT_BLOCK_SIZE
+        from .plan import _from_block_mask
+        mask, B, H = _from_block_mask(
+            mask, seq_len=seq_len, block_size=plan_kwargs.get("block_size", DEFAULT_BLOCK_SIZE),
+            batch_size=plan_kwargs.get("batch_size"), num_heads=plan_kwargs.get("num_heads"))
+        plan_kwargs.update({k: v for k, v in (("batch_size", B), ("num_heads", H))
+                            if v is not None})
+    _check_rows(mask, plan_kwargs)
     real_len = None
     padded = _padded_len(schedule, seq_len, world_size, layout, plan_kwargs)
     if padded != seq_len:

@@ -13,6 +13,13 @@ turns those into a mask_mod. :func:`shard_batch` takes the **global** packed bat
 labels **shifted before sharding** (shifting after sharding silently drops the target of the
 last token on every rank), global RoPE positions and the layout's fingerprint.
 
+Labels follow transformers' convention by default: ``labels`` are aligned with
+``input_ids`` (usually ``labels = input_ids``) and the next-token shift happens in the loss,
+so :func:`shard_batch` shifts them (``shift=True``) on the global sequence. Labels that are
+already next-token targets (``labels[:, i]`` is the target of token ``i``, what transformers
+calls ``shift_labels``) are passed with ``shift=False`` and used as given; ``shift=True`` on
+such labels (they equal ``input_ids`` moved one to the left) raises rather than shift twice.
+
 A length the layout does not take is padded at the end (:func:`pad_batch`, or
 :func:`shard_batch` itself for plans made by :func:`pad_mask`): the pad tokens attend to
 nothing and nothing attends to them (:func:`real_tokens`, a structured rule, so blocks wholly
@@ -762,7 +769,8 @@ class Shard:
     Attributes:
         input_ids: int64 ``[B, L]``, tokens ``plan.layout.positions(rank)`` of each row.
         shift_labels: int64 ``[B, L]`` next-token targets, shifted on the global sequence
-            before sharding (``IGNORE_INDEX`` across document boundaries and at the end).
+            before sharding (``IGNORE_INDEX`` across document boundaries and at the end), or
+            the labels as given with ``shard_batch(..., shift=False)``.
         position_ids: int64 ``[B, L]`` global RoPE positions of the local tokens (within
             their document when the batch restarts positions per document).
         doc_ids: int64 ``[S]`` or ``[B, S]`` global document ids (what the plans' masks use).
@@ -844,10 +852,27 @@ def _check_padding(plans: list, real_len: int, padded: int) -> None:
                 f"packing.document_mask(doc_ids, real_len={real_len})")
 
 
+def _check_unshifted(ids: torch.Tensor, lab: torch.Tensor, ignore_index: int) -> None:
+    """Raise if ``lab`` is plainly ``ids`` shifted already: every label that is not ignored
+    is the next token (``lab[:, i] == ids[:, i+1]``, none at the last position) and some
+    differ from ``ids`` itself (so they are not ``labels = input_ids``)."""
+    keep = lab != ignore_index
+    if not bool(keep.any()) or bool(keep[:, -1].any()):
+        return
+    nxt = torch.cat([ids[:, 1:], ids[:, -1:]], dim=1)
+    if bool((lab == nxt)[keep].all()) and bool((lab != ids)[keep].any()):
+        raise ValueError(
+            "shard_batch: the labels are already next-token targets (labels[:, i] == "
+            "input_ids[:, i+1] wherever a label is not ignore_index) but shift=True (the "
+            "default, transformers' convention: labels aligned with input_ids, usually "
+            "labels=input_ids, shifted here) would shift them again and train on the token "
+            "after next. Pass shift=False to use them as given, or pass unshifted labels")
+
+
 def shard_batch(input_ids: torch.Tensor, labels: torch.Tensor | None = None, *, plan,
                 rank: int | None = None, group=None, cu_seqlens=None, position_ids=None,
                 restart_positions: bool = True, real_len: int | None = None, pad_id: int = 0,
-                ignore_index: int = IGNORE_INDEX) -> Shard:
+                ignore_index: int = IGNORE_INDEX, shift: bool = True) -> Shard:
     """This rank's shard of a packed global batch.
 
     The batch and the plans are checked against each other (:func:`check_batch`): a plan
@@ -859,7 +884,8 @@ def shard_batch(input_ids: torch.Tensor, labels: torch.Tensor | None = None, *, 
 
     Give the document boundaries as ``cu_seqlens`` or as ``position_ids`` (not both; neither
     means one document per row). Labels are shifted on the global sequence FIRST
-    (:func:`shift_labels`), then sharded.
+    (:func:`shift_labels`), then sharded; with ``shift=False`` they are taken as next-token
+    targets already and only sharded.
 
     Padding: a batch shorter than the plans' layout is padded here (:func:`pad_batch`) when
     the plans were made for it, i.e. every plan's mask removes the padding
@@ -870,8 +896,9 @@ def shard_batch(input_ids: torch.Tensor, labels: torch.Tensor | None = None, *, 
 
     Args:
         input_ids: int ``[B, S]`` (or ``[S]``) the global packed batch, same on every rank.
-        labels: int ``[B, S]`` unshifted labels (usually ``input_ids``; ``ignore_index`` to
-            mask a token as a target), or None.
+        labels: int ``[B, S]`` labels aligned with ``input_ids`` (usually ``input_ids``;
+            ``ignore_index`` to mask a token as a target), or with ``shift=False``
+            next-token targets; or None.
         plan: the :class:`fringe.Plan` (or a list / dict of plans sharing one layout, e.g.
             one per attention-mask kind of the model) the tokens are sharded for.
         rank: this rank's plan rank; or
@@ -887,6 +914,14 @@ def shard_batch(input_ids: torch.Tensor, labels: torch.Tensor | None = None, *, 
             ``real_len``); None: the batch's own length.
         pad_id: the token id of the padding added here.
         ignore_index: the ignored label.
+        shift: True (default; transformers' convention, where ``labels`` are aligned with
+            ``input_ids`` and the causal-LM loss shifts them): ``labels`` are shifted on the
+            global sequence here, ``ignore_index`` across document boundaries and at the
+            end. False: ``labels`` are already next-token targets (``labels[:, i]`` is the
+            target of token ``i``, transformers' ``shift_labels``) and are sharded as given
+            (padding added here or marked by ``real_len`` is still ignored). Either way
+            ``Shard.shift_labels`` holds the targets and ``num_items`` counts those that are
+            not ``ignore_index`` in the global batch.
 
     Returns:
         a :class:`Shard`.
@@ -894,8 +929,15 @@ def shard_batch(input_ids: torch.Tensor, labels: torch.Tensor | None = None, *, 
     Raises:
         ValueError: both or invalid boundaries, sizes that do not match the plan, a padded
             batch whose plans do not mask the padding out, plans over different layouts, a
-            batch mismatch (the plans were made for another batch).
+            batch mismatch (the plans were made for another batch), or ``shift=True`` with
+            labels that are plainly next-token targets already (``input_ids`` moved left by
+            one: every label not ignored is the next token, and some differ from
+            ``input_ids``), which would be shifted twice.
     """
+    if not isinstance(shift, bool):
+        raise TypeError(f"shard_batch: shift must be True (labels aligned with input_ids, "
+                        f"shifted here) or False (labels already next-token targets), got "
+                        f"{shift!r}")
     plans = _plans_of(plan)
     lay = _layout_of(plans)
     rank = lay._resolve_rank(rank, group)
@@ -951,9 +993,15 @@ def shard_batch(input_ids: torch.Tensor, labels: torch.Tensor | None = None, *, 
         lab = lab.view(1, -1) if lab.dim() == 1 else lab
         if tuple(lab.shape) != (B, S):
             raise ValueError(f"labels must have the shape of input_ids {(B, S)}, got {tuple(lab.shape)}")
-        shifted = shift_labels(lab, doc, ignore_index=ignore_index)
-        if real_len is not None:        # no target is, or belongs to, a pad token
-            shifted[:, real_len - 1:] = ignore_index
+        if shift:
+            _check_unshifted(ids, lab, ignore_index)
+            shifted = shift_labels(lab, doc, ignore_index=ignore_index)
+            if real_len is not None:    # no target is, or belongs to, a pad token
+                shifted[:, real_len - 1:] = ignore_index
+        else:                           # next-token targets already: as given
+            shifted = lab.clone()
+            if real_len is not None:    # pad tokens have no target
+                shifted[:, real_len:] = ignore_index
         num = int((shifted != ignore_index).sum())
         tgt = lay.shard(shifted, rank, dim=1)
     key = BatchKey.of(doc, seq_len=S, real_len=real_len, batch_size=B,
