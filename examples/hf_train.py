@@ -1,31 +1,37 @@
 """Train a Hugging Face Llama under fringe CP on gloo ranks, checked against one process.
 
-    python examples/hf_train.py --world-size 2            # or 4; --model qwen2 adds a window layer
+    python examples/hf_train.py --world-size 2            # P=2 CP ranks (dp=1)
+    python examples/hf_train.py --world-size 4 --cp 2     # a 2 x 2 (dp, cp) mesh, FSDP2
+    #   --parallel ddp: DDP instead of FSDP2; --model qwen2 adds a window layer; --threads N
 
 A tiny Llama-architecture model (random weights from a config, no downloads) trains for a
 few steps on packed synthetic documents whose boundaries change every batch (and differ
-between the rows of a batch). Twice, from the same weights and data:
+between the rows of a batch, and between the data-parallel replicas). Twice, from the same
+weights and data:
 
-* CP: ``attn_implementation="fringe"`` on P spawned gloo ranks; each rank gets its shard
-  from :func:`fringe.packing.shard_batch` (labels shifted on the global sequence before
-  sharding, global RoPE positions restarting per document), its loss is its token-weighted
-  share (sum over its targets / global target count) and gradients are SUMMED over ranks.
-  A ``--seq-len`` that does not fit the layout (e.g. 250 at block 32) is padded by fringe:
+* CP: ``attn_implementation="fringe"`` on ``--world-size`` spawned gloo ranks, a (dp, cp)
+  ``DeviceMesh`` (dp = world size / cp). The model is wrapped by FSDP2's ``fully_shard``
+  (or DDP) over the dp x cp ranks, and :class:`fringe.train.GradSync` makes the gradient
+  reduction a sum of the ranks' token-weighted shares (each rank: sum over its targets /
+  the global target count over every replica). Each replica gets its own batch; each CP
+  rank its shard from :func:`fringe.packing.shard_batch` (labels shifted on the global
+  sequence before sharding, global RoPE positions restarting per document). A
+  ``--seq-len`` that does not fit the layout (e.g. 250 at block 32) is padded by fringe:
   pad tokens attend to nothing and their labels are ignored, so the loss is the unpadded one.
-* one process: transformers' own ``sdpa`` attention on the whole batch, packed documents
-  given as ``position_ids`` that restart per document (transformers then builds the
-  document mask itself; ``use_cache=False``, since its packed-sequence detection turns off
-  when a KV cache exists). Every step checks the mask its attention layers receive equals
-  causal & same-document (& window).
+* one process: transformers' own ``sdpa`` attention on every replica's rows as one batch,
+  packed documents given as ``position_ids`` that restart per document (transformers then
+  builds the document mask itself; ``use_cache=False``, since its packed-sequence detection
+  turns off when a KV cache exists). Every step checks the mask its attention layers
+  receive equals causal & same-document (& window).
 
-Prints the losses side by side and exits non-zero if any step differs by more than
-:data:`TOLERANCE`; the last line gives the max difference.
+Prints the losses side by side, each parameter's step-1 gradient error and the parameter
+difference after training, and exits non-zero if a loss differs by more than
+:data:`TOLERANCE` or a step-1 gradient by more than :data:`GRAD_TOLERANCE`.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import sys
 import time
 
@@ -35,12 +41,20 @@ import torch
 #: same float32 math up to the order of the attention sums (tiles merged by lse vs one
 #: fused kernel): ~1e-7 per step, amplified slowly by training. Measured max: see README.
 TOLERANCE = 1e-4
+#: Largest step-1 gradient error accepted, per parameter, relative to the tensor's largest
+#: entry: a gradient summed or averaged over the wrong ranks is off by a factor (0.5 at cp=2)
+#: while the loss still matches.
+GRAD_TOLERANCE = 1e-4
 IGNORE = -100
 
 
 @dataclasses.dataclass(frozen=True)
 class Config:
     world_size: int = 2
+    cp: int | None = None           # CP ranks per replica (None: world_size); dp = world_size / cp
+    parallel: str = "fsdp"          # "fsdp" (fully_shard) or "ddp", over the dp x cp ranks
+    threads: int | None = None      # torch intra-op threads per process (None: torch's default
+    #                                 here, cores / world_size on the ranks)
     seq_len: int = 256
     batch_size: int = 2
     steps: int = 4
@@ -55,6 +69,21 @@ class Config:
     vocab: int = 64
     lr: float = 3e-3
     seed: int = 0
+
+    @property
+    def cp_size(self) -> int:
+        return self.world_size if self.cp is None else self.cp
+
+    @property
+    def dp_size(self) -> int:
+        return self.world_size // self.cp_size
+
+    def __post_init__(self) -> None:
+        if self.cp_size < 1 or self.world_size % self.cp_size:
+            raise ValueError(f"--cp {self.cp} must divide --world-size {self.world_size} "
+                             f"(dp = world size / cp)")
+        if self.parallel not in ("fsdp", "ddp"):
+            raise ValueError(f"--parallel {self.parallel!r}: use fsdp or ddp")
 
 
 def model_config(cfg: Config, attn: str):
@@ -85,13 +114,14 @@ def build_model(cfg: Config, attn: str):
     return AutoModelForCausalLM.from_config(model_config(cfg, attn), dtype=torch.float32)
 
 
-def make_batch(step: int, cfg: Config) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """Packed rows of motif-repeating documents; new, per-row boundaries every step.
+def make_batch(step: int, cfg: Config, replica: int = 0) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Packed rows of motif-repeating documents; new, per-row boundaries every step and
+    for every data-parallel replica.
 
     Returns:
         input_ids int64 ``[B, S]`` and one ``cu_seqlens`` per row.
     """
-    g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step + 1)
+    g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step + 1 + 7919 * replica)
     S = cfg.seq_len
     ids, cus = torch.empty(cfg.batch_size, S, dtype=torch.int64), []
     for b in range(cfg.batch_size):
@@ -120,7 +150,10 @@ def _schedule(name: str):
 
 
 def cp_setup(rank: int, world_size: int, cfg: Config, weights: dict) -> int:
+    from torch.distributed.device_mesh import init_device_mesh
+
     import fringe.hf
+    import fringe.train
     fringe.hf.register()
     torch.manual_seed(cfg.seed)
     model = build_model(cfg, fringe.hf.NAME)
@@ -128,12 +161,33 @@ def cp_setup(rank: int, world_size: int, cfg: Config, weights: dict) -> int:
     model.train()
     if cfg.checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=dict(use_reentrant=False))
-    _STATE.update(cfg=cfg, model=model, opt=torch.optim.AdamW(model.parameters(), lr=cfg.lr))
+    # the (dp, cp) mesh; the wrapper reduces gradients over all its dp x cp ranks
+    mesh = init_device_mesh("cpu", (cfg.dp_size, cfg.cp_size), mesh_dim_names=("dp", "cp"))
+    dp_cp = fringe.train.dp_cp_mesh(mesh)
+    inner = model
+    if cfg.parallel == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=dp_cp)
+        fully_shard(model, mesh=dp_cp)
+    else:
+        from torch.nn.parallel import DistributedDataParallel
+        model = DistributedDataParallel(model, process_group=dp_cp.get_group())
+        inner = model.module
+    sync = fringe.train.GradSync(model, mesh)      # sum of the shares, by construction
+    _STATE.update(cfg=cfg, model=model, inner=inner, mesh=mesh, sync=sync,
+                  opt=torch.optim.AdamW(model.parameters(), lr=cfg.lr))
     return rank
 
 
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor (FSDP2's sharded parameter or gradient) gathered; a tensor as is."""
+    return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone()
+
+
 def cp_params(rank: int, world_size: int) -> dict:
-    return {k: v.detach().clone() for k, v in _STATE["model"].state_dict().items()}
+    out = {k: _full(v) for k, v in _STATE["inner"].state_dict().items()}    # collective (FSDP)
+    return out if rank == 0 else {}
 
 
 def cp_step(rank: int, world_size: int, step: int) -> dict:
@@ -142,36 +196,33 @@ def cp_step(rank: int, world_size: int, step: int) -> dict:
     import fringe
     import fringe.hf
     from fringe import packing
-    cfg, model, opt = _STATE["cfg"], _STATE["model"], _STATE["opt"]
-    input_ids, cus = make_batch(step, cfg)
+    cfg, model, opt, mesh, sync = (_STATE[k] for k in ("cfg", "model", "opt", "mesh", "sync"))
+    cp_mesh = mesh["cp"]
+    input_ids, cus = make_batch(step, cfg, replica=mesh.get_coordinate()[0])   # this replica's
     dist.barrier()
     t0 = time.perf_counter()
     doc_ids = packing.doc_ids_from_cu_seqlens(cus)                       # [B, S]
     mask = packing.document_mask(doc_ids)
-    plans = fringe.hf.plans(model, _schedule(cfg.schedule), mask, seq_len=cfg.seq_len,
-                            world_size=world_size, block_size=cfg.block_size,
+    plans = fringe.hf.plans(_STATE["inner"], _schedule(cfg.schedule), mask, seq_len=cfg.seq_len,
+                            world_size=cfg.cp_size, group=cp_mesh, block_size=cfg.block_size,
                             batch_size=cfg.batch_size if doc_ids.dim() == 2 else None)
     if cfg.boundaries == "cu_seqlens":
         bounds = dict(cu_seqlens=cus)
     else:
         bounds = dict(position_ids=packing.positions_in_document(doc_ids))
-    shard = packing.shard_batch(input_ids, input_ids, plan=plans.plans, rank=rank, **bounds)
-    opt.zero_grad(set_to_none=False)
+    shard = packing.shard_batch(input_ids, input_ids, plan=plans.plans, group=cp_mesh, **bounds)
+    # N = targets over every replica (one all-reduce); the plans must run on mesh["cp"]
+    acc = sync.step(num_items=shard.num_items, plans=plans)
     with fringe.recording() as rec:                     # counts fringe.attention calls
         out = model(**fringe.hf.model_inputs(shard, plans), use_cache=False)
-        out.loss.backward()                             # this rank's share of the global mean
-    grads = [p.grad for p in model.parameters()]
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat)                               # SUM, not mean: shares add up
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset:offset + g.numel()].view_as(g))
-        offset += g.numel()
+        acc.backward(out.loss, num_items=shard.num_items)   # HF's loss: this rank's sum / num_items
+    grads = None
+    if step == 0:                                       # the reduced gradients (collective)
+        grads = {n: _full(p.grad) for n, p in _STATE["inner"].named_parameters()}
     opt.step()
-    total = out.loss.detach().to(torch.float64)
-    dist.all_reduce(total)
-    return dict(loss=total.item(), seconds=time.perf_counter() - t0, attention_calls=len(rec.runtimes),
-                padded_len=plans.layout.seq_len)
+    opt.zero_grad()
+    return dict(loss=acc.loss(), seconds=time.perf_counter() - t0, attention_calls=len(rec.runtimes),
+                padded_len=plans.layout.seq_len, grads=grads if rank == 0 else None)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -219,11 +270,14 @@ def single_run(cfg: Config, weights: dict) -> tuple[list[dict], dict]:
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     out = []
+    grads = None
     for step in range(cfg.steps):
-        input_ids, cus = make_batch(step, cfg)
+        parts = [make_batch(step, cfg, replica=d) for d in range(cfg.dp_size)]
+        input_ids = torch.cat([ids for ids, _ in parts])               # every replica's rows
+        cus = [cu for _, c in parts for cu in c]
         t0 = time.perf_counter()
         doc_ids = packing.doc_ids_from_cu_seqlens(cus)
-        position_ids = packing.positions_in_document(doc_ids).expand(cfg.batch_size, -1)
+        position_ids = packing.positions_in_document(doc_ids).expand(input_ids.shape[0], -1)
         targets = packing.shift_labels(input_ids, doc_ids)
         extra = {}
         if cfg.model == "gpt_oss":
@@ -243,9 +297,11 @@ def single_run(cfg: Config, weights: dict) -> tuple[list[dict], dict]:
             raise AssertionError(f"the mask check saw layers {seen}")
         opt.zero_grad(set_to_none=False)
         res.loss.backward()
+        if step == 0:
+            grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
         opt.step()
         out.append(dict(loss=res.loss.item(), seconds=time.perf_counter() - t0))
-    return out, {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return out, {k: v.detach().clone() for k, v in model.state_dict().items()}, grads
 
 
 # ---------------------------------------------------------------------------------------------
@@ -262,20 +318,26 @@ def run(cfg: Config, *, progress=print, timeout_s: float = 300.0, workers=None) 
     from fringe.launch import Workers
     torch.manual_seed(cfg.seed)
     weights = {k: v.clone() for k, v in build_model(cfg, reference_attention(cfg)).state_dict().items()}
-    single, final = single_run(cfg, weights)
+    single, final, single_grads = single_run(cfg, weights)
     cp = []
     pool = contextlib.nullcontext(workers) if workers is not None else \
-        Workers(cfg.world_size, timeout_s=timeout_s)
+        Workers(cfg.world_size, timeout_s=timeout_s, threads=cfg.threads)
     with pool as w:
         if w.world_size != cfg.world_size:
             raise ValueError(f"workers has {w.world_size} ranks, the config asks for {cfg.world_size}")
         w.run(cp_setup, cfg, weights)
         for step in range(cfg.steps):
             res = w.run(cp_step, step)
+            if step == 0:
+                cp_grads = res[0]["grads"]
             cp.append(dict(loss=res[0]["loss"], seconds=max(r["seconds"] for r in res),
                            attention_calls=res[0]["attention_calls"], padded_len=res[0]["padded_len"]))
         cp_final = w.run(cp_params)[0]
     param_diff = max(float((cp_final[k] - final[k]).abs().max()) for k in final)
+    # each parameter's reduced step-1 gradient vs one process, relative to its largest entry
+    grad_err = {n: float((cp_grads[n] - g).abs().max() / g.abs().max().clamp_min(1e-30))
+                for n, g in single_grads.items()}
+    worst = max(grad_err, key=grad_err.get)
     diffs = [abs(a["loss"] - b["loss"]) for a, b in zip(cp, single)]
     if cp and cp[0]["padded_len"] != cfg.seq_len:
         progress(f"S={cfg.seq_len} does not fit the layout: fringe padded it to {cp[0]['padded_len']} "
@@ -289,17 +351,28 @@ def run(cfg: Config, *, progress=print, timeout_s: float = 300.0, workers=None) 
                  f"{a['seconds']:>9.3f}  {b['seconds']:>13.3f}")
     max_diff = max(diffs)
     ok = all(d <= TOLERANCE for d in diffs) and all(torch.isfinite(torch.tensor(
-        [a["loss"] for a in cp])).tolist())
+        [a["loss"] for a in cp])).tolist()) and grad_err[worst] <= GRAD_TOLERANCE
+    progress(f"max step-1 gradient error {grad_err[worst]:.2e} of the tensor's largest entry "
+             f"({worst}; tolerance {GRAD_TOLERANCE:g})")
     progress(f"max |param diff| after training {param_diff:.2e}")
     progress(f"max |loss diff| {max_diff:.2e} (tolerance {TOLERANCE:g}, float32, {cfg.model}, "
-             f"P={cfg.world_size}, S={cfg.seq_len}, B={cfg.batch_size}): {'OK' if ok else 'FAILED'}")
-    return dict(cp=cp, single=single, max_diff=max_diff, param_diff=param_diff, ok=ok)
+             f"{cfg.parallel}, dp={cfg.dp_size} x cp={cfg.cp_size}, S={cfg.seq_len}, "
+             f"B={cfg.batch_size} per replica): {'OK' if ok else 'FAILED'}")
+    return dict(cp=cp, single=single, max_diff=max_diff, param_diff=param_diff,
+                grad_err=grad_err[worst], ok=ok)
 
 
 def main(argv: list[str] | None = None) -> int:
     d = Config()
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--world-size", type=int, default=d.world_size)
+    ap.add_argument("--cp", type=int, default=None,
+                    help="CP ranks per data-parallel replica (default: the world size, dp=1)")
+    ap.add_argument("--parallel", default=d.parallel, choices=["fsdp", "ddp"],
+                    help="FSDP2 fully_shard or DDP over the dp x cp ranks")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch intra-op threads per process (default: torch's own here, "
+                         "cores / world size on each rank)")
     ap.add_argument("--seq-len", type=int, default=d.seq_len)
     ap.add_argument("--batch-size", type=int, default=d.batch_size)
     ap.add_argument("--steps", type=int, default=d.steps)
@@ -311,10 +384,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--boundaries", default=d.boundaries, choices=["cu_seqlens", "position_ids"])
     ap.add_argument("--checkpointing", action="store_true", help="activation checkpointing on the CP side")
     a = ap.parse_args(argv)
-    cfg = Config(world_size=a.world_size, seq_len=a.seq_len, batch_size=a.batch_size, steps=a.steps,
+    cfg = Config(world_size=a.world_size, cp=a.cp, parallel=a.parallel, threads=a.threads,
+                 seq_len=a.seq_len, batch_size=a.batch_size, steps=a.steps,
                  block_size=a.block_size, model=a.model, window=a.window, schedule=a.schedule,
                  boundaries=a.boundaries, checkpointing=a.checkpointing)
-    torch.set_num_threads(max(1, (os.cpu_count() or 1)))
+    if a.threads is not None:
+        torch.set_num_threads(a.threads)
     return 0 if run(cfg)["ok"] else 1
 
 
