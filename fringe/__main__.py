@@ -43,6 +43,52 @@ def _number(cast: type, expected: str, ok: Callable[[float], bool]) -> Callable[
 positive_int = _number(int, "a positive integer (1, 2, ...)", lambda v: v >= 1)
 nonnegative_int = _number(int, "a non-negative integer below 2**63", lambda v: 0 <= v < 2 ** 63)
 positive_float = _number(float, "a positive, finite number", lambda v: v > 0 and math.isfinite(v))
+#: Heads and head dims: past this the cost model's int64 byte counts overflow (H*D*S*bytes).
+MAX_HEADS = 4096
+head_count = _number(int, f"a positive integer up to {MAX_HEADS}", lambda v: 1 <= v <= MAX_HEADS)
+#: Seconds: gloo keeps a process group's timeout in milliseconds in a C int (2**31 ms: 24.8 days).
+MAX_TIMEOUT_S = 10 ** 6
+timeout_s = _number(float, f"a positive number of seconds up to {MAX_TIMEOUT_S:,} (11.6 days)",
+                    lambda v: 0 < v <= MAX_TIMEOUT_S)
+
+
+_UNITS = {"": 1, "k": 2 ** 10, "m": 2 ** 20, "g": 2 ** 30, "t": 2 ** 40}
+
+
+def memory_size(text: str) -> int:
+    """argparse type: a number of bytes, with an optional binary unit: ``4G`` (also ``4GB``,
+    ``4GiB``; K, M, G, T are powers of 1024), ``512M``, ``1.5G`` or plain bytes."""
+    t = text.strip().lower().removesuffix("ib").removesuffix("b")
+    unit = t[-1:] if t[-1:] in _UNITS and t[-1:] else ""
+    try:
+        value = float(t[:len(t) - len(unit)]) * _UNITS[unit]
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value >= 1):
+        raise argparse.ArgumentTypeError(f"expected a memory size such as 4G, 512M or "
+                                         f"1.5GiB, got {text!r}")
+    return int(value)
+
+
+def png_path(text: str) -> str:
+    """argparse type: a ``.png`` file name in a directory that exists and can be written."""
+    import os
+    if not text.lower().endswith(".png"):
+        raise argparse.ArgumentTypeError(f"give a file name ending in .png, got {text!r}")
+    folder = os.path.dirname(os.path.abspath(text))
+    if not os.path.isdir(folder):
+        raise argparse.ArgumentTypeError(f"the directory of {text!r} does not exist: create "
+                                         f"it first (mkdir -p {os.path.dirname(text)})")
+    if not os.access(folder, os.W_OK):
+        raise argparse.ArgumentTypeError(f"the directory of {text!r} is not writable; choose "
+                                         f"another place for the file")
+    return text
+
+
+def _max_memory(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-memory", type=memory_size, default=None, metavar="SIZE",
+                   help="refuse (exit 2) when the estimated peak memory is above SIZE, e.g. "
+                        "4G or 512M (default: 80%% of the memory available)")
 
 
 def schedule_name(text: str) -> str:
@@ -87,6 +133,7 @@ def _common(p: argparse.ArgumentParser, *, seq_len: int) -> None:
 
 
 def parser() -> argparse.ArgumentParser:
+    from .demo import MAX_LAYERS, MAX_LR
     ap = argparse.ArgumentParser(
         prog="python -m fringe", description="Context-parallel attention for any mask_mod.",
         epilog="'predict' (also 'simulate') is the cost model: it predicts times and "
@@ -104,11 +151,13 @@ def parser() -> argparse.ArgumentParser:
                       help="B, sequences per step (default: %(default)s)")
     demo.add_argument("--dtype", choices=("float32", "float64"), default="float32",
                       help="model and attention dtype (default: %(default)s)")
-    demo.add_argument("--layers", type=positive_int, default=2,
-                      help="transformer blocks (default: %(default)s)")
-    demo.add_argument("--lr", type=positive_float, default=1e-2,
-                      help="AdamW learning rate (default: %(default)s)")
-    demo.add_argument("--timeout", type=positive_float, default=300.0,
+    demo.add_argument("--layers", type=_number(int, f"a positive integer up to {MAX_LAYERS}",
+                                               lambda v: 1 <= v <= MAX_LAYERS), default=2,
+                      help=f"transformer blocks, at most {MAX_LAYERS} (default: %(default)s)")
+    demo.add_argument("--lr", type=_number(float, f"a positive number up to {MAX_LR:g}",
+                                           lambda v: 0 < v <= MAX_LR), default=1e-2,
+                      help=f"AdamW learning rate, at most {MAX_LR:g} (default: %(default)s)")
+    demo.add_argument("--timeout", type=timeout_s, default=300.0,
                       help="seconds a step may take on the ranks before giving up "
                            "(default: %(default)s)")
 
@@ -130,14 +179,16 @@ def parser() -> argparse.ArgumentParser:
     bench.add_argument("--plan-size", type=positive_int, default=1 << 20,
                        help="S, tokens for the planning benchmark (P=8 and 1024, block 128 "
                             "and 64: a multiple of 2*1024*128=262144; default: %(default)s)")
+    _max_memory(bench)
 
     show = sub.add_parser("show", help="print a plan's step x rank grid and per-rank stats",
                           **listed)
     _common(show, seq_len=1024)
     show.add_argument("--backward", action="store_true", help="show the backward programs too")
-    show.add_argument("--png", metavar="FILE", help="also write the tile map to FILE and the "
-                                                    "cost model's timeline to FILE's stem + "
-                                                    "'.timeline.png' (matplotlib)")
+    show.add_argument("--png", metavar="FILE", type=png_path,
+                      help="also write the tile map to FILE and the cost model's timeline to "
+                           "FILE's stem + '.timeline.png' (matplotlib)")
+    _max_memory(show)
 
     sim = sub.add_parser(
         "predict", aliases=["simulate"],
@@ -161,13 +212,15 @@ def parser() -> argparse.ArgumentParser:
                      help="a preset (h100-nvlink, h100-ib, cpu) or 'this' (calibrate here)")
     sim.add_argument("--block-size", type=positive_int, default=DEFAULT_BLOCK_SIZE,
                      help="mask block in tokens (default: %(default)s)")
-    sim.add_argument("--heads", type=positive_int, default=32, help="H, query heads")
-    sim.add_argument("--kv-heads", type=positive_int, default=8, help="G, kv heads")
-    sim.add_argument("--head-dim", type=positive_int, default=128, help="D")
+    sim.add_argument("--heads", type=head_count, default=32, help="H, query heads")
+    sim.add_argument("--kv-heads", type=head_count, default=8, help="G, kv heads")
+    sim.add_argument("--head-dim", type=head_count, default=128, help="D")
     sim.add_argument("--dtype", choices=("bfloat16", "float16", "float32", "float64"),
                      default="bfloat16", help="q/k/v dtype (default: %(default)s)")
-    sim.add_argument("--png", metavar="FILE", help="write the timeline to FILE (with several "
-                                                   "schedules, one FILE-stem.<schedule>.png each)")
+    sim.add_argument("--png", metavar="FILE", type=png_path,
+                     help="write the timeline to FILE (with several schedules, one "
+                          "FILE-stem.<schedule>.png each)")
+    _max_memory(sim)
     return ap
 
 
@@ -190,6 +243,10 @@ def _demo(args) -> int:
 def _bench(args) -> int:
     from .bench import AttnCase, run
     from .launch import LaunchError
+    from .runtime import costmodel
+    budget = costmodel.memory_budget(args.max_memory)
+    costmodel.check_plan_memory(args.plan_size, budget, flag="--plan-size")
+    costmodel.check_plan_memory(args.seq_len, budget)
     try:
         print(run(world_sizes=tuple(args.world_sizes), plan_size=args.plan_size,
                   case=AttnCase(schedule=args.schedule, seq_len=args.seq_len, iters=args.iters)))
@@ -203,6 +260,9 @@ def _show(args) -> int:
     from . import render
     from .demo import make_batch, make_mask, make_schedule
     from .plan import plan as make_plan
+    from .runtime import costmodel
+    budget = costmodel.memory_budget(args.max_memory)
+    costmodel.check_plan_memory(args.seq_len, budget)
     _, _, doc_ids = make_batch(0, seq_len=args.seq_len, seed=args.seed)
     p = make_plan(make_schedule(args.schedule), make_mask(args.mask, doc_ids, window=args.window),
                   seq_len=args.seq_len, world_size=args.world_size, block_size=args.block_size)
@@ -211,9 +271,8 @@ def _show(args) -> int:
         print(render.table(p, backward=True))
     print(p.stats().table())
     if args.png:
-        from .runtime import costmodel
-        if not args.png.lower().endswith(".png"):
-            raise ValueError(f"--png {args.png!r}: give a file name ending in .png")
+        costmodel.check_memory(p, budget, what=f"--png (the cost model's timeline) at "
+                                               f"S={args.seq_len:,}")
         stem = args.png[:-4]
         render.tile_map_figure(p).savefig(args.png, dpi=120)
         pred = costmodel.simulate(p, "cpu", costmodel.Shape(heads=8, kv_heads=8, head_dim=64,
@@ -250,8 +309,38 @@ def main(argv: list[str] | None = None) -> int:
         return {"demo": _demo, "show": _show, "bench": _bench, "predict": _predict,
                 "simulate": _predict}[args.command](args)
     except ValueError as e:             # bad sizes or names: the message says how to fix them
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {_one_line(e)}", file=sys.stderr)
         return 2
+    except MemoryError as e:            # an estimate over the budget (it names the fix), or
+        said = _one_line(e) or "out of memory"        # an allocation the allocator refused
+        if "--max-memory" not in said:
+            said += f"; {_SMALLER.get(args.command, _SMALLER['show'])}"
+        print(f"error: {said}", file=sys.stderr)
+        return 2
+    except OverflowError as e:          # a size past int64 / C int arithmetic
+        print(f"error: a value is too large ({_one_line(e)}); "
+              f"{_SMALLER.get(args.command, _SMALLER['show'])}", file=sys.stderr)
+        return 2
+    except RuntimeError as e:           # torch's allocator refuses with a RuntimeError
+        if not _allocation_failed(e):
+            raise
+        print(f"error: out of memory: {_one_line(e)}; "
+              f"{_SMALLER.get(args.command, _SMALLER['show'])}", file=sys.stderr)
+        return 2
+
+
+_SMALLER = {"bench": "use a smaller --seq-len or --plan-size",
+            "demo": "use a smaller --seq-len, --batch-size or --layers",
+            "show": "use a smaller --seq-len or a larger --block-size"}
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split())
+
+
+def _allocation_failed(e: RuntimeError) -> bool:
+    text = str(e).lower()
+    return "can't allocate memory" in text or "out of memory" in text
 
 
 if __name__ == "__main__":

@@ -47,6 +47,11 @@ MASKS = ("document", "causal", "sliding_window")
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 IGNORE = -100
 DEFAULT_WINDOW = 128   # tokens a query may look back in the sliding_window demo mask
+#: AdamW moves each weight by about lr per step: past 1 this model diverges (to inf/NaN past
+#: ~1e30, and float32 cannot hold an lr past 3.4e38 at all).
+MAX_LR = 1.0
+#: Transformer blocks: a bound that keeps a typo (1e9 layers) from building for ever.
+MAX_LAYERS = 1024
 
 #: Largest |loss(CP) - loss(single)| accepted at any step, per dtype. Both runs do the same
 #: math except the attention, where CP sums the softmax over kv tiles in another order
@@ -107,6 +112,11 @@ class DemoConfig:
         if self.width % self.heads or (self.width // self.heads) % 2:
             raise ValueError(f"width={self.width} must split into heads={self.heads} heads of an "
                              f"even head dim (RoPE rotates pairs)")
+        if not (math.isfinite(self.lr) and 0 < self.lr <= MAX_LR):
+            raise ValueError(f"lr={self.lr} must be positive and at most {MAX_LR:g} (AdamW moves "
+                             f"each weight by about lr per step; the default is 1e-2)")
+        if self.layers > MAX_LAYERS:
+            raise ValueError(f"layers={self.layers} must be at most {MAX_LAYERS}")
         if self.heads % self.kv_heads:
             raise ValueError(f"heads={self.heads} must be a multiple of kv_heads={self.kv_heads}")
         where = dict(world_size=self.world_size, heads=self.heads, kv_heads=self.kv_heads)

@@ -21,15 +21,38 @@ BAD = [
     (["bench", "--world-sizes", "2", "0"], "argument --world-sizes: expected a positive integer"),
     (["bench", "--seq-len", "1.5"], "argument --seq-len: expected a positive integer (1, 2, ...), "
                                     "got '1.5'"),
-    (["demo", "--timeout", "-1"], "argument --timeout: expected a positive, finite number, got -1"),
-    (["demo", "--timeout", "inf"], "argument --timeout: expected a positive, finite number, got inf"),
-    (["demo", "--lr", "nan"], "argument --lr: expected a positive, finite number, got nan"),
-    (["demo", "--lr", "fast"], "argument --lr: expected a positive, finite number, got 'fast'"),
+    (["demo", "--timeout", "-1"], "argument --timeout: expected a positive number of seconds up "
+                                  "to 1,000,000 (11.6 days), got -1"),
+    (["demo", "--timeout", "inf"], "argument --timeout: expected a positive number of seconds up "
+                                   "to 1,000,000 (11.6 days), got inf"),
+    (["demo", "--lr", "nan"], "argument --lr: expected a positive number up to 1, got nan"),
+    (["demo", "--lr", "fast"], "argument --lr: expected a positive number up to 1, got 'fast'"),
     (["demo", "--steps", "0"], "argument --steps: expected a positive integer"),
     (["demo", "--batch-size", "-2"], "argument --batch-size: expected a positive integer"),
     (["demo", "--layers", "0"], "argument --layers: expected a positive integer"),
     (["demo", "--world-size", "0"], "argument --world-size: expected a positive integer"),
     (["demo", "--dtype", "int8"], "argument --dtype: invalid choice: 'int8'"),
+    # issue 17: values that reached a traceback (float32 overflow, a C int, int64 products)
+    (["demo", "--lr", "1e300"], "argument --lr: expected a positive number up to 1, got 1e300"),
+    (["demo", "--lr", "2"], "argument --lr: expected a positive number up to 1, got 2"),
+    (["demo", "--timeout", "1e300"], "argument --timeout: expected a positive number of seconds "
+                                     "up to 1,000,000 (11.6 days), got 1e300"),
+    (["demo", "--layers", str(1 << 40)], "argument --layers: expected a positive integer up to 1024"),
+    (["predict", "--heads", str(1 << 40)], "argument --heads: expected a positive integer up to 4096"),
+    (["predict", "--kv-heads", "5000"], "argument --kv-heads: expected a positive integer up to 4096"),
+    (["predict", "--head-dim", str(1 << 40)], "argument --head-dim: expected a positive integer up "
+                                              "to 4096"),
+    (["predict", "--max-memory", "4Q"], "argument --max-memory: expected a memory size such as 4G, "
+                                        "512M or 1.5GiB, got '4Q'"),
+    (["show", "--max-memory", "0"], "argument --max-memory: expected a memory size"),
+    (["bench", "--max-memory", "0.5"], "argument --max-memory: expected a memory size"),
+    (["show", "--png", "/no/such/dir/grid.png"], "argument --png: the directory of "
+                                                 "'/no/such/dir/grid.png' does not exist: create "
+                                                 "it first (mkdir -p /no/such/dir)"),
+    (["predict", "--png", "/no/such/dir/t.png"], "argument --png: the directory of "
+                                                 "'/no/such/dir/t.png' does not exist"),
+    (["predict", "--png", "timeline.svg"], "argument --png: give a file name ending in .png, got "
+                                           "'timeline.svg'"),
 ]
 
 
@@ -84,3 +107,78 @@ def test_help_exits_0_and_documents_each_bench_option(capsys):
     for option in ("--seq-len", "--world-sizes", "--schedule", "--iters", "--plan-size"):
         assert option in out
     assert "timed repetitions" in out and "planning benchmark" in out
+
+
+def test_png_into_a_missing_directory_fails_before_any_work(tmp_path, capsys):
+    """Issue 17: ``--png`` into a directory that does not exist was a FileNotFoundError
+    traceback after the plan and prediction were made."""
+    missing = tmp_path / "nope" / "grid.png"
+    for argv in (["show", "--seq-len", "256", "--world-size", "2", "--png", str(missing)],
+                 ["predict", "--world-size", "8", "--seq-len", "65536", "--schedules", "zigzag",
+                  "--png", str(missing)]):
+        assert main(argv) == 2
+        out, err = capsys.readouterr()
+        lines = [line for line in err.splitlines() if "error:" in line]
+        assert len(lines) == 1 and "does not exist: create it first" in lines[0], err
+        assert "Traceback" not in err and out == "" and not missing.parent.exists()
+
+
+def test_a_window_wider_than_any_int64_is_the_same_mask_as_the_sequence(capsys):
+    argv = ["predict", "--world-size", "8", "--seq-len", "65536", "--schedules", "zigzag"]
+    assert main([*argv, "--mask", "window:" + "9" * 20]) == 0
+    wide = capsys.readouterr().out.splitlines()[3].split()[:4]
+    assert main([*argv, "--mask", "window:65536"]) == 0
+    assert capsys.readouterr().out.splitlines()[3].split()[:4] == wide
+
+
+@pytest.mark.parametrize("error,said", [
+    (MemoryError("Unable to allocate 7.50 GiB for an array with shape (1, 2)"),
+     "error: Unable to allocate 7.50 GiB for an array with shape (1, 2); use a smaller --seq-len "
+     "or a larger --block-size"),
+    (RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't "
+                  "allocate memory: you tried to allocate 8796093022208 bytes."),
+     "error: out of memory: [enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: "
+     "can't allocate memory: you tried to allocate 8796093022208 bytes.; use a smaller"),
+    (OverflowError("Python int too large to convert to C long"),
+     "error: a value is too large (Python int too large to convert to C long); use a smaller"),
+])
+def test_an_allocation_or_overflow_the_checks_missed_is_one_error_line(monkeypatch, capsys,
+                                                                      error, said):
+    """The class behind the absurd sizes: whatever a size argument makes the allocator refuse
+    (or overflow) ends in one ``error:`` line naming the fix and exit 2, never a traceback."""
+    from fringe.runtime import costmodel
+
+    def refuse(args):
+        raise error
+
+    monkeypatch.setattr(costmodel, "cli", refuse)
+    assert main(["predict", "--world-size", "8", "--seq-len", "65536"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(said) and err.count("\n") == 1, err
+
+
+def test_an_unrelated_runtime_error_is_not_disguised(monkeypatch):
+    from fringe.runtime import costmodel
+
+    def broken(args):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(costmodel, "cli", broken)
+    with pytest.raises(RuntimeError, match="a bug"):
+        main(["predict", "--world-size", "8", "--seq-len", "65536"])
+
+
+def test_demo_sizes_the_allocator_refuses_end_in_one_error_line(capsys):
+    assert main(["demo", "--seq-len", str(1 << 40), "--world-size", "2", "--steps", "1"]) == 2
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if "error:" in line]
+    assert len(lines) == 1 and lines[0].startswith("error: out of memory:"), err
+    assert "use a smaller --seq-len" in lines[0] and "Traceback" not in err
+
+
+def test_demo_config_refuses_a_learning_rate_past_its_bound():
+    from fringe.demo import DemoConfig
+
+    for lr in (1e300, 2.0, float("inf"), float("nan"), 0.0):
+        with pytest.raises(ValueError, match="lr=.* must be positive and at most 1"):
+            DemoConfig(lr=lr)

@@ -57,6 +57,7 @@ import dataclasses
 import itertools
 import math
 import operator
+import os
 import time
 from typing import Sequence
 
@@ -71,8 +72,10 @@ except ImportError as e:                      # numpy is in the test / plots ext
 from ..masks import BlockKind
 from .interpreter import StepRecord
 
-__all__ = ["HARDWARE", "Hardware", "Prediction", "Shape", "calibrate", "get_hardware",
-           "mask_from_spec", "simulate", "tile_costs", "tile_work", "validate"]
+__all__ = ["HARDWARE", "Hardware", "Prediction", "Shape", "available_memory", "calibrate",
+           "check_memory", "check_plan_memory", "distinct_partial_maps", "get_hardware",
+           "mask_from_spec", "memory_budget", "simulate", "tile_costs", "tile_work",
+           "tile_work_bytes", "validate"]
 
 _FULL, _PARTIAL, _EMPTY = int(BlockKind.FULL), int(BlockKind.PARTIAL), int(BlockKind.EMPTY)
 _CHUNK = 1 << 15          # tiles whose block maps are packed at once in tile_work
@@ -1708,9 +1711,151 @@ def mask_from_spec(spec: str, seq_len: int):
             if n > seq_len:
                 raise ValueError(f"--mask document:{n}: more documents than tokens (S={seq_len})")
             return masks.causal() & masks.document(packed_docs(seq_len, n, 0))
-        return masks.sliding_window(n)
+        return masks.sliding_window(min(n, seq_len))    # wider than S: the same mask as S
     raise ValueError(f"--mask {spec!r} is not understood; use causal, full, document:N "
                      f"(N packed documents, e.g. document:1000) or window:W (e.g. window:4096)")
+
+
+#: Bytes per block of the distinct PARTIAL tile maps at the peak of :func:`tile_work` (in
+#: ``_maps_work``): the maps (1), their stack with an EMPTY row per map (1) and its copy with the
+#: causal squares emptied (1), a ``!= FULL`` mask (1), two int64 cumulative sums (8 + 8) and the
+#: int64 prefix table they fill (8). Measured peak over the baseline: ``tests/test_cli_memory.py``.
+TILE_WORK_BYTES_PER_BLOCK = 28
+#: Bytes per rectangle of the block map that the estimate's own pass may hold at once.
+_SIG_CHUNK = 1 << 18
+
+
+def distinct_partial_maps(plan) -> int:
+    """How many distinct PARTIAL tile block maps :func:`tile_work` will paint (an estimate).
+
+    Read from the sparse block map's rectangles (a tile's signature: its rectangle count and
+    two order-free sums of hashed rectangles, as ``tile_work`` groups them), a chunk of
+    rectangles at a time, so it allocates O(P^2 + chunk), never a map. A hash collision can
+    only merge two tiles (an estimate one low); without rectangles, or with rectangles across
+    tiles, every PARTIAL tile counts (an upper bound).
+    """
+    P, n = plan.world_size, plan.local_len // plan.block_size
+    tiles = torch.as_tensor(plan.tiles).to(torch.int64).numpy().reshape(-1)
+    part = np.flatnonzero(tiles == _PARTIAL)
+    bm = getattr(plan, "block_map", None)
+    if not len(part) or bm is None or not hasattr(bm, "rects") or not len(bm.rects):
+        return len(part)
+    R = bm.rects.numpy() if isinstance(bm.rects, torch.Tensor) else np.asarray(bm.rects)
+    C = bm.codes.numpy() if isinstance(bm.codes, torch.Tensor) else np.asarray(bm.codes)
+    lo, hi, cnt = np.zeros(P * P), np.zeros(P * P), np.zeros(P * P)
+    for a in range(0, len(R), _SIG_CHUNK):
+        Rc = R[a:a + _SIG_CHUNK].astype(np.int64)
+        ti, lr = np.divmod(Rc[:, 0], n)
+        tj, lc = np.divmod(Rc[:, 2], n)
+        if ((Rc[:, 1] - 1) // n != ti).any() or ((Rc[:, 3] - 1) // n != tj).any():
+            return len(part)                           # across tiles: tile_work paints densely
+        key = ti * P + tj
+        h = _mix64(((lr * (n + 1) + Rc[:, 1] - Rc[:, 0]) * (n + 1) + lc) * (n + 1)
+                   + Rc[:, 3] - Rc[:, 2])
+        h = _mix64(h ^ C[a:a + _SIG_CHUNK].astype(np.uint64))
+        lo += np.bincount(key, weights=(h & np.uint64(0xFFFFFF)).astype(np.float64),
+                          minlength=P * P)
+        hi += np.bincount(key, weights=(h >> np.uint64(40)).astype(np.float64), minlength=P * P)
+        cnt += np.bincount(key, minlength=P * P)
+    sig = np.stack([lo[part], hi[part], cnt[part]], axis=1)
+    return len(np.unique(sig, axis=0))
+
+
+def tile_work_bytes(plan) -> tuple[int, str]:
+    """``(bytes, how)``: the estimated peak allocation of :func:`tile_work` on ``plan`` (the
+    dominant allocation of :func:`simulate`, quadratic in S/block), and how it was reckoned."""
+    n = plan.local_len // plan.block_size
+    u = distinct_partial_maps(plan)
+    need = TILE_WORK_BYTES_PER_BLOCK * u * (n + 1) * n
+    return need, (f"{TILE_WORK_BYTES_PER_BLOCK} bytes x {u:,} distinct partial tile maps x "
+                  f"{n + 1:,} x {n:,} blocks")
+
+
+def available_memory() -> int | None:
+    """Bytes of memory available to this process now: ``MemAvailable`` of /proc/meminfo, else
+    free pages from ``os.sysconf`` (None when neither says)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+#: The default memory budget: this fraction of :func:`available_memory`.
+MEMORY_FRACTION = 0.8
+#: Bytes per token while a plan is made for the CLI: the mask's document ids (8) and the
+#: layout's block classification (measured 33-39 B/token at S = 16M, P = 8, block 4096).
+PLAN_BYTES_PER_TOKEN = 48
+#: Bytes per token a plan keeps after it is made (measured 9-10 B/token, same runs).
+KEPT_BYTES_PER_TOKEN = 10
+#: Bytes per non-EMPTY tile for the programs and their columns that :func:`simulate` builds
+#: (measured 880-960 B/tile: zigzag, causal, P = 1024 and 2048, S = 128 P).
+BYTES_PER_TILE = 1024
+
+
+def memory_budget(max_memory: int | None) -> tuple[int | None, str]:
+    """``(bytes, said)``: ``max_memory``, or 80% of :func:`available_memory` (None when that
+    cannot be read: no check)."""
+    if max_memory is not None:
+        return int(max_memory), f"--max-memory {_gib(max_memory)}"
+    avail = available_memory()
+    if avail is None:
+        return None, ""
+    return int(MEMORY_FRACTION * avail), f"{MEMORY_FRACTION:.0%} of the {_gib(avail)} available"
+
+
+def _gib(nbytes: float) -> str:
+    for unit, size in (("TiB", 2 ** 40), ("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
+        if nbytes >= size:
+            return f"{nbytes / size:.3g} {unit}"
+    return f"{int(nbytes)} B"
+
+
+def _over(need: int, how: str, budget: tuple[int | None, str], what: str, fix: str) -> None:
+    limit, said = budget
+    if limit is not None and need > limit:
+        suggest = -(-need * 5 // 4 // 2 ** 30)        # GiB, rounded up, a quarter to spare
+        raise MemoryError(
+            f"{what} would need about {_gib(need)} ({how}), over the memory budget of "
+            f"{_gib(limit)} ({said}); {fix}, or allow it with --max-memory {suggest}G")
+
+
+def check_plan_memory(seq_len: int, budget: tuple[int | None, str], *,
+                      flag: str = "--seq-len") -> None:
+    """Before planning: raise ``MemoryError`` (one line: the estimate and ``--max-memory``)
+    when making the mask and plan for ``seq_len`` tokens (given as ``flag``) would pass
+    ``budget`` (from :func:`memory_budget`)."""
+    _over(PLAN_BYTES_PER_TOKEN * int(seq_len),
+          f"{PLAN_BYTES_PER_TOKEN} bytes x {int(seq_len):,} tokens to plan", budget,
+          f"{flag} {seq_len}", f"use a smaller {flag}")
+
+
+def check_memory(plan, budget: tuple[int | None, str], *, what: str) -> None:
+    """Before :func:`simulate`: raise ``MemoryError`` (one line: the estimate and
+    ``--max-memory``) when the plan kept and the cost model's tile work (:func:`tile_work_bytes`,
+    quadratic in S/block) would pass ``budget``. Costs one pass over the block map's
+    rectangles and allocates nothing of the estimate's size; skipped when even every PARTIAL
+    tile distinct would fit."""
+    limit = budget[0]
+    if limit is None:
+        return
+    n = plan.local_len // plan.block_size
+    tiles = torch.as_tensor(plan.tiles)
+    live = int((tiles != int(BlockKind.EMPTY)).sum())
+    base = KEPT_BYTES_PER_TOKEN * plan.seq_len + BYTES_PER_TILE * live
+    bound = TILE_WORK_BYTES_PER_BLOCK * int((tiles == _PARTIAL).sum()) * (n + 1) * n
+    if base + bound <= limit:
+        return
+    work, how = tile_work_bytes(plan)
+    _over(base + work, f"the cost model's tile work, {how}; {KEPT_BYTES_PER_TOKEN} bytes x "
+          f"{plan.seq_len:,} tokens of plan; {BYTES_PER_TILE} bytes x {live:,} tiles of programs",
+          budget, what, "use a smaller --seq-len or a larger --block-size or --world-size")
 
 
 def cli(args) -> int:
@@ -1739,12 +1884,15 @@ def cli(args) -> int:
     shape = Shape(heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
                   dtype=args.dtype)
     hw = get_hardware(args.hardware)
+    budget = memory_budget(getattr(args, "max_memory", None))
+    check_plan_memory(args.seq_len, budget)
     mask = mask_from_spec(args.mask, args.seq_len)
     rows, preds = [], []
     for name in args.schedules:
         t0 = time.process_time()
         p = make_plan(made[name], mask, seq_len=args.seq_len,
                       world_size=args.world_size, block_size=args.block_size)
+        check_memory(p, budget, what=f"predicting {name} at S={args.seq_len:,}")
         t1 = time.process_time()
         pred = simulate(p, hw, shape, name=name)
         t2 = time.process_time()
