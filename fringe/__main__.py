@@ -76,6 +76,9 @@ def png_path(text: str) -> str:
     if not text.lower().endswith(".png"):
         raise argparse.ArgumentTypeError(f"give a file name ending in .png, got {text!r}")
     folder = os.path.dirname(os.path.abspath(text))
+    if os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text!r} is a directory; give a file name in it "
+                                         f"(e.g. {os.path.join(text, 'plan.png')})")
     if not os.path.isdir(folder):
         raise argparse.ArgumentTypeError(f"the directory of {text!r} does not exist: create "
                                          f"it first (mkdir -p {os.path.dirname(text)})")
@@ -274,10 +277,10 @@ def _show(args) -> int:
         costmodel.check_memory(p, budget, what=f"--png (the cost model's timeline) at "
                                                f"S={args.seq_len:,}")
         stem = args.png[:-4]
-        render.tile_map_figure(p).savefig(args.png, dpi=120)
+        render.save_png(render.tile_map_figure(p), args.png)
         pred = costmodel.simulate(p, "cpu", costmodel.Shape(heads=8, kv_heads=8, head_dim=64,
                                                             dtype="float32"))
-        render.timeline_figure(pred).savefig(f"{stem}.timeline.png", dpi=120)
+        render.save_png(render.timeline_figure(pred), f"{stem}.timeline.png")
         print(f"wrote {args.png} (tile map) and {stem}.timeline.png (timeline, cost model, cpu)")
     return 0
 

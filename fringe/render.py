@@ -321,3 +321,14 @@ def timeline_figure(source, *, which: str | Sequence[str] = ("forward", "backwar
         fig.suptitle(title or f"{source.name} · P={source.world_size} · S={source.seq_len:,} · "
                      f"{source.hardware.name} · predicted {source.step_s * 1e3:.3g} ms")
     return fig
+
+
+def save_png(fig, path: str, *, dpi: int = 120) -> None:
+    """``fig.savefig(path)``, or a ``ValueError`` that says which file could not be written
+    and why (a missing or read-only directory, a directory of that name, a full disk) instead
+    of the ``OSError`` from deep inside matplotlib."""
+    try:
+        fig.savefig(path, dpi=dpi)
+    except OSError as e:
+        raise ValueError(f"could not write {path!r} ({e.strerror or e}); give --png a file in a "
+                         f"directory that exists and can be written") from None

@@ -182,3 +182,22 @@ def test_demo_config_refuses_a_learning_rate_past_its_bound():
     for lr in (1e300, 2.0, float("inf"), float("nan"), 0.0):
         with pytest.raises(ValueError, match="lr=.* must be positive and at most 1"):
             DemoConfig(lr=lr)
+
+
+def test_png_that_names_a_directory_or_cannot_be_written_is_one_error_line(tmp_path, capsys):
+    """The same class as a missing directory: a --png that is itself a directory, or a file
+    matplotlib cannot write, ends in one ``error:`` line, exit 2, not an OSError traceback."""
+    folder = tmp_path / "maps.png"
+    folder.mkdir()
+    assert main(["show", "--seq-len", "256", "--world-size", "2", "--png", str(folder)]) == 2
+    err = capsys.readouterr().err
+    assert f"argument --png: {str(folder)!r} is a directory" in err and "Traceback" not in err
+    from fringe import render
+
+    class Refuses:
+        def savefig(self, path, dpi):
+            raise PermissionError(13, "Permission denied")
+
+    with pytest.raises(ValueError, match=r"could not write 'x.png' \(Permission denied\); give "
+                                         r"--png a file in a directory that exists"):
+        render.save_png(Refuses(), "x.png")

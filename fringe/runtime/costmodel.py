@@ -1912,7 +1912,7 @@ def cli(args) -> int:
         stem = args.png[:-4]
         for pred in preds:
             path = args.png if len(preds) == 1 else f"{stem}.{pred.name}.png"
-            render.timeline_figure(pred).savefig(path, dpi=120)
+            render.save_png(render.timeline_figure(pred), path)
             print(f"wrote {path}")
     return 0
 
