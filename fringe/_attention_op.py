@@ -210,6 +210,8 @@ def _unaliased(outputs: list, inputs: tuple) -> list:
 
 
 _WORKER: list = []       # one thread, made on first use (see _with_autograd)
+#: kernels whose CPU tile backward is plain math (None: fringe chooses, on CPU one of these)
+_NO_AUTOGRAD_KERNELS = (None, "reference", "sdpa")
 
 
 def _autograd_excluded() -> bool:
@@ -221,22 +223,26 @@ def _autograd_excluded() -> bool:
 
 def _with_autograd(fn, device: torch.device):
     """``fn()`` where autograd records: the tile backward of a score_mod with parameters (their
-    gradients come from ``torch.autograd.grad`` through the user's closure) and FlexAttention's
-    backward need it, and a custom op's kernel runs with autograd switched off for its thread
-    by a thread-local guard that no public API lifts. So ``fn`` runs on a worker thread (fresh
-    thread-local state; on CUDA the caller's device and current stream) and this thread waits.
+    gradients come from ``torch.autograd.grad`` through the user's closure), FlexAttention's
+    backward and any kernel's ``torch.autograd.grad`` need it, and a custom op's kernel runs
+    with autograd switched off for its thread by a thread-local guard that no public API
+    lifts. So ``fn`` runs on a worker thread (fresh thread-local state with the caller's grad
+    mode; on CUDA the caller's device and current stream) and this thread waits: about
+    50 us a call, once per backward.
     """
     if not _autograd_excluded():
         return fn()
     if not _WORKER:
         _WORKER.append(concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="fringe"))
     stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
+    grad = torch.is_grad_enabled()          # the caller's (off: a backward records nothing)
 
     def run():
-        if stream is None:
-            return fn()
-        with torch.cuda.device(device), torch.cuda.stream(stream):
-            return fn()
+        with torch.set_grad_enabled(grad):
+            if stream is None:
+                return fn()
+            with torch.cuda.device(device), torch.cuda.stream(stream):
+                return fn()
     return _WORKER[0].submit(run).result()
 
 
@@ -302,7 +308,9 @@ def attention_backward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out
         rt = pending.pop() if pending else DistRuntime(group, timeout_s=timeout_s)
         args = [x.unsqueeze(0) for x in (q, k, v, out, lse, dout, dlse)]
     kept = _unpack(p, rt.ranks, kept, k, H)
-    if p.score_params or q.is_cuda:         # autograd inside (score_mod parameters, flex)
+    # tile backwards that use autograd (score_mod parameters, FlexAttention's backward, any
+    # kernel but the CPU built-ins) run where it records
+    if p.score_params or q.is_cuda or p.kernel not in _NO_AUTOGRAD_KERNELS:
         dq, dk, dv, dparams = _with_autograd(lambda: rt.backward(p, *args, kept), q.device)
     else:
         dq, dk, dv, dparams = rt.backward(p, *args, kept)
