@@ -14,6 +14,10 @@ One pool of 4 ranks serves every test (spawning is the slow part here).
 """
 from __future__ import annotations
 
+import importlib
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -234,13 +238,22 @@ def reference_run(*, seed: int, micro: int, moe: bool, grad_scale: float = 1.0) 
 # ---- tests -------------------------------------------------------------------------------
 
 
+EXAMPLES = str(Path(__file__).resolve().parents[1] / "examples")
+
+
 @pytest.fixture(scope="module")
 def pool():
+    """One pool of 4 ranks for every test. ``examples/`` is on the path while it starts, so
+    the ranks can import ``hf_train`` (spawned workers take the parent's sys.path)."""
     n = torch.get_num_threads()
     torch.set_num_threads(1)
-    with Workers(DP * CP, timeout_s=120, threads=1) as w:
-        yield w
-    torch.set_num_threads(n)
+    sys.path.insert(0, EXAMPLES)
+    try:
+        with Workers(DP * CP, timeout_s=120, threads=1) as w:
+            yield w
+    finally:
+        sys.path.remove(EXAMPLES)
+        torch.set_num_threads(n)
 
 
 def grad_errors(got: dict, want: dict) -> dict:
@@ -302,3 +315,20 @@ def test_refusals_name_the_fix(pool):
         assert "group=mesh['cp']" in g["plans_dp_group"]
         assert g["plans_ok"] is None
         assert "num_items" in g["num_items"]
+
+
+def test_hf_example_on_a_2x2_mesh(pool):
+    """``examples/hf_train.py --world-size 4 --cp 2`` (FSDP2 over the dp x cp ranks): a tiny
+    HF Llama on packed documents whose boundaries change per batch and per replica, vs
+    transformers' sdpa in one process on every replica's rows."""
+    pytest.importorskip("transformers")
+    hf_train = importlib.import_module("hf_train")          # examples/ is on the path (pool)
+    lines = []
+    res = hf_train.run(hf_train.Config(world_size=4, cp=2, seq_len=128, batch_size=2, steps=3,
+                                       block_size=16, threads=1),
+                       progress=lines.append, workers=pool)
+    assert res["ok"], lines
+    assert res["grad_err"] <= hf_train.GRAD_TOLERANCE and res["param_diff"] < 1e-3, lines
+    assert all(abs(a["loss"] - b["loss"]) <= hf_train.TOLERANCE for a, b in zip(res["cp"], res["single"]))
+    assert res["single"][0]["loss"] != res["single"][-1]["loss"]
+    assert "fsdp, dp=2 x cp=2" in lines[-1] and lines[-1].endswith("OK")
