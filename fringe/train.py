@@ -197,13 +197,21 @@ class GradSync:
             meshes = {id(p.device_mesh): p.device_mesh for p in model.parameters()}
             if len(meshes) == 1 and next(iter(meshes.values())).ndim == 1:
                 self._group = next(iter(meshes.values())).get_group()
+        #: whether FSDP zero-fills parameters without a local gradient (torch >= 2.10 has
+        #: ``set_reduce_scatter_unused_params``; DDP: ``find_unused_parameters=True``)
+        self.zero_fills_unused = kind == "ddp" and bool(getattr(model, "find_unused_parameters", False))
         if kind == "fsdp":
             from torch.distributed.fsdp import FSDPModule
             for m in model.modules():
                 if isinstance(m, FSDPModule):
-                    m.set_gradient_divide_factor(1.0)
-                    m.set_force_sum_reduction_for_comms(True)
-            model.set_reduce_scatter_unused_params(True, recurse=True)
+                    # older torch: set_reduce_scatter_divide_factor, a plain SUM then a divide
+                    getattr(m, "set_gradient_divide_factor",
+                            getattr(m, "set_reduce_scatter_divide_factor", None))(1.0)
+                    if hasattr(m, "set_force_sum_reduction_for_comms"):   # no PREMUL_SUM on gloo
+                        m.set_force_sum_reduction_for_comms(True)
+            if hasattr(model, "set_reduce_scatter_unused_params"):
+                model.set_reduce_scatter_unused_params(True, recurse=True)
+                self.zero_fills_unused = True
 
     def _reduce_group(self):
         """The process group over the dp x cp ranks (for the loss and the token count)."""
