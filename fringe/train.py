@@ -19,12 +19,17 @@ right: :class:`GradSync` configures the wrapper so that cannot happen::
         fully_shard(layer, mesh=dp_cp)
     fully_shard(model, mesh=dp_cp)                       # or DDP(model, process_group=dp_cp.get_group())
     sync = fringe.train.GradSync(model, mesh)            # checks, sets FSDP's divide factor
-    for batch in loader:                                 # every rank of a dp replica: the same batch
-        plans = fringe.hf.plans(model, schedules.zigzag(), mask, seq_len=S, world_size=cp,
-                                group=mesh["cp"], batch_size=B)
-        shards = [packing.shard_batch(ids, ids, plan=plans.plans, group=mesh["cp"]) for ids in micro]
-        step = sync.step(num_items=sum(s.num_items for s in shards), plans=plans)
-        for s in shards:                                 # gradient accumulation
+    for microbatches in loader:                          # the CP ranks of a replica: the same data
+        micro = []
+        for ids, cu in microbatches:                     # plans and shards per microbatch
+            doc_ids = packing.doc_ids_from_cu_seqlens(cu)
+            plans = fringe.hf.plans(model, schedules.zigzag(), packing.document_mask(doc_ids),
+                                    seq_len=S, world_size=cp, group=mesh["cp"], batch_size=B)
+            micro.append((plans, packing.shard_batch(ids, ids, plan=plans.plans,
+                                                     group=mesh["cp"], cu_seqlens=cu)))
+        step = sync.step(num_items=sum(s.num_items for _, s in micro),   # N over every replica
+                         plans=[p for p, _ in micro])
+        for plans, s in micro:                           # gradient accumulation
             out = model(**fringe.hf.model_inputs(s, plans), use_cache=False)
             step.backward(out.loss, num_items=s.num_items)   # HF's loss: sum / s.num_items
         opt.step(); opt.zero_grad()
@@ -223,15 +228,18 @@ class GradSync:
         """Refuse plans that do not run on this mesh's CP dimension.
 
         ``plans``: a :class:`fringe.hf.Plans` (its ``group`` is checked too), a
-        :class:`fringe.Plan` or a list of them.
+        :class:`fringe.Plan`, or a list of either (one per microbatch).
 
         Raises:
             ValueError: a plan's world size is not the mesh's CP size, or the plans' group
                 (``fringe.hf.plans(..., group=)``) is not ``mesh[cp_dim]``'s ranks.
         """
+        if isinstance(plans, (list, tuple)):
+            for p in plans:
+                self.check_plans(p)
+            return
         cp_mesh = self.mesh[self.cp_dim]
-        items = plans.plans if hasattr(plans, "layers") else (
-            list(plans) if isinstance(plans, (list, tuple)) else [plans])
+        items = plans.plans if hasattr(plans, "layers") else [plans]
         for p in items:
             P = getattr(p, "world_size", None)
             if P != self.cp_size:
