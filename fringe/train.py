@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
+
 import torch
 
 __all__ = ["GradSync", "Step", "dp_cp_mesh", "group_ranks"]
