@@ -41,6 +41,8 @@ class Config:
     steps: int = 3
     block_size: int = 32
     layers: int | None = None       # keep the first N layers of the flavor (None: all)
+    kv_heads: int | None = None     # GQA: rebuild each layer's attention with this many kv heads
+    head_dim: int | None = None     # ... and this head dim (then GQAttention.scaling = head_dim**-0.5)
     flavor: str = "debugmodel"
     schedule: str = "zigzag"
     lr: float = 0.1                 # SGD: a gradient error shows in the parameters
@@ -49,13 +51,29 @@ class Config:
 
 
 def model_config(cfg: Config):
-    """torchtitan's config for the flavor, RoPE cache cut to ``seq_len`` (as its trainer does)."""
+    """torchtitan's config for the flavor, RoPE cache cut to ``seq_len`` (as its trainer does);
+    with ``kv_heads`` / ``head_dim``, each layer's attention rebuilt by torchtitan's own
+    ``make_gqa_config`` (same inner attention, fused qkv)."""
     from torchtitan.models.llama3 import llama3_configs
     mc = llama3_configs[cfg.flavor](attn_backend="flex")
     if cfg.layers is not None:
         mc.layers = mc.layers[:cfg.layers]
     for layer in mc.layers:
-        layer.attention.rope = dataclasses.replace(layer.attention.rope, max_seq_len=cfg.seq_len)
+        att = layer.attention
+        rope = dataclasses.replace(att.rope, max_seq_len=cfg.seq_len)
+        if cfg.kv_heads is not None or cfg.head_dim is not None:
+            import functools
+
+            from torchtitan.models.common.config_utils import make_gqa_config
+            init = {"weight": functools.partial(torch.nn.init.trunc_normal_, std=0.02)}
+            hd = cfg.head_dim or att.dim // att.n_heads
+            att = make_gqa_config(dim=att.dim, n_heads=att.n_heads, n_kv_heads=cfg.kv_heads,
+                                  head_dim=cfg.head_dim, wqkv_param_init=init, wo_param_init=init,
+                                  inner_attention=att.inner_attention, fuse_qkv=True,
+                                  rope=dataclasses.replace(rope, dim=hd))
+            layer.attention = att
+        else:
+            att.rope = rope
     return mc
 
 
@@ -245,7 +263,9 @@ def run(cfg: Config, *, progress=print, timeout_s: float = 300.0, workers=None) 
     progress(f"max |param diff| after {cfg.steps} SGD steps {param_diff:.2e}; max grad diff / "
              f"largest entry {max(grad_rel):.2e}; max |loss diff| {max(loss_diffs):.2e} "
              f"(float32 tolerances atol={tol['atol']:g} rtol={tol['rtol']:g}; torchtitan llama3 "
-             f"{cfg.flavor}{'' if cfg.layers is None else f' first {cfg.layers} layers'}, "
+             f"{cfg.flavor}{'' if cfg.layers is None else f' first {cfg.layers} layers'}"
+             f"{'' if cfg.kv_heads is None else f' kv_heads={cfg.kv_heads}'}"
+             f"{'' if cfg.head_dim is None else f' head_dim={cfg.head_dim}'}, "
              f"P={cfg.world_size}, S={cfg.seq_len}, B={cfg.batch_size}): {'OK' if ok else 'FAILED'}")
     return dict(cp=cp, single=single, loss_diffs=loss_diffs, grad_rel=grad_rel,
                 param_diff=param_diff, ok=ok)
@@ -260,6 +280,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=d.steps)
     ap.add_argument("--block-size", type=int, default=d.block_size)
     ap.add_argument("--layers", type=int, default=d.layers, help="keep the first N layers")
+    ap.add_argument("--kv-heads", type=int, default=d.kv_heads, help="GQA: kv heads per layer")
+    ap.add_argument("--head-dim", type=int, default=d.head_dim, help="head dim (sets the layers' scaling)")
     ap.add_argument("--flavor", default=d.flavor, help="a llama3_configs key (debugmodel is tiny)")
     from fringe.schedules import names as schedule_names
     ap.add_argument("--schedule", default=d.schedule, choices=schedule_names())
@@ -267,7 +289,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=d.threads, help="torch threads per process")
     a = ap.parse_args(argv)
     cfg = Config(world_size=a.world_size, seq_len=a.seq_len, batch_size=a.batch_size, steps=a.steps,
-                 block_size=a.block_size, layers=a.layers, flavor=a.flavor, schedule=a.schedule,
+                 block_size=a.block_size, layers=a.layers, kv_heads=a.kv_heads,
+                 head_dim=a.head_dim, flavor=a.flavor, schedule=a.schedule,
                  lr=a.lr, threads=a.threads)
     try:
         import torchtitan  # noqa: F401
