@@ -233,7 +233,8 @@ def _demo(args) -> int:
     cfg = DemoConfig(world_size=args.world_size, schedule=args.schedule, mask=args.mask,
                      seq_len=args.seq_len, block_size=args.block_size, steps=args.steps,
                      batch_size=args.batch_size, dtype=args.dtype, seed=args.seed,
-                     window=args.window, layers=args.layers, lr=args.lr)
+                     window=min(args.window, args.seq_len),   # wider than S: the same mask
+                     layers=args.layers, lr=args.lr)
     try:
         result = run_demo(cfg, timeout_s=args.timeout)
     except LaunchError as e:
@@ -267,7 +268,8 @@ def _show(args) -> int:
     budget = costmodel.memory_budget(args.max_memory)
     costmodel.check_plan_memory(args.seq_len, budget)
     _, _, doc_ids = make_batch(0, seq_len=args.seq_len, seed=args.seed)
-    p = make_plan(make_schedule(args.schedule), make_mask(args.mask, doc_ids, window=args.window),
+    p = make_plan(make_schedule(args.schedule), make_mask(args.mask, doc_ids,
+                                                       window=min(args.window, args.seq_len)),
                   seq_len=args.seq_len, world_size=args.world_size, block_size=args.block_size)
     print(render.table(p))
     if args.backward:

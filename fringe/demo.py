@@ -151,7 +151,7 @@ def make_batch(step: int, *, seq_len: int, batch_size: int = 1, vocab: int = 32,
         document or ``-100`` (ignored) at a document's last token; doc_ids int64 ``[S]``.
     """
     succ = torch.randperm(vocab, generator=torch.Generator().manual_seed(seed))
-    g = torch.Generator().manual_seed(seed * 1_000_003 + step + 1)
+    g = torch.Generator().manual_seed((seed * 1_000_003 + step + 1) % 2 ** 63)  # any int64 seed
     lo, hi = max(2, seq_len // 32), max(3, seq_len // 4)
     lengths = []
     while sum(lengths) < seq_len:

@@ -201,3 +201,15 @@ def test_png_that_names_a_directory_or_cannot_be_written_is_one_error_line(tmp_p
     with pytest.raises(ValueError, match=r"could not write 'x.png' \(Permission denied\); give "
                                          r"--png a file in a directory that exists"):
         render.save_png(Refuses(), "x.png")
+
+
+def test_the_largest_seed_and_an_unbounded_window_run(capsys):
+    """Values the parser accepts run: the largest seed (it overflowed deriving a batch's seed)
+    and a window past int64 (it is the same mask as a window of S)."""
+    assert main(["show", "--seed", str(2 ** 63 - 1)]) == 0
+    capsys.readouterr()
+    base = ["show", "--mask", "sliding_window", "--seq-len", "512", "--world-size", "2"]
+    assert main([*base, "--window", "9" * 20]) == 0
+    wide = capsys.readouterr()
+    assert main([*base, "--window", "512"]) == 0
+    assert capsys.readouterr().out == wide.out and "error" not in wide.err
