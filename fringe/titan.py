@@ -184,8 +184,9 @@ def _check_swappable(name: str, inner) -> None:
         return                      # torchtitan gives it the causal + document BlockMask
     if isinstance(inner, VarlenAttention) and tuple(inner.window_size) == (-1, 0):
         return                      # causal within each document
+    window = getattr(inner, "window_size", None)
     raise ValueError(f"fringe.titan.apply: {name}.inner_attention is {type(inner).__name__}"
-                     f"{'(window_size=' + str(inner.window_size) + ')' if hasattr(inner, 'window_size') else ''}"
+                     f"{'' if window is None else f'(window_size={window})'}"
                      f"; fringe.titan replaces causal document attention (FlexAttention, or "
                      f"VarlenAttention with window_size=(-1, 0)), as Llama 3 uses. Build the model "
                      f"with attn_backend='flex'")

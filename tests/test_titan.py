@@ -21,7 +21,7 @@ if sys.version_info < (3, 11):                   # torchtitan 0.3 and triton nee
 import torchtitan  # noqa: E402,F401  the titan extra (dev.py test installs it): pip install 'fringe[titan]'
 
 import fringe.titan  # noqa: E402
-from fringe import masks, packing, schedules  # noqa: E402
+from fringe import masks, schedules  # noqa: E402
 from fringe.testing import tolerances  # noqa: E402
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
