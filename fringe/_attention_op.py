@@ -41,7 +41,7 @@ import torch
 from ._handle import resolve
 from .runtime.distributed import DistRuntime, check_sinks, is_device_mesh, mesh_ranks
 from .runtime.engine import acc_dtype, check_inputs, kept_names
-from .runtime.interpreter import head_range
+from .runtime.interpreter import head_range, kv_shape
 from .runtime.virtual import VirtualRuntime
 
 VIRTUAL = "virtual"
@@ -169,19 +169,20 @@ def _pack(kept: list, k: torch.Tensor) -> torch.Tensor:
     return torch.cat(flat) if flat else k.new_empty(0)
 
 
-def _unpack(plan, ranks, flat: torch.Tensor, k: torch.Tensor, H: int) -> list:
-    """Per-rank lists of kept kv buffers ``[2, B, G', L, D]`` (G' the heads a slice holds)."""
+def _unpack(plan, ranks, flat: torch.Tensor, k: torch.Tensor, v: torch.Tensor, H: int) -> list:
+    """Per-rank lists of kept kv buffers ``[2, B, G', L, D]`` (G' the heads a slice holds;
+    ``[1, B, G', L, D + Dv]`` when v's head dim differs, as the interpreter packs them)."""
     B, G, _, D = k.shape
     L = plan.local_len
     kept, off = [], 0
     for r in ranks:
         mine = []
         for b in kept_names(plan, r):
-            shape = [2, B, G, L, D]
+            shape = list(kv_shape(B, G, L, D, v.shape[-1]))
             if b.heads is not None:
                 dim, lo, hi = head_range(b, H, G)
                 shape[dim] = hi - lo
-            n = 2 * B * L * D * shape[2]
+            n = shape[0] * B * L * shape[4] * shape[2]
             mine.append(flat[off:off + n].view(shape))
             off += n
         kept.append(mine)
@@ -283,7 +284,7 @@ def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: list
 
 @attention_op.register_fake
 def _(q, k, v, params, sinks, plan, where, timeout_s, keep, reads_batch):
-    out = q.new_empty(q.shape)
+    out = q.new_empty((*q.shape[:-1], v.shape[-1]))            # Dv: v's head dim (MLA)
     lse = q.new_empty(q.shape[:-1], dtype=acc_dtype(q.dtype))
     n = torch.library.get_ctx().new_dynamic_size() if keep else 0
     return out, lse, k.new_empty(n)
@@ -307,7 +308,7 @@ def attention_backward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out
         pending = _PENDING[_key(where, group)]
         rt = pending.pop() if pending else DistRuntime(group, timeout_s=timeout_s)
         args = [x.unsqueeze(0) for x in (q, k, v, out, lse, dout, dlse)]
-    kept = _unpack(p, rt.ranks, kept, k, H)
+    kept = _unpack(p, rt.ranks, kept, k, v, H)
     # tile backwards that use autograd (score_mod parameters, FlexAttention's backward, any
     # kernel but the CPU built-ins) run where it records
     if p.score_params or q.is_cuda or p.kernel not in _NO_AUTOGRAD_KERNELS:

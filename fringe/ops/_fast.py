@@ -188,9 +188,12 @@ class SdpaKernel:
 
     def _forward(self, q, k, v, *, q_pos, kv_pos, mask, scale, causal=False):
         H = q.shape[1]
+        Dv = v.shape[-1]
+        q, k, v = _equal_heads(q, k, v)
         kk, vv = self._kv(k, v, H)
         op = getattr(torch.ops.aten, _FWD)
         out, lse = op(q, kk, vv, 0.0, causal, attn_mask=self._bias(mask, q.dtype), scale=scale)
+        out = out[..., :Dv]                    # the zero columns of a padded v (MLA), cut
         lse = lse.to(compute_dtype(q.dtype))
         if mask is not None:
             dead = ~mask.any(dim=-1)                                   # [B|1, H|1, Lq]
@@ -201,15 +204,17 @@ class SdpaKernel:
 
     def _backward(self, q, k, v, out, lse, dout, *, q_pos, kv_pos, mask, scale, dlse=None,
                   causal=False):
-        B, H, Lq, D = q.shape
-        G = k.shape[1]
+        B, H, Lq, Dqk = q.shape
+        G, Dv = k.shape[1], v.shape[-1]
+        q, k, v = _equal_heads(q, k, v)
+        D = q.shape[-1]
         kk, vv = self._kv(k, v, H)
         ct = compute_dtype(q.dtype)
         lse = lse.to(ct)
         dead = torch.isneginf(lse)
         lse = torch.where(dead, torch.zeros_like(lse), lse).contiguous()
-        out = out.to(q.dtype)
-        dout = dout.to(q.dtype)
+        out = _pad_last(out.to(q.dtype), D)       # zero columns: delta and dp unchanged
+        dout = _pad_last(dout.to(q.dtype), D)
         pad = False
         if dlse is not None:
             out, pad = _fold_dlse(out, dout, dlse.to(ct).masked_fill(dead, 0.0), ct)
@@ -221,13 +226,30 @@ class SdpaKernel:
         # strided (measured: bit-identical to contiguous copies), so no copy per call
         dq, dk, dv = op(dout, q, kk, vv, out, lse, 0.0, causal,
                         attn_mask=self._bias(mask, q.dtype), scale=scale)
-        if pad:
-            dq, dk, dv = dq[..., :D], dk[..., :D], dv[..., :D]
+        dq, dk, dv = dq[..., :Dqk], dk[..., :Dqk], dv[..., :Dv]   # the padded columns, cut
         if kk.shape[1] != G:                                            # fold the H/G copies
             Lk = k.shape[2]
-            dk = dk.reshape(B, G, H // G, Lk, D).sum(2)
-            dv = dv.reshape(B, G, H // G, Lk, D).sum(2)
+            dk = dk.reshape(B, G, H // G, Lk, Dqk).sum(2)
+            dv = dv.reshape(B, G, H // G, Lk, Dv).sum(2)
         return dq, dk, dv
+
+
+def _pad_last(t: torch.Tensor, D: int) -> torch.Tensor:
+    """``t`` with zero columns appended up to head dim ``D`` (itself when it has D)."""
+    n = D - t.shape[-1]
+    return t if n == 0 else torch.nn.functional.pad(t, (0, n))
+
+
+def _equal_heads(q, k, v):
+    """The fused op needs one head size ("Q/K/V should have the same head size"); MLA has
+    Dv != Dqk. Zero columns make them equal exactly: appended to q and k they add 0 to every
+    score, appended to v they give output columns that are 0 (cut by the caller, as are the
+    gradients of the padded columns). Equal sizes: the tensors themselves."""
+    Dqk, Dv = q.shape[-1], v.shape[-1]
+    if Dqk == Dv:
+        return q, k, v
+    D = max(Dqk, Dv)
+    return _pad_last(q, D), _pad_last(k, D), _pad_last(v, D)
 
 
 def _fold_dlse(out, dout, dlse, ct):

@@ -36,12 +36,12 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     Args:
         q: ``[B, H, Lq, D]``.
         k: ``[B, G, Lk, D]``.
-        v: ``[B, G, Lk, D]``.
+        v: ``[B, G, Lk, Dv]`` (Dv may differ from D: MLA).
         q_pos: optional global positions of q's rows, ``[Lq]``.
         kv_pos: optional global positions of k/v's rows, ``[Lk]``.
 
     Returns:
-        ``(B, H, G, Lq, Lk, D)``.
+        ``(B, H, G, Lq, Lk, D)`` (D of q and k; ``v.shape[-1]`` is Dv).
 
     Raises:
         ValueError: with what was expected and how to fix it.
@@ -53,19 +53,19 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
             want = "[B, H, Lq, D]" if name == "q" else "[B, G, Lk, D]"
             raise ValueError(f"{name} must be 4-D {want}, got shape {tuple(t.shape)}; "
                              f"add the missing batch/head dims (e.g. {name}[None])")
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape [B, G, Lk, D], got k {tuple(k.shape)} "
-                         f"and v {tuple(v.shape)}")
+    if k.shape[:-1] != v.shape[:-1]:
+        raise ValueError(f"k and v must agree in [B, G, Lk] (v's head dim Dv may differ from "
+                         f"k's, as in MLA), got k {tuple(k.shape)} and v {tuple(v.shape)}")
     B, H, Lq, D = q.shape
     Bk, G, Lk, Dk = k.shape
     if D != Dk:
-        raise ValueError(f"head dim mismatch: q has D={D} but k/v have D={Dk}; q [B, H, Lq, D] "
-                         f"and k/v [B, G, Lk, D] must share D")
+        raise ValueError(f"head dim mismatch: q has D={D} but k has D={Dk}; q [B, H, Lq, D] "
+                         f"and k [B, G, Lk, D] must share D (v may have its own Dv)")
     if B != Bk:
         raise ValueError(f"batch mismatch: q has B={B} but k/v have B={Bk}")
     for name, n, what in (("B", B, "batch size"), ("H", H, "query heads"), ("G", G, "kv heads"),
                           ("Lq", Lq, "query rows"), ("Lk", Lk, "key/value rows"),
-                          ("D", D, "head dim")):
+                          ("D", D, "head dim"), ("Dv", v.shape[-1], "v head dim")):
         if n == 0:
             raise ValueError(f"{what} {name}=0 (q {tuple(q.shape)} as [B, H, Lq, D], k/v "
                              f"{tuple(k.shape)} as [B, G, Lk, D]); attention needs every "
@@ -340,7 +340,7 @@ def grad_tile(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tens
     if mask is not None:
         p = torch.where(mask, p, zero)
     dout_c, out_c = dout.to(ct), out.to(ct)
-    dog = dout_c.reshape(B, G, R, Lq, D)
+    dog = dout_c.reshape(B, G, R, Lq, v.shape[-1])                     # Dv: out's head dim
     dp = torch.einsum("bgrqd,bgkd->bgrqk", dog, v.to(ct)).reshape(B, H, Lq, Lk)
     delta = (dout_c * out_c).sum(-1)                                    # [B, H, Lq]
     if dlse is not None:
@@ -402,14 +402,14 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     Args:
         q: ``[B, H, Lq, D]``.
         k: ``[B, G, Lk, D]``.
-        v: ``[B, G, Lk, D]``.
+        v: ``[B, G, Lk, Dv]`` (Dv may differ from D, as in MLA).
         mask_mod: FlexAttention-style ``mask_mod(b, h, q_idx, kv_idx) -> bool``; None = full.
         score_mod: ``score_mod(score, b, h, q_idx, kv_idx) -> score``; None = identity. As in
             FlexAttention it is defined per scalar (see :func:`apply_score_mod`).
         scale: softmax scale, default ``1/sqrt(D)``.
 
     Returns:
-        ``(out [B, H, Lq, D] in q's dtype, lse [B, H, Lq])``, lse natural-log in float32
+        ``(out [B, H, Lq, Dv] in q's dtype, lse [B, H, Lq])``, lse natural-log in float32
         (float64 for float64 inputs). A fully masked row has out 0 and lse -inf; its gradients
         are 0, never NaN.
 

@@ -26,7 +26,8 @@ the GLOBAL positions of both (``q_pos [Lq]``, ``kv_pos [Lk]``) so that ``mask_mo
 - ``tile_backward`` takes the GLOBAL merged out/lse (flash-attention style), so partial
   gradients over several kv tiles sum to the exact gradient.
 
-Legend: B batch · H query heads · G kv heads (H % G == 0) · L tokens · D head dim.
+Legend: B batch · H query heads · G kv heads (H % G == 0) · L tokens · D head dim of q and k ·
+Dv head dim of v and out (may differ from D: MLA).
 """
 from __future__ import annotations
 
@@ -515,7 +516,7 @@ def tile_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, q_pos: to
     Args:
         q: ``[B, H, Lq, D]``.
         k: ``[B, G, Lk, D]``.
-        v: ``[B, G, Lk, D]``.
+        v: ``[B, G, Lk, Dv]`` (Dv may differ from D: MLA).
         q_pos: global positions of q's rows, ``[Lq]``.
         kv_pos: global positions of k/v's rows, ``[Lk]``.
         mask_mod: ``mask_mod(b, h, q_idx, kv_idx) -> bool`` on global indices (None = full).
@@ -531,7 +532,7 @@ def tile_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, q_pos: to
             Only for a mask_mod that reads no mutable state (a plan's snapshot).
 
     Returns:
-        ``(out [B, H, Lq, D] in q's dtype, lse [B, H, Lq])``; lse natural-log, float32
+        ``(out [B, H, Lq, Dv] in q's dtype, lse [B, H, Lq])``; lse natural-log, float32
         (float64 for float64 inputs), -inf (with out 0) for rows with nothing to attend to.
 
     Raises:
@@ -557,7 +558,7 @@ def tile_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, q_pos: to
         o, l = kern.forward(q, k[:, :, cols], v[:, :, cols], q_pos=q_pos, kv_pos=kv_pos[cols],
                             **mkw, **kw)
         return o.to(q.dtype), l.to(ct)
-    out = _Rows((B, H, Lq, D), ct, q.device)
+    out = _Rows((B, H, Lq, v.shape[-1]), ct, q.device)
     lse = torch.full((B, H, Lq), -math.inf, dtype=ct, device=q.device)
     for g, mkw in calls:
         rows, cols = slice(g.q0, g.q1), slice(g.k0, g.k1)
@@ -587,9 +588,9 @@ def tile_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.
 
     Args:
         q, k, v: as in :func:`tile_forward`.
-        out: global merged output ``[B, H, Lq, D]``.
+        out: global merged output ``[B, H, Lq, Dv]``.
         lse: global merged lse ``[B, H, Lq]``.
-        dout: gradient of the loss w.r.t. ``out``, ``[B, H, Lq, D]``.
+        dout: gradient of the loss w.r.t. ``out``, ``[B, H, Lq, Dv]``.
         q_pos, kv_pos, mask_mod, score_mod, scale, kind, blocks, block_size, kernel, cache: as
             in :func:`tile_forward`.
         dlse: gradient of the loss w.r.t. the GLOBAL ``lse`` of these rows, ``[B, H, Lq]``;
@@ -599,7 +600,7 @@ def tile_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.
             accumulated into ``.grad``.
 
     Returns:
-        ``(dq [B, H, Lq, D], dk [B, G, Lk, D], dv [B, G, Lk, D])`` in the inputs' dtype; with
+        ``(dq [B, H, Lq, D], dk [B, G, Lk, D], dv [B, G, Lk, Dv])`` in the inputs' dtype; with
         ``score_params``, ``(dq, dk, dv, dparams)`` where ``dparams`` is a tuple aligned with
         ``score_params`` (each param's dtype and shape): this tile's contribution, masked pairs
         contributing nothing.
@@ -607,7 +608,8 @@ def tile_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.
     (B, H, G, Lq, Lk, D), kind, blocks, kern, scale = _prepare(
         q, k, v, q_pos=q_pos, kv_pos=kv_pos, kind=kind, blocks=blocks, block_size=block_size,
         kernel=kernel, score_mod=score_mod, scale=scale)
-    for name, t, want in (("out", out, (B, H, Lq, D)), ("dout", dout, (B, H, Lq, D)),
+    Dv = v.shape[-1]
+    for name, t, want in (("out", out, (B, H, Lq, Dv)), ("dout", dout, (B, H, Lq, Dv)),
                           ("lse", lse, (B, H, Lq)), ("dlse", dlse, (B, H, Lq))):
         if t is not None and tuple(t.shape) != want:
             raise ValueError(f"{name} must have shape {list(want)}, got {list(t.shape)}; "
@@ -638,7 +640,7 @@ def tile_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.
         return (*grads, tuple(res[3])) if score_params else grads
     dq = _Rows((B, H, Lq, D), ct, q.device)
     dk = _Rows((B, G, Lk, D), ct, k.device)
-    dv = _Rows((B, G, Lk, D), ct, v.device)
+    dv = _Rows((B, G, Lk, Dv), ct, v.device)
     dparams = [torch.zeros_like(p) for p in score_params]
     for g, mkw in calls:
         rows, cols = slice(g.q0, g.q1), slice(g.k0, g.k1)

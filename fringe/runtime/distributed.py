@@ -69,8 +69,9 @@ _SHAPE_FIELDS = ["world size", "B (batch)", "H (query heads)", "G (kv heads)",
                  "L (local tokens)", "D (head dim)", "dtype", "device type", "input check"]
 _PLAN_FIELDS = ["layout", "programs", "blocks", "mask", "score_mod", "options"]
 _EXTRA_FIELDS = ["sinks"]
-_FIELDS = _SHAPE_FIELDS + [f"plan {f}" for f in _PLAN_FIELDS] + _EXTRA_FIELDS
-_DIGESTS = set(_FIELDS[len(_SHAPE_FIELDS):])
+_DV_FIELD = "Dv (v head dim)"       # last: v's head dim may differ from D (MLA)
+_FIELDS = _SHAPE_FIELDS + [f"plan {f}" for f in _PLAN_FIELDS] + _EXTRA_FIELDS + [_DV_FIELD]
+_DIGESTS = set(_FIELDS[len(_SHAPE_FIELDS):]) - {_DV_FIELD}
 
 
 def _h48(text: str) -> int:
@@ -398,7 +399,8 @@ class DistRuntime(Runtime):
         sink_desc = "none" if sinks is None else \
             f"{tuple(getattr(sinks, 'shape', ()))}/{getattr(sinks, 'dtype', type(sinks).__name__)}"
         mine = ([plan.world_size, B, H, G, L, D, code, int(cuda), int(bool(problem))]
-                + [_h48(digests[f]) for f in _PLAN_FIELDS] + [_h48(sink_desc)])
+                + [_h48(digests[f]) for f in _PLAN_FIELDS] + [_h48(sink_desc)]
+                + [v.shape[-1] if isinstance(v, torch.Tensor) and v.dim() == 4 else -1])
         group = _side_group(self.group) if cuda else self.group
         local = torch.tensor(mine, dtype=torch.int64)
         everyone = [torch.empty_like(local) for _ in range(self.world_size)]

@@ -1,7 +1,8 @@
 """Forward and backward of a plan for the ranks one process drives, on any transport.
 
-Tensors are stacked over the driven ranks: ``q [R, B, H, L, D]``, ``k, v [R, B, G, L, D]``
-(R = P on the virtual mesh, R = 1 under torch.distributed), and ``ranks`` names them.
+Tensors are stacked over the driven ranks: ``q [R, B, H, L, D]``, ``k [R, B, G, L, D]``,
+``v [R, B, G, L, Dv]`` (Dv may differ from D, as in MLA; out is ``[..., Dv]``) (R = P on the
+virtual mesh, R = 1 under torch.distributed), and ``ranks`` names them.
 """
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import Sequence
 import torch
 
 from ..schedules.ir import Buffer, Compute, Family, GradCompute
-from .interpreter import RankState, Transport, check_head_split, execute, head_range
+from .interpreter import RankState, Transport, check_head_split, execute, head_range, kv_shape
 
 
 def check_inputs(q, k, v, *, plan, local: bool) -> None:
@@ -87,18 +88,21 @@ def kept_names(plan, rank: int) -> list[Buffer]:
     return plan.forward[rank].remote_reads(Family.KV)
 
 
-def _shapes(q: torch.Tensor, k: torch.Tensor, dout_dtype: torch.dtype | None = None):
+def _shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
     """``like(buf) -> (shape, dtype)`` of a rank's whole-heads buffers, by family.
 
-    q ``[B, H, L, D]`` and kv ``[2, B, G, L, D]`` in the input dtype; (out, lse) packed as
-    ``[B, H, L, D+1]`` and (dout, dlse) likewise, and the gradients, in the accumulation dtype.
+    q ``[B, H, L, D]`` and kv ``[2, B, G, L, D]`` (``[1, B, G, L, D + Dv]`` when v's head dim
+    Dv differs, see :func:`~fringe.runtime.interpreter.kv_shape`) in the input dtype; (out, lse)
+    packed as ``[B, H, L, Dv+1]`` and (dout, dlse) likewise, and the gradients, in the
+    accumulation dtype.
     """
     B, H, L, D = q.shape
-    G = k.shape[1]
+    G, Dv = k.shape[1], v.shape[-1]
     acc = acc_dtype(q.dtype)
-    table = {Family.Q: ((B, H, L, D), q.dtype), Family.KV: ((2, B, G, L, D), k.dtype),
-             Family.OUT: ((B, H, L, D + 1), acc), Family.DOUT: ((B, H, L, D + 1), acc),
-             Family.DQ: ((B, H, L, D), acc), Family.DKV: ((2, B, G, L, D), acc)}
+    kv = kv_shape(B, G, L, D, Dv)
+    table = {Family.Q: ((B, H, L, D), q.dtype), Family.KV: (kv, k.dtype),
+             Family.OUT: ((B, H, L, Dv + 1), acc), Family.DOUT: ((B, H, L, Dv + 1), acc),
+             Family.DQ: ((B, H, L, D), acc), Family.DKV: (kv, acc)}
     return lambda b: table[b.family]
 
 
@@ -106,14 +110,15 @@ def _rank_state(program, rank: int, q, k, v, *, like, backward: bool,
                 protect: set[str]) -> RankState:
     """A rank's interpreter state holding its own q and kv.
 
-    k and v are held as the parts of the rank's kv buffer (packed ``[2, B, G, L, D]`` only if
-    sent), borrowed: never written.
+    k and v are held as the parts of the rank's kv buffer (packed ``[2, B, G, L, D]``, or
+    ``[1, B, G, L, D + Dv]``, only if sent), borrowed: never written.
     """
     from ..ops import merge
     mine = {Family.Q, Family.KV, Family.OUT, Family.DOUT, Family.DQ, Family.DKV}
     protect = set(protect) | {Buffer.of(f, rank) for f in mine}
     st = RankState(rank, program, like=like, heads=(q.shape[1], k.shape[1]), device=q.device,
-                   protect=protect, merge_out=None if backward else merge)
+                   protect=protect, merge_out=None if backward else merge,
+                   kv_split=None if k.shape[-1] == v.shape[-1] else k.shape[-1])
     st.bufs[Buffer.of(Family.Q, rank)] = q
     st.set_parts(Buffer.of(Family.KV, rank), (k, v), borrowed=True)
     return st
@@ -160,7 +165,7 @@ def forward(plan, ranks: Sequence[int], q: torch.Tensor, k: torch.Tensor, v: tor
     """Run the forward programs of ``ranks``.
 
     Returns:
-        ``(out [R, B, H, L, D], lse [R, B, H, L], kept, states)`` where ``kept`` is a list of
+        ``(out [R, B, H, L, Dv], lse [R, B, H, L], kept, states)`` where ``kept`` is a list of
         per-rank lists of kv buffers to save (empty unless ``plan.kv == "keep"``).
     """
     from ..ops import merge, tile_forward
@@ -168,7 +173,7 @@ def forward(plan, ranks: Sequence[int], q: torch.Tensor, k: torch.Tensor, v: tor
     acc = acc_dtype(q.dtype)
     H = q.shape[2]
     check_heads(plan, H, k.shape[2])
-    like = _shapes(q[0], k[0])
+    like = _shapes(q[0], k[0], v[0])
     states = {}
     for n, r in enumerate(ranks):
         states[r] = _rank_state(plan.forward[r], r, q[n], k[n], v[n], like=like, backward=False,
@@ -196,7 +201,8 @@ def forward(plan, ranks: Sequence[int], q: torch.Tensor, k: torch.Tensor, v: tor
             out.append(o.to(q.dtype))
             lse.append(l)
             continue
-        o = torch.zeros(q[n].shape, dtype=acc, device=q.device)    # no tile: out 0, lse -inf
+        o = torch.zeros((*q[n].shape[:-1], v.shape[-1]), dtype=acc,   # no tile: out 0, lse -inf
+                        device=q.device)
         l = torch.full(q[n].shape[:-1], float("-inf"), dtype=acc, device=q.device)
         written = torch.zeros(H, dtype=torch.bool)
         for b in pieces:                        # partial outputs home: merge by lse
@@ -236,7 +242,7 @@ def backward(plan, ranks: Sequence[int], q, k, v, out, lse, dout, dlse, kept,
     states = {}
     params = tuple(plan.score_params)
     dparams = [torch.zeros(p.shape, dtype=acc, device=p.device) for p in params]
-    like = _shapes(q[0], k[0])
+    like = _shapes(q[0], k[0], v[0])
     for n, r in enumerate(ranks):
         st = _rank_state(plan.backward[r], r, q[n], k[n], v[n], like=like, backward=True,
                          protect=set())

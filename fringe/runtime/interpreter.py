@@ -111,7 +111,7 @@ class Pool:
 
 
 #: Where a buffer family keeps its heads: query-side tensors are ``[B, H, L, ...]``, kv ones
-#: ``[2, B, G, L, D]``.
+#: ``[2, B, G, L, D]`` (``[1, B, G, L, D + Dv]`` when v's head dim Dv differs: MLA).
 _HEAD_DIM = {Family.Q: 1, Family.OUT: 1, Family.DQ: 1, Family.DOUT: 1, Family.KV: 2,
              Family.DKV: 2}
 
@@ -154,15 +154,26 @@ def check_head_split(n: int, num_heads: int, kv_heads: int, *, what: str = "") -
                      f"neither: use G dividing or divisible by {n}")
 
 
-#: Families packed from parts: kv-like ones stack (k, v) along a new dim 0, query-side ones
-#: put (out, lse) side by side (lse as the last column). Parts keep heads in dim 1.
+#: Families packed from parts: kv-like ones stack (k, v) along a new dim 0 (or, when v's head
+#: dim differs from k's, as in MLA, put them side by side in one ``[1, B, G, L, D + Dv]``, so
+#: v travels at Dv, unpadded); query-side ones put (out, lse) side by side (lse as the last
+#: column). Parts keep heads in dim 1.
 _STACKED = (Family.KV, Family.DKV)
 _COLUMNS = (Family.OUT, Family.DOUT)
+
+
+def kv_shape(B: int, G: int, L: int, D: int, Dv: int) -> tuple:
+    """Shape of a packed kv (or dkv) buffer: ``[2, B, G, L, D]``, or ``[1, B, G, L, D + Dv]``
+    when ``Dv != D``."""
+    return (2, B, G, L, D) if D == Dv else (1, B, G, L, D + Dv)
 
 
 def pack_parts(family: Family, parts: tuple, dtype: torch.dtype) -> torch.Tensor:
     """The one tensor of a buffer held as ``parts`` (a new tensor, in ``dtype``)."""
     if family in _STACKED:
+        k, v = parts
+        if k.shape[-1] != v.shape[-1]:          # Dv != D: side by side, see kv_shape
+            return torch.cat([k.to(dtype), v.to(dtype)], dim=-1).unsqueeze(0)
         return torch.stack([p.to(dtype) for p in parts])
     if family in _COLUMNS:
         o, lse = parts
@@ -171,9 +182,12 @@ def pack_parts(family: Family, parts: tuple, dtype: torch.dtype) -> torch.Tensor
     return t.to(dtype).clone() if t.dtype == dtype else t.to(dtype)
 
 
-def split_parts(family: Family, t: torch.Tensor) -> tuple:
-    """Views of a packed buffer's parts (the inverse of :func:`pack_parts`)."""
+def split_parts(family: Family, t: torch.Tensor, kv_split: int | None = None) -> tuple:
+    """Views of a packed buffer's parts (the inverse of :func:`pack_parts`); ``kv_split``: k's
+    head dim D when v's differs (a ``[1, ..., D + Dv]`` kv buffer), else None."""
     if family in _STACKED:
+        if kv_split is not None:
+            return t[0, ..., :kv_split], t[0, ..., kv_split:]
         return t[0], t[1]
     if family in _COLUMNS:
         D = t.shape[-1] - 1
@@ -193,11 +207,13 @@ class RankState:
         protect: names never released (the rank's own data, kept kv).
         merge_out: ``merge_out(out_a, lse_a, out_b, lse_b) -> (out, lse)`` merges a received
             partial ``out`` into the one here (by :meth:`combine`).
+        kv_split: k's head dim D when v's head dim differs (MLA: kv buffers are
+            ``[1, B, G, L, D + Dv]``, see :func:`kv_shape`); None when they are equal.
     """
 
     def __init__(self, rank: int, program: Program, *, like: Callable, heads: tuple[int, int],
-                 device, protect: set[str] = frozenset(), merge_out: Callable | None = None
-                 ) -> None:
+                 device, protect: set[str] = frozenset(), merge_out: Callable | None = None,
+                 kv_split: int | None = None) -> None:
         self.rank = rank
         self.program = program
         self.bufs: dict[str, torch.Tensor] = {}
@@ -209,6 +225,7 @@ class RankState:
         self.device = device
         self.protect = {Buffer(n) for n in protect} | {Buffer(n).parent for n in protect}
         self.merge_out = merge_out
+        self.kv_split = kv_split
         last = program.last_uses()
         for b, t in list(last.items()):        # a slice keeps its whole buffer alive
             if b.heads is not None:
@@ -281,7 +298,7 @@ class RankState:
                     return parts
                 _, lo, hi = head_range(b, *self.heads)
                 return tuple(p.narrow(1, lo, hi - lo) for p in parts)
-        return split_parts(b.family, self.get(b))
+        return split_parts(b.family, self.get(b), self.kv_split)
 
     def combine(self, name: str, new: tuple, fn: Callable) -> None:
         """``buffer = fn(*buffer_parts, *new)`` (e.g. an lse merge): replaces whole owned
@@ -319,14 +336,14 @@ class RankState:
         self._home(b)
         held = self._held(b)
         if b.family.is_gradient and held is not None:
-            for d, x in zip(self.get_parts(b, write=True), split_parts(b.family, t)):
+            for d, x in zip(self.get_parts(b, write=True), split_parts(b.family, t, self.kv_split)):
                 d.add_(x)
             self.pool.put(t)
         elif b.family is Family.OUT and held is not None and self.merge_out is not None:
-            self.combine(b, split_parts(b.family, t), self.merge_out)
+            self.combine(b, split_parts(b.family, t, self.kv_split), self.merge_out)
             self.pool.put(t)
         elif held is not None and held != b:
-            for d, x in zip(self.get_parts(b, write=True), split_parts(b.family, t)):
+            for d, x in zip(self.get_parts(b, write=True), split_parts(b.family, t, self.kv_split)):
                 d.copy_(x)
             self.pool.put(t)
         else:
