@@ -11,7 +11,11 @@ Ten lines (see ``examples/hf_train.py`` for the whole loop)::
                             seq_len=S, world_size=P, batch_size=B)  # one plan per layer kind, one layout
     shard = packing.shard_batch(input_ids, labels, plan=plans.plans, rank=rank, cu_seqlens=cu_seqlens)
     out = model(**fringe.hf.model_inputs(shard, plans), use_cache=False)
-    out.loss.backward()          # this rank's share: sum the CP ranks' gradients (all_reduce SUM)
+    out.loss.backward()          # this rank's share: CP gradients must be SUMMED, not averaged
+
+The gradient reduction (sum over CP, mean over data-parallel replicas, token-weighted across
+microbatches) is :class:`fringe.train.GradSync`'s job with FSDP2 or DDP on a (dp, cp) mesh;
+see ``examples/hf_train.py --world-size 4 --cp 2``.
 
 ``batch_size=B`` is needed when documents differ per row (per-row ``cu_seqlens`` or
 ``position_ids`` give ``doc_ids [B, S]``, a mask that reads ``b``) and harmless otherwise (the

@@ -575,9 +575,11 @@ def token_weighted_loss(logits: torch.Tensor, targets: torch.Tensor, *, num_item
 
     The condition that makes it right: the CP ranks' gradients must then be **summed**
     (``all_reduce(SUM)``), not averaged as DDP does — every rank's gradient is already its
-    share of the global one. (With DDP over a data-parallel dimension as well, divide by the
-    global count over data-parallel ranks too, or multiply by the DP size to undo DDP's mean.)
-    The reported loss is ``all_reduce(SUM)`` of the shares.
+    share of the global one. With FSDP2 or DDP on a (dp, cp) mesh, let
+    :class:`fringe.train.GradSync` do the reduction and the scaling (it sets FSDP's divide
+    factor, or scales the loss for DDP's mean, and counts tokens over every replica and
+    microbatch); do not hand-write it. The reported loss is ``all_reduce(SUM)`` of the shares
+    (``GradSync.step(...).loss()``).
 
     Args:
         logits: ``[B, L, V]`` this rank's logits; targets: ``[B, L]`` this rank's
