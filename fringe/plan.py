@@ -304,15 +304,18 @@ class Plan:
 
     # ---- reporting -----------------------------------------------------------------
     def stats(self, *, batch: int = 1, heads: int | None = None, kv_heads: int | None = None,
-              head_dim: int = 64, dtype: torch.dtype = torch.bfloat16) -> "PlanStats":
+              head_dim: int = 64, v_head_dim: int | None = None,
+              dtype: torch.dtype = torch.bfloat16) -> "PlanStats":
         """Per-rank work and communication; see :class:`PlanStats`.
 
         ``heads=None``: 1, or for a plan that splits heads n ways (Ulysses, compose) the
         least common multiple of its splits, the fewest heads it runs with; ``kv_heads=None``:
-        ``heads``.
+        ``heads``. ``head_dim`` is D of q and k; ``v_head_dim`` is Dv of v and out (None:
+        ``head_dim``; MLA has its own, e.g. DeepSeek-V3 D=192, Dv=128). A plan does not depend
+        on head dims, so they enter here, as the batch and heads do.
         """
         return PlanStats.of(self, batch=batch, heads=heads, kv_heads=kv_heads,
-                            head_dim=head_dim, dtype=dtype)
+                            head_dim=head_dim, v_head_dim=v_head_dim, dtype=dtype)
 
     def __repr__(self) -> str:
         return (f"Plan({self.schedule.name}, mask={getattr(self.mask_mod, '__name__', 'mask')}, "
@@ -348,7 +351,8 @@ class PlanStats:
     balance: float
 
     @classmethod
-    def of(cls, plan: Plan, *, batch, heads=None, kv_heads=None, head_dim, dtype) -> PlanStats:
+    def of(cls, plan: Plan, *, batch, heads=None, kv_heads=None, head_dim, dtype,
+           v_head_dim=None) -> PlanStats:
         """The stats of ``plan`` for these shapes (``heads``, ``kv_heads``: as :meth:`Plan.stats`).
 
         Raises:
@@ -367,7 +371,8 @@ class PlanStats:
         for n in sorted(splits):
             check_head_split(n, heads, kv_heads, what=f"stats of schedule {plan.schedule.name!r} "
                                                      f"(heads split {n} ways)")
-        shape = dict(B=batch, H=heads, G=kv_heads, D=head_dim, L=plan.local_len,
+        v_head_dim = head_dim if v_head_dim is None else v_head_dim
+        shape = dict(B=batch, H=heads, G=kv_heads, D=head_dim, Dv=v_head_dim, L=plan.local_len,
                      item=torch.empty((), dtype=dtype).element_size(),
                      acc=8 if dtype == torch.float64 else 4)
         bs2 = plan.block_size ** 2
@@ -388,7 +393,7 @@ class PlanStats:
         steps = fwd.steps.tolist()
         rows = []
         for r in range(P):
-            fwd_flops = 4 * head_blocks[r] * bs2 * head_dim * batch
+            fwd_flops = 2 * head_blocks[r] * bs2 * (head_dim + v_head_dim) * batch
             rows.append(dict(rank=r, full_tiles=full[r], partial_tiles=partial[r],
                              blocks=blocks[r], fwd_flops=fwd_flops,
                              bwd_flops=int(2.5 * fwd_flops), fwd_sent=fwd_sent[r],
@@ -410,18 +415,20 @@ class PlanStats:
 
 
 def _buffer_bytes(family: Family, split: int = 1, *, B: int, H: int, G: int, D: int, L: int,
-                 item: int, acc: int) -> int | None:
+                 item: int, acc: int, Dv: int | None = None) -> int | None:
     """Bytes of one buffer of ``family`` holding L tokens, head slice of ``split`` (1: all
-    heads), as the interpreter holds it: q ``[B, H, L, D]`` and kv ``[2, B, G, L, D]`` at
-    ``item`` bytes an element, (out, lse) and (dout, dlse) ``[B, H, L, D+1]``, dq and dkv in
-    the accumulation dtype (``acc`` bytes). None for ``acc`` buffers (no fixed size). H and G
-    must split (:func:`fringe.runtime.interpreter.check_head_split`)."""
+    heads), as the interpreter holds it: q ``[B, H, L, D]`` and kv ``B·G·L·(D + Dv)`` (k and
+    v; Dv = D unless given) at ``item`` bytes an element, (out, lse) and (dout, dlse)
+    ``[B, H, L, Dv+1]``, dq and dkv in the accumulation dtype (``acc`` bytes). None for
+    ``acc`` buffers (no fixed size). H and G must split
+    (:func:`fringe.runtime.interpreter.check_head_split`)."""
+    Dv = D if Dv is None else Dv
     if split != 1:
         H, G = H // split, (G // split if G % split == 0 else 1)
-    kv = 2 * B * G * L * D
+    kv = B * G * L * (D + Dv)
     q = B * H * L * D
     return {Family.KV: kv * item, Family.DKV: kv * acc, Family.Q: q * item, Family.DQ: q * acc,
-            Family.OUT: B * H * L * (D + 1) * acc, Family.DOUT: B * H * L * (D + 1) * acc,
+            Family.OUT: B * H * L * (Dv + 1) * acc, Family.DOUT: B * H * L * (Dv + 1) * acc,
             }.get(family)
 
 

@@ -240,9 +240,10 @@ _DTYPES = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2}
 
 @dataclasses.dataclass(frozen=True)
 class Shape:
-    """The tensors a plan runs on: ``q [B, H, L, D]``, ``k, v [B, G, L, D]``.
+    """The tensors a plan runs on: ``q [B, H, L, D]``, ``k [B, G, L, D]``, ``v [B, G, L, Dv]``.
 
     The default is one Llama-3-8B-like attention layer: H=32, G=8, D=128, bfloat16.
+    ``v_head_dim`` (Dv) None means D; MLA (DeepSeek-V3) has D=192, Dv=128.
     """
 
     batch: int = 1
@@ -250,6 +251,7 @@ class Shape:
     kv_heads: int = 8
     head_dim: int = 128             # D of a Llama-3-70B-like layer (not a block size)
     dtype: str = "bfloat16"
+    v_head_dim: int | None = None   # Dv of v and out (None: head_dim)
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -259,6 +261,9 @@ class Shape:
                 raise ValueError(f"Shape.{f} must be >= 1, got {getattr(self, f)}")
         if self.heads % self.kv_heads:
             raise ValueError(f"heads={self.heads} must be a multiple of kv_heads={self.kv_heads}")
+        if self.v_head_dim is not None and self.v_head_dim < 1:
+            raise ValueError(f"Shape.v_head_dim must be >= 1 (or None: head_dim), got "
+                             f"{self.v_head_dim}")
 
     @property
     def itemsize(self) -> int:
@@ -280,19 +285,20 @@ class Shape:
             ValueError: H and G cannot be split k ways (the interpreter's rule).
         """
         B, H, G, D = self.batch, self.heads, self.kv_heads, self.head_dim
+        Dv = D if self.v_head_dim is None else self.v_head_dim
         if split != 1:
             from .interpreter import check_head_split
             check_head_split(split, H, G, what=f"a head slice of {split} (H={H}, G={G})")
             H, G = H // split, (G // split if G % split == 0 else 1)
-        if kind == "kv":
-            return 2 * B * G * L * D * self.itemsize
+        if kind == "kv":                     # k and v: G·(D + Dv) per token
+            return B * G * L * (D + Dv) * self.itemsize
         if kind == "dkv":
-            return 2 * B * G * L * D * self.acc_itemsize
+            return B * G * L * (D + Dv) * self.acc_itemsize
         if kind == "q":
             return B * H * L * D * self.itemsize
         if kind == "dq":
             return B * H * L * D * self.acc_itemsize
-        return B * H * L * (D + 1) * self.acc_itemsize      # a partial out + lse
+        return B * H * L * (Dv + 1) * self.acc_itemsize     # a partial out + lse
 
 
 def _row_runs(ne: np.ndarray, slack: float) -> tuple[list, list, list, list]:
