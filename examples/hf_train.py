@@ -102,8 +102,14 @@ def model_config(cfg: Config, attn: str):
         c = GptOssConfig(**kw, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
                          rope_parameters=dict(rope_type="default", rope_theta=10_000.0),
                          sliding_window=cfg.window, layer_types=["sliding_attention", "full_attention"])
+    elif cfg.model == "deepseek_v3":       # MLA: q/k head dim 8+16=24, v head dim 12; MoE layer 1
+        from transformers import DeepseekV3Config
+        c = DeepseekV3Config(**{**kw, "num_key_value_heads": 4}, q_lora_rank=16, kv_lora_rank=16,
+                             qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12,
+                             moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2,
+                             n_shared_experts=1, n_group=1, topk_group=1, first_k_dense_replace=1)
     else:
-        raise ValueError(f"--model {cfg.model!r}: use llama, qwen2 or gpt_oss")
+        raise ValueError(f"--model {cfg.model!r}: use llama, qwen2, gpt_oss or deepseek_v3")
     c._attn_implementation = attn
     return c
 
@@ -377,7 +383,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch-size", type=int, default=d.batch_size)
     ap.add_argument("--steps", type=int, default=d.steps)
     ap.add_argument("--block-size", type=int, default=d.block_size)
-    ap.add_argument("--model", default=d.model, choices=["llama", "qwen2", "gpt_oss"])
+    ap.add_argument("--model", default=d.model, choices=["llama", "qwen2", "gpt_oss", "deepseek_v3"])
     ap.add_argument("--window", type=int, default=d.window)
     from fringe.schedules import names as schedule_names        # the registry's names
     ap.add_argument("--schedule", default=d.schedule, choices=schedule_names())
