@@ -62,7 +62,9 @@ since they all share one code object's cache). So each kernel keeps its own comp
 *structure* of the call (:func:`call_structure`: the code objects and closure layout of the
 mask_mod and score_mod, tensor dtypes and ranks but not their values, the tile's shapes), at
 most :data:`MAX_COMPILED` of them, least recently used dropped first. A new batch's document
-ids keep their structure, so they reuse their function. ``backend=None`` (FlexAttention's
+ids keep their structure, so they reuse their function (and a diagonal tile's positions are
+copied rather than passed twice, so it shares the off-diagonal tiles' function: Dynamo compiles
+aliased inputs apart). ``backend=None`` (FlexAttention's
 eager semantics) compiles the same way with the ``"eager"`` backend, as ``flex_attention``'s
 own eager path does, only per structure.
 
@@ -481,6 +483,10 @@ class FlexKernel:
         return out, aux.lse
 
     def _tile(self, *, q_pos, kv_pos, blocks, block_size, mask_mod, score_mod, scale):
+        if kv_pos is q_pos or (kv_pos.numel() and kv_pos.data_ptr() == q_pos.data_ptr()):
+            # a diagonal tile passes one tensor twice: Dynamo compiles aliased inputs apart,
+            # so a copy (L int64) lets it share the off-diagonal tiles' compiled kernel
+            kv_pos = kv_pos.clone()
         bm = block_mask(blocks, block_size=block_size, q_pos=q_pos, kv_pos=kv_pos,
                         mask_mod=mask_mod, sparse_multiple=self.sparse_multiple)
         sm = on_global(score_mod, q_pos, kv_pos, score=True)
