@@ -110,13 +110,15 @@ def test_check_remembers_only_the_very_programs_it_passed():
 
 def test_prune_keeps_unchanged_programs_as_they_are():
     P = 6
-    need = torch.tril(torch.ones(P, P, dtype=torch.bool))
+    need = torch.ones(P, P, dtype=torch.bool)
+    need[0, P - 1] = False                   # rank 0 drops a tile; kv{P-1} need not reach it
     fwd = schedules.allgather().programs(P, torch.ones(P, P, dtype=torch.bool))
     pruned = schedules.prune(fwd, need)
-    assert pruned[0] != fwd[0] and pruned[P - 1] == fwd[P - 1]     # rank P-1 needs every tile
+    assert pruned[0] != fwd[0] and pruned[1] == fwd[1]     # rank 1 needs every tile
+    assert pruned[P - 1] != fwd[P - 1]       # its contribution to rank 0 is thinned away
     plain = _dense_copy(fwd)                 # op values: the unchanged ones come back as is
     by_ops = schedules.prune(plain, need)
-    assert by_ops[0] is not plain[0] and by_ops[P - 1] is plain[P - 1]
+    assert by_ops[0] is not plain[0] and by_ops[1] is plain[1]
     assert pruned == by_ops
     assert schedules.prune(fwd, torch.ones(P, P, dtype=torch.bool)) == list(fwd)
 

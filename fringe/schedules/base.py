@@ -19,8 +19,8 @@ import numpy as np
 import torch
 
 from ..layout import Layout
-from .ir import Program
-from .passes import Hop, HopTable, check, gc_paused, lower, prune
+from .ir import Program, ProgramTable
+from .passes import Hop, HopTable, _table, check, gc_paused, lower, prune
 
 LayoutFn = Callable[..., Layout]          # (seq_len, world_size, *, block_size) -> Layout
 HopsFn = Callable[[int], Mapping[int, Sequence[Hop]]]
@@ -91,8 +91,26 @@ class Schedule:
         if len(progs) != world_size:
             raise ValueError(f"schedule {self.name!r} gave {len(progs)} programs for "
                              f"world_size={world_size}")
+        progs = _as_table(progs)
         check(progs)          # before pruning, so errors name the steps as written
         return prune(progs, need) if need is not None else progs
 
     def __repr__(self) -> str:
         return f"Schedule({self.name})"
+
+
+def _as_table(progs: list[Program]) -> list[Program]:
+    """Programs given as op objects, as the programs of one table (rows, or the general
+    form for head slices and collectives), so that every pass after runs on columns.
+    Programs a table cannot hold (a send without its receive) stay as they are: ``check``
+    names the fault on them."""
+    if not progs or _table(progs) is not None or any(p.rank != r for r, p in enumerate(progs)):
+        return progs
+    try:
+        try:
+            tab = ProgramTable.of(progs)
+        except TypeError:                   # head slices or collectives: the general form
+            tab = ProgramTable.general_of(progs)
+    except (TypeError, ValueError):
+        return progs
+    return list(tab.programs())

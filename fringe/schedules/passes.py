@@ -296,7 +296,10 @@ def prune(programs: Sequence[Program], need: torch.Tensor) -> list[Program]:
     Returns:
         Programs without computes of empty tiles, without transfers of an input buffer
         (q or kv) whose receiving subtree computes nothing with it, and without steps left
-        with nothing to do.
+        with nothing to do. A collective's contributions are thinned by the same rule: one
+        is kept when its receiver, or any rank the receiver forwards that buffer to (by a
+        later collective or send), computes with it; a collective left moving nothing is
+        dropped on every member. So a collective schedule may be written without the mask.
     """
     P = len(programs)
     ok = _need_array(need, P)
@@ -334,6 +337,14 @@ def prune(programs: Sequence[Program], need: torch.Tensor) -> list[Program]:
                 changed[r] = True
             elif isinstance(op, Recv) and op.buf.family in _INPUTS:
                 changed[r] = True
+            elif type(op) is Collective:        # each contribution is a move (own slot: r -> r)
+                group = op.group
+                for k, b in zip(*op.sparse_sends):
+                    if b.family in _INPUTS:
+                        moves[b].append((t, r, group[k]))
+                        changed[r] = True
+                if any(b.family in _INPUTS for b in op.sparse_recvs[1]):
+                    changed[r] = True
     keep: set[tuple[Buffer, int, int, int]] = set()     # (buffer, step, src, dst)
     for b, hops in moves.items():
         hops.sort(key=lambda h: -h[0])
@@ -345,9 +356,12 @@ def prune(programs: Sequence[Program], need: torch.Tensor) -> list[Program]:
             while n < len(hops) and hops[n][0] == t:
                 group.append(hops[n])
                 n += 1
+            # kept: its receiver computes with b, or forwards b later (a kept move out of it);
+            # a collective's own slot (src == dst) by the same rule
             kept_now = [(src, dst) for (_, src, dst) in group if (dst, b) in uses or dst in live]
             keep.update((b, t, src, dst) for src, dst in kept_now)
             live.update(src for src, _ in kept_now)
+    thinned = _thin_collectives(programs, keep)
     pruned = []
     for prog in programs:
         if not changed[prog.rank] and all(step.ops for step in prog.steps):
@@ -355,6 +369,7 @@ def prune(programs: Sequence[Program], need: torch.Tensor) -> list[Program]:
             continue
         ops: dict[int, list[Op]] = collections.defaultdict(list)
         dropped = False
+        seen: collections.Counter = collections.Counter()
         for t, op in prog.ops():
             if isinstance(op, (Compute, GradCompute)):
                 if kept(op):
@@ -367,12 +382,54 @@ def prune(programs: Sequence[Program], need: torch.Tensor) -> list[Program]:
                     ops[t].append(op)
                 else:
                     dropped = True
+            elif type(op) is Collective:
+                key = (t, op.group, seen[(t, op.group)])
+                seen[(t, op.group)] += 1
+                new = thinned.get((prog.rank, key), op)
+                if new is not None:
+                    ops[t].append(new)
+                dropped = dropped or new is not op
             else:
                 ops[t].append(op)
         if dropped or not all(step.ops for step in prog.steps):
             prog = program_from_ops(prog.rank, ops)
         pruned.append(prog)                 # unchanged programs stay the same values
     return pruned
+
+
+def _thin_collectives(programs: Sequence[Program], keep: set) -> dict:
+    """Each collective side with input slots, thinned to the contributions in ``keep``
+    (``(buffer, step, src, dst)``): ``{(rank, (step, group, n)): op}``, the op itself when
+    nothing is dropped and None when no member's side of that collective is left moving
+    anything (own slots move nothing; then no member issues it)."""
+    out: dict = {}
+    empty: dict = {}
+    for prog in programs:
+        r = prog.rank
+        seen: collections.Counter = collections.Counter()
+        for step in prog.steps:
+            t = step.index
+            for op in step.collectives:
+                key = (t, op.group, seen[(t, op.group)])
+                seen[(t, op.group)] += 1
+                g = op.group
+                (si, sb), (ri, rb) = op.sparse_sends, op.sparse_recvs
+                ks = [n for n, (k, b) in enumerate(zip(si, sb))
+                      if b.family not in _INPUTS or (b, t, r, g[k]) in keep]
+                kr = [n for n, (k, b) in enumerate(zip(ri, rb))
+                      if b.family not in _INPUTS or (b, t, g[k], r) in keep]
+                if len(ks) == len(si) and len(kr) == len(ri):
+                    new = op
+                else:
+                    new = Collective.sparse(op.kind, g, (tuple(si[n] for n in ks), tuple(sb[n] for n in ks)),
+                                            (tuple(ri[n] for n in kr), tuple(rb[n] for n in kr)))
+                out[(r, key)] = new
+                moves = any(g[si[n]] != r for n in ks) or any(g[ri[n]] != r for n in kr)
+                empty[key] = empty.get(key, True) and not moves   # own slots move nothing
+    for (r, key) in out:
+        if empty[key]:
+            out[(r, key)] = None
+    return out
 
 
 # ---------------------------------------------------------------------------------------
@@ -388,7 +445,9 @@ def reverse(programs: Sequence[Program], *, kv: str = "resend") -> list[Program]
     Rules (no schedule has a hand-written backward):
 
     * Steps run in reverse: forward step t becomes backward step ``T - t`` (T = number of
-      forward rounds); backward step 0 is a prologue that only moves kv.
+      forward rounds, plus as many prologue steps as re-materialising needs: a chain of
+      collectives, each forwarding what the one before brought, re-issues them one step
+      apart); the prologue steps only move inputs.
     * Every op is replaced by its ``adjoint()``: ``C qi·kvj`` becomes its VJP ``G qi·kvj``
       (dq_i accumulates locally, dkv_j into the gradient buffer that travels back with
       kv_j); a receive of ``kvj`` from p becomes a send of ``dkvj`` back to p (accumulated
@@ -418,8 +477,28 @@ def reverse(programs: Sequence[Program], *, kv: str = "resend") -> list[Program]
             fast = _reverse_table(tab, kv)
         if fast is not None:
             return fast
+    T0 = steps_of(programs)
+    T = T0
+    while True:                     # as many prologue steps as re-materialising needs
+        try:
+            return _reverse_ops(programs, kv, T)
+        except _TooEarly as e:
+            if T - T0 + e.by > 2 * T0 + 2:
+                raise ScheduleError(f"{e.what}; no number of prologue steps delivers it")
+            T += e.by
+
+
+class _TooEarly(Exception):
+    """A backward move would need a step before 0: so many more prologue steps."""
+
+    def __init__(self, by: int, what: str) -> None:
+        super().__init__(what)
+        self.by, self.what = by, what
+
+
+def _reverse_ops(programs: Sequence[Program], kv: str, T: int) -> list[Program]:
+    """:func:`reverse` op by op, forward step t becoming backward step ``T - t``."""
     P = len(programs)
-    T = steps_of(programs)
     ops: list[dict[int, list[Op]]] = [collections.defaultdict(list) for _ in range(P)]
     # (rank, buffer) -> the last forward step a compute reads it (steps increase in a program)
     reads_at: dict[tuple[int, Buffer], int] = {}
@@ -527,10 +606,11 @@ def _reissue(T, ops, collectives, reads_at, kv: str) -> None:
                 dep = brought.get((r, b))
                 if dep is not None:
                     when[dep] = min(when.get(dep, when[key] - 1), when[key] - 1)
+    if when and min(when.values()) < 0:
+        key, u = min(when.items(), key=lambda kv_: kv_[1])
+        raise _TooEarly(-u, f"the collective at forward step {key[0]} over group "
+                            f"{list(key[1])} would have to be re-issued at backward step {u}")
     for key, u in sorted(when.items(), key=lambda kv_: (kv_[0][0], kv_[0][1], kv_[0][2])):
-        if u < 0:
-            raise ScheduleError(f"the collective at forward step {key[0]} over group "
-                                f"{list(key[1])} would have to be re-issued at backward step {u}")
         for r, op in collectives[key].items():
             ops[r][u].append(op)
 
@@ -587,8 +667,8 @@ def _rematerialise(T, ops, reads_at, in_hop, out_hops, *, skip=frozenset(),
                     ops[r][u].append(Recv(b, d))
                     continue
             if e - 1 < 0:
-                raise ScheduleError(f"rank {r} needs {b} at backward step {e}; there is no "
-                                    f"earlier step to fetch it in")
+                raise _TooEarly(1 - e, f"rank {r} needs {b} at backward step {e}; there is "
+                                       f"no earlier step to fetch it in")
             ops[owner][e - 1].append(Send(b, r))
             ops[r][e - 1].append(Recv(b, owner))
 
@@ -787,6 +867,8 @@ def _check_presence(programs: Sequence[Program], *, backward: bool, kv: str) -> 
                         arriving.append(_buf(_DKV, op.kv))
                         continue
                 reads = op.reads()
+                if tp is Collective:            # its own slot stays in place: not a read
+                    reads = _collective_reads(op, r)
                 if present.issuperset(reads):
                     arriving.extend(op.writes())
                     continue
@@ -799,6 +881,17 @@ def _check_presence(programs: Sequence[Program], *, backward: bool, kv: str) -> 
                         _fail(programs, r, step.index, what)
                 arriving.extend(op.writes())
             present.update(arriving)
+
+
+def _collective_reads(op: Collective, rank: int) -> tuple[Buffer, ...]:
+    """What ``rank``'s side of ``op`` sends to other members (its own slot moves nothing:
+    the runtime skips it, so a reduce-scatter's own slot need not be present)."""
+    si, sb = op.sparse_sends
+    me = op.member_index(rank)
+    own = None if me is None else _slot(si, sb, me)
+    if own is None or sb.count(own) > 1:
+        return op.reads()
+    return tuple(b for b in op.reads() if b != own)
 
 
 def _check_tiles(programs: Sequence[Program], need: np.ndarray) -> None:
@@ -1292,6 +1385,16 @@ class _Gen:
                 return False
         return ng * P <= 1 << 24
 
+    def pos_rank(self, group, idx):
+        """The rank at member index ``idx`` of group ``group`` (index arrays)."""
+        if not hasattr(self, "_members"):
+            width = max([len(x) for x in self.groups] or [1])
+            m = np.full((max(len(self.groups), 1), width), -1, dtype=np.int64)
+            for n, grp in enumerate(self.groups):
+                m[n, :len(grp)] = grp
+            self._members = m
+        return self._members[group, idx]
+
     def bkey(self, fam, chunk, hs):
         """A buffer as one int: (family, chunk, head slice code)."""
         return (fam * self.P + chunk) * self.HS + hs
@@ -1411,8 +1514,11 @@ def _general_ok(tab: ProgramTable, need: np.ndarray | None, backward: bool, kv: 
     writes.append((srank[rs], g.sf[rs], g.sc[rs], g.shs[rs], sstep[rs] + 1))
     reads = [(cr, Q, cq, chs, ct), (cr, KV, ckv, chs, ct),
              (cr[isg], OUT, cq[isg], chs[isg], ct[isg]), (cr[isg], DOUT, cq[isg], chs[isg], ct[isg]),
-             (g.xs, g.xf, g.xc, g.xhs, g.xt),
-             (srank[~rs], g.sf[~rs], g.sc[~rs], g.shs[~rs], sstep[~rs])]
+             (g.xs, g.xf, g.xc, g.xhs, g.xt)]
+    # a side's send slots, its own slot aside (it moves nothing; a buffer it also sends to
+    # another member is read by that slot)
+    ss_ = ~rs & (g.sidx != g.me[g.ss]) if len(g.ss) else ~rs
+    reads.append((srank[ss_], g.sf[ss_], g.sc[ss_], g.shs[ss_], sstep[ss_]))
     if not _present(P, g.HS, writes, reads):
         return False
     if need is not None and not _general_tiles_ok(need, g.cq, g.ckv, g.chi, g.chn):
@@ -1522,9 +1628,10 @@ def _general_tiles_ok(need: np.ndarray, cq: np.ndarray, ckv: np.ndarray, chi: np
     return np.array_equal(count.reshape(P, P), need.astype(np.int64))
 
 
-def _general_reverse(tab: ProgramTable, kv: str) -> list[Program] | None:
+def _general_reverse(tab: ProgramTable, kv: str, pad: int = 0) -> list[Program] | None:
     """:func:`reverse` on a general table's parts (the same rules, the same programs); None
-    when the op-by-op rules must decide (errors, and routes the columns do not follow)."""
+    when the op-by-op rules must decide (errors, and routes the columns do not follow).
+    ``pad``: prologue steps beyond the first (a chain of re-issued collectives needs them)."""
     g = _Gen(tab)
     if not g.ok or (g.ck != C_).any():
         return None
@@ -1533,7 +1640,7 @@ def _general_reverse(tab: ProgramTable, kv: str) -> list[Program] | None:
     if np.isin(g.xf, grads).any() or np.isin(g.sf, grads).any() or (len(g.kr) and (g.me < 0).any()):
         return None
     Q, KV, OUT = (_FAMILY_CODE[f] for f in (_Q, _KV, _OUT))
-    T = 1 + max([int(x.max()) for x in (g.ct, g.xt, g.kt) if len(x)] or [-1])
+    T = 1 + max([int(x.max()) for x in (g.ct, g.xt, g.kt) if len(x)] or [-1]) + pad
     cot = np.array([_FAMILY_CODE[f.cotangent] if f is not Family.ACC else -1 for f in _FAMILIES])
     # adjoints, at twice the forward order (+1: an op that goes with its adjoint)
     bcomp = dict(rank=g.cr, step=T - g.ct, kind=np.full(len(g.cr), G_), q=g.cq, kv=g.ckv,
@@ -1613,6 +1720,8 @@ def _general_reverse(tab: ProgramTable, kv: str) -> list[Program] | None:
             dep, dh = _lookup(keys, brought_k, brought_i, -1)
             for d in np.unique(dep[dh]).tolist():
                 when[d] = min(when.get(d, when[i] - 1), when[i] - 1)
+    if when and min(when.values()) < 0:      # a chain: as many more prologue steps
+        return _general_reverse(tab, kv, pad - min(when.values()))
     base = 2 * (1 + max([int(x.max()) for x in (g.co, g.xo, g.xro, g.ko) if len(x)] or [0]))
     side_bounds = np.searchsorted(g.ss, np.arange(n_side + 1))
     by_inst = np.argsort(g.inst, kind="stable")
@@ -1733,9 +1842,10 @@ def _no_xfer_general():
 
 def _general_prune(tab: ProgramTable, ok: np.ndarray) -> list[Program] | None:
     """:func:`prune` on a general table: computes of empty tiles dropped, and transfers of
-    q / kv whose receiver, and every rank it forwards them to later, computes nothing with
-    them (the programs themselves when nothing is dropped); None when the op rules must
-    decide."""
+    q / kv (point to point, or a collective's contributions, own slots included) whose
+    receiver, and every rank it forwards them to later, computes nothing with them; a
+    collective left moving nothing is dropped on every member (the programs themselves when
+    nothing is dropped); None when the op rules must decide."""
     g = _Gen(tab)
     if not g.ok:
         return None
@@ -1743,9 +1853,16 @@ def _general_prune(tab: ProgramTable, ok: np.ndarray) -> list[Program] | None:
     keep_c = ok[g.cq, g.ckv]
     fams = [_FAMILY_CODE[_Q], _FAMILY_CODE[_KV]]
     hop = np.isin(g.xf, fams)
+    slot = np.isin(g.sf, fams)
     keep_x = np.ones(len(g.xf), dtype=bool)
-    if hop.any():
-        hb = g.bkey(g.xf[hop], g.xc[hop], g.xhs[hop])
+    keep_s = np.ones(len(g.sf), dtype=bool)
+    if hop.any() or slot.any():
+        side = g.ss[slot]                    # a slot moves its buffer between its side's rank
+        peer = g.pos_rank(g.kg[side], g.sidx[slot])     # and the member of its index
+        mine = g.kr[side]
+        sends = g.sdir[slot] == 0
+        hb = np.concatenate([g.bkey(g.xf[hop], g.xc[hop], g.xhs[hop]),
+                             g.bkey(g.sf[slot], g.sc[slot], g.shs[slot])])
         ub, inv = _unique(hb)
         if len(ub) * P > PLANE_CELLS:
             return None
@@ -1754,10 +1871,30 @@ def _general_prune(tab: ProgramTable, ok: np.ndarray) -> list[Program] | None:
             i, hit = _lookup(g.bkey(fam, ch, g.chs), ub, np.arange(len(ub)), 0)
             hit &= keep_c
             use[i[hit], g.cr[hit]] = True
-        keep_x[hop] = _keep_hops(P, inv, g.xt[hop], g.xs[hop], g.xd[hop], use, buffers=len(ub))
-    if keep_c.all() and keep_x.all():
+        kept = _keep_hops(P, inv, np.concatenate([g.xt[hop], g.kt[side]]),
+                          np.concatenate([g.xs[hop], np.where(sends, mine, peer)]),
+                          np.concatenate([g.xd[hop], np.where(sends, peer, mine)]),
+                          use, buffers=len(ub))
+        nh = int(hop.sum())
+        keep_x[hop] = kept[:nh]
+        keep_s[slot] = kept[nh:]
+    keep_k = np.ones(len(g.kr), dtype=bool)
+    if not keep_s.all():                    # instances left moving nothing go on every member
+        moving = keep_s & (g.pos_rank(g.kg[g.ss], g.sidx) != g.kr[g.ss])
+        alive = np.zeros(len(g.inst_keys), dtype=bool)
+        alive[g.inst[g.ss[moving]]] = True
+        keep_k = alive[g.inst]
+        keep_s &= keep_k[g.ss]
+    if keep_c.all() and keep_x.all() and keep_s.all():
         return list(tab.programs())          # nothing to drop: the same values
     comp, xfer, coll = tab._parts            # the same rows less the dropped (orders kept)
+    if not keep_s.all():
+        new_side = np.cumsum(keep_k) - 1
+        groups = coll["groups"]
+        coll = {k: (v[keep_k] if k in ("rank", "step", "order", "kind", "group") else
+                    new_side[np.asarray(v, dtype=np.int64)[keep_s]] if k == "slot_side" else
+                    v[keep_s]) for k, v in coll.items() if k != "groups"}
+        coll["groups"] = groups
     return list(ProgramTable._of_parts(P, {k: v[keep_c] for k, v in comp.items()},
                                        {k: v[keep_x] for k, v in xfer.items()},
                                        coll).programs())
