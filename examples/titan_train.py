@@ -45,6 +45,8 @@ class Config:
     head_dim: int | None = None     # ... and this head dim (then GQAttention.scaling = head_dim**-0.5)
     flavor: str = "debugmodel"
     schedule: str = "zigzag"
+    checkpointing: bool = False     # torchtitan's FullAC on the CP side: each block recomputes its
+    #                                 attention in the backward (the plans must reach it again)
     lr: float = 0.1                 # SGD: a gradient error shows in the parameters
     seed: int = 0
     threads: int = 1
@@ -126,6 +128,9 @@ def cp_setup(rank: int, world_size: int, cfg: Config, weights: dict) -> int:
     model = build_model(cfg)
     model.load_state_dict(weights)
     fringe.titan.apply(model)                                         # 1
+    if cfg.checkpointing:
+        from torchtitan.distributed.activation_checkpoint import FullAC
+        FullAC(FullAC.Config()).apply(model)
     model.train()
     _STATE.update(cfg=cfg, model=model, opt=torch.optim.SGD(model.parameters(), lr=cfg.lr))
     return rank
@@ -148,9 +153,10 @@ def cp_step(rank: int, world_size: int, step: int) -> dict:
                                world_size=world_size, block_size=cfg.block_size)
     shard = fringe.titan.shard_batch(inputs, labels, plans, positions=positions, rank=rank)  # 3
     opt.zero_grad(set_to_none=False)
-    logits = model(**fringe.titan.model_inputs(shard, plans))                                # 4
-    loss = packing.token_weighted_loss(logits, shard.shift_labels, num_items=shard.num_items)  # 5
-    loss.backward()                                                                          # 6
+    with fringe.recording() as rec:                      # counts fringe.attention calls
+        logits = model(**fringe.titan.model_inputs(shard, plans))                            # 4
+        loss = packing.token_weighted_loss(logits, shard.shift_labels, num_items=shard.num_items)  # 5
+        loss.backward()                                                                      # 6
     grads = [p.grad for p in model.parameters()]
     flat = torch.cat([g.reshape(-1) for g in grads])
     dist.all_reduce(flat)                         # SUM, not mean: the shares add up             # 7
@@ -161,8 +167,12 @@ def cp_step(rank: int, world_size: int, step: int) -> dict:
     opt.step()
     total = loss.detach().to(torch.float64)
     dist.all_reduce(total)
-    grads_out = {n: p.grad.detach().clone() for n, p in model.named_parameters()} if rank == 0 else None
-    return dict(loss=total.item(), seconds=time.perf_counter() - t0, grads=grads_out)
+    grads_out = None
+    if rank == 0:                                 # names without the checkpoint wrapper's prefix
+        grads_out = {n.replace("._checkpoint_wrapped_module", ""): p.grad.detach().clone()
+                     for n, p in model.named_parameters()}
+    return dict(loss=total.item(), seconds=time.perf_counter() - t0, grads=grads_out,
+                attention_calls=len(rec.runtimes))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -244,7 +254,7 @@ def run(cfg: Config, *, progress=print, timeout_s: float = 300.0, workers=None) 
         for step in range(cfg.steps):
             res = w.run(cp_step, step)
             cp.append(dict(loss=res[0]["loss"], seconds=max(r["seconds"] for r in res),
-                           grads=res[0]["grads"]))
+                           grads=res[0]["grads"], attention_calls=res[0]["attention_calls"]))
         cp_final = w.run(cp_params)[0]
     loss_diffs = [abs(a["loss"] - b["loss"]) for a, b in zip(cp, single)]
     grad_rel = [max(_rel(a["grads"][n], b["grads"][n]) for n in b["grads"]) for a, b in zip(cp, single)]
@@ -254,10 +264,10 @@ def run(cfg: Config, *, progress=print, timeout_s: float = 300.0, workers=None) 
                   for a, b in zip(cp, single))
     grad_ok = all(g <= tol["rtol"] for g in grad_rel)
     progress(f"{'step':>4}  {'loss (CP)':>12}  {'loss (1 proc)':>13}  {'|diff|':>8}  "
-             f"{'grad rel':>8}  {'CP step s':>9}  {'1-proc step s':>13}")
+             f"{'grad rel':>8}  {'CP step s':>9}  {'1-proc step s':>13}  {'attention calls':>15}")
     for i, (a, b, d, g) in enumerate(zip(cp, single, loss_diffs, grad_rel)):
         progress(f"{i + 1:>4}  {a['loss']:>12.6f}  {b['loss']:>13.6f}  {d:>8.1e}  {g:>8.1e}  "
-                 f"{a['seconds']:>9.3f}  {b['seconds']:>13.3f}")
+                 f"{a['seconds']:>9.3f}  {b['seconds']:>13.3f}  {a['attention_calls']:>15}")
     ok = loss_ok and grad_ok and param_ok and all(torch.isfinite(torch.tensor(
         [a["loss"] for a in cp])).tolist())
     progress(f"max |param diff| after {cfg.steps} SGD steps {param_diff:.2e}; max grad diff / "
@@ -265,7 +275,8 @@ def run(cfg: Config, *, progress=print, timeout_s: float = 300.0, workers=None) 
              f"(float32 tolerances atol={tol['atol']:g} rtol={tol['rtol']:g}; torchtitan llama3 "
              f"{cfg.flavor}{'' if cfg.layers is None else f' first {cfg.layers} layers'}"
              f"{'' if cfg.kv_heads is None else f' kv_heads={cfg.kv_heads}'}"
-             f"{'' if cfg.head_dim is None else f' head_dim={cfg.head_dim}'}, "
+             f"{'' if cfg.head_dim is None else f' head_dim={cfg.head_dim}'}"
+             f"{' checkpointing' if cfg.checkpointing else ''}, "
              f"P={cfg.world_size}, S={cfg.seq_len}, B={cfg.batch_size}): {'OK' if ok else 'FAILED'}")
     return dict(cp=cp, single=single, loss_diffs=loss_diffs, grad_rel=grad_rel,
                 param_diff=param_diff, ok=ok)
@@ -285,13 +296,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--flavor", default=d.flavor, help="a llama3_configs key (debugmodel is tiny)")
     from fringe.schedules import names as schedule_names
     ap.add_argument("--schedule", default=d.schedule, choices=schedule_names())
+    ap.add_argument("--checkpointing", action="store_true",
+                    help="torchtitan's full activation checkpointing on the CP side")
     ap.add_argument("--lr", type=float, default=d.lr)
     ap.add_argument("--threads", type=int, default=d.threads, help="torch threads per process")
     a = ap.parse_args(argv)
     cfg = Config(world_size=a.world_size, seq_len=a.seq_len, batch_size=a.batch_size, steps=a.steps,
                  block_size=a.block_size, layers=a.layers, kv_heads=a.kv_heads,
                  head_dim=a.head_dim, flavor=a.flavor, schedule=a.schedule,
-                 lr=a.lr, threads=a.threads)
+                 checkpointing=a.checkpointing, lr=a.lr, threads=a.threads)
     try:
         import torchtitan  # noqa: F401
     except ImportError:

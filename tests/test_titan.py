@@ -57,9 +57,10 @@ def _model(titan_train, **over):
 
 
 def test_titan_example_matches_one_process_on_two_ranks(titan_train):
+    """GQA with scaling set, per-row documents that change per step, activation checkpointing."""
     lines = []
     cfg = titan_train.Config(world_size=2, seq_len=128, batch_size=2, steps=2, block_size=16,
-                             layers=2, kv_heads=4, head_dim=8)
+                             layers=2, kv_heads=4, head_dim=8, checkpointing=True)
     res = titan_train.run(cfg, progress=lines.append, timeout_s=240)
     tol = tolerances(torch.float32)
     assert res["ok"], lines
@@ -71,6 +72,8 @@ def test_titan_example_matches_one_process_on_two_ranks(titan_train):
             torch.testing.assert_close(a["grads"][name], g, atol=tol["rtol"] * float(g.abs().max()),
                                        rtol=0.0, msg=name)
     assert res["param_diff"] <= 1e-5, lines
+    # torchtitan's FullAC: each layer's attention runs again in the backward, with its plans
+    assert {a["attention_calls"] for a in res["cp"]} == {2 * cfg.layers}, lines
     assert res["single"][0]["loss"] != res["single"][1]["loss"]          # it trains
     assert lines[-1].endswith("OK")
 
