@@ -213,8 +213,8 @@ def _check_positions_hook(model, args, kwargs):
                          "use local indices 0..L-1; call it with **fringe.titan.model_inputs(shard, "
                          "plans) (positions = the shard's global positions)")
     if ctx.positions is not None and not torch.compiler.is_compiling() and (
-            pos.shape != ctx.positions.shape or not torch.equal(pos.to(ctx.positions.device),
-                                                                ctx.positions)):
+            pos.shape != ctx.positions.shape
+            or not torch.equal(pos, ctx.positions.to(pos.device))):
         raise ValueError(f"fringe.titan: positions {tuple(pos.shape)} are not the shard's RoPE "
                          f"positions {tuple(ctx.positions.shape)} (its tokens' global positions); "
                          f"pass positions=shard.position_ids (fringe.titan.model_inputs does)")
@@ -422,9 +422,14 @@ def shard_batch(inputs: torch.Tensor, labels: torch.Tensor | None, plans: Plans,
                                 shift=False, ignore_index=ignore_index, **kw)
 
 
-def model_inputs(shard: _packing.Shard, plans: Plans) -> dict:
+def model_inputs(shard: _packing.Shard, plans: Plans, *, device=None) -> dict:
     """Arguments for the torchtitan model: ``tokens``, ``positions`` and ``attention_masks``
     (the plans, bound to the shard's batch after checking they describe it).
+
+    Args:
+        shard: from :func:`shard_batch`.
+        plans: the :class:`Plans` it was sharded with.
+        device: move ``tokens`` and ``positions`` there (the model's device); None: as they are.
 
     Raises:
         ValueError: the shard was cut by another layout, or from another batch (other
@@ -438,6 +443,8 @@ def model_inputs(shard: _packing.Shard, plans: Plans) -> dict:
                          f"{shard.layout_fingerprint} but the plans are for layout "
                          f"{plans.layout_fingerprint}; shard it with fringe.titan.shard_batch(..., plans)")
     _packing.check_batch(list(plans.plans), shard, where=f"{_WHERE}.model_inputs")
-    bound = dataclasses.replace(plans, batch_fingerprint=shard.layout_fingerprint,
-                                positions=shard.position_ids)
-    return dict(tokens=shard.input_ids, positions=shard.position_ids, attention_masks=bound)
+    tokens, positions = shard.input_ids, shard.position_ids
+    if device is not None:
+        tokens, positions = tokens.to(device), positions.to(device)
+    bound = dataclasses.replace(plans, batch_fingerprint=shard.layout_fingerprint, positions=positions)
+    return dict(tokens=tokens, positions=positions, attention_masks=bound)

@@ -147,8 +147,9 @@ def test_shard_holds_the_layouts_global_positions_and_targets_as_given(titan_tra
     inputs, labels, _ = titan_train.make_batch(0, cfg, model.config.vocab_size)
     assert torch.equal(shard.shift_labels, labels[:, :S][:, tokens])   # not shifted again
     assert shard.num_items == 2 * S
-    kw = fringe.titan.model_inputs(shard, plans)
+    kw = fringe.titan.model_inputs(shard, plans, device="cpu")
     assert set(kw) == {"tokens", "positions", "attention_masks"}
+    assert torch.equal(kw["tokens"], shard.input_ids) and kw["attention_masks"].positions is kw["positions"]
     assert kw["attention_masks"].batch_fingerprint == plans.layout_fingerprint
 
 
