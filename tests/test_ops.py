@@ -558,8 +558,8 @@ def _qkv(qs=(1, 4, 5, 8), ks=(1, 2, 6, 8), vs=None, dtype=torch.float64):
 @pytest.mark.parametrize("args, match", [
     (dict(qs=(4, 5, 8)), r"q must be 4-D \[B, H, Lq, D\], got shape \(4, 5, 8\)"),
     (dict(ks=(2, 6, 8)), r"k must be 4-D \[B, G, Lk, D\]"),
-    (dict(ks=(1, 2, 6, 4)), r"head dim mismatch: q has D=8 but k/v have D=4"),
-    (dict(vs=(1, 2, 7, 8)), r"k and v must have the same shape"),
+    (dict(ks=(1, 2, 6, 4)), r"head dim mismatch: q has D=8 but k has D=4"),
+    (dict(vs=(1, 2, 7, 8)), r"k and v must agree in \[B, G, Lk\] \(v's head dim Dv may differ"),
     (dict(qs=(1, 6, 5, 8), ks=(1, 4, 6, 8)),
      r"H=6 query heads is not a multiple of G=4 kv heads"),
     (dict(dtype=torch.float32), r"dtype mismatch: q torch.float32, k torch.float64"),
