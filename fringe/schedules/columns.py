@@ -1,0 +1,167 @@
+"""Build programs as columns: a large schedule without a Python object per op.
+
+:class:`ProgramBuilder` takes computes, point-to-point transfers and collectives as integer
+arrays (numpy broadcasting applies) and builds the columnar :class:`ProgramTable` every pass
+reads. Its :meth:`~ProgramBuilder.programs` are ordinary :class:`Program` values (built only
+when looked at), so a ``programs_fn=`` or ``build=`` may return them.
+
+>>> b = ProgramBuilder(2)
+>>> b.computes(rank=[0, 1], step=0, q=[0, 1], kv=[0, 1])
+>>> b.allgather(step=0, group=(0, 1), family="kv", chunk=[0, 1])
+>>> b.computes(rank=[0, 1], step=1, q=[0, 1], kv=[1, 0])
+>>> print(b.programs()[0].ascii())
+r0:
+  t0: C q0.kv0 | AG[0,1] kv0,kv0 > kv0,kv1
+  t1: C q0.kv1
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from .ir import COLL_KINDS, C_, G_, Family, Program, ProgramTable
+
+_FAMILY_CODE = {f: n for n, f in enumerate(Family)}
+
+
+def _family(x) -> int:
+    try:
+        return _FAMILY_CODE[Family(x)]
+    except ValueError:
+        raise ValueError(f"family must be one of {[f.value for f in Family]}, got {x!r}") from None
+
+
+def _heads(heads, n: int) -> tuple[np.ndarray, np.ndarray]:
+    if heads is None:
+        return np.zeros(n, np.int64), np.zeros(n, np.int64)
+    hi, hn = (np.broadcast_to(np.asarray(x, dtype=np.int64), (n,)) for x in heads)
+    if ((hn < 1) | (hi < 0) | (hi >= hn)).any():
+        raise ValueError("heads=(hi, hn) must hold 0 <= hi < hn")
+    return hi, hn
+
+
+class ProgramBuilder:
+    """Every rank's forward programs, added as columns.
+
+    Within a rank's step, ops keep the order of the calls that added them (a compute before
+    a send before a receive when added by one call each); every member sees the collectives
+    over one group in one step in the order they were added.
+
+    Args:
+        world_size: P, the number of ranks.
+    """
+
+    def __init__(self, world_size: int) -> None:
+        if not isinstance(world_size, int) or world_size < 1:
+            raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
+        self.world_size = world_size
+        self._comp: list = []
+        self._xfer: list = []
+        self._sides: list = []
+        self._slots: list = []
+        self._groups: dict = {}
+        self._calls = 0
+
+    def _order(self) -> int:
+        self._calls += 1
+        return self._calls
+
+    def _ranks(self, *cols, what: str) -> None:
+        for c in cols:
+            if len(c) and (int(c.min()) < 0 or int(c.max()) >= self.world_size):
+                raise ValueError(f"{what}: ranks and chunks must lie in [0, {self.world_size})")
+
+    def computes(self, *, rank, step, q, kv, heads=None, gradient: bool = False) -> None:
+        """Tiles ``C q·kv`` (or ``G`` with ``gradient=True``) on ``rank`` at ``step``; arrays
+        broadcast. ``heads=(hi, hn)``: head slice hi of hn (default: all heads)."""
+        r, t, a, b = np.broadcast_arrays(*(np.asarray(x, dtype=np.int64) for x in (rank, step, q, kv)))
+        r, t, a, b = (x.ravel() for x in (r, t, a, b))
+        self._ranks(r, a, b, what="computes")
+        hi, hn = _heads(heads, len(r))
+        self._comp.append((r, t, np.full(len(r), G_ if gradient else C_), a, b,
+                           np.full(len(r), self._order()), hi, hn))
+
+    def transfers(self, *, step, src, dst, family: str = "kv", chunk, heads=None) -> None:
+        """Point-to-point moves of buffer ``family`` + ``chunk`` from ``src`` to ``dst`` at
+        ``step`` (a send on src and its receive on dst); arrays broadcast."""
+        t, s, d, c = np.broadcast_arrays(*(np.asarray(x, dtype=np.int64) for x in (step, src, dst, chunk)))
+        t, s, d, c = (x.ravel() for x in (t, s, d, c))
+        self._ranks(s, d, c, what="transfers")
+        if (s == d).any():
+            raise ValueError("transfers: a rank does not send to itself")
+        hi, hn = _heads(heads, len(t))
+        o = np.full(len(t), self._order())
+        self._xfer.append((t, s, d, np.full(len(t), _family(family)), c, o, hi, hn, o))
+
+    def collective(self, kind: str, *, step: int, group: Sequence[int], src, dst,
+                   family: str = "kv", chunk, heads=None) -> None:
+        """One collective over ``group`` at ``step``: member index ``src[i]`` contributes
+        buffer ``family`` + ``chunk[i]`` to member index ``dst[i]`` (``src == dst``: the
+        member's own slot, holding the buffer on both sides). Every member issues it; a
+        member with no contribution has an empty side."""
+        if kind not in COLL_KINDS:
+            raise ValueError(f"kind must be one of {COLL_KINDS}, got {kind!r}")
+        group = tuple(int(m) for m in group)
+        if len(set(group)) != len(group) or min(group) < 0 or max(group) >= self.world_size:
+            raise ValueError(f"group must be distinct ranks in [0, {self.world_size}), got {group}")
+        si, di, c = np.broadcast_arrays(*(np.asarray(x, dtype=np.int64) for x in (src, dst, chunk)))
+        si, di, c = si.ravel(), di.ravel(), c.ravel()
+        n = len(group)
+        if len(si) and (min(int(si.min()), int(di.min())) < 0 or max(int(si.max()), int(di.max())) >= n):
+            raise ValueError(f"collective: member indices must lie in [0, {n})")
+        self._ranks(c, what="collective")
+        key = np.stack([si, di])
+        if len(si) and len(np.unique(key, axis=1)[0]) != len(si):
+            raise ValueError("collective: one contribution per (sender, receiver) pair")
+        hi, hn = _heads(heads, len(si))
+        g = self._groups.setdefault(group, len(self._groups))
+        first = sum(len(x[0]) for x in self._sides)
+        o = self._order()
+        self._sides.append((np.array(group, np.int64), np.full(n, step, np.int64),
+                            np.full(n, o), np.full(n, COLL_KINDS.index(kind)), np.full(n, g)))
+        f = np.full(len(si), _family(family))
+        # slots: on the sender's side (dir 0, index of the receiver), on the receiver's (dir 1)
+        self._slots.append((first + si, np.zeros(len(si), np.int64), di, f, c, hi, hn))
+        self._slots.append((first + di, np.ones(len(si), np.int64), si, f, c, hi, hn))
+
+    def allgather(self, *, step: int, group: Sequence[int], family: str = "kv", chunk,
+                  want=None, own: bool = True) -> None:
+        """An all-gather: member i contributes ``family`` + ``chunk[i]`` to every member j
+        with ``want[i, j]`` (default: all); ``own=False`` leaves own slots empty."""
+        n = len(group)
+        c = np.broadcast_to(np.asarray(chunk, dtype=np.int64), (n,))
+        w = np.ones((n, n), dtype=bool) if want is None else np.asarray(want, dtype=bool)
+        if w.shape != (n, n):
+            raise ValueError(f"want must be bool [{n}, {n}], got shape {w.shape}")
+        w = w.copy()
+        np.fill_diagonal(w, own)
+        si, di = np.nonzero(w)
+        self.collective("AG", step=step, group=group, src=si, dst=di, family=family,
+                        chunk=c[si])
+
+    def table(self) -> ProgramTable:
+        """The general :class:`ProgramTable` of everything added."""
+        cat = lambda parts, k: (np.concatenate([p[k] for p in parts]) if parts  # noqa: E731
+                                else np.zeros(0, np.int64))
+        comp = {name: cat(self._comp, k) for k, name in
+                enumerate(("rank", "step", "kind", "q", "kv", "order", "hi", "hn"))}
+        xfer = {name: cat(self._xfer, k) for k, name in
+                enumerate(("step", "src", "dst", "fam", "chunk", "order", "hi", "hn", "rorder"))}
+        coll = {name: cat(self._sides, k) for k, name in
+                enumerate(("rank", "step", "order", "kind", "group"))}
+        slots = {name: cat(self._slots, k) for k, name in
+                 enumerate(("slot_side", "slot_dir", "slot_idx", "slot_fam", "slot_chunk",
+                            "slot_hi", "slot_hn"))}
+        if len(slots["slot_side"]):
+            width = 1 + max(len(g) for g in self._groups)
+            o = np.argsort((slots["slot_side"] * 2 + slots["slot_dir"]) * width
+                           + slots["slot_idx"], kind="stable")
+            slots = {k: v[o] for k, v in slots.items()}
+        coll.update(slots)
+        coll["groups"] = tuple(self._groups)
+        return ProgramTable._of_parts(self.world_size, comp, xfer, coll)
+
+    def programs(self) -> list[Program]:
+        """One program per rank (cut from :meth:`table` when looked at)."""
+        return list(self.table().programs())
