@@ -16,7 +16,7 @@ import fringe
 from fringe import masks
 from fringe.launch import Workers
 from fringe.ops import reference
-from fringe.schedules import Collective, ScheduleError, check, prune, reverse
+from fringe.schedules import Buffer, Collective, Compute, ScheduleError, check, prune, reverse
 from fringe.testing import make_qkv, tolerances
 from fringe.testing.user_schedules import allgather_then_ring, two_level_allgather
 
@@ -209,3 +209,35 @@ def test_column_prune_and_reverse_equal_the_op_rules_on_user_schedules(kind, g, 
         got = passes._general_reverse(tab, kv)
         assert got is not None and format_programs(got) == format_programs(want), kv
         check(want, need=torch.from_numpy(need), backward=True, kv=kv)
+
+
+# ---- faults in a user's programs are named, whatever form they are given in --------------------
+def _faulty(kind: str):
+    from fringe.schedules import Program, Recv, Step
+    progs = two_level_allgather(2).programs_fn(4)
+    p0 = progs[0]
+    if kind == "early compute":         # kv2 arrives at step 1: computing with it at 1 is early
+        steps = (p0.steps[0], Step(1, p0.steps[1].ops + (Compute(0, 2),)),
+                 Step(2, tuple(op for op in p0.steps[2].ops if op != Compute(0, 2))))
+    elif kind == "unmatched receive":
+        steps = (Step(0, p0.steps[0].ops + (Recv(Buffer.of("kv", 3), 3),)), *p0.steps[1:])
+    else:                               # a member skips a collective
+        steps = (Step(0, tuple(op for op in p0.steps[0].ops if type(op) is not Collective)),
+                 *p0.steps[1:])
+    return [Program(0, steps)] + progs[1:]
+
+
+@pytest.mark.parametrize("kind,match", [("early compute", "needs kv2, which is not on rank 0"),
+                                        ("unmatched receive", "has no matching send"),
+                                        ("skipped collective", "issues 0 collective")])
+@pytest.mark.parametrize("form", ["ops", "text"])
+def test_faults_in_user_programs_are_named(kind, match, form):
+    from fringe import layout
+    from fringe.schedules import Schedule, format_programs, parse_programs
+    progs = _faulty(kind)
+    fn = ((lambda P: progs) if form == "ops" else
+          (lambda P, text=format_programs(progs): parse_programs(text)))
+    sched = Schedule("faulty", layout=layout.contiguous, programs_fn=fn)
+    with pytest.raises(ScheduleError, match=match) as e:
+        fringe.plan(sched, masks.causal(), seq_len=4 * BLOCK * 2, world_size=4, block_size=BLOCK)
+    assert "<-- ERROR HERE" in str(e.value)
