@@ -1,7 +1,8 @@
 """fringe.hf: transformers' attention / mask interfaces under fringe CP.
 
 The equivalence test runs ``examples/hf_train.py`` (Llama; Qwen2 with a sliding-window
-layer; gpt-oss with a window layer and sinks passed as s_aux) on 2 gloo ranks against
+layer; gpt-oss with a window layer and sinks passed as s_aux; DeepSeek-V3, MLA: v's head dim
+12 beside q/k's 24) on 2 gloo ranks against
 transformers' own attention (sdpa; eager for gpt-oss) in one process. The rest checks, in
 this process, that every per-layer / per-call mismatch raises before any communication.
 """
@@ -93,7 +94,8 @@ def test_hf_example_matches_sdpa_on_two_ranks():
                                        progress=lines.append, workers=w)
                        for m, S_, b, steps, ckpt in (("llama", 120, "cu_seqlens", 3, False),
                                                      ("qwen2", 128, "position_ids", 2, True),   # recompute
-                                                     ("gpt_oss", 128, "cu_seqlens", 2, False))}
+                                                     ("gpt_oss", 128, "cu_seqlens", 2, False),
+                                                     ("deepseek_v3", 128, "position_ids", 2, False))}
     finally:
         sys.path.remove(str(EXAMPLES))
     for m, res in results.items():
