@@ -233,3 +233,21 @@ def test_gloo_two_ranks_match_dense_and_refuse_a_dv_mismatch():
         bad = w.run(_gloo_case, "zigzag", Dv + 1)
     for r in range(2):
         assert "Dv (v head dim)" in bad[r] and "rank 0 has 5, rank 1 has 6" in bad[r], bad[r]
+
+
+def test_compiled_fullgraph_with_kept_kv_at_dv():
+    """The custom op's fake impl gives out ``[..., Dv]``; the kept kv (flat, unbacked size)
+    and the backward op's dv compile with fullgraph (aot_eager: no C++ compiler needed)."""
+    S, D, Dv = 32, 8, 5
+    m = masks.causal()
+    plan = fringe.plan(schedules.zigzag(), m, seq_len=S, world_size=2, block_size=4, kv="keep")
+    q, k, v, dout = _qkv(B=1, G=2, S=S, D=D, Dv=Dv, seed=2)
+    f = torch.compile(lambda q, k, v: fringe.simulate.attention(q, k, v, plan=plan),
+                      fullgraph=True, backend="aot_eager")
+    out = f(q, k, v)
+    ro, _ = reference.attention(q, k, v, mask_mod=m)
+    assert out.shape == (1, H, S, Dv)
+    assert_close(out, ro, **TOL)
+    for a, b in zip(torch.autograd.grad(out, (q, k, v), dout),
+                    torch.autograd.grad(ro, (q, k, v), dout)):
+        assert_close(a, b, **TOL)
