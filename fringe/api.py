@@ -25,7 +25,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, plan, group=
 
     Args:
         q: ``[B, H, L, D]`` this rank's queries, tokens in ``plan.layout.positions(rank)``
-            order (``plan.layout.shard(q_global, rank)``); k, v: ``[B, G, L, D]``.
+            order (``plan.layout.shard(q_global, rank)``); k: ``[B, G, L, D]``; v:
+            ``[B, G, L, Dv]`` (Dv may differ from D, as in MLA: out is ``[B, H, L, Dv]``).
         plan: from :func:`fringe.plan`, identical on every rank.
         group: the context-parallel process group (default: the default group), or a
             ``torch.distributed.device_mesh.DeviceMesh``: 1D (the CP ranks, in mesh order) or,

@@ -405,7 +405,8 @@ def attention_forward(module, query: torch.Tensor, key: torch.Tensor, value: tor
 
     Args:
         module: the attention module (for ``is_causal`` / ``sliding_window`` defaults).
-        query: ``[B, H, L, D]`` this rank's queries (layout order); key, value ``[B, G, L, D]``.
+        query: ``[B, H, L, D]`` this rank's queries (layout order); key ``[B, G, L, D]``, value
+            ``[B, G, L, Dv]`` (MLA, e.g. DeepSeek-V3: Dv != D, no glue needed).
         attention_mask: must be None (the plan carries the mask).
         dropout: must be 0.
         scaling: the softmax scale the layer wants (None: ``D**-0.5``).
@@ -414,7 +415,7 @@ def attention_forward(module, query: torch.Tensor, key: torch.Tensor, value: tor
             ``s_aux`` (sinks ``[H]``), and whatever else the model passes (ignored).
 
     Returns:
-        ``(out [B, L, H, D], None)``.
+        ``(out [B, L, H, Dv], None)``.
 
     Raises:
         ValueError: no plans, a mask / dropout / output_attentions / position_bias request,

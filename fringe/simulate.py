@@ -36,13 +36,14 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, plan,
     """Context-parallel attention of global tensors, simulated on one process.
 
     Args:
-        q: ``[B, H, S, D]``; k, v: ``[B, G, S, D]`` (global, natural token order).
+        q: ``[B, H, S, D]``; k: ``[B, G, S, D]``; v: ``[B, G, S, Dv]`` (global, natural token
+            order; Dv may differ from D, as in MLA).
         plan: from :func:`fringe.plan`.
         return_lse: also return the log-sum-exp ``[B, H, S]`` (differentiable).
         sinks: optional ``[H]`` per-head sink logits, as in :func:`fringe.attention`.
 
     Returns:
-        out ``[B, H, S, D]`` (and lse), equal to dense attention under the plan's mask.
+        out ``[B, H, S, Dv]`` (and lse), equal to dense attention under the plan's mask.
     """
     out, lse = _attention(q, k, v, plan=plan, where=VIRTUAL, sinks=sinks)  # checks inside
     return (out, lse) if return_lse else out
