@@ -251,3 +251,39 @@ def test_compiled_fullgraph_with_kept_kv_at_dv():
     for a, b in zip(torch.autograd.grad(out, (q, k, v), dout),
                     torch.autograd.grad(ro, (q, k, v), dout)):
         assert_close(a, b, **TOL)
+
+
+def _flex_stand_in():
+    """tests/test_flex.py's StandIn: the flex kernel with FlexAttention's tile forward replaced
+    by the reference under the BlockMask's semantics (flex's backward needs a GPU)."""
+    import importlib.util
+    from pathlib import Path
+    spec = importlib.util.spec_from_file_location("_mla_flex_helpers",
+                                                  Path(__file__).with_name("test_flex.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.StandIn()
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_flex_takes_v_at_its_own_head_dim():
+    """FlexAttention's real eager forward (CPU, float64) on a tile with Dv != D, and the flex
+    kernel's backward composition (stand-in forward) through a plan on the virtual mesh."""
+    from fringe.ops.flex import FlexKernel
+    S, D, Dv = 32, 8, 5
+    m = mask_family("document", S)
+    q, k, v, dout = _qkv(B=1, G=2, S=S, D=D, Dv=Dv, seed=4)
+    ro, rl = reference.attention(q, k, v, mask_mod=m)
+    pos = torch.arange(S)
+    o, l = tile_forward(q.detach(), k.detach(), v.detach(), q_pos=pos, kv_pos=pos, mask_mod=m,
+                        kernel=FlexKernel(backend=None, devices=("cpu",)), block_size=8)
+    assert o.shape == (1, H, S, Dv)
+    assert_close(o, ro.detach(), **TOL)
+    assert_close(l, rl.detach(), **TOL)
+    plan = fringe.plan(schedules.zigzag(), m, seq_len=S, world_size=2, block_size=8,
+                       kernel=_flex_stand_in())
+    out = fringe.simulate.attention(q, k, v, plan=plan)
+    assert_close(out, ro, **TOL)
+    for a, b in zip(torch.autograd.grad(out, (q, k, v), dout),
+                    torch.autograd.grad(ro, (q, k, v), dout)):
+        assert_close(a, b, **TOL)
