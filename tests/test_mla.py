@@ -287,3 +287,18 @@ def test_flex_takes_v_at_its_own_head_dim():
     for a, b in zip(torch.autograd.grad(out, (q, k, v), dout),
                     torch.autograd.grad(ro, (q, k, v), dout)):
         assert_close(a, b, **TOL)
+
+
+def test_the_cost_model_prices_mla_between_its_head_dims():
+    """Tile compute at the mean of D and Dv (q·k at D, p·v at Dv), kv bytes at D + Dv."""
+    from fringe.runtime import costmodel
+    plan = fringe.plan(schedules.zigzag(), masks.causal(), seq_len=256, world_size=P,
+                       block_size=16)
+    mla = costmodel.Shape(heads=8, kv_heads=8, head_dim=192, v_head_dim=128)
+    mean = costmodel.Shape(heads=8, kv_heads=8, head_dim=160)
+    for bwd in (False, True):
+        a = costmodel.tile_costs(plan, "cpu", mla, backward=bwd)
+        b = costmodel.tile_costs(plan, "cpu", mean, backward=bwd)
+        assert a.max() > 0
+        assert_close(torch.from_numpy(a), torch.from_numpy(b), rtol=1e-12, atol=0)
+    assert mla.buffer_bytes("kv", 7) == mean.buffer_bytes("kv", 7)

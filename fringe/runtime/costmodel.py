@@ -788,7 +788,8 @@ def _costs(work: np.ndarray, L: int, hw: Hardware, shape: Shape,
            backward: bool) -> tuple[np.ndarray, np.ndarray]:
     """``(fixed, per_heads)`` seconds per tile ``[P, P]``: the kernel calls, which a head
     slice pays in full, and the pairs and rows, of which a slice of 1/k of the heads pays 1/k."""
-    BH_D = shape.batch * shape.heads * shape.head_dim
+    D = shape.head_dim if shape.v_head_dim is None else (shape.head_dim + shape.v_head_dim) / 2
+    BH_D = shape.batch * shape.heads * D        # MLA: q·k at D, p·v at Dv, so their mean
     if backward:
         unit, call = BWD_FLOPS_PER_PAIR * BH_D / hw.bwd_flops, hw.bwd_call_s
     else:
@@ -2066,8 +2067,8 @@ def _measure_worker(rank: int, world_size: int, cases: list, shape: Shape, iters
         p = _validation_plan(schedule, mask, S, world_size, block_size, n_docs)
         g = torch.Generator().manual_seed(0)
         q = torch.randn(shape.batch, shape.heads, S, shape.head_dim, generator=g, dtype=dt)
-        k, v = (torch.randn(shape.batch, shape.kv_heads, S, shape.head_dim, generator=g, dtype=dt)
-                for _ in range(2))
+        k, v = (torch.randn(shape.batch, shape.kv_heads, S, d, generator=g, dtype=dt)
+                for d in (shape.head_dim, shape.v_head_dim or shape.head_dim))
         q, k, v = (p.layout.shard(t, rank).requires_grad_() for t in (q, k, v))
         fwd, bwd, cpu = [], [], []
         for it in range(iters + 1):
