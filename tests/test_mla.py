@@ -302,3 +302,23 @@ def test_the_cost_model_prices_mla_between_its_head_dims():
         assert a.max() > 0
         assert_close(torch.from_numpy(a), torch.from_numpy(b), rtol=1e-12, atol=0)
     assert mla.buffer_bytes("kv", 7) == mean.buffer_bytes("kv", 7)
+
+
+def test_vmap_of_grad_with_v_at_dv():
+    S = 32
+    m = masks.causal()
+    plan = fringe.plan(schedules.ring(), m, seq_len=S, world_size=2, block_size=4)
+    g = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(3, 1, n, S, d, generator=g, dtype=torch.float64)
+               for n, d in ((H, 8), (2, 8), (2, 5)))
+
+    def loss(attn):
+        return lambda q, k, v: attn(q, k, v).square().sum()
+
+    got = torch.func.vmap(torch.func.grad(loss(
+        lambda q, k, v: fringe.simulate.attention(q, k, v, plan=plan)), argnums=(0, 1, 2)))(q, k, v)
+    want = torch.func.vmap(torch.func.grad(loss(
+        lambda q, k, v: reference.attention(q, k, v, mask_mod=m)[0]), argnums=(0, 1, 2)))(q, k, v)
+    assert got[2].shape == v.shape
+    for a, b in zip(got, want):
+        assert_close(a, b, **TOL)
