@@ -327,9 +327,9 @@ class PlanStats:
     """Per-rank counts from a plan (no tensors are run).
 
     ``blocks`` counts non-empty (q-block, kv-block) pairs a rank computes (FULL and PARTIAL
-    blocks alike; a head slice's compute counts its tile's pairs); FLOPs are 4·block²·D·B per
-    block and head computed (H, or H/n for a compute on head slice i/n) for the forward and
-    2.5x that for the backward.
+    blocks alike; a head slice's compute counts its tile's pairs); FLOPs are 2·block²·(D+Dv)·B
+    per block and head computed (H, or H/n for a compute on head slice i/n) for the forward
+    and 2.5x that for the backward (Dv = D unless ``v_head_dim`` is given: MLA).
 
     Bytes are what each rank sends (``*_sent``) and receives (``*_recv``) over the forward
     and the backward programs, as a run on the virtual mesh records them
@@ -338,7 +338,8 @@ class PlanStats:
     member receives every other member's non-empty contribution; reduce-scatter, its
     adjoint in the backward: each member sends its gradient of every chunk it gathered;
     all-to-all: the head slices sent and received). A member's own slot stays in place and
-    an empty slot moves nothing. A buffer is priced as the interpreter holds it: q and kv at
+    an empty slot moves nothing. A buffer is priced as the interpreter holds it (kv: k and v,
+    G·(D + Dv) a token; out/lse and dout/dlse at Dv + 1): q and kv at
     ``dtype``; out/lse, dout/dlse, dq and dkv in the accumulation dtype (float32; float64
     for float64); a head slice ``h<i>/<n>`` holds H/n query heads (kv: G/n kv heads, or the
     one it shares when n % G == 0).
