@@ -2,6 +2,11 @@
 
 Legend: B batch · H query heads · G kv heads (H % G == 0) · L tokens · D head dim.
 
+v may have its own head dim Dv (MLA, e.g. DeepSeek-V3: D=192, Dv=128): out and dout are
+``[..., Dv]``, dv ``[B, G, Lk, Dv]``. Every kernel takes it; ``sdpa``, whose fused op needs one
+head size, pads with zero columns inside the op call (exact: zeros add nothing to a score and
+give output columns that are cut) and cuts the results, so v never travels or is kept padded.
+
 A *kernel* computes one dense sub-problem (q rows x one contiguous kv range, an optional bool
 mask ``[B or 1, H or 1, Lq, Lk]``, an optional score_mod on global positions)::
 

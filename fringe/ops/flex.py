@@ -6,7 +6,7 @@ A kernel with ``wants_blocks = True`` gets the whole tile from :mod:`fringe.ops.
 block map and mask_mod instead of dense sub-problems with dense masks::
 
     kernel.forward(q, k, v, *, q_pos, kv_pos, blocks, block_size, mask_mod, score_mod, scale)
-        -> (out [B, H, Lq, D], lse [B, H, Lq])
+        -> (out [B, H, Lq, Dv], lse [B, H, Lq])       # Dv: v's head dim (FlexAttention's own)
     kernel.backward(q, k, v, out, lse, dout, *, q_pos, kv_pos, blocks, block_size, mask_mod,
                     score_mod, scale, dlse=None, score_params=())
         -> (dq, dk, dv) or (dq, dk, dv, dparams)     # out, lse: the GLOBAL merged ones
