@@ -17,7 +17,10 @@ Measured on torch 2.13 CPU (``_scaled_dot_product_flash_attention_for_cpu``):
   diagonal pieces are square); the self-test checks it, else an explicit mask is used;
 - it accepts G < H (GQA, kv head ``h // (H/G)``) natively in forward and backward; the
   self-test checks this and we expand k/v (inside this kernel only) if it ever stops holding;
-- its ``_backward`` op accepts the GLOBAL merged out/lse (flash-attention style).
+- its ``_backward`` op accepts the GLOBAL merged out/lse (flash-attention style);
+- it needs one head size ("Q/K/V should have the same head size"): for MLA (Dv != D) q and k,
+  or v, out and dout, get zero columns up to max(D, Dv) for the op call only, and out, dq, dk,
+  dv are cut back (exact: a zero column adds 0 to every score, to ``delta`` and to ``dp``).
 
 Non-finite inputs: the op adds a -inf bias to a masked score, and NaN + -inf is NaN, so a NaN
 key would turn rows of OTHER documents to NaN. A masked sub-problem whose k (forward) or q, k,
