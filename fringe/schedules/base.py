@@ -91,7 +91,8 @@ class Schedule:
         if len(progs) != world_size:
             raise ValueError(f"schedule {self.name!r} gave {len(progs)} programs for "
                              f"world_size={world_size}")
-        progs = _as_table(progs)
+        with gc_paused():               # one tuple per op: no collection scans them all
+            progs = _as_table(progs)
         check(progs)          # before pruning, so errors name the steps as written
         return prune(progs, need) if need is not None else progs
 
