@@ -85,3 +85,12 @@ def test_a_fault_in_builder_programs_is_named_by_check():
     b.computes(rank=0, step=0, q=0, kv=1)          # kv1 arrives at the end of step 0
     with pytest.raises(ScheduleError, match="ERROR HERE"):
         check(b.programs())
+
+
+def test_a_mask_aware_builder_plans_the_same_programs():
+    P, g, S = 8, 2, 8 * 4 * 2
+    mask = masks.causal() & masks.document(torch.arange(S) * 3 // S)
+    a = fringe.plan(two_level_allgather_columns(g, mask_aware=True), mask, seq_len=S,
+                    world_size=P, block_size=4)
+    b = fringe.plan(two_level_allgather(g), mask, seq_len=S, world_size=P, block_size=4)
+    assert list(a.forward) == list(b.forward) and list(a.backward) == list(b.backward)

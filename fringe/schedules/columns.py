@@ -111,8 +111,8 @@ class ProgramBuilder:
         if len(si) and (min(int(si.min()), int(di.min())) < 0 or max(int(si.max()), int(di.max())) >= n):
             raise ValueError(f"collective: member indices must lie in [0, {n})")
         self._ranks(c, what="collective")
-        key = np.stack([si, di])
-        if len(si) and len(np.unique(key, axis=1)[0]) != len(si):
+        key = np.sort(si * n + di)
+        if (key[1:] == key[:-1]).any():
             raise ValueError("collective: one contribution per (sender, receiver) pair")
         hi, hn = _heads(heads, len(si))
         g = self._groups.setdefault(group, len(self._groups))

@@ -93,33 +93,38 @@ def allgather_then_ring(group_size: int, *, own: str = "same") -> Schedule:
                     programs_fn=programs)
 
 
-def two_level_allgather_columns(group_size: int) -> Schedule:
+def two_level_allgather_columns(group_size: int, *, mask_aware: bool = False) -> Schedule:
     """:func:`two_level_allgather` (own slots ``"same"``) written with the column builder:
-    the same programs, without a Python object per op."""
+    the same programs, without a Python object per op. ``mask_aware=True`` builds it with
+    ``build=`` and adds only the computes of the mask's non-empty tiles (the gathers stay
+    whole: fringe's ``prune`` thins them)."""
     import numpy as np
 
     from ..schedules.columns import ProgramBuilder
     g = group_size
 
-    def programs(P: int) -> list[Program]:
+    def programs(P: int, need=None) -> list[Program]:
         if P % g:
             raise ValueError(f"two_level_allgather_columns({g}) needs world_size divisible by "
                              f"{g}, got {P}")
         b = ProgramBuilder(P)
         r = np.arange(P)
         same = r[:, None] // g == r[None, :] // g
+        tiles = np.ones((P, P), dtype=bool) if need is None else need
         b.computes(rank=r, step=0, q=r, kv=r)
         for j in range(P // g):
             inner = tuple(range(j * g, j * g + g))
             b.allgather(step=0, group=inner, chunk=list(inner))
-        rr, cc = np.nonzero(same & (r[:, None] != r[None, :]))
+        rr, cc = np.nonzero(same & (r[:, None] != r[None, :]) & tiles)
         b.computes(rank=rr, step=1, q=rr, kv=cc)
         for m in range(g):                      # position m's chunk of every group
             for i in range(g):
                 outer = tuple(range(i, P, g))
                 b.allgather(step=1, group=outer, chunk=[o - i + m for o in outer])
-        rr, cc = np.nonzero(~same)
+        rr, cc = np.nonzero(~same & tiles)
         b.computes(rank=rr, step=2, q=rr, kv=cc)
         return b.programs()
-    return Schedule(f"two_level_allgather_columns({g})", layout=_layout.contiguous,
-                    programs_fn=programs)
+    name = f"two_level_allgather_columns({g})"
+    if mask_aware:
+        return Schedule(name, layout=_layout.contiguous, build=programs)
+    return Schedule(name, layout=_layout.contiguous, programs_fn=programs)
