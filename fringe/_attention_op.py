@@ -247,6 +247,29 @@ def _with_autograd(fn, device: torch.device):
     return _WORKER[0].submit(run).result()
 
 
+def timeout_problem(timeout_s) -> Exception | None:
+    """The error :class:`DistRuntime` would raise for this timeout (or ``FRINGE_TIMEOUT``)."""
+    from .runtime.distributed import resolve_timeout
+    try:
+        resolve_timeout(timeout_s)
+    except ValueError as e:
+        return e
+    return None
+
+
+def fail_everywhere(where: str, timeout_s, q, k, v, sinks, problem: str) -> None:
+    """Join the agreement exchange the op's peers are in with this rank's ``problem`` (input
+    that cannot enter the op), so every rank raises it at once; always raises. A bad
+    ``timeout_s`` (or ``FRINGE_TIMEOUT``) waits the default time instead."""
+    from .runtime.distributed import DEFAULT_TIMEOUT_S
+    if timeout_problem(timeout_s):
+        timeout_s = DEFAULT_TIMEOUT_S if timeout_problem(None) else None
+    rt = DistRuntime(_group(where), timeout_s=timeout_s)
+    tensor = lambda t: t if isinstance(t, torch.Tensor) else None   # noqa: E731
+    rt.agree(None, tensor(q), tensor(k), tensor(v), sinks=tensor(sinks), problem=problem)
+    raise AssertionError("fringe: the agreement passed an input flagged invalid")  # unreachable
+
+
 # --------------------------------------------------------------------------------------
 # the ops
 # --------------------------------------------------------------------------------------

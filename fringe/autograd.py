@@ -157,23 +157,47 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, plan, where:
         sinks: optional ``[H]`` sink logits (checked inside the op, applied here).
 
     Raises:
-        TypeError: plan is not a Plan, or q / k / v are not tensors (everything else is
-            checked inside the op, before any communication).
+        TypeError: plan is not a Plan, q / k / v / sinks are not tensors, or they mix the
+            meta device with another (``where="virtual"``, or while compiling; everything else
+            is checked inside the op, before any communication).
+        ValueError: the same over torch.distributed: this rank's reason travels through the
+            agreement exchange the op uses, so every rank raises it at once.
     """
-    if not isinstance(plan, Plan):
-        raise TypeError(f"plan must be a fringe.Plan from fringe.plan(schedule, mask_mod, ...), "
-                        f"got {type(plan).__name__}")
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if sinks is not None and not isinstance(sinks, torch.Tensor):
-        raise TypeError(f"sinks must be a tensor of per-head sink logits [H], got "
-                        f"{type(sinks).__name__}")
+    problem = _entry_problem(q, k, v, plan, sinks)
+    if where != _op.VIRTUAL and problem is None:
+        problem = _op.timeout_problem(timeout_s)
+    if problem is not None:
+        if where == _op.VIRTUAL or torch.compiler.is_compiling():
+            raise problem
+        _op.fail_everywhere(where, timeout_s, q, k, v, sinks, f"{type(problem).__name__}: {problem}")
     out, lse, _ = Attention.apply(q, k, v, sinks, plan.handle, where, timeout_s,
                                   plan.kv == "keep", plan.reads_batch, *plan.score_params)
     if sinks is not None:
         out, lse = apply_sinks(out, lse, sinks)
     return out, lse
+
+
+def _entry_problem(q, k, v, plan, sinks) -> Exception | None:
+    """What keeps these inputs out of the op (it takes tensors and a plan handle), or None."""
+    if not isinstance(plan, Plan):
+        return TypeError(f"plan must be a fringe.Plan from fringe.plan(schedule, mask_mod, ...), "
+                         f"got {type(plan).__name__}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            return TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if sinks is not None and not isinstance(sinks, torch.Tensor):
+        return TypeError(f"sinks must be a tensor of per-head sink logits [H], got "
+                         f"{type(sinks).__name__}")
+    # one meta tensor among real ones would send the call to the op's fake (shape-only) kernel:
+    # empty outputs, no agreement, no error
+    given = [(n, t) for n, t in (("q", q), ("k", k), ("v", v), ("sinks", sinks),
+                                 *(("a score_mod parameter", p) for p in plan.score_params))
+             if t is not None]
+    if any(t.is_meta for _, t in given) and not all(t.is_meta for _, t in given):
+        devs = ", ".join(f"{n} on {t.device}" for n, t in given)
+        return ValueError(f"q, k, v, sinks and the plan's score_mod parameters must be on one "
+                          f"device, got {devs}; move them")
+    return None
 
 
 def apply_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor, *, head_dim: int = 1):

@@ -93,6 +93,15 @@ def _describe(field: str, value: int) -> str:
 _SIDE_GROUPS: dict = {}
 
 
+class _Found(Exception):
+    """A problem found before :meth:`DistRuntime.agree` (carried in, not checked again)."""
+
+
+def _cpu_capable(group) -> bool:
+    """The group moves CPU tensors (gloo, or a ``cpu:gloo,cuda:nccl`` default group)."""
+    return "gloo" in str(dist.get_backend(group)).lower()
+
+
 def _side_group(group):
     """A gloo group over the same ranks as ``group`` (for CPU-side agreement on CUDA)."""
     ranks = tuple(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
@@ -362,7 +371,7 @@ class DistRuntime(Runtime):
         self.timeout_s = resolve_timeout(timeout_s)
         super().__init__([self.rank], self._transport)
 
-    def agree(self, plan, q, k, v, *, sinks=None) -> None:
+    def agree(self, plan, q, k, v, *, sinks=None, problem: str = "") -> None:
         """All ranks agree on shapes, dtype, device, plan and inputs; raise on every rank if not.
 
         Runs on every call (one all-gather of a short int64 vector, never cached). This
@@ -370,14 +379,19 @@ class DistRuntime(Runtime):
         makes every rank raise that rank's reason at once instead of leaving its peers to
         wait for a timeout.
 
+        ``problem``: this rank's input was already found invalid before the op (a q that is
+        not a tensor, a plan that is not a Plan: ``"TypeError: ..."``); it travels as is.
+
         Raises:
             RankMismatch: ranks differ (the message names the rank and the component).
             ValueError: some rank's inputs are invalid (the message names the rank).
             CommTimeout: a peer never joined the exchange.
         """
+        from ..plan import Plan
         from .engine import check_inputs
-        problem = ""
         try:
+            if problem:
+                raise _Found
             check_inputs(q, k, v, plan=plan, local=True)
             if plan.world_size != self.world_size:
                 raise ValueError(f"the plan is for world_size={plan.world_size} but the process "
@@ -387,6 +401,8 @@ class DistRuntime(Runtime):
                 check_mesh(self.mesh, plan)
             if sinks is not None:
                 check_sinks(sinks, q)
+        except _Found:
+            pass
         except (ValueError, TypeError) as e:
             problem = f"{type(e).__name__}: {e}"
         shape4 = isinstance(q, torch.Tensor) and q.dim() == 4
@@ -395,13 +411,16 @@ class DistRuntime(Runtime):
         dtype = q.dtype if isinstance(q, torch.Tensor) else None
         code = _DTYPES.index(dtype) if dtype in _DTYPES else 99
         cuda = isinstance(q, torch.Tensor) and q.is_cuda
-        digests = plan.digests()
+        is_plan = isinstance(plan, Plan)
+        digests = plan.digests() if is_plan else dict.fromkeys(_PLAN_FIELDS, "")
         sink_desc = "none" if sinks is None else \
             f"{tuple(getattr(sinks, 'shape', ()))}/{getattr(sinks, 'dtype', type(sinks).__name__)}"
-        mine = ([plan.world_size, B, H, G, L, D, code, int(cuda), int(bool(problem))]
+        mine = ([plan.world_size if is_plan else -1, B, H, G, L, D, code, int(cuda), int(bool(problem))]
                 + [_h48(digests[f]) for f in _PLAN_FIELDS] + [_h48(sink_desc)]
                 + [v.shape[-1] if isinstance(v, torch.Tensor) and v.dim() == 4 else -1])
-        group = _side_group(self.group) if cuda else self.group
+        # the exchange's group follows the group's backend, never this rank's input (a rank
+        # whose q is on another device, or not a tensor, must still meet its peers)
+        group = self.group if _cpu_capable(self.group) else _side_group(self.group)
         local = torch.tensor(mine, dtype=torch.int64)
         everyone = [torch.empty_like(local) for _ in range(self.world_size)]
         work = dist.all_gather(everyone, local, group=group, async_op=True)
