@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-import transformers
+import transformers  # noqa: F401  (the hf extra; tiny_llama needs it)
 
 import fringe
 import fringe.hf
 from fringe import masks, packing, schedules
+from fringe.testing import tiny_llama
 
 S, P, BS = 64, 2, 8
 CU_N, CU_N1 = [0, 20, S], [0, 33, 40, S]          # batch N and batch N+1: same length
@@ -86,13 +87,7 @@ def test_rows_real_length_and_where_the_check_does_not_apply():
 
 
 def _tiny():
-    cfg = transformers.LlamaConfig(vocab_size=32, hidden_size=32, intermediate_size=64,
-                                   num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=2, max_position_embeddings=S,
-                                   attention_dropout=0.0, use_cache=False, head_dim=8)
-    cfg._attn_implementation = fringe.hf.register()
-    torch.manual_seed(0)
-    return transformers.AutoModelForCausalLM.from_config(cfg)
+    return tiny_llama(S)
 
 
 def test_hf_model_inputs_refuses_plans_of_another_batch():

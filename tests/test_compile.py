@@ -20,7 +20,7 @@ import fringe
 from fringe import _handle, masks, schedules
 from fringe.autograd import apply_sinks
 from fringe.ops import reference
-from fringe.testing import tolerances
+from fringe.testing import tiny_llama, tolerances
 
 S, P, H, G, D, E, B, BLOCK = 64, 2, 4, 2, 8, 32, 2, 8
 
@@ -267,18 +267,12 @@ def test_compiled_hf_llama_matches_eager_and_compiles_once():
     """A tiny Llama with attn_implementation="fringe" on one gloo rank (in this process):
     fullgraph with aot_eager, loss and gradients equal to eager, one compile for two batches
     with different documents."""
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
     import torch.distributed as dist
 
     import fringe.hf
     from fringe import packing
-    cfg = transformers.LlamaConfig(vocab_size=32, hidden_size=32, intermediate_size=64,
-                                   num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=2, max_position_embeddings=S,
-                                   attention_dropout=0.0, use_cache=False, head_dim=8)
-    cfg._attn_implementation = fringe.hf.register()
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    model = tiny_llama(S)
     cnt = CompileCounterWithBackend("aot_eager")
     compiled = torch.compile(model, backend=cnt, fullgraph=True)
     g = torch.Generator().manual_seed(1)

@@ -14,25 +14,20 @@ from pathlib import Path
 
 import pytest
 import torch
-import transformers   # the hf extra (dev.py installs it): pip install 'fringe[hf]'
+import transformers  # noqa: F401  (the hf extra, dev.py installs it: pip install "fringe[hf]")
 from torch.nn.attention.flex_attention import create_block_mask
 
 import fringe
 import fringe.hf
 from fringe import masks, packing, schedules
+from fringe.testing import tiny_llama
 
 S, P, BS, IGN = 64, 2, 8, packing.IGNORE_INDEX
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _llama():
-    cfg = transformers.LlamaConfig(vocab_size=32, hidden_size=32, intermediate_size=64,
-                                   num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=2, max_position_embeddings=S,
-                                   attention_dropout=0.0, use_cache=False, head_dim=8)
-    cfg._attn_implementation = fringe.hf.register()
-    torch.manual_seed(0)
-    return transformers.AutoModelForCausalLM.from_config(cfg)
+    return tiny_llama(S)
 
 
 def _batch(seed: int = 0, B: int = 2):

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 __all__ = ["CHECK_MASK_SCHEDULES", "check_mask", "make_qkv", "mask_family", "probe_adjoint",
-           "seeds", "tolerances", "warm_up_cpu_math"]
+           "seeds", "tiny_llama", "tolerances", "warm_up_cpu_math"]
 
 #: The schedules :func:`check_mask` tries by default, as registry names: every registered
 #: schedule (``fringe.schedules.names()``, read when check_mask runs) and this 2D one.
@@ -68,6 +68,21 @@ def make_qkv(*, B: int, H: int, G: int, S: int, D: int, dtype: torch.dtype = tor
     k = torch.randn(B, G, Lk, D, generator=g, dtype=torch.float64)
     v = torch.randn(B, G, Lk, D, generator=g, dtype=torch.float64)
     return tuple(t.to(device=device, dtype=dtype).requires_grad_(requires_grad) for t in (q, k, v))
+
+
+def tiny_llama(seq_len: int, *, seed: int = 0):
+    """A 2-layer GQA Llama (H 4, G 2, D 8, vocab 32) with ``attn_implementation="fringe"``,
+    weights from ``torch.manual_seed(seed)``; needs transformers."""
+    import transformers
+
+    import fringe.hf
+    cfg = transformers.LlamaConfig(vocab_size=32, hidden_size=32, intermediate_size=64,
+                                   num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, max_position_embeddings=seq_len,
+                                   attention_dropout=0.0, use_cache=False, head_dim=8)
+    cfg._attn_implementation = fringe.hf.register()
+    torch.manual_seed(seed)
+    return transformers.AutoModelForCausalLM.from_config(cfg)
 
 
 def mask_family(kind: str, S: int):
