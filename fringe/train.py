@@ -228,8 +228,8 @@ class GradSync:
     def check_plans(self, plans) -> None:
         """Refuse plans that do not run on this mesh's CP dimension.
 
-        ``plans``: a :class:`fringe.hf.Plans` (its ``group`` is checked too), a
-        :class:`fringe.Plan`, or a list of either (one per microbatch).
+        ``plans``: a :class:`fringe.hf.Plans` or :class:`fringe.titan.Plans` (its ``group``
+        is checked too), a :class:`fringe.Plan`, or a list of these (one per microbatch).
 
         Raises:
             ValueError: a plan's world size is not the mesh's CP size, or the plans' group
@@ -240,21 +240,22 @@ class GradSync:
                 self.check_plans(p)
             return
         cp_mesh = self.mesh[self.cp_dim]
-        items = plans.plans if hasattr(plans, "layers") else [plans]
+        bundle = hasattr(plans, "plans") and hasattr(plans, "group")     # hf / titan Plans
+        items = plans.plans if bundle else [plans]
         for p in items:
             P = getattr(p, "world_size", None)
             if P != self.cp_size:
                 raise ValueError(f"the plan is for P={P} CP ranks but the mesh's {self.cp_dim!r} "
                                  f"dimension has {self.cp_size}; plan with world_size="
                                  f"{self.cp_size} (mesh shape {tuple(self.mesh.shape)})")
-        if hasattr(plans, "layers"):
+        if bundle:
             got, want = group_ranks(plans.group), group_ranks(cp_mesh)
             if sorted(got) != sorted(want):
                 what = "the default group" if plans.group is None else "group"
                 raise ValueError(f"the plans run attention over {what} with ranks {sorted(got)}, "
                                  f"but this rank's CP group (mesh[{self.cp_dim!r}]) has ranks "
                                  f"{sorted(want)}; make them with fringe.hf.plans(..., "
-                                 f"group=mesh[{self.cp_dim!r}])")
+                                 f"group=mesh[{self.cp_dim!r}]) (or fringe.titan.plans)")
 
     def step(self, *, num_items: int, plans=None) -> Step:
         """Start an optimizer step: the global target count N, over every dp replica.
@@ -266,11 +267,14 @@ class GradSync:
             plans: checked with :meth:`check_plans` (optional).
 
         Returns:
-            a :class:`Step`. One all-reduce over the dp x cp ranks (a collective).
+            a :class:`Step`. One all-gather of a number over the dp x cp ranks (a collective).
 
         Raises:
-            ValueError: ``num_items`` is not a non-negative int, the step has no target on
-                any replica, or the plans do not fit the mesh (before any communication).
+            ValueError: ``num_items`` is not a non-negative int, the plans do not fit the
+                mesh (before any communication); the CP ranks of a replica gave different
+                counts (a count of each rank's own targets: N would come out as their mean,
+                every gradient off by that factor), or the step has no target on any replica
+                (on every rank).
         """
         if isinstance(num_items, bool) or not isinstance(num_items, numbers.Integral) or num_items < 0:
             raise ValueError(f"num_items must be an int >= 0 (this replica's targets over the "
@@ -278,9 +282,18 @@ class GradSync:
         if plans is not None:
             self.check_plans(plans)
         dist = _dist()
-        n = torch.tensor([float(num_items)], dtype=torch.float64)
-        dist.all_reduce(n, group=self._reduce_group())
-        total = n.item() / self.cp_size         # every CP rank of a replica gave its count
+        group = self._reduce_group()
+        counts = [torch.zeros(1, dtype=torch.float64) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(counts, torch.tensor([float(num_items)], dtype=torch.float64), group=group)
+        of = dict(zip(dist.get_process_group_ranks(group), (int(c.item()) for c in counts)))
+        grid = self.mesh.mesh if self.dp_dim == self.mesh.mesh_dim_names[0] else self.mesh.mesh.T
+        for replica in grid.tolist():           # the CP ranks of one replica: one batch
+            got = [of[int(r)] for r in replica]
+            if len(set(got)) > 1:
+                raise ValueError(f"num_items differs between the CP ranks {replica} of one dp "
+                                 f"replica: {got}; give the replica's count (shard.num_items, "
+                                 f"the same on each of its CP ranks), not each rank's own targets")
+        total = sum(of.values()) / self.cp_size  # every CP rank of a replica gave its count
         if total < 1:
             raise ValueError("the optimizer step has no target on any replica (every label is "
                              "ignored); skip the step")

@@ -70,3 +70,38 @@ def test_one_ranks_bad_input_of_any_kind_fails_every_rank_with_its_reason(pool2,
     for msg in msgs:
         assert msg.startswith("ValueError: rank 1 of 2 got invalid input"), msgs
         assert cause in msg, msgs
+
+
+# -------------------------------------------------------------------------------------
+# fringe.train: the CP ranks of one replica describe one batch, so they must give one count
+# -------------------------------------------------------------------------------------
+def worker_train_counts(rank: int, world_size: int, what: str):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.nn.parallel import DistributedDataParallel
+
+    import fringe.titan
+    import fringe.train
+    mesh = init_device_mesh("cpu", (1, world_size), mesh_dim_names=("dp", "cp"))
+    model = DistributedDataParallel(torch.nn.Linear(2, 2),
+                                    process_group=fringe.train.dp_cp_mesh(mesh).get_group())
+    sync = fringe.train.GradSync(model, mesh)
+    try:
+        if what == "local counts":      # each CP rank its own targets, not the replica's
+            sync.step(num_items=5 if rank == 0 else 7)
+        else:                           # titan's Plans over the dp dimension, not cp
+            p = fringe.plan(schedules.zigzag(), masks.causal(), seq_len=16,
+                            world_size=world_size, block_size=BLOCK)
+            sync.check_plans(fringe.titan.Plans((p,), group=mesh["dp"]))
+    except ValueError as e:
+        return f"ValueError: {e}"
+    return "no error"
+
+
+@pytest.mark.parametrize("what,cause", [
+    ("local counts", "num_items differs between the CP ranks"),
+    ("titan plans", "make them with"),
+])
+def test_grad_sync_refuses_what_would_scale_gradients_wrongly(pool2, what, cause):
+    msgs = pool2.run(worker_train_counts, what)
+    for msg in msgs:
+        assert cause in msg, msgs
