@@ -154,6 +154,11 @@ class FringeAttention(torch.nn.Module):
         got = float(scale) if scale is not None else D ** -0.5
         p = ctx.find(got, layer=self.layer)
         fp = ctx.layout_fingerprint
+        if ctx.batch_fingerprint is None and not torch.compiler.is_compiling():
+            # unbound plans were never checked against the batch (a batch N plan on batch N+1)
+            raise ValueError(f"fringe.titan: layer {self.layer} got plans not bound to a batch; "
+                             f"call the model with **fringe.titan.model_inputs(shard, plans), "
+                             f"which checks that the plans describe the shard's batch")
         if (ctx.batch_fingerprint is not None and not torch.compiler.is_compiling()
                 and fp != ctx.batch_fingerprint):
             raise ValueError(f"fringe.titan: the plans shard tokens by layout {fp} but the batch was "

@@ -163,6 +163,9 @@ def test_mistakes_raise_before_attention_runs(titan_train):
         model(kw["tokens"], None, kw["attention_masks"])
     with pytest.raises(ValueError, match="not the shard's RoPE positions"):
         model(kw["tokens"], torch.arange(S // P).expand(2, -1), kw["attention_masks"])
+    # plans not bound to the batch by model_inputs (never checked against it)
+    with pytest.raises(ValueError, match="plans not bound to a batch"):
+        model(kw["tokens"], kw["positions"], plans)
     # plans for another batch (other documents) with the same layout
     other = fringe.titan.plans(model, schedules.zigzag(), _positions([[32, 32], [5, 59]]),
                                world_size=P, block_size=BS)
