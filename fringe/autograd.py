@@ -157,11 +157,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, plan, where:
         sinks: optional ``[H]`` sink logits (checked inside the op, applied here).
 
     Raises:
-        TypeError: plan is not a Plan, q / k / v / sinks are not tensors, or they mix the
-            meta device with another (``where="virtual"``, or while compiling; everything else
-            is checked inside the op, before any communication).
-        ValueError: the same over torch.distributed: this rank's reason travels through the
-            agreement exchange the op uses, so every rank raises it at once.
+        TypeError: plan is not a Plan, or q / k / v / sinks are not tensors
+            (``where="virtual"``, or while compiling; everything else is checked inside the
+            op, before any communication).
+        ValueError: they mix the meta device with another (the op would run its shape-only
+            kernel); over torch.distributed, any of these: this rank's reason travels through
+            the agreement exchange the op uses, so every rank raises it at once.
     """
     problem = _entry_problem(q, k, v, plan, sinks)
     if where != _op.VIRTUAL and problem is None:

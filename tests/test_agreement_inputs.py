@@ -105,3 +105,14 @@ def test_grad_sync_refuses_what_would_scale_gradients_wrongly(pool2, what, cause
     msgs = pool2.run(worker_train_counts, what)
     for msg in msgs:
         assert cause in msg, msgs
+
+
+def test_one_meta_tensor_among_real_ones_raises_instead_of_running_the_fake_kernel():
+    S = 16
+    p = fringe.plan(schedules.zigzag(), masks.causal(), seq_len=S, world_size=2,
+                    block_size=BLOCK)
+    q, k, v = make_qkv(B=1, H=2, G=1, S=S, D=4, seed=0)
+    with pytest.raises(ValueError, match="must be on one device, got q on meta"):
+        fringe.simulate.attention(q.to("meta"), k, v, plan=p)
+    out = fringe.simulate.attention(q.to("meta"), k.to("meta"), v.to("meta"), plan=p)
+    assert out.is_meta and out.shape == q.shape        # all on meta: shapes only, as before
