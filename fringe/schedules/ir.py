@@ -231,6 +231,76 @@ _PREFIX = {f: f.value for f in Family}
 _Q, _KV, _OUT, _DQ, _DKV, _DOUT = (Family.Q, Family.KV, Family.OUT, Family.DQ, Family.DKV,
                                    Family.DOUT)
 
+#: Sides of a tile op: the buffer of its q chunk or of its kv chunk.
+Q_SIDE, KV_SIDE = 0, 1
+
+
+@dataclasses.dataclass(frozen=True)
+class OpRule:
+    """What ops of one kind touch: the buffer-touch rule, written once (:data:`RULES`).
+
+    ``reads`` and ``writes`` name what the op touches. A tile op (``C``, ``G``) touches
+    ``(family, side)`` pairs: side :data:`Q_SIDE` is the buffer of the op's q chunk,
+    :data:`KV_SIDE` of its kv chunk (a head slice carries over). A transfer touches its one
+    buffer (``"buf"``); a collective its occupied send slots (``"sends"``) and receive slots
+    (``"recvs"``). ``adjoint`` is the kind of the adjoint op (transfers and collectives move
+    the cotangents of their buffers). ``own_slot_in_place`` (collectives): the slot of the
+    rank itself stays in place, so its buffer is neither sent nor received by that slot (it
+    is when another slot of the same side also holds it).
+
+    The op views (:meth:`Compute.reads`, ...) and the column passes (through
+    :meth:`touch_codes`) read this table; nothing else restates it.
+    """
+
+    kind: str
+    reads: tuple
+    writes: tuple
+    adjoint: str
+    own_slot_in_place: bool = False
+
+    def touch_codes(self) -> tuple[tuple[int, int, bool], ...]:
+        """A tile op's touches as ``(family code, side, written)``: its reads, then its
+        writes (family codes index ``tuple(Family)``, as in a :class:`ProgramTable`)."""
+        code = {f: n for n, f in enumerate(Family)}
+        return (tuple((code[f], s, False) for f, s in self.reads)
+                + tuple((code[f], s, True) for f, s in self.writes))
+
+
+#: The rule of every op kind, by its text letter (collectives by their kind).
+RULES: dict[str, OpRule] = {
+    "C": OpRule("C", reads=((_Q, Q_SIDE), (_KV, KV_SIDE)), writes=((_OUT, Q_SIDE),),
+                adjoint="G"),
+    "G": OpRule("G", reads=((_Q, Q_SIDE), (_KV, KV_SIDE), (_OUT, Q_SIDE), (_DOUT, Q_SIDE)),
+                writes=((_DQ, Q_SIDE), (_DKV, KV_SIDE)), adjoint="C"),
+    "S": OpRule("S", reads=("buf",), writes=(), adjoint="R"),
+    "R": OpRule("R", reads=(), writes=("buf",), adjoint="S"),
+    "AG": OpRule("AG", reads=("sends",), writes=("recvs",), adjoint="RS", own_slot_in_place=True),
+    "RS": OpRule("RS", reads=("sends",), writes=("recvs",), adjoint="AG", own_slot_in_place=True),
+    "A2A": OpRule("A2A", reads=("sends",), writes=("recvs",), adjoint="A2A",
+                  own_slot_in_place=True),
+}
+
+
+def _tile_view(pairs):
+    """``(q, kv) -> buffers`` of a rule's ``(family, side)`` pairs on whole heads, built once
+    from :data:`RULES` and unrolled for the short rules (the passes' hot path)."""
+    fs, ss = tuple(f for f, _ in pairs), tuple(s for _, s in pairs)
+    if len(pairs) == 1:
+        (f0,), (s0,) = fs, ss
+        return lambda qk: (_buf(f0, qk[s0]),)
+    if len(pairs) == 2:
+        (f0, f1), (s0, s1) = fs, ss
+        return lambda qk: (_buf(f0, qk[s0]), _buf(f1, qk[s1]))
+    if len(pairs) == 4:
+        (f0, f1, f2, f3), (s0, s1, s2, s3) = fs, ss
+        return lambda qk: (_buf(f0, qk[s0]), _buf(f1, qk[s1]), _buf(f2, qk[s2]), _buf(f3, qk[s3]))
+    return lambda qk: tuple([_buf(f, qk[s]) for f, s in pairs])
+
+
+_C_READS, _C_WRITES = RULES["C"].reads, RULES["C"].writes
+_G_READS, _G_WRITES = RULES["G"].reads, RULES["G"].writes
+_C_R, _C_W, _G_R, _G_W = map(_tile_view, (_C_READS, _C_WRITES, _G_READS, _G_WRITES))
+
 
 def buffer_name(kind: str, chunk: int) -> Buffer:
     """``buffer_name("kv", 5) == "kv5"`` (a :class:`Buffer`, which is a ``str``)."""
@@ -284,13 +354,10 @@ class _Tile(_Op):
             _check_heads(self, self.heads)
             object.__setattr__(self, "heads", (int(self.heads[0]), int(self.heads[1])))
 
-    def _bufs(self, *families: Family) -> tuple[Buffer, ...]:
-        """This tile's buffers of ``families`` (q-side ones of chunk q, kv-side of chunk kv)."""
-        if self.heads is None:
-            q, kv = self.q, self.kv
-            return tuple(_buf(f, kv if f is _KV or f is _DKV else q) for f in families)
-        return tuple(Buffer.of(f, self.kv if f in (_KV, _DKV) else self.q, self.heads)
-                     for f in families)
+    def _bufs(self, pairs) -> tuple[Buffer, ...]:
+        """This head-sliced tile's buffers of the rule's ``(family, side)`` pairs."""
+        qk = (self.q, self.kv)
+        return tuple([Buffer.of(f, qk[s], self.heads) for f, s in pairs])
 
     def __str__(self) -> str:
         return f"{self._LETTER} q{self.q}·kv{self.kv}{_heads_suffix(self.heads)}"
@@ -315,16 +382,16 @@ class Compute(_Tile):
 
     def reads(self) -> tuple[Buffer, ...]:
         if self.heads is None:                  # the passes' hot path
-            return _buf(_Q, self.q), _buf(_KV, self.kv)
-        return self._bufs(_Q, _KV)
+            return _C_R((self.q, self.kv))
+        return self._bufs(_C_READS)
 
     def writes(self) -> tuple[Buffer, ...]:
         if self.heads is None:
-            return (_buf(_OUT, self.q),)
-        return self._bufs(_OUT)
+            return _C_W((self.q, self.kv))
+        return self._bufs(_C_WRITES)
 
     def adjoint(self) -> GradCompute:
-        return GradCompute(self.q, self.kv, self.heads)
+        return _TILE_OF[_C_ADJ](self.q, self.kv, self.heads)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -338,17 +405,16 @@ class GradCompute(_Tile):
 
     def reads(self) -> tuple[Buffer, ...]:
         if self.heads is None:
-            q = self.q
-            return _buf(_Q, q), _buf(_KV, self.kv), _buf(_OUT, q), _buf(_DOUT, q)
-        return self._bufs(_Q, _KV, _OUT, _DOUT)
+            return _G_R((self.q, self.kv))
+        return self._bufs(_G_READS)
 
     def writes(self) -> tuple[Buffer, ...]:
         if self.heads is None:
-            return _buf(_DQ, self.q), _buf(_DKV, self.kv)
-        return self._bufs(_DQ, _DKV)
+            return _G_W((self.q, self.kv))
+        return self._bufs(_G_WRITES)
 
     def adjoint(self) -> Compute:
-        return Compute(self.q, self.kv, self.heads)
+        return _TILE_OF[_G_ADJ](self.q, self.kv, self.heads)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -363,14 +429,14 @@ class Send(_Op):
             object.__setattr__(self, "buf", Buffer(self.buf))
 
     def reads(self) -> tuple[Buffer, ...]:
-        return (self.buf,)
+        return (self.buf,) if _S_READS else ()
 
     def writes(self) -> tuple[Buffer, ...]:
-        return ()
+        return (self.buf,) if _S_WRITES else ()
 
     def adjoint(self) -> Recv:
         """The cotangent comes back: ``S kv5→r2`` becomes ``R dkv5←r2`` (accumulating)."""
-        return Recv(self.buf.cotangent, self.peer)
+        return _TRANSFER_OF[_S_ADJ](self.buf.cotangent, self.peer)
 
     def __str__(self) -> str:
         return f"S {self.buf}→r{self.peer}"
@@ -391,14 +457,14 @@ class Recv(_Op):
             object.__setattr__(self, "buf", Buffer(self.buf))
 
     def reads(self) -> tuple[Buffer, ...]:
-        return ()
+        return (self.buf,) if _R_READS else ()
 
     def writes(self) -> tuple[Buffer, ...]:
-        return (self.buf,)
+        return (self.buf,) if _R_WRITES else ()
 
     def adjoint(self) -> Send:
         """The cotangent goes back: ``R kv5←r0`` becomes ``S dkv5→r0``."""
-        return Send(self.buf.cotangent, self.peer)
+        return _TRANSFER_OF[_R_ADJ](self.buf.cotangent, self.peer)
 
     def __str__(self) -> str:
         return f"R {self.buf}←r{self.peer}"
@@ -407,8 +473,11 @@ class Recv(_Op):
         return f"R {self.buf}<-r{self.peer}"
 
 
-#: Collective kinds and their adjoints: all-gather <-> reduce-scatter, all-to-all <-> itself.
-COLLECTIVE_ADJOINT = {"AG": "RS", "RS": "AG", "A2A": "A2A"}
+#: Collective kinds and their adjoints: all-gather <-> reduce-scatter, all-to-all <-> itself
+#: (read from :data:`RULES`).
+COLLECTIVE_ADJOINT = {k: RULES[k].adjoint for k in ("AG", "RS", "A2A")}
+#: The side of a collective each rule word names (its distinct occupied slots).
+_SLOT_SIDE = {"sends": "_sb", "recvs": "_rb"}
 
 
 class Collective(_Op):
@@ -527,31 +596,47 @@ class Collective(_Op):
     def __reduce__(self):
         return (_collective, (self.kind, self.group, self._si, self._sb, self._ri, self._rb))
 
-    def reads(self) -> tuple[Buffer, ...]:
+    def _touches(self) -> tuple[tuple[Buffer, ...], tuple[Buffer, ...]]:
         if self._io is None:
-            object.__setattr__(self, "_io", (_distinct(self._sb), _distinct(self._rb)))
-        return self._io[0]
+            rule = RULES[self.kind]
+            object.__setattr__(self, "_io", tuple(
+                _distinct(b for w in words for b in getattr(self, _SLOT_SIDE[w]))
+                for words in (rule.reads, rule.writes)))
+        return self._io
+
+    def reads(self) -> tuple[Buffer, ...]:
+        return self._touches()[0]
 
     def writes(self) -> tuple[Buffer, ...]:
-        if self._io is None:
-            object.__setattr__(self, "_io", (_distinct(self._sb), _distinct(self._rb)))
-        return self._io[1]
+        return self._touches()[1]
 
     def member_index(self, rank: int) -> int | None:
         """The slot of ``rank`` in the group (None when it is not a member)."""
         return _member_index(self.group).get(rank)
 
+    def _in_place(self, rank: int, idx, bufs) -> Buffer | None:
+        """The buffer of ``rank``'s own slot on one side when it stays in place (the rule's
+        ``own_slot_in_place``, and no other slot of that side holds it); else None."""
+        me = self.member_index(rank)
+        if me is None or not RULES[self.kind].own_slot_in_place:
+            return None
+        at = bisect.bisect_left(idx, me)
+        if at < len(idx) and idx[at] == me and bufs.count(bufs[at]) == 1:
+            return bufs[at]
+        return None
+
     def received(self, rank: int) -> set[Buffer]:
         """The buffers ``rank`` (a member) receives from the other members."""
         got = set(self.writes())
-        me = self.member_index(rank)
-        if me is not None:              # its own slot stays in place
-            at = bisect.bisect_left(self._ri, me)
-            if at < len(self._ri) and self._ri[at] == me:
-                mine = self._rb[at]
-                if self._rb.count(mine) == 1:
-                    got.discard(mine)
+        got.discard(self._in_place(rank, self._ri, self._rb))
         return got
+
+    def sent(self, rank: int) -> tuple[Buffer, ...]:
+        """The buffers ``rank``'s side sends to other members: its reads but an own slot that
+        stays in place (the runtime skips it, so a reduce-scatter's own slot need not be
+        present)."""
+        own = self._in_place(rank, self._si, self._sb)
+        return self.reads() if own is None else tuple(b for b in self.reads() if b != own)
 
     def adjoint(self) -> Collective:
         """``AG`` becomes ``RS`` of the cotangents (and back); ``A2A`` its inverse."""
@@ -584,6 +669,13 @@ class Collective(_Op):
         span = (f"{g[0]}-{g[-1]}" if len(g) > 2 and g == tuple(range(g[0], g[-1] + 1))
                 else ",".join(map(str, g)))
         return f"{self.kind}[{span}] {_brief(self._sb)} ⇄ {_brief(self._rb)}"
+
+
+_TILE_OF = {"C": Compute, "G": GradCompute}
+_TRANSFER_OF = {"S": Send, "R": Recv}
+_C_ADJ, _G_ADJ, _S_ADJ, _R_ADJ = (RULES[k].adjoint for k in "CGSR")
+_S_READS, _S_WRITES = "buf" in RULES["S"].reads, "buf" in RULES["S"].writes
+_R_READS, _R_WRITES = "buf" in RULES["R"].reads, "buf" in RULES["R"].writes
 
 
 def _collective(kind, group, si, sb, ri, rb) -> Collective:
@@ -875,6 +967,9 @@ _KINDS = (Compute, GradCompute, Send, Recv)
 _FAMILIES = tuple(Family)
 _FAMILY_CODE = {f: n for n, f in enumerate(_FAMILIES)}
 C_, G_, S_, R_ = 0, 1, 2, 3          # op kind codes of a ProgramTable
+#: ``(family code, side, written)`` touches of each tile kind (:data:`RULES`) by its table
+#: kind code: what the column passes index instead of restating the rule.
+TILE_TOUCH_CODES = {C_: RULES["C"].touch_codes(), G_: RULES["G"].touch_codes()}
 
 
 class ProgramTable:

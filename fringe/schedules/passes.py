@@ -23,7 +23,7 @@ import torch
 
 from .ir import (C_, COLL_KINDS as ir_kinds, COLLECTIVE_ADJOINT, G_, R_, S_, Buffer, Collective,
                  Compute, Family, GradCompute, Op, Program, ProgramTable, Recv, Send, _BUFS_OF,
-                 _FIELDS, _buf, marked, program_from_ops, steps_of)
+                 RULES, TILE_TOUCH_CODES, _FIELDS, _buf, marked, program_from_ops, steps_of)
 
 
 @contextlib.contextmanager
@@ -48,7 +48,7 @@ class ScheduleError(ValueError):
     """A program violates the IR's rules; the message names the rank and step."""
 
 
-_INPUTS = frozenset({Family.Q, Family.KV})      # what computes read; pruning may drop their moves
+_INPUTS = frozenset(f for f, _ in RULES["C"].reads)   # what computes read; pruning may drop their moves
 # every interned buffer of the input, gradient and output families (set operations on a
 # collective's slots run in C)
 _INPUT_BUFS, _GRADS, _OUTS = _BUFS_OF["input"], _BUFS_OF["gradient"], _BUFS_OF["out"]
@@ -56,6 +56,23 @@ _FAMILIES = tuple(Family)
 _FAMILY_CODE = {f: n for n, f in enumerate(_FAMILIES)}
 _F = len(_FAMILIES)
 _TILES = frozenset({Compute, GradCompute})
+
+
+def _tile_touches(kind: np.ndarray, *, written: bool):
+    """``(family code, rows, side)`` for each touch of the tile rows of ``kind`` (a table's
+    kind column) that ``written`` selects, read from :data:`TILE_TOUCH_CODES` (the one rule
+    table): ``rows`` picks the rows (a mask, or all of them), ``side`` is
+    :data:`~fringe.schedules.ir.Q_SIDE` or ``KV_SIDE`` (which chunk column the buffer is of)."""
+    for code, touches in TILE_TOUCH_CODES.items():
+        rows = kind == code
+        n = int(rows.sum())
+        if not n:
+            continue
+        if n == len(kind):
+            rows = slice(None)
+        for fam, side, w in touches:
+            if w is written:
+                yield fam, rows, side
 _Q, _KV, _OUT, _DQ, _DKV, _DOUT = (Family.Q, Family.KV, Family.OUT, Family.DQ, Family.DKV,
                                    Family.DOUT)
 
@@ -323,8 +340,8 @@ def prune(programs: Sequence[Program], need: torch.Tensor) -> list[Program]:
         for t, op in prog.ops():
             if type(op) is Compute and op.heads is None:     # the hot path, by attribute
                 if okl[op.q][op.kv]:
-                    add((r, _buf(_Q, op.q)))
-                    add((r, _buf(_KV, op.kv)))
+                    for b in op.reads():
+                        add((r, b))
                 else:
                     changed[r] = True
                 continue
@@ -516,12 +533,8 @@ def _reverse_ops(programs: Sequence[Program], kv: str, T: int) -> list[Program]:
                 if type(op) is Compute:     # the hot path: whole-heads tiles, by attribute
                     q, k, h = op.q, op.kv, op.heads
                     dst.append(_grad_compute(q, k, h))
-                    if h is None:
-                        reads_at[(r, _buf(_Q, q))] = t
-                        reads_at[(r, _buf(_KV, k))] = t
-                    else:
-                        for b in op.reads():
-                            reads_at[(r, b)] = t
+                    for b in op.reads():
+                        reads_at[(r, b)] = t
                     continue
                 _reverse_op(prog, r, t, op, T, ops, dst, reads_at, in_hop, out_hops,
                             by_collective, collectives, seen)
@@ -849,26 +862,8 @@ def _check_presence(programs: Sequence[Program], *, backward: bool, kv: str) -> 
         for step in prog.steps:
             arriving = []
             for op in step.ops:
-                tp = type(op)
-                if tp is Compute and op.heads is None:      # the hot paths, by attribute
-                    q = op.q                                # (q{r} is owned: present)
-                    if (q == r or _buf(_Q, q) in present) and _buf(_KV, op.kv) in present:
-                        arriving.append(_buf(_OUT, q))
-                        continue
-                elif tp is GradCompute and op.heads is None:
-                    q = op.q
-                    if q == r and backward:     # q, out, dout, dq of r are owned: present
-                        if _buf(_KV, op.kv) in present:
-                            arriving.append(_buf(_DKV, op.kv))
-                            continue
-                    elif (_buf(_Q, q) in present and _buf(_KV, op.kv) in present
-                            and _buf(_OUT, q) in present and _buf(_DOUT, q) in present):
-                        arriving.append(_buf(_DQ, q))
-                        arriving.append(_buf(_DKV, op.kv))
-                        continue
-                reads = op.reads()
-                if tp is Collective:            # its own slot stays in place: not a read
-                    reads = _collective_reads(op, r)
+                # a collective's own slot stays in place: not a read (RULES)
+                reads = op.sent(r) if type(op) is Collective else op.reads()
                 if present.issuperset(reads):
                     arriving.extend(op.writes())
                     continue
@@ -881,17 +876,6 @@ def _check_presence(programs: Sequence[Program], *, backward: bool, kv: str) -> 
                         _fail(programs, r, step.index, what)
                 arriving.extend(op.writes())
             present.update(arriving)
-
-
-def _collective_reads(op: Collective, rank: int) -> tuple[Buffer, ...]:
-    """What ``rank``'s side of ``op`` sends to other members (its own slot moves nothing:
-    the runtime skips it, so a reduce-scatter's own slot need not be present)."""
-    si, sb = op.sparse_sends
-    me = op.member_index(rank)
-    own = None if me is None else _slot(si, sb, me)
-    if own is None or sb.count(own) > 1:
-        return op.reads()
-    return tuple(b for b in op.reads() if b != own)
 
 
 def _check_tiles(programs: Sequence[Program], need: np.ndarray) -> None:
@@ -973,15 +957,15 @@ def _table_ok(tab: ProgramTable, need: np.ndarray | None, backward: bool, kv: st
     # presence: each read at step t needs the buffer owned, or written / received before t
     def bkey(r, fam, chunk):
         return (r * _F + fam) * P + chunk
-    Q, KV, OUT, DQ, DKV, DOUT = (_FAMILY_CODE[f] for f in (Family.Q, Family.KV, Family.OUT,
-                                                           Family.DQ, Family.DKV, Family.DOUT))
-    isc, isg, iss, isr = kind == C_, kind == G_, kind == S_, kind == R_
-    qa = comp
-    reads = [(bkey(rank[qa], Q, a[qa]), step[qa]), (bkey(rank[qa], KV, b[qa]), step[qa]),
-             (bkey(rank[isg], OUT, a[isg]), step[isg]), (bkey(rank[isg], DOUT, a[isg]), step[isg]),
-             (bkey(rank[iss], a[iss], b[iss]), step[iss])]
-    writes = [(bkey(rank[isc], OUT, a[isc]), step[isc] + 1), (bkey(rank[isg], DQ, a[isg]), step[isg] + 1),
-              (bkey(rank[isg], DKV, b[isg]), step[isg] + 1), (bkey(rank[isr], a[isr], b[isr]), step[isr] + 1)]
+    Q, KV, OUT, DOUT = (_FAMILY_CODE[f] for f in (Family.Q, Family.KV, Family.OUT, Family.DOUT))
+    isg, iss, isr = kind == G_, kind == S_, kind == R_
+    side = (a, b)                                   # a tile's chunks: q, kv
+    reads = [(bkey(rank[m], f, side[sd][m]), step[m])
+             for f, m, sd in _tile_touches(kind, written=False)]
+    reads.append((bkey(rank[iss], a[iss], b[iss]), step[iss]))
+    writes = [(bkey(rank[m], f, side[sd][m]), step[m] + 1)
+              for f, m, sd in _tile_touches(kind, written=True)]
+    writes.append((bkey(rank[isr], a[isr], b[isr]), step[isr] + 1))
     ranks = np.arange(P)
     owned = [Q, KV] + ([OUT, DOUT] if backward else [])
     writes += [(bkey(ranks, f, ranks), np.zeros(P, np.int64)) for f in owned]
@@ -1034,13 +1018,14 @@ def _reverse_table(tab: ProgramTable, kv: str) -> list[Program] | None:
 
 def _resend_rows(P, T, rank, step, kind, a, b, c):
     """The kv (and q) re-sends of ``_rematerialise``, as rows; None to fall back."""
-    Q, KV = _FAMILY_CODE[Family.Q], _FAMILY_CODE[Family.KV]
     NONE = np.int64(1) << 40
     isc = kind == C_
+    side = (a[isc], b[isc])
+    c_reads = [(f, sd) for f, sd, w in TILE_TOUCH_CODES[C_] if not w]
     # (buffer, rank) pairs as one key: buffer = fam * P + chunk
-    rd_key = np.concatenate([(Q * P + a[isc]) * P + rank[isc], (KV * P + b[isc]) * P + rank[isc]])
-    rd_t = np.concatenate([step[isc], step[isc]])
-    inp = np.isin(a, [Q, KV])
+    rd_key = np.concatenate([(f * P + side[sd]) * P + rank[isc] for f, sd in c_reads])
+    rd_t = np.concatenate([step[isc]] * len(c_reads))
+    inp = np.isin(a, [f for f, _ in c_reads])
     isr = (kind == R_) & inp
     in_key = (a[isr] * P + b[isr]) * P + rank[isr]
     in_t, in_src = step[isr], c[isr]
@@ -1151,15 +1136,14 @@ def _parts_ok(tab: ProgramTable, need: np.ndarray | None, backward: bool, kv: st
             return False
     if (len(ct) and int(ct.min()) < 0) or (len(xt) and int(xt.min()) < 0) or (xs == xd).any():
         return False
-    Q, KV, OUT, DQ, DKV, DOUT = (_FAMILY_CODE[f] for f in (Family.Q, Family.KV, Family.OUT,
-                                                           Family.DQ, Family.DKV, Family.DOUT))
-    isc, isg = ck == C_, ck == G_
+    Q, KV, OUT, DOUT = (_FAMILY_CODE[f] for f in (Family.Q, Family.KV, Family.OUT, Family.DOUT))
+    isg = ck == G_
 
     ranks = np.arange(P)
     owned = [Q, KV] + ([OUT, DOUT] if backward else [])
     writes = [(f, ranks, ranks, np.zeros(P, np.int64)) for f in owned]
-    writes += [(OUT, cr[isc], cq[isc], ct[isc] + 1), (DQ, cr[isg], cq[isg], ct[isg] + 1),
-               (DKV, cr[isg], ckv[isg], ct[isg] + 1)]
+    side = (cq, ckv)
+    writes += [(f, cr[m], side[sd][m], ct[m] + 1) for f, m, sd in _tile_touches(ck, written=True)]
     if backward and kv == "keep":
         writes.append((KV, cr[isg], ckv[isg], np.zeros(int(isg.sum()), np.int64)))
     # one [rank, chunk] plane per family written (int32 steps), the others never present
@@ -1178,8 +1162,8 @@ def _parts_ok(tab: ProgramTable, need: np.ndarray | None, backward: bool, kv: st
         _assign_min(avail, cell(f, r, chunk), t)
     _assign_min(avail, cell(xf, xd, xc), xt + 1)
     avail[len(fams) * P * P:] = never            # the plane of families nothing writes
-    reads = [(cell(Q, cr, cq), ct), (cell(KV, cr, ckv), ct), (cell(OUT, cr[isg], cq[isg]), ct[isg]),
-             (cell(DOUT, cr[isg], cq[isg]), ct[isg]), (cell(xf, xs, xc), xt)]
+    reads = [(cell(f, cr[m], side[sd][m]), ct[m]) for f, m, sd in _tile_touches(ck, written=False)]
+    reads.append((cell(xf, xs, xc), xt))
     for idx, t in reads:
         if not (avail[idx] <= t).all():
             return False
@@ -1447,7 +1431,7 @@ def _general_ok(tab: ProgramTable, need: np.ndarray | None, backward: bool, kv: 
     if not g.ok:
         return False
     P = g.P
-    Q, KV, OUT, DQ, DKV, DOUT = (_FAMILY_CODE[f] for f in (_Q, _KV, _OUT, _DQ, _DKV, _DOUT))
+    Q, KV, OUT, DOUT = (_FAMILY_CODE[f] for f in (_Q, _KV, _OUT, _DOUT))
     # collectives: every member issues each (step, group, ordinal) once, of one kind, and
     # what one member sends another receives
     if len(g.kr):
@@ -1497,24 +1481,23 @@ def _general_ok(tab: ProgramTable, need: np.ndarray | None, backward: bool, kv: 
                 return False
     # presence: each read at step t needs the buffer (or its whole-heads parent) owned, or
     # written / received before t
-    isc, isg = g.ck == C_, g.ck == G_
+    isg = g.ck == G_
     ranks = np.arange(P)
     zero = np.zeros(P, np.int64)
     owned = [Q, KV] + ([OUT, DOUT] if backward else [])
     writes = [(ranks, f, ranks, zero, zero) for f in owned]     # (rank, fam, chunk, hs, t)
     cr, ct, cq, ckv, chs = g.cr, g.ct, g.cq, g.ckv, g.chs
-    writes += [(cr[isc], OUT, cq[isc], chs[isc], ct[isc] + 1),
-               (cr[isg], DQ, cq[isg], chs[isg], ct[isg] + 1),
-               (cr[isg], DKV, ckv[isg], chs[isg], ct[isg] + 1),
-               (g.xd, g.xf, g.xc, g.xhs, g.xt + 1)]
+    side = (cq, ckv)
+    writes += [(cr[m], f, side[sd][m], chs[m], ct[m] + 1)
+               for f, m, sd in _tile_touches(g.ck, written=True)]
+    writes.append((g.xd, g.xf, g.xc, g.xhs, g.xt + 1))
     if backward and kv == "keep":
         writes.append((cr[isg], KV, ckv[isg], chs[isg], np.zeros(int(isg.sum()), np.int64)))
     srank, sstep = g.kr[g.ss], g.kt[g.ss]
     rs = g.sdir == 1
     writes.append((srank[rs], g.sf[rs], g.sc[rs], g.shs[rs], sstep[rs] + 1))
-    reads = [(cr, Q, cq, chs, ct), (cr, KV, ckv, chs, ct),
-             (cr[isg], OUT, cq[isg], chs[isg], ct[isg]), (cr[isg], DOUT, cq[isg], chs[isg], ct[isg]),
-             (g.xs, g.xf, g.xc, g.xhs, g.xt)]
+    reads = [(cr[m], f, side[sd][m], chs[m], ct[m]) for f, m, sd in _tile_touches(g.ck, written=False)]
+    reads.append((g.xs, g.xf, g.xc, g.xhs, g.xt))
     # a side's send slots, its own slot aside (it moves nothing; a buffer it also sends to
     # another member is read by that slot)
     ss_ = ~rs & (g.sidx != g.me[g.ss]) if len(g.ss) else ~rs
@@ -1769,14 +1752,15 @@ def _general_resend(g: _Gen, T: int, fams: list, skip: np.ndarray, after: int) -
     isin = np.isin(g.xf, fams)
     xt, xs, xd, xf, xc, xhs = (x[isin] for x in (g.xt, g.xs, g.xd, g.xf, g.xc, g.xhs))
     xo = g.xro[isin]
-    Q, KV = _FAMILY_CODE[_Q], _FAMILY_CODE[_KV]
     NBC = _F * P * g.HS                       # buffer codes (family, chunk, head slice)
     # reads by computes of the families, not owned: (rank, step, buffer code, position in
     # program order: rank, step, order, q before kv)
     big = np.int64(1) << 20
     pos = ((g.cr * big + g.ct) * big + g.co) * 2
+    side = (g.cq, g.ckv)
+    c_reads = [(fam, side[sd]) for fam, sd, w in TILE_TOUCH_CODES[C_] if not w]
     reads = [(g.cr[m], g.ct[m], g.bkey(fam, ch[m], g.chs[m]), pos[m] + part)
-             for fam, ch, part in ((Q, g.cq, 0), (KV, g.ckv, 1)) if fam in fams
+             for part, (fam, ch) in enumerate(c_reads) if fam in fams
              for m in [ch != g.cr]]
     rr, rt, rb, rp = ([np.concatenate(c) for c in zip(*reads)] if reads else
                       [np.zeros(0, np.int64)] * 4)
@@ -1851,7 +1835,8 @@ def _general_prune(tab: ProgramTable, ok: np.ndarray) -> list[Program] | None:
         return None
     P = g.P
     keep_c = ok[g.cq, g.ckv]
-    fams = [_FAMILY_CODE[_Q], _FAMILY_CODE[_KV]]
+    c_reads = [(f, sd) for f, sd, w in TILE_TOUCH_CODES[C_] if not w]
+    fams = [f for f, _ in c_reads]
     hop = np.isin(g.xf, fams)
     slot = np.isin(g.sf, fams)
     keep_x = np.ones(len(g.xf), dtype=bool)
@@ -1867,7 +1852,7 @@ def _general_prune(tab: ProgramTable, ok: np.ndarray) -> list[Program] | None:
         if len(ub) * P > PLANE_CELLS:
             return None
         use = np.zeros((len(ub), P), dtype=bool)       # [buffer, rank]: a kept compute reads it
-        for fam, ch in ((fams[0], g.cq), (fams[1], g.ckv)):
+        for fam, ch in ((f, (g.cq, g.ckv)[sd]) for f, sd in c_reads):
             i, hit = _lookup(g.bkey(fam, ch, g.chs), ub, np.arange(len(ub)), 0)
             hit &= keep_c
             use[i[hit], g.cr[hit]] = True
