@@ -321,6 +321,7 @@ def attention_backward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out
                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     """``(dq, dk, dv, dparams)``: the plan's backward programs (``reverse(plan)``)."""
     p = resolve(plan)
+    p.check_unchanged()     # the forward's check must not outlive an edit made since
     H = q.shape[-3]
     if where == VIRTUAL:
         rt = VirtualRuntime(p.world_size)

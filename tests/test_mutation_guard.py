@@ -93,6 +93,22 @@ def test_in_place_edit_of_plan_state_after_the_first_call_raises():
         lay.shard(torch.zeros(1, 1, S, 2), 0)
 
 
+def test_in_place_edit_of_plan_state_between_forward_and_backward_raises():
+    """The check runs on the backward too: an edit after the forward (the plan's order, tiles
+    or documents) would otherwise give gradients of another plan, with no error."""
+    edits = {
+        "layout order": lambda p: p.layout.order[:2].copy_(p.layout.order[:2].flip(0)),
+        "tiles": lambda p: p.tiles.fill_(int(masks.BlockKind.FULL)),
+    }
+    for what, edit in edits.items():
+        doc, plan, (q, k, v), want = _case()
+        q = q.detach().requires_grad_()
+        out = fringe.simulate.attention(q, k, v, plan=plan)
+        edit(plan)
+        with pytest.raises(ValueError, match="edited in place after the plan was built"):
+            torch.autograd.grad(out.sum(), q)
+
+
 def test_copies_and_pickles_of_a_plan_guard_their_own_state():
     """A copy of a plan, or an unpickled layout (unpickling bumps a tensor's ``_version``),
     runs exactly and records its own versions; an edit of a copy raises there and leaves the
