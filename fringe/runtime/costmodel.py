@@ -895,13 +895,11 @@ def _plain_table(t) -> bool:
 
 def _compute_touches(P, rank, step, grad, q, kv, code):
     """Touch rows of tile computes on buffers other ranks own (all heads, ``bufid = family
-    code * P + chunk``): a forward compute reads q, kv and writes out; its VJP reads q, kv,
-    out, dout and writes dq, dkv. Written buffers start there."""
-    from ..schedules.ir import Family as F
+    code * P + chunk``), by the rule table (``ir.TILE_TOUCHES``: ``grad`` holds the kind
+    codes, 0 a forward compute, 1 its VJP). Written buffers start there."""
+    from ..schedules.ir import TILE_TOUCHES
     out = []
-    for g, fam_chunks in ((0, ((F.Q, 0, 0), (F.KV, 1, 0), (F.OUT, 0, 1))),
-                          (1, ((F.Q, 0, 0), (F.KV, 1, 0), (F.OUT, 0, 0), (F.DOUT, 0, 0),
-                               (F.DQ, 0, 1), (F.DKV, 1, 1)))):
+    for g, fam_chunks in TILE_TOUCHES.items():
         sel = grad == g
         if not sel.any():
             continue
@@ -1054,15 +1052,15 @@ def _general_columns(t, P: int, L: int, shape: Shape, ir, fams, code) -> _Cols |
     o = _cell_order(comp["rank"], comp["step"], comp["order"])   # op order within a cell:
     cr, ct, cg, cq, ckv, chi, chn = (comp[k][o] for k in     # the sums of compute times
                                      ("rank", "step", "kind", "q", "kv", "hi", "hn"))
-    F = ir.Family
-    by_grad = ((0, ((F.Q, F.OUT), (F.KV,)), ((False, True), (False,))),
-               (1, ((F.Q, F.OUT, F.DOUT, F.DQ), (F.KV, F.DKV)),
-                ((False, False, False, True), (False, True))))
+    sides = (ir.Q_SIDE, ir.KV_SIDE)             # the rule table's touches, by chunk side
+    by_grad = tuple((g, tuple(tuple(f for f, sd, _ in t if sd == s) for s in sides),
+                     tuple(tuple(w for _, sd, w in t if sd == s) for s in sides))
+                    for g, t in ir.TILE_TOUCHES.items())
     whole = chn == 0
     sl = ~whole
-    sliced_refs = []                             # computes on head slices other ranks own:
-    for g, fams_of, starts_of in by_grad:        # a forward reads q, kv, writes out; its VJP
-        sel = sl & (cg == g)                     # reads q, kv, out, dout, writes dq, dkv
+    sliced_refs = []                             # computes on head slices other ranks own
+    for g, fams_of, starts_of in by_grad:
+        sel = sl & (cg == g)
         if not sel.any():
             continue
         for ch, fs, starts in zip((cq, ckv), fams_of, starts_of):
@@ -1154,10 +1152,6 @@ def _walk_columns(programs: Sequence, L: int, shape: Shape, ir, fams, code) -> _
     splits = {1}
     Compute, GradCompute, Send, Recv = ir.Compute, ir.GradCompute, ir.Send, ir.Recv
     Collective = ir.Collective
-    F = ir.Family
-    fwd_fams = ((F.Q, 0, False), (F.KV, 1, False), (F.OUT, 0, True))
-    bwd_fams = ((F.Q, 0, False), (F.KV, 1, False), (F.OUT, 0, False), (F.DOUT, 0, False),
-                (F.DQ, 0, True), (F.DKV, 1, True))
     cache: dict = {}
     sliced_chunks: list[int] = []
 
@@ -1317,7 +1311,7 @@ def _walk_columns(programs: Sequence, L: int, shape: Shape, ir, fams, code) -> _
     if not whole.all():                               # head slices: an id per distinct buffer
         sl = ~whole
         r_, t_, g_, q_, kv_, hi, hn = (x[sl] for x in (cr, ct, cg, cq, ckv, chi, chn))
-        for gval, fam_chunks in ((0, fwd_fams), (1, bwd_fams)):
+        for gval, fam_chunks in ir.TILE_TOUCHES.items():      # the rule table's touches
             for fam, which, start in fam_chunks:
                 ch = kv_ if which else q_
                 m = (g_ == gval) & (ch != r_)

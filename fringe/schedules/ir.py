@@ -258,12 +258,16 @@ class OpRule:
     adjoint: str
     own_slot_in_place: bool = False
 
+    def touches(self) -> tuple[tuple[Family, int, bool], ...]:
+        """A tile op's touches as ``(family, side, written)``: its reads, then its writes."""
+        return (tuple((f, s, False) for f, s in self.reads)
+                + tuple((f, s, True) for f, s in self.writes))
+
     def touch_codes(self) -> tuple[tuple[int, int, bool], ...]:
-        """A tile op's touches as ``(family code, side, written)``: its reads, then its
-        writes (family codes index ``tuple(Family)``, as in a :class:`ProgramTable`)."""
+        """:meth:`touches` with family codes (indices into ``tuple(Family)``, as in a
+        :class:`ProgramTable`)."""
         code = {f: n for n, f in enumerate(Family)}
-        return (tuple((code[f], s, False) for f, s in self.reads)
-                + tuple((code[f], s, True) for f, s in self.writes))
+        return tuple((code[f], s, w) for f, s, w in self.touches())
 
 
 #: The rule of every op kind, by its text letter (collectives by their kind).
@@ -970,6 +974,8 @@ C_, G_, S_, R_ = 0, 1, 2, 3          # op kind codes of a ProgramTable
 #: ``(family code, side, written)`` touches of each tile kind (:data:`RULES`) by its table
 #: kind code: what the column passes index instead of restating the rule.
 TILE_TOUCH_CODES = {C_: RULES["C"].touch_codes(), G_: RULES["G"].touch_codes()}
+#: The same with :class:`Family` values (for passes with their own family codes).
+TILE_TOUCHES = {C_: RULES["C"].touches(), G_: RULES["G"].touches()}
 
 
 class ProgramTable:
