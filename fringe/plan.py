@@ -27,7 +27,7 @@ from . import masks as _masks
 from ._handle import new_handle
 from .layout import DEFAULT_BLOCK_SIZE, Layout
 from .schedules import KVPolicy, Program, Schedule, check, reverse
-from .schedules.ir import C_, R_, S_, Collective, Compute, Family, ProgramTable, Recv, Send
+from .schedules.ir import RULES, C_, R_, S_, Collective, Compute, Family, ProgramTable, Recv, Send
 
 BlockKind = _masks.BlockKind
 
@@ -559,6 +559,7 @@ def _walk_counts(programs, P: int, *, computes: bool = True) -> _OpCounts:
     recv = [collections.Counter() for _ in programs]
     steps = np.zeros(P, dtype=np.int64)
     bisect_left = bisect.bisect_left
+    in_place = {k: rule.own_slot_in_place for k, rule in RULES.items()}     # the rule table
     for r, prog in enumerate(programs):           # row r: the r-th program, as plan.forward[r]
         s_r, r_r, n0 = sent[r], recv[r], len(q)
         prog_steps = prog.steps
@@ -576,7 +577,7 @@ def _walk_counts(programs, P: int, *, computes: bool = True) -> _OpCounts:
                 elif t is Recv:
                     r_r[keyof[op.buf]] += 1
                 elif t is Collective:
-                    me = op.member_index(prog.rank)
+                    me = op.member_index(prog.rank) if in_place[op.kind] else None
                     for (idx, bufs), got in ((op.sparse_sends, s_r), (op.sparse_recvs, r_r)):
                         got.update(map(keyof.__getitem__, bufs))
                         if me is not None:            # its own slot stays in place

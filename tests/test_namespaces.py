@@ -15,7 +15,7 @@ PUBLIC = {
     "fringe.ops": ["KERNELS", "Kernel", "ReferenceKernel", "SdpaKernel", "attention", "check_qkv",
                    "get_kernel", "merge", "tile_backward", "tile_forward"],
     "fringe.schedules": ["Collective", "Compute", "GradCompute", "Hop", "KV_MODES", "KVPolicy",
-                         "Program", "Recv",
+                         "Program", "ProgramBuilder", "Recv",
                          "allgather", "balanced", "compose", "ulysses", "get", "names", "register",
                          "Schedule", "ScheduleError", "Send", "Step", "check", "lower", "parse_op",
                          "prune", "reverse", "ring", "ring_hops", "striped", "zigzag"],

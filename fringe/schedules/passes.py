@@ -73,8 +73,7 @@ def _tile_touches(kind: np.ndarray, *, written: bool):
         for fam, side, w in touches:
             if w is written:
                 yield fam, rows, side
-_Q, _KV, _OUT, _DQ, _DKV, _DOUT = (Family.Q, Family.KV, Family.OUT, Family.DQ, Family.DKV,
-                                   Family.DOUT)
+_Q, _KV, _OUT, _DOUT = Family.Q, Family.KV, Family.OUT, Family.DOUT
 
 
 @dataclasses.dataclass(frozen=True)
