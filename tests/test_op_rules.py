@@ -117,3 +117,12 @@ def test_column_check_and_op_check_agree_through_the_table(spec):
         assert all(q.table is None for q in plain)
         schedules.check(list(progs), backward=backward)
         schedules.check(plain, backward=backward)
+
+
+def test_adjoint_codes_are_the_rules():
+    from fringe.schedules.ir import ADJOINT_CODE, R_, S_
+    letter = {C_: "C", G_: "G", S_: "S", R_: "R"}
+    code = {v: k for k, v in letter.items()}
+    for k in (C_, G_, S_, R_):
+        assert ADJOINT_CODE[k] == code[RULES[letter[k]].adjoint]
+    assert ir.COLLECTIVE_ADJOINT == {k: RULES[k].adjoint for k in ("AG", "RS", "A2A")}

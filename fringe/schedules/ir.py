@@ -976,6 +976,9 @@ C_, G_, S_, R_ = 0, 1, 2, 3          # op kind codes of a ProgramTable
 TILE_TOUCH_CODES = {C_: RULES["C"].touch_codes(), G_: RULES["G"].touch_codes()}
 #: The same with :class:`Family` values (for passes with their own family codes).
 TILE_TOUCHES = {C_: RULES["C"].touches(), G_: RULES["G"].touches()}
+#: The adjoint's table kind code of each table kind code (``C_ -> G_``, ``S_ -> R_``, ...).
+_KIND_CODE = {"C": C_, "G": G_, "S": S_, "R": R_}
+ADJOINT_CODE = tuple(_KIND_CODE[RULES[k].adjoint] for k in sorted(_KIND_CODE, key=_KIND_CODE.get))
 
 
 class ProgramTable:

@@ -23,7 +23,7 @@ import torch
 
 from .ir import (C_, COLL_KINDS as ir_kinds, COLLECTIVE_ADJOINT, G_, R_, S_, Buffer, Collective,
                  Compute, Family, GradCompute, Op, Program, ProgramTable, Recv, Send, _BUFS_OF,
-                 RULES, TILE_TOUCH_CODES, _FIELDS, _buf, marked, program_from_ops, steps_of)
+                 ADJOINT_CODE, RULES, TILE_TOUCH_CODES, _FIELDS, _buf, marked, program_from_ops, steps_of)
 
 
 @contextlib.contextmanager
@@ -1000,7 +1000,7 @@ def _reverse_table(tab: ProgramTable, kv: str) -> list[Program] | None:
         return None
     T = int(step.max()) + 1 if n else 0
     cot = np.array([_FAMILY_CODE[f.cotangent] if f is not Family.ACC else -1 for f in _FAMILIES])
-    adj = dict(rank=rank, step=T - step, kind=np.choose(kind, [G_, C_, R_, S_]),
+    adj = dict(rank=rank, step=T - step, kind=np.choose(kind, ADJOINT_CODE),
                a=np.where(comm, cot[np.where(comm, a, 0)], a), b=b, c=c,
                group=np.zeros(n, np.int64), seq=np.arange(n))
     parts = [adj]
@@ -1186,7 +1186,7 @@ def _reverse_parts(tab: ProgramTable, kv: str) -> list[Program] | None:
     if not len(cr) and not len(xs):
         return list(ProgramTable._of_parts(P, comp, xfer).programs())
     T = max(int(ct.max()) if len(ct) else -1, int(xt.max()) if len(xt) else -1) + 1
-    bcomp = dict(rank=cr, step=T - ct, kind=np.full(len(cr), G_, np.int64), q=cq, kv=ckv,
+    bcomp = dict(rank=cr, step=T - ct, kind=np.full(len(cr), ADJOINT_CODE[C_], np.int64), q=cq, kv=ckv,
                  order=comp["order"])
     bx = [dict(step=T - xt, src=xd, dst=xs, fam=np.full(len(xs), _FAMILY_CODE[Family.DKV]),
                chunk=xc, order=xfer["order"])]
@@ -1625,7 +1625,7 @@ def _general_reverse(tab: ProgramTable, kv: str, pad: int = 0) -> list[Program] 
     T = 1 + max([int(x.max()) for x in (g.ct, g.xt, g.kt) if len(x)] or [-1]) + pad
     cot = np.array([_FAMILY_CODE[f.cotangent] if f is not Family.ACC else -1 for f in _FAMILIES])
     # adjoints, at twice the forward order (+1: an op that goes with its adjoint)
-    bcomp = dict(rank=g.cr, step=T - g.ct, kind=np.full(len(g.cr), G_), q=g.cq, kv=g.ckv,
+    bcomp = dict(rank=g.cr, step=T - g.ct, kind=np.full(len(g.cr), ADJOINT_CODE[C_]), q=g.cq, kv=g.ckv,
                  order=2 * g.co, hi=g.chi, hn=g.chn)
     xs = [dict(step=T - g.xt, src=g.xd, dst=g.xs, fam=cot[g.xf], chunk=g.xc, order=2 * g.xro,
                rorder=2 * g.xo, hi=g.xhi, hn=g.xhn)]
