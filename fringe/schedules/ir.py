@@ -1386,6 +1386,8 @@ class ProgramTable:
 
 #: Collective kinds by their code in a general :class:`ProgramTable`.
 COLL_KINDS = ("AG", "RS", "A2A")
+#: Whether a collective's own slot stays in place (:data:`RULES`), by its kind code.
+OWN_SLOT_IN_PLACE = tuple(RULES[k].own_slot_in_place for k in COLL_KINDS)
 
 
 def _no_coll() -> dict:

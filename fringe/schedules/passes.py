@@ -23,7 +23,8 @@ import torch
 
 from .ir import (C_, COLL_KINDS as ir_kinds, COLLECTIVE_ADJOINT, G_, R_, S_, Buffer, Collective,
                  Compute, Family, GradCompute, Op, Program, ProgramTable, Recv, Send, _BUFS_OF,
-                 ADJOINT_CODE, RULES, TILE_TOUCH_CODES, _FIELDS, _buf, marked, program_from_ops, steps_of)
+                 ADJOINT_CODE, OWN_SLOT_IN_PLACE, RULES, TILE_TOUCH_CODES, _FIELDS, _buf, marked,
+                 program_from_ops, steps_of)
 
 
 @contextlib.contextmanager
@@ -1499,7 +1500,7 @@ def _general_ok(tab: ProgramTable, need: np.ndarray | None, backward: bool, kv: 
     reads.append((g.xs, g.xf, g.xc, g.xhs, g.xt))
     # a side's send slots, its own slot aside (it moves nothing; a buffer it also sends to
     # another member is read by that slot)
-    ss_ = ~rs & (g.sidx != g.me[g.ss]) if len(g.ss) else ~rs
+    ss_ = ~rs & ~((g.sidx == g.me[g.ss]) & np.array(OWN_SLOT_IN_PLACE)[g.kk[g.ss]]) if len(g.ss) else ~rs
     reads.append((srank[ss_], g.sf[ss_], g.sc[ss_], g.shs[ss_], sstep[ss_]))
     if not _present(P, g.HS, writes, reads):
         return False
@@ -1653,13 +1654,14 @@ def _general_reverse(tab: ProgramTable, kv: str, pad: int = 0) -> list[Program] 
                           slot_hi=g.shi[sel], slot_hn=g.shn[sel]))
     n_next = n_side + int(touch_out.sum())
     # reads_at: the last forward step each rank's computes read each input buffer
-    rd_k = np.concatenate([g.rkey(g.cr, Q, g.cq, g.chs), g.rkey(g.cr, KV, g.ckv, g.chs)])
-    rd_t = np.concatenate([g.ct, g.ct])
+    c_reads = [(f, sd) for f, sd, w in TILE_TOUCH_CODES[C_] if not w]   # (only C rows here)
+    rd_k = np.concatenate([g.rkey(g.cr, f, (g.cq, g.ckv)[sd], g.chs) for f, sd in c_reads])
+    rd_t = np.concatenate([g.ct] * len(c_reads))
     ra_k, ra_t = _min_by_key(rd_k, rd_t, np.maximum)
     # what each collective brought: input buffers received from other members
     srank = g.kr[g.ss]
-    inp = np.isin(g.sf, [Q, KV])
-    own = g.sidx == g.me[g.ss]
+    inp = np.isin(g.sf, [f for f, _ in c_reads])
+    own = (g.sidx == g.me[g.ss]) & np.array(OWN_SLOT_IN_PLACE)[g.kk[g.ss]]
     recv = g.sdir == 1
     sb = g.bkey(g.sf, g.sc, g.shs)
     if (recv & own).any():                  # an own slot's buffer received again: rows decide
