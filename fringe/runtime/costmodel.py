@@ -1127,9 +1127,11 @@ def _general_columns(t, P: int, L: int, shape: Shape, ir, fams, code) -> _Cols |
                  | (np.diff(kg[seq]) != 0)][:n_sides]
     ordinal = np.empty(n_sides, dtype=np.int64)
     ordinal[seq] = pos - np.maximum.accumulate(np.where(head, pos, 0))
-    # bytes each side moves: its slots' buffers but its own slot (which stays in place)
+    # bytes each side moves: its slots' buffers but its own slot (which stays in place,
+    # by the rule table: ir.OWN_SLOT_IN_PLACE, by the table's kind code)
     s_id = ids(k_sl, k_key, coll["slot_fam"], coll["slot_chunk"])
-    s_bytes = np.where(sx == me[ss], 0, buf_bytes[s_id]) if len(ss) else _i64([])
+    in_place = np.array(ir.OWN_SLOT_IN_PLACE)[coll["kind"][ss]] if len(ss) else None
+    s_bytes = np.where((sx == me[ss]) & in_place, 0, buf_bytes[s_id]) if len(ss) else _i64([])
     moved = np.r_[0, np.cumsum(s_bytes)][np.searchsorted(
         ss * 2 + coll["slot_dir"], np.arange(2 * n_sides + 1))]
     moved = np.diff(moved)
@@ -1152,6 +1154,7 @@ def _walk_columns(programs: Sequence, L: int, shape: Shape, ir, fams, code) -> _
     splits = {1}
     Compute, GradCompute, Send, Recv = ir.Compute, ir.GradCompute, ir.Send, ir.Recv
     Collective = ir.Collective
+    in_place = {k: rule.own_slot_in_place for k, rule in ir.RULES.items()}
     cache: dict = {}
     sliced_chunks: list[int] = []
 
@@ -1239,12 +1242,12 @@ def _walk_columns(programs: Sequence, L: int, shape: Shape, ir, fams, code) -> _
                     if r not in op.group:
                         raise ValueError(f"rank {r}, step {t}: {op.ascii()} does not list rank "
                                          f"{r} in its group {list(op.group)}")
-                    me = op.group.index(r)
+                    me = op.group.index(r) if in_place[op.kind] else None
                     refs = [-1, -1]                   # its sides in k_touch (bytes: later)
                     for side, (idx, bufs) in enumerate((op.sparse_sends, op.sparse_recvs)):
                         if not bufs:                  # the occupied slots only
                             continue
-                        refs[side] = len(k_touch)     # its own slot stays in place: not moved
+                        refs[side] = len(k_touch)     # its own slot stays in place (RULES)
                         k_touch.append((r, t, bufs, side, bufs[idx.index(me)] if me in idx
                                         else None))   # (its touch, if any, is harmless)
                     ordinal = seen.get(gid, 0)
