@@ -311,7 +311,7 @@ class Plan:
         ``heads=None``: 1, or for a plan that splits heads n ways (Ulysses, compose) the
         least common multiple of its splits, the fewest heads it runs with; ``kv_heads=None``:
         ``heads``. ``head_dim`` is D of q and k; ``v_head_dim`` is Dv of v and out (None:
-        ``head_dim``; MLA has its own, e.g. DeepSeek-V3 D=192, Dv=128). A plan does not depend
+        ``head_dim``; MLA has its own, e.g. DeepSeek-V3 has Dv = 2D/3). A plan does not depend
         on head dims, so they enter here, as the batch and heads do.
         """
         return PlanStats.of(self, batch=batch, heads=heads, kv_heads=kv_heads,

@@ -2,7 +2,7 @@
 
 Legend: B batch · H query heads · G kv heads (H % G == 0) · L tokens · D head dim.
 
-v may have its own head dim Dv (MLA, e.g. DeepSeek-V3: D=192, Dv=128): out and dout are
+v may have its own head dim Dv (MLA, e.g. DeepSeek-V3: Dv = 2D/3): out and dout are
 ``[..., Dv]``, dv ``[B, G, Lk, Dv]``. Every kernel takes it; ``sdpa``, whose fused op needs one
 head size, pads with zero columns inside the op call (exact: zeros add nothing to a score and
 give output columns that are cut) and cuts the results, so v never travels or is kept padded.

@@ -243,7 +243,7 @@ class Shape:
     """The tensors a plan runs on: ``q [B, H, L, D]``, ``k [B, G, L, D]``, ``v [B, G, L, Dv]``.
 
     The default is one Llama-3-8B-like attention layer: H=32, G=8, D=128, bfloat16.
-    ``v_head_dim`` (Dv) None means D; MLA (DeepSeek-V3) has D=192, Dv=128.
+    ``v_head_dim`` (Dv) None means D; MLA (DeepSeek-V3) has a v head dim smaller than D.
     """
 
     batch: int = 1
