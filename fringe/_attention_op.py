@@ -11,6 +11,10 @@ What crosses the op boundary:
 * tensors that carry gradients are inputs: q, k, v, the plan's ``score_params`` (the tensors
   its score_mod captures, ``Tensor[]``) and ``sinks`` (``Tensor?``, checked and agreed on
   here; applied by the caller, outside the op, so autograd and the compiler see that math);
+* ``batch`` (``Tensor?``): the 0-d int64 CPU digest of the global batch this rank's shard was
+  cut from (``packing.Shard.batch_digest``, carried by ``fringe.hf`` / ``fringe.titan``), or
+  None; it joins the agreement, so ranks that sharded different batches all raise. A tensor,
+  not a Python int, so a new batch does not recompile;
 * the plan as its handle (:mod:`fringe._handle`): a 0-d int64 tensor, guarded by metadata
   only, so a new plan of the same shapes (next batch's document ids) does not recompile;
 * where it runs as a string: ``"virtual"`` (every rank in this process, global tensors) or
@@ -277,7 +281,8 @@ def fail_everywhere(where: str, timeout_s, q, k, v, sinks, problem: str) -> None
 
 @torch.library.custom_op("fringe::attention", mutates_args=())
 def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: list[torch.Tensor],
-                 sinks: torch.Tensor | None, plan: torch.Tensor, where: str,
+                 sinks: torch.Tensor | None, batch: torch.Tensor | None, plan: torch.Tensor,
+                 where: str,
                  timeout_s: float | None, keep: bool, reads_batch: bool
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(out, lse, kept)`` of the plan named by ``plan`` (see the module docstring)."""
@@ -292,7 +297,8 @@ def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: list
     else:
         group = _group(where)
         rt = DistRuntime(group, timeout_s=timeout_s)
-        rt.agree(p, q, k, v, sinks=sinks)   # every call; folds in this rank's input validation
+        # every call; folds in this rank's input validation (and the batch digest, if any)
+        rt.agree(p, q, k, v, sinks=sinks, batch=batch)
         out, lse, kept = rt.forward(p, q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0))
         out, lse = out[0], lse[0]
         key = _key(where, group)
@@ -306,7 +312,7 @@ def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: list
 
 
 @attention_op.register_fake
-def _(q, k, v, params, sinks, plan, where, timeout_s, keep, reads_batch):
+def _(q, k, v, params, sinks, batch, plan, where, timeout_s, keep, reads_batch):
     out = q.new_empty((*q.shape[:-1], v.shape[-1]))            # Dv: v's head dim (MLA)
     lse = q.new_empty(q.shape[:-1], dtype=acc_dtype(q.dtype))
     n = torch.library.get_ctx().new_dynamic_size() if keep else 0

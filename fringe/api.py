@@ -20,7 +20,7 @@ _where = torch.compiler.assume_constant_result(_op.register_group)
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, plan, group=None,
               timeout_s: float | None = None, return_lse: bool = False,
-              sinks: torch.Tensor | None = None):
+              sinks: torch.Tensor | None = None, batch_digest: torch.Tensor | None = None):
     """Context-parallel attention on this rank's shard; differentiable.
 
     Args:
@@ -41,6 +41,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, plan, group=
         return_lse: also return the log-sum-exp ``[B, H, L]`` (differentiable).
         sinks: optional ``[H]`` per-head sink logits (gpt-oss style: ``exp(sink_h)`` joins
             each row's softmax denominator once, after the merge); differentiable.
+        batch_digest: optional 0-d int64 CPU tensor, the digest of the global batch this
+            rank's shard was cut from (``packing.Shard.batch_digest``; ``fringe.hf`` and
+            ``fringe.titan`` pass it): it joins the agreement, so CP ranks that sharded
+            different batches all raise. None (default): no batch check.
 
     Returns:
         out ``[B, H, L, D]`` for this rank's queries (and lse).
@@ -52,7 +56,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, plan, group=
     Raises:
         ValueError: this or another rank got invalid input (every rank raises, naming the
             rank), before any attention data moves.
-        RankMismatch: ranks disagree on shapes, dtype, device, plan content or sinks.
+        RankMismatch: ranks disagree on shapes, dtype, device, plan content, sinks or the
+            batch digest ("CP ranks sharded different batches").
         CommTimeout: a peer stopped answering.
     """
     if group is None:
@@ -65,7 +70,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, plan, group=
         where = _op.ranks_where(dist.get_process_group_ranks(group))
     # one custom op, compiled or not: the agreement (every call, with this rank's input
     # validation), the forward programs and all communication run inside it
-    out, lse = _attention(q, k, v, plan=plan, where=where, timeout_s=timeout_s, sinks=sinks)
+    out, lse = _attention(q, k, v, plan=plan, where=where, timeout_s=timeout_s, sinks=sinks,
+                          batch=batch_digest)
     return (out, lse) if return_lse else out
 
 

@@ -42,23 +42,24 @@ def _slices(x, bdim: int | None, n: int) -> list:
 
 
 class Attention(torch.autograd.Function):
-    """``(q, k, v, sinks, handle, where, timeout_s, keep, reads_batch, *params) ->
+    """``(q, k, v, sinks, batch, handle, where, timeout_s, keep, reads_batch, *params) ->
     (out, lse, kept)``.
 
     ``params`` are the plan's ``score_params`` (read by the score_mod through its closure;
     passed so autograd routes their gradients). ``sinks`` only reach the op's checks and
-    agreement (the caller applies them). lse is differentiable (its cotangent enters every
+    agreement (the caller applies them); ``batch`` (a 0-d int64 digest of the global batch the
+    shard was cut from, or None) only its agreement. lse is differentiable (its cotangent enters every
     tile's backward); ``kept`` (the kept kv buffers, flat) is not.
     """
 
     @staticmethod
-    def forward(q, k, v, sinks, handle, where, timeout_s, keep, reads_batch, *params):
-        return _op.attention_op(q, k, v, list(params), sinks, handle, where, timeout_s, keep,
-                                reads_batch)
+    def forward(q, k, v, sinks, batch, handle, where, timeout_s, keep, reads_batch, *params):
+        return _op.attention_op(q, k, v, list(params), sinks, batch, handle, where, timeout_s,
+                                keep, reads_batch)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        q, k, v, sinks, handle, where, timeout_s, keep, reads_batch, *params = inputs
+        q, k, v, sinks, batch, handle, where, timeout_s, keep, reads_batch, *params = inputs
         out, lse, kept = output
         ctx.save_for_backward(q, k, v, out, lse, kept, handle, *params)
         ctx.consts = (where, timeout_s, reads_batch)
@@ -77,23 +78,24 @@ class Attention(torch.autograd.Function):
         else:
             dq, dk, dv, *dparams = AttentionBackward.apply(q, k, v, out, lse, dout, dlse, kept,
                                                            handle, *ctx.consts, *params)
-        return (dq, dk, dv, None, None, None, None, None, None, *dparams)
+        return (dq, dk, dv, None, None, None, None, None, None, None, *dparams)
 
     @staticmethod
-    def vmap(info, in_dims, q, k, v, sinks, handle, where, timeout_s, keep, reads_batch,
+    def vmap(info, in_dims, q, k, v, sinks, batch, handle, where, timeout_s, keep, reads_batch,
              *params):
         n = info.batch_size
-        qd, kd, vd, sd, hd = in_dims[:5]
-        if hd is not None or any(d is not None for d in in_dims[9:]):
+        qd, kd, vd, sd, bd, hd = in_dims[:6]
+        if hd is not None or any(d is not None for d in in_dims[10:]):
             raise NotImplementedError("fringe attention cannot vmap over score_mod parameters")
         sinks = sinks if sinks is None or sd is None else sinks.select(sd, 0)   # checks only
+        batch = batch if batch is None or bd is None else batch.select(bd, 0)   # agreement only
         consts = (where, timeout_s, keep, reads_batch)
         if reads_batch or params:
-            res = [Attention.apply(qi, ki, vi, sinks, handle, *consts, *params)
+            res = [Attention.apply(qi, ki, vi, sinks, batch, handle, *consts, *params)
                    for qi, ki, vi in zip(_slices(q, qd, n), _slices(k, kd, n), _slices(v, vd, n))]
             return tuple(torch.stack(parts) for parts in zip(*res)), (0, 0, 0)
         out, lse, kept = Attention.apply(_fold(q, qd, n), _fold(k, kd, n), _fold(v, vd, n),
-                                         sinks, handle, *consts, *params)
+                                         sinks, batch, handle, *consts, *params)
         # kept belongs to the folded batch: the backward rule takes it unbatched, as it came
         return (_unfold(out, n), _unfold(lse, n), kept), (0, 0, None)
 
@@ -146,7 +148,8 @@ class AttentionBackward(torch.autograd.Function):
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, plan, where: str,
-              timeout_s: float | None = None, sinks: torch.Tensor | None = None):
+              timeout_s: float | None = None, sinks: torch.Tensor | None = None,
+              batch: torch.Tensor | None = None):
     """``(out, lse)`` of ``plan`` through the custom op; both differentiable.
 
     Args:
@@ -155,6 +158,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, plan, where:
         where: ``"virtual"`` or what :func:`fringe._attention_op.register_group` returned.
         timeout_s: for torch.distributed.
         sinks: optional ``[H]`` sink logits (checked inside the op, applied here).
+        batch: optional 0-d int64 CPU tensor, the digest of the global batch this rank's
+            shard was cut from (``packing.Shard.batch_digest``); joins the agreement.
 
     Raises:
         TypeError: plan is not a Plan, or q / k / v / sinks are not tensors
@@ -164,21 +169,21 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, plan, where:
             kernel); over torch.distributed, any of these: this rank's reason travels through
             the agreement exchange the op uses, so every rank raises it at once.
     """
-    problem = _entry_problem(q, k, v, plan, sinks)
+    problem = _entry_problem(q, k, v, plan, sinks, batch)
     if where != _op.VIRTUAL and problem is None:
         problem = _op.timeout_problem(timeout_s)
     if problem is not None:
         if where == _op.VIRTUAL or torch.compiler.is_compiling():
             raise problem
         _op.fail_everywhere(where, timeout_s, q, k, v, sinks, f"{type(problem).__name__}: {problem}")
-    out, lse, _ = Attention.apply(q, k, v, sinks, plan.handle, where, timeout_s,
+    out, lse, _ = Attention.apply(q, k, v, sinks, batch, plan.handle, where, timeout_s,
                                   plan.kv == "keep", plan.reads_batch, *plan.score_params)
     if sinks is not None:
         out, lse = apply_sinks(out, lse, sinks)
     return out, lse
 
 
-def _entry_problem(q, k, v, plan, sinks) -> Exception | None:
+def _entry_problem(q, k, v, plan, sinks, batch=None) -> Exception | None:
     """What keeps these inputs out of the op (it takes tensors and a plan handle), or None."""
     if not isinstance(plan, Plan):
         return TypeError(f"plan must be a fringe.Plan from fringe.plan(schedule, mask_mod, ...), "
@@ -189,6 +194,11 @@ def _entry_problem(q, k, v, plan, sinks) -> Exception | None:
     if sinks is not None and not isinstance(sinks, torch.Tensor):
         return TypeError(f"sinks must be a tensor of per-head sink logits [H], got "
                          f"{type(sinks).__name__}")
+    if batch is not None and not (isinstance(batch, torch.Tensor) and batch.dim() == 0
+                                  and batch.dtype == torch.int64 and not batch.is_cuda):
+        return TypeError(f"batch_digest must be a 0-d int64 CPU tensor (packing.Shard.batch_digest "
+                         f"as fringe.hf.model_inputs carries it), got "
+                         f"{getattr(batch, 'shape', type(batch).__name__)}")
     # one meta tensor among real ones would send the call to the op's fake (shape-only) kernel:
     # empty outputs, no agreement, no error
     given = [(n, t) for n, t in (("q", q), ("k", k), ("v", v), ("sinks", sinks),

@@ -104,6 +104,11 @@ class Plans:
             attention call checks it against its plan's.
         real_len: the batch's real length S when :func:`plans` padded it to the layout's
             (every plan's mask then removes the padding), else None.
+        batch_digest: set by :func:`model_inputs`: the shard's ``batch_digest`` (the global
+            batch it was cut from) as a 0-d int64 CPU tensor; every attention call compares it
+            across the CP ranks in its agreement exchange, so ranks that sharded different
+            batches raise. None for plans passed directly (``fringe=fringe.hf.plans(...)``):
+            neither this check nor :func:`fringe.packing.check_batch` applies to those.
     """
 
     layers: tuple[LayerPlan, ...]
@@ -111,6 +116,7 @@ class Plans:
     timeout_s: float | None = None
     batch_fingerprint: str | None = None
     real_len: int | None = None
+    batch_digest: torch.Tensor | None = None
     layout_fingerprint: str = dataclasses.field(init=False)
 
     def __post_init__(self) -> None:
@@ -376,6 +382,13 @@ def model_inputs(shard, plans: Plans) -> dict:
     one with no error. For a mask with no document ids as a rule (a plain callable) the
     documents cannot be compared: that part of the check does not apply.
 
+    The shard's ``batch_digest`` (of the global batch it was cut from) travels with the plans
+    into every attention call, which compares it across the CP ranks in the agreement it runs
+    anyway: CP ranks that sharded different global batches (a loader seeded by global rank
+    instead of dp rank) all raise before any attention data moves, even when their batches'
+    documents, and so the plans, agree. Passing ``fringe=plans`` to the model directly
+    still works, but neither check applies then (a one-time warning says so).
+
     Raises:
         ValueError: the shard's tokens follow another layout than the plans', or a batch
             mismatch (the plans were made for another batch than the shard's).
@@ -386,7 +399,10 @@ def model_inputs(shard, plans: Plans) -> dict:
                          f"(packing.shard_batch(..., plan=plans.plans))")
     _packing.check_batch(plans.plans, shard, where="fringe.hf.model_inputs")
     out = shard.model_inputs()
-    out[KWARG] = dataclasses.replace(plans, batch_fingerprint=shard.layout_fingerprint)
+    digest = getattr(shard, "batch_digest", None)
+    out[KWARG] = dataclasses.replace(
+        plans, batch_fingerprint=shard.layout_fingerprint,
+        batch_digest=None if digest is None else torch.tensor(digest, dtype=torch.int64))
     return out
 
 
@@ -462,11 +478,26 @@ def attention_forward(module, query: torch.Tensor, key: torch.Tensor, value: tor
     if query.shape[2] != key.shape[2]:
         raise ValueError(f"fringe: {query.shape[2]} queries but {key.shape[2]} keys on this rank; a KV "
                          f"cache is not supported under context parallelism (pass use_cache=False)")
+    if ctx.batch_fingerprint is None and not torch.compiler.is_compiling():
+        _warn_unbound()
     sinks = kwargs.get("s_aux")
     extra = {} if sinks is None else dict(sinks=sinks)
+    if ctx.batch_digest is not None:
+        extra["batch_digest"] = ctx.batch_digest
     out = _cp_attention(query, key, value, plan=lp.plan, group=ctx.group, timeout_s=ctx.timeout_s,
                         **extra)
     return out.transpose(1, 2).contiguous(), None
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_unbound() -> None:
+    """Once per process: plans passed directly skip the batch checks."""
+    import warnings
+    warnings.warn(f"fringe.hf: the model got {KWARG}=plans directly, not through "
+                  f"fringe.hf.model_inputs(shard, plans): the plans are not checked against the "
+                  f"batch (packing.check_batch), nor is it checked that every CP rank sharded the "
+                  f"same global batch; call model(**fringe.hf.model_inputs(shard, plans)) to get "
+                  f"both checks", UserWarning, stacklevel=3)
 
 
 def mask_function(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0,

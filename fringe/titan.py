@@ -70,6 +70,9 @@ class Plans:
         batch_fingerprint: set by :func:`model_inputs`: the layout the batch was sharded by.
         positions: set by :func:`model_inputs`: the shard's RoPE positions ``[B, L]``, which
             the model must be called with (checked by the hook :func:`apply` installs).
+        batch_digest: set by :func:`model_inputs`: the shard's ``batch_digest`` as a 0-d int64
+            CPU tensor; every attention call compares it across the CP ranks (ranks that
+            sharded different global batches raise).
         layout_fingerprint: the layout every plan shards tokens by (checked at construction).
     """
 
@@ -78,6 +81,7 @@ class Plans:
     timeout_s: float | None = None
     batch_fingerprint: str | None = None
     positions: torch.Tensor | None = None
+    batch_digest: torch.Tensor | None = None
     layout_fingerprint: str = dataclasses.field(init=False)
 
     def __post_init__(self) -> None:
@@ -164,7 +168,8 @@ class FringeAttention(torch.nn.Module):
             raise ValueError(f"fringe.titan: the plans shard tokens by layout {fp} but the batch was "
                              f"sharded by {ctx.batch_fingerprint}; plan and shard with one Plans")
         out = _cp_attention(q_BLHD.transpose(1, 2), k_BLGD.transpose(1, 2), v_BLGD.transpose(1, 2),
-                            plan=p, group=ctx.group, timeout_s=ctx.timeout_s)
+                            plan=p, group=ctx.group, timeout_s=ctx.timeout_s,
+                            batch_digest=ctx.batch_digest)
         return out.transpose(1, 2)                          # [B, L, H, D], as torchtitan's
 
 
@@ -451,5 +456,8 @@ def model_inputs(shard: _packing.Shard, plans: Plans, *, device=None) -> dict:
     tokens, positions = shard.input_ids, shard.position_ids
     if device is not None:
         tokens, positions = tokens.to(device), positions.to(device)
-    bound = dataclasses.replace(plans, batch_fingerprint=shard.layout_fingerprint, positions=positions)
+    digest = getattr(shard, "batch_digest", None)
+    bound = dataclasses.replace(
+        plans, batch_fingerprint=shard.layout_fingerprint, positions=positions,
+        batch_digest=None if digest is None else torch.tensor(digest, dtype=torch.int64))
     return dict(tokens=tokens, positions=positions, attention_masks=bound)

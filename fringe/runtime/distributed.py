@@ -10,7 +10,8 @@ never sends ends in :class:`CommTimeout` naming the step, buffer and peer, never
 Before anything else, on **every** call, ranks exchange a small int64 vector with one
 all-gather (:meth:`DistRuntime.agree`): the local shapes, dtype and device type, whether
 this rank's inputs passed validation, and one digest per plan component (layout,
-programs, block map, mask content, score_mod, options) and per extra input (sinks). A
+programs, block map, mask content, score_mod, options), per extra input (sinks) and the
+digest of the global batch a shard was cut from (when the call carries one). A
 disagreement raises :class:`RankMismatch` on every rank naming the rank and the
 component; a rank with invalid input makes every rank raise its reason at once. On CUDA
 the vector travels over a gloo side group of the same ranks (created once, with
@@ -69,9 +70,13 @@ _SHAPE_FIELDS = ["world size", "B (batch)", "H (query heads)", "G (kv heads)",
                  "L (local tokens)", "D (head dim)", "dtype", "device type", "input check"]
 _PLAN_FIELDS = ["layout", "programs", "blocks", "mask", "score_mod", "options"]
 _EXTRA_FIELDS = ["sinks"]
-_DV_FIELD = "Dv (v head dim)"       # last: v's head dim may differ from D (MLA)
-_FIELDS = _SHAPE_FIELDS + [f"plan {f}" for f in _PLAN_FIELDS] + _EXTRA_FIELDS + [_DV_FIELD]
-_DIGESTS = set(_FIELDS[len(_SHAPE_FIELDS):]) - {_DV_FIELD}
+_DV_FIELD = "Dv (v head dim)"       # v's head dim may differ from D (MLA)
+#: the digest of the global batch a shard was cut from (``packing.Shard.batch_digest``), or
+#: -1 where no shard is involved (plain ``fringe.attention``)
+_BATCH_FIELD = "batch digest"
+_FIELDS = (_SHAPE_FIELDS + [f"plan {f}" for f in _PLAN_FIELDS] + _EXTRA_FIELDS + [_DV_FIELD]
+           + [_BATCH_FIELD])
+_DIGESTS = set(_FIELDS[len(_SHAPE_FIELDS):]) - {_DV_FIELD, _BATCH_FIELD}
 
 
 def _h48(text: str) -> int:
@@ -87,6 +92,8 @@ def _describe(field: str, value: int) -> str:
         return "valid input" if value == 0 else "invalid input"
     if field in _DIGESTS:
         return f"digest #{value:012x}"
+    if field == _BATCH_FIELD:
+        return "no batch digest" if value < 0 else f"batch digest #{value:012x}"
     return str(value)
 
 
@@ -371,7 +378,7 @@ class DistRuntime(Runtime):
         self.timeout_s = resolve_timeout(timeout_s)
         super().__init__([self.rank], self._transport)
 
-    def agree(self, plan, q, k, v, *, sinks=None, problem: str = "") -> None:
+    def agree(self, plan, q, k, v, *, sinks=None, batch=None, problem: str = "") -> None:
         """All ranks agree on shapes, dtype, device, plan and inputs; raise on every rank if not.
 
         Runs on every call (one all-gather of a short int64 vector, never cached). This
@@ -382,8 +389,15 @@ class DistRuntime(Runtime):
         ``problem``: this rank's input was already found invalid before the op (a q that is
         not a tensor, a plan that is not a Plan: ``"TypeError: ..."``); it travels as is.
 
+        ``batch``: the digest of the global batch this rank's shard was cut from (an int or a
+        0-d int64 tensor, ``packing.Shard.batch_digest``, carried by ``fringe.hf`` /
+        ``fringe.titan``), or None where no shard is involved. Ranks whose digests differ
+        sharded different global batches: the plans can agree (same documents) while the
+        tokens do not, so it is compared here, in the same exchange.
+
         Raises:
-            RankMismatch: ranks differ (the message names the rank and the component).
+            RankMismatch: ranks differ (the message names the rank and the component; for
+                different batch digests: "CP ranks sharded different batches").
             ValueError: some rank's inputs are invalid (the message names the rank).
             CommTimeout: a peer never joined the exchange.
         """
@@ -417,7 +431,8 @@ class DistRuntime(Runtime):
             f"{tuple(getattr(sinks, 'shape', ()))}/{getattr(sinks, 'dtype', type(sinks).__name__)}"
         mine = ([plan.world_size if is_plan else -1, B, H, G, L, D, code, int(cuda), int(bool(problem))]
                 + [_h48(digests[f]) for f in _PLAN_FIELDS] + [_h48(sink_desc)]
-                + [v.shape[-1] if isinstance(v, torch.Tensor) and v.dim() == 4 else -1])
+                + [v.shape[-1] if isinstance(v, torch.Tensor) and v.dim() == 4 else -1]
+                + [-1 if batch is None else int(batch)])
         # the exchange's group follows the group's backend, never this rank's input (a rank
         # whose q is on another device, or not a tensor, must still meet its peers)
         group = self.group if _cpu_capable(self.group) else _side_group(self.group)
@@ -446,6 +461,24 @@ class DistRuntime(Runtime):
             raise ValueError(f"rank {r} of {self.world_size} got invalid input for "
                              f"fringe.attention{others}, seen from rank {self.rank} before any "
                              f"attention data moved: {msgs[r]}")
+        # a different batch explains any other difference (its documents, hence its plans)
+        col = _FIELDS.index(_BATCH_FIELD)
+        for r, row in enumerate(rows):
+            if row[col] != rows[0][col] and min(row[col], rows[0][col]) < 0:
+                raise RankMismatch(
+                    f"rank {r} disagrees with rank 0 on the batch: rank 0 has "
+                    f"{_describe(_BATCH_FIELD, rows[0][col])}, rank {r} has "
+                    f"{_describe(_BATCH_FIELD, row[col])} (seen from rank {self.rank}, before any "
+                    f"attention data moved); every CP rank must pass its shard's digest (call "
+                    f"the model with fringe.hf.model_inputs(shard, plans) on every rank) or none")
+            if row[col] != rows[0][col]:
+                raise RankMismatch(
+                    f"CP ranks sharded different batches: rank {r}'s "
+                    f"{_describe(_BATCH_FIELD, row[col])} differs from rank 0's "
+                    f"{_describe(_BATCH_FIELD, rows[0][col])} (seen from rank {self.rank}, before "
+                    f"any attention data moved); every CP rank of a replica must shard the same "
+                    f"global batch (same input_ids, labels and boundaries) — seed the loader by "
+                    f"dp rank, not by global rank")
         for r, row in enumerate(rows):
             for field, a, b in zip(_FIELDS, rows[0], row):
                 if a != b:
