@@ -13,6 +13,12 @@ Ten lines (see ``examples/hf_train.py`` for the whole loop)::
     out = model(**fringe.hf.model_inputs(shard, plans), use_cache=False)
     out.loss.backward()          # this rank's share: CP gradients must be SUMMED, not averaged
 
+Every CP rank of a replica must shard the same global batch (seed the data loader by dp rank,
+not global rank): ``model_inputs`` carries the shard's digest of its global batch into every
+attention call, and ranks whose digests differ all raise before any attention data moves.
+Passing ``fringe=plans`` directly (without ``model_inputs``) still runs, but neither that
+check nor :func:`fringe.packing.check_batch` applies (a one-time warning says so).
+
 The gradient reduction (sum over CP, mean over data-parallel replicas, token-weighted across
 microbatches) is :class:`fringe.train.GradSync`'s job with FSDP2 or DDP on a (dp, cp) mesh;
 see ``examples/hf_train.py --world-size 4 --cp 2``.

@@ -61,9 +61,13 @@ def worker(rank: int, world_size: int, what: str):
     # "different": rank 1's loader was seeded by its own rank (same documents, other tokens)
     ids = _batch(rank if what == "different" else 0)
     shard = packing.shard_batch(ids, ids, plan=plans.plans, rank=rank, cu_seqlens=CU)
+    inputs = fringe.hf.model_inputs(shard, plans)
+    if what == "mixed" and rank == 1:           # rank 1 passes the plans directly: no digest
+        inputs = dict(shard.model_inputs(), fringe=plans)
     try:
-        with torch.no_grad():
-            res = model(**fringe.hf.model_inputs(shard, plans), use_cache=False)
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            res = model(**inputs, use_cache=False)
     except Exception as e:      # noqa: BLE001 - the test reads every rank's error
         return f"{type(e).__name__}: {e}"
     logits, ref_loss = _reference(model, ids)
@@ -89,6 +93,15 @@ def test_ranks_that_sharded_different_batches_all_raise(pool2):
                               "batch digest #"), msgs
         assert "differs from rank 0's batch digest #" in msg, msgs
         assert f"seen from rank {r}" in msg and "seed the loader by dp rank" in msg, msgs
+
+
+def test_a_rank_without_a_digest_beside_one_with_it_all_raise(pool2):
+    msgs = pool2.run(worker, "mixed")
+    for msg in msgs:
+        assert isinstance(msg, str), msgs
+        assert msg.startswith("RankMismatch: rank 1 disagrees with rank 0 on the batch: rank 0 "
+                              "has batch digest #"), msgs
+        assert "rank 1 has no batch digest" in msg and "fringe.hf.model_inputs" in msg, msgs
 
 
 def test_the_same_batch_passes_and_matches_the_one_process_loss(pool2):
