@@ -15,6 +15,7 @@ import contextlib
 import dataclasses
 import gc
 import itertools
+import os
 import weakref
 from typing import Iterator, Mapping, Sequence
 
@@ -47,6 +48,66 @@ def gc_paused():
 
 class ScheduleError(ValueError):
     """A program violates the IR's rules; the message names the rank and step."""
+
+
+# ---------------------------------------------------------------------------------------
+# fallbacks: a column path (numpy, what plans of the built-in schedules use) giving a program
+# to the op-by-op path. Each is a performance cliff (seconds at P=1024), so none is silent:
+# the column function says why (:func:`_fallback`), and when the op-by-op path then succeeds
+# (a valid program the columns did not take; an invalid one raises its ScheduleError and is
+# no fallback) the pass counts it by (pass, reason) in :func:`fallbacks`, and raises
+# ``NotImplementedError`` inside :func:`no_fallbacks` or with ``FRINGE_STRICT_PASSES=1``.
+# ---------------------------------------------------------------------------------------
+_FALLBACKS: collections.Counter = collections.Counter()
+_WHY: list = [None]             # the reason the last column function gave up
+_STRICT: list = [0]             # depth of no_fallbacks()
+
+#: Why a pass has no column path for programs at all.
+NOT_A_TABLE = "programs not cut from one ProgramTable (rank r from row r)"
+
+
+def _fallback(reason: str, value=None):
+    """A column function gives up on a program: remember ``reason`` for the pass that
+    called it (which settles it, :func:`_settle`) and return ``value`` (None, or False from
+    a check). Once per pass call, never per op."""
+    _WHY[0] = reason
+    return value
+
+
+def _start() -> None:
+    _WHY[0] = None
+
+
+def _settle(pass_name: str, default: str) -> None:
+    """The op-by-op path of ``pass_name`` answered a program a column path gave up on:
+    count it (why: the column function's reason, else ``default``), and raise when
+    fallbacks are errors."""
+    why = (pass_name, _WHY[0] or default)
+    _WHY[0] = None
+    _FALLBACKS[why] += 1
+    if _STRICT[0] or os.environ.get("FRINGE_STRICT_PASSES") == "1":
+        raise NotImplementedError(
+            f"{pass_name}: the column path does not take these programs ({why[1]}), and the "
+            f"op-by-op path answered them instead (slow at large P); make the column path "
+            f"handle this form, or run outside passes.no_fallbacks() / FRINGE_STRICT_PASSES=1")
+
+
+def fallbacks() -> collections.Counter:
+    """How many times each pass fell back from its column path to the op-by-op path in this
+    process, by ``(pass, reason)`` (a copy)."""
+    return collections.Counter(_FALLBACKS)
+
+
+@contextlib.contextmanager
+def no_fallbacks():
+    """Inside, a pass that falls back to the op-by-op path raises ``NotImplementedError``
+    naming the pass and the reason (after the op path succeeded: an invalid program still
+    raises its ScheduleError). Nests. ``FRINGE_STRICT_PASSES=1`` does the same everywhere."""
+    _STRICT[0] += 1
+    try:
+        yield
+    finally:
+        _STRICT[0] -= 1
 
 
 _INPUTS = frozenset(f for f, _ in RULES["C"].reads)   # what computes read; pruning may drop their moves
@@ -320,11 +381,17 @@ def prune(programs: Sequence[Program], need: torch.Tensor) -> list[Program]:
     """
     P = len(programs)
     ok = _need_array(need, P)
+    _start()
     tab = _table(programs)
-    if tab is not None and tab.general:
+    if tab is None:
+        _fallback(NOT_A_TABLE)
+    elif tab.general:
         fast = _general_prune(tab, ok)
         if fast is not None:
             return fast
+    else:
+        _fallback("no column prune for a plain table")
+    why = _WHY[0]
 
     okl = ok.tolist()
 
@@ -411,6 +478,8 @@ def prune(programs: Sequence[Program], need: torch.Tensor) -> list[Program]:
         if dropped or not all(step.ops for step in prog.steps):
             prog = program_from_ops(prog.rank, ops)
         pruned.append(prog)                 # unchanged programs stay the same values
+    _WHY[0] = why
+    _settle("prune", "unknown")
     return pruned
 
 
@@ -483,22 +552,29 @@ def reverse(programs: Sequence[Program], *, kv: str = "resend") -> list[Program]
     """
     if kv not in KV_MODES:
         raise ValueError(f"kv must be one of {KV_MODES}, got {kv!r}")
+    _start()
     tab = _table(programs)
-    if tab is not None and tab.general:
+    if tab is None:
+        _fallback(NOT_A_TABLE)
+    elif tab.general:
         fast = _general_reverse(tab, kv)
         if fast is not None:
             return fast
-    elif tab is not None:
+    else:
         fast = _reverse_parts(tab, kv) if tab._parts is not None else None
         if fast is None:
             fast = _reverse_table(tab, kv)
         if fast is not None:
             return fast
+    why = _WHY[0]
     T0 = steps_of(programs)
     T = T0
     while True:                     # as many prologue steps as re-materialising needs
         try:
-            return _reverse_ops(programs, kv, T)
+            out = _reverse_ops(programs, kv, T)
+            _WHY[0] = why
+            _settle("reverse", "unknown")
+            return out
         except _TooEarly as e:
             if T - T0 + e.by > 2 * T0 + 2:
                 raise ScheduleError(f"{e.what}; no number of prologue steps delivers it")
@@ -709,12 +785,16 @@ def check(programs: Sequence[Program], *, need: torch.Tensor | None = None,
     for r, prog in enumerate(programs):
         if prog.rank != r:
             raise ScheduleError(f"program {r} is for rank {prog.rank}; pass programs in rank order")
+    _start()
     tab = _table(programs)
-    if tab is not None:
+    if tab is None:
+        _fallback(NOT_A_TABLE)
+    else:
         arr = None if need is None else _need_array(need, P)
         flags = (backward, kv if backward else None)
         if flags in tab._passed:                 # its (read-only) columns passed these before:
-            ok = arr is None or _table_tiles_ok(tab, arr)       # the tiles are what is new
+            ok = (arr is None or _table_tiles_ok(tab, arr)        # the tiles are what is new
+                  or _fallback("tiles not computed exactly once", False))
         elif tab.general:
             ok = _general_ok(tab, arr, backward, kv)
         else:
@@ -724,6 +804,7 @@ def check(programs: Sequence[Program], *, need: torch.Tensor | None = None,
         if ok:
             tab._passed.add(flags)
             return                               # else the op-by-op checks below name the fault
+    why = _WHY[0]
     flags = (backward, kv if backward else None)
     if _passed_before(programs, flags):
         if need is not None:
@@ -759,6 +840,8 @@ def check(programs: Sequence[Program], *, need: torch.Tensor | None = None,
         _PASSED[0] = None
     if need is not None:
         _check_tiles(programs, _need_array(need, P))
+    _WHY[0] = why
+    _settle("check", "unknown")
 
 
 #: The last program list whose op-by-op structural checks passed (weakly), with its flags.
@@ -934,26 +1017,26 @@ def _table_ok(tab: ProgramTable, need: np.ndarray | None, backward: bool, kv: st
     message (it finds the same fault and names it)."""
     P = tab.world_size
     if len(tab) == 0:
-        return need is None or not need.any()
+        return need is None or not need.any() or _fallback("empty programs, non-empty tiles", False)
     rank, step, kind, a, b, c = tab.rank, tab.step, tab.kind, tab.a, tab.b, tab.c
     comp = kind <= G_
     comm = ~comp
     if int(step.min()) < 0 or int(b.min()) < 0 or int(b.max()) >= P:
-        return False
+        return _fallback("_table_ok: a step or chunk out of range", False)
     if (comp & ((a < 0) | (a >= P))).any():
-        return False
+        return _fallback("_table_ok: a compute's chunk out of range", False)
     if (comm & ((c < 0) | (c >= P) | (c == rank) | (a < 0) | (a >= _F))).any():
-        return False
+        return _fallback("_table_ok: a transfer's peer or family out of range", False)
     if int(kind.min()) < C_ or int(kind.max()) > R_:
-        return False
+        return _fallback("_table_ok: an op kind the row columns do not hold", False)
     if (int(step.max()) + 2) * P ** 3 * _F >= 2 ** 62:
-        return False
+        return _fallback("_table_ok: keys past int64", False)
     # every send has its receive, same step, same buffer
     src = np.where(kind == S_, rank, c)
     dst = np.where(kind == S_, c, rank)
     key = (((step * P + src) * P + dst) * _F + a) * P + b
     if not np.array_equal(np.sort(key[kind == S_]), np.sort(key[kind == R_])):
-        return False
+        return _fallback("_table_ok: a send without its receive", False)
     # presence: each read at step t needs the buffer owned, or written / received before t
     def bkey(r, fam, chunk):
         return (r * _F + fam) * P + chunk
@@ -981,11 +1064,11 @@ def _table_ok(tab: ProgramTable, need: np.ndarray | None, backward: bool, kv: st
     rt = np.concatenate([r[1] for r in reads])
     at = np.minimum(np.searchsorted(ukeys, rk), len(ukeys) - 1)
     if not ((ukeys[at] == rk) & (avail[at] <= rt)).all():
-        return False
+        return _fallback("_table_ok: a read before its buffer is present", False)
     if need is not None:
         count = np.bincount(a[comp] * P + b[comp], minlength=P * P).reshape(P, P)
         if not np.array_equal(count, need.astype(np.int64)):
-            return False
+            return _fallback("_table_ok: tiles not computed exactly once", False)
     return True
 
 
@@ -998,7 +1081,8 @@ def _reverse_table(tab: ProgramTable, kv: str) -> list[Program] | None:
     comm = kind >= S_
     grad_codes = np.array([_FAMILY_CODE[f] for f in _FAMILIES if f.is_gradient])
     if (kind == G_).any() or (comm & np.isin(a, grad_codes)).any() or ((kind == C_) & (a != rank)).any():
-        return None
+        return _fallback("_reverse_table: not forward programs (gradients, or a compute of "
+                         "another rank's queries)")
     T = int(step.max()) + 1 if n else 0
     cot = np.array([_FAMILY_CODE[f.cotangent] if f is not Family.ACC else -1 for f in _FAMILIES])
     adj = dict(rank=rank, step=T - step, kind=np.choose(kind, ADJOINT_CODE),
@@ -1030,7 +1114,7 @@ def _resend_rows(P, T, rank, step, kind, a, b, c):
     in_key = (a[isr] * P + b[isr]) * P + rank[isr]
     in_t, in_src = step[isr], c[isr]
     if len(_uniq(in_key)) != len(in_key):
-        return None
+        return _fallback("_resend_rows: a rank receives a buffer twice")
     iss = (kind == S_) & inp
     out_key = (a[iss] * P + b[iss]) * P + rank[iss]
     o = np.lexsort((np.nonzero(iss)[0], -step[iss], out_key))        # first latest hop per key
@@ -1062,7 +1146,7 @@ def _resend_rows(P, T, rank, step, kind, a, b, c):
     src_sup, src_has = _lookup(up_key, last_key, last_dst, -1)
     relay_up = has_in & (src != hb % P) & up_hit & src_has & (src_sup == hr)
     if (relay_up & (arr[np.where(up_hit, up_idx, 0)] >= arr)).any():
-        return None                                # not a tree in time: let the op rules decide
+        return _fallback("_resend_rows: a route that is not a tree in time")
     cand_idx = np.nonzero(relay_up)[0]
     cand_idx = cand_idx[np.argsort(arr[cand_idx], kind="stable")]
     _, starts = _runs(arr[cand_idx])
@@ -1080,7 +1164,7 @@ def _resend_rows(P, T, rank, step, kind, a, b, c):
     relay = (has_sup[emit] & (T - sup_t[emit] <= e) & d_hit
              & (need_at[np.where(d_hit, d_idx, 0)] != NONE))
     if ((~relay) & (e - 1 < 0)).any():
-        return None
+        return _fallback("_resend_rows: a fetch before backward step 0")
     owner = hb[emit] % P
     frm = np.where(relay, sup_d[emit], owner)
     u = np.where(relay, T - sup_t[emit] - 1, e - 1)
@@ -1129,13 +1213,13 @@ def _parts_ok(tab: ProgramTable, need: np.ndarray | None, backward: bool, kv: st
     cr, ct, ck, cq, ckv = comp["rank"], comp["step"], comp["kind"], comp["q"], comp["kv"]
     xt, xs, xd, xf, xc = xfer["step"], xfer["src"], xfer["dst"], xfer["fam"], xfer["chunk"]
     if not len(cr) and not len(xs):
-        return need is None or not need.any()
+        return need is None or not need.any() or _fallback("empty programs, non-empty tiles", False)
     for lo, hi, col in ((0, P, cr), (0, P, cq), (0, P, ckv), (0, P, xs), (0, P, xd),
                         (0, P, xc), (0, _F, xf), (C_, G_ + 1, ck)):
         if len(col) and (int(col.min()) < lo or int(col.max()) >= hi):
-            return False
+            return _fallback("_parts_ok: a column out of range", False)
     if (len(ct) and int(ct.min()) < 0) or (len(xt) and int(xt.min()) < 0) or (xs == xd).any():
-        return False
+        return _fallback("_parts_ok: a negative step or a send to itself", False)
     Q, KV, OUT, DOUT = (_FAMILY_CODE[f] for f in (Family.Q, Family.KV, Family.OUT, Family.DOUT))
     isg = ck == G_
 
@@ -1166,11 +1250,11 @@ def _parts_ok(tab: ProgramTable, need: np.ndarray | None, backward: bool, kv: st
     reads.append((cell(xf, xs, xc), xt))
     for idx, t in reads:
         if not (avail[idx] <= t).all():
-            return False
+            return _fallback("_parts_ok: a read before its buffer is present", False)
     if need is not None:
         count = np.bincount(cq * P + ckv, minlength=P * P).reshape(P, P)
         if not np.array_equal(count, need.astype(np.int64)):
-            return False
+            return _fallback("_parts_ok: tiles not computed exactly once", False)
     return True
 
 
@@ -1221,7 +1305,7 @@ def _resend_parts(P, T, cr, ct, ckv, xt, xs, xd, xc, xorder, after, owner=None):
     n = len(xc)
     in_key, out_key = xc * P + xd, xc * P + xs
     if n and np.bincount(in_key, minlength=K).max() > 1:
-        return None                                 # a rank receives a chunk twice: rows decide
+        return _fallback("_resend_parts: a rank receives a chunk twice")
     maxread = np.full(K, -1, np.int64)
     rk = ckv * P + cr
     maxread[rk] = np.maximum(maxread[rk], ct)
@@ -1231,7 +1315,7 @@ def _resend_parts(P, T, cr, ct, ckv, xt, xs, xd, xc, xorder, after, owner=None):
     hop_of[in_key] = np.arange(n)
     remote = own[ckv] != cr
     if remote.any() and (hop_of[rk[remote]] < 0).any():
-        return None                                 # read where it never arrived: rows decide
+        return _fallback("_resend_parts: a read of a chunk that never arrived")
     if not n:
         return _no_xfer()
     # each (chunk, rank)'s latest hop onwards (first in program order among the latest)
@@ -1249,7 +1333,7 @@ def _resend_parts(P, T, cr, ct, ckv, xt, xs, xd, xc, xorder, after, owner=None):
     # the receiver relays b up: its upstream's latest hop of b went to it, so it re-sends b
     relay_up = (up >= 0) & (sup_d[out_key] == xd)
     if (relay_up & (xt[np.maximum(up, 0)] >= xt)).any():
-        return None                                 # not a tree in time: the op rules decide
+        return _fallback("_resend_parts: a route that is not a tree in time")
     # a rank needs b when it reads it, or when it relays b up to a rank that needs it
     idx = np.arange(n)
     if (up[relay_up] == idx[relay_up] - 1).all():  # chains in hop order: segmented prefix OR
@@ -1272,7 +1356,7 @@ def _resend_parts(P, T, cr, ct, ckv, xt, xs, xd, xc, xorder, after, owner=None):
     dh = hop_of[xc[emit] * P + np.maximum(d, 0)]    # the hop that took b on from this rank
     relay = (d >= 0) & (T - sup_t[key] <= e) & (dh >= 0) & defined[np.maximum(dh, 0)]
     if ((~relay) & (e - 1 < 0)).any():
-        return None
+        return _fallback("_resend_parts: a fetch before backward step 0")
     c_ = xc[emit]
     frm = np.where(relay, d, own[c_])
     u = np.where(relay, T - sup_t[key] - 1, e - 1)
@@ -1353,20 +1437,20 @@ class _Gen:
         def out(lo, hi, *cols):
             return any(len(c) and (int(c.min()) < lo or int(c.max()) >= hi) for c in cols)
         if out(0, P, self.cr, self.cq, self.ckv, self.xs, self.xd, self.xc, self.kr, self.sc):
-            return False
+            return _fallback("_Gen: a rank, chunk or peer out of range", False)
         if out(0, _F, self.xf, self.sf) or out(C_, G_ + 1, self.ck) or out(0, 3, self.kk):
-            return False
+            return _fallback("_Gen: a family, compute kind or collective kind out of range", False)
         if out(0, max(ng, 1), self.kg) or out(0, 1 << 40, self.ct, self.xt, self.kt):
-            return False
+            return _fallback("_Gen: a group index or step out of range", False)
         if (self.xs == self.xd).any() or out(0, 2, self.sdir) or out(0, max(len(self.kr), 1), self.ss):
-            return False
+            return _fallback("_Gen: a send to itself, or a slot's direction or side out of range", False)
         for hi, hn in ((self.chi, self.chn), (self.xhi, self.xhn), (self.shi, self.shn)):
             if len(hn) and ((hn < 0) | ((hn == 0) & (hi != 0))
                             | ((hn > 0) & ((hi < 0) | (hi >= hn)))).any():
-                return False
+                return _fallback("_Gen: an invalid head slice", False)
         for grp in self.groups:
             if not grp or len(set(grp)) != len(grp) or min(grp) < 0 or max(grp) >= P:
-                return False
+                return _fallback("_Gen: an invalid group (empty, repeated or out-of-range members)", False)
         return ng * P <= 1 << 24
 
     def pos_rank(self, group, idx):
@@ -1436,25 +1520,25 @@ def _general_ok(tab: ProgramTable, need: np.ndarray | None, backward: bool, kv: 
     # what one member sends another receives
     if len(g.kr):
         if (g.me < 0).any():
-            return False
+            return _fallback("_general_ok: a collective side whose rank is not in its group", False)
         n_inst = len(g.inst_keys)
         count = np.bincount(g.inst, minlength=n_inst)
         first = np.full(n_inst, -1, dtype=np.int64)
         first[g.inst[::-1]] = np.arange(len(g.inst))[::-1]
         if not np.array_equal(count, g.glen[g.kg[first]]):
-            return False
+            return _fallback("_general_ok: a collective not issued once by every member", False)
         kmin = np.full(n_inst, 9, np.int64)
         kmax = np.full(n_inst, -1, np.int64)
         np.minimum.at(kmin, g.inst, g.kk)
         np.maximum.at(kmax, g.inst, g.kk)
         if (kmin != kmax).any():
-            return False
+            return _fallback("_general_ok: a collective of mixed kinds", False)
         if len(g.ss):
             if (g.sidx < 0).any() or (g.sidx >= g.glen[g.kg[g.ss]]).any():
-                return False
+                return _fallback("_general_ok: a slot index out of range", False)
             n_idx = int(g.glen.max()) + 1       # slots strictly increasing by (side, dir, idx)
             if np.diff((g.ss * 2 + g.sdir) * n_idx + g.sidx).min(initial=1) <= 0:
-                return False
+                return _fallback("_general_ok: slots not in (side, direction, index) order", False)
         sme, sinst = g.me[g.ss], g.inst[g.ss]
         b = g.bkey(g.sf, g.sc, g.shs)
         own = g.sidx == sme
@@ -1463,22 +1547,22 @@ def _general_ok(tab: ProgramTable, need: np.ndarray | None, backward: bool, kv: 
             sel = own & (g.sdir == d)
             mine[d][g.ss[sel]] = b[sel]
         if not np.array_equal(*mine):
-            return False
+            return _fallback("_general_ok: a side's own slot differs between directions", False)
         sent = ~own & (g.sdir == 0)
         got = ~own & (g.sdir == 1)
         if int(sent.sum()) != int(got.sum()):
-            return False
+            return _fallback("_general_ok: collective sends and receives differ in number", False)
         n_idx, n_b = int(g.glen.max()), _F * P * g.HS
         if float(len(g.inst_keys)) * n_idx * n_idx * n_b < 2.0 ** 62:   # one int64 key a slot
             k1 = ((sinst[sent] * n_idx + sme[sent]) * n_idx + g.sidx[sent]) * n_b + b[sent]
             k2 = ((sinst[got] * n_idx + g.sidx[got]) * n_idx + sme[got]) * n_b + b[got]
             if not np.array_equal(np.sort(k1), np.sort(k2)):
-                return False
+                return _fallback("_general_ok: a collective send without its receive", False)
         else:
             a1 = np.stack([sinst[sent], sme[sent], g.sidx[sent], b[sent]])
             a2 = np.stack([sinst[got], g.sidx[got], sme[got], b[got]])
             if not np.array_equal(a1[:, np.lexsort(a1[::-1])], a2[:, np.lexsort(a2[::-1])]):
-                return False
+                return _fallback("_general_ok: a collective send without its receive", False)
     # presence: each read at step t needs the buffer (or its whole-heads parent) owned, or
     # written / received before t
     isg = g.ck == G_
@@ -1505,7 +1589,7 @@ def _general_ok(tab: ProgramTable, need: np.ndarray | None, backward: bool, kv: 
     if not _present(P, g.HS, writes, reads):
         return False
     if need is not None and not _general_tiles_ok(need, g.cq, g.ckv, g.chi, g.chn):
-        return False
+        return _fallback("_general_ok: tiles not computed exactly once", False)
     return True
 
 
@@ -1567,7 +1651,7 @@ def _present(P: int, HS: int, writes: list, reads: list) -> bool:
             if late.any():
                 r, ch, t = r[late], ch[late], t[late]
                 if (avail[r * n + ids[ch * HS]] > t).any():
-                    return False
+                    return _fallback("_present: a read before its buffer is present", False)
     return True
 
 
@@ -1576,7 +1660,7 @@ def _present_sorted(P: int, HS: int, fam: int, ws: list, rs: list) -> bool:
     def key(r, ch, hs):
         return (r * P + ch) * HS + hs
     if not ws:
-        return False
+        return _fallback("_present_sorted: a read of a family nothing writes", False)
     wk, wv = _min_by_key(np.concatenate([key(r, ch, hs) for r, ch, hs, _ in ws]),
                          np.concatenate([t for *_, t in ws]))
     for r, ch, hs, t in rs:
@@ -1585,7 +1669,7 @@ def _present_sorted(P: int, HS: int, fam: int, ws: list, rs: list) -> bool:
         if late.any():
             at2, _ = _lookup(key(r[late], ch[late], 0), wk, wv, 1 << 62)
             if (at2 > t[late]).any():
-                return False
+                return _fallback("_present_sorted: a read before its buffer is present", False)
     return True
 
 
@@ -1616,12 +1700,15 @@ def _general_reverse(tab: ProgramTable, kv: str, pad: int = 0) -> list[Program] 
     when the op-by-op rules must decide (errors, and routes the columns do not follow).
     ``pad``: prologue steps beyond the first (a chain of re-issued collectives needs them)."""
     g = _Gen(tab)
-    if not g.ok or (g.ck != C_).any():
-        return None
+    if not g.ok:
+        return None                         # _Gen said why
+    if (g.ck != C_).any():
+        return _fallback("_general_reverse: a gradient compute in forward programs")
     P = g.P
     grads = [_FAMILY_CODE[f] for f in _FAMILIES if f.is_gradient]
     if np.isin(g.xf, grads).any() or np.isin(g.sf, grads).any() or (len(g.kr) and (g.me < 0).any()):
-        return None
+        return _fallback("_general_reverse: gradients moved, or a collective side whose rank "
+                         "is not in its group")
     Q, KV, OUT = (_FAMILY_CODE[f] for f in (_Q, _KV, _OUT))
     T = 1 + max([int(x.max()) for x in (g.ct, g.xt, g.kt) if len(x)] or [-1]) + pad
     cot = np.array([_FAMILY_CODE[f.cotangent] if f is not Family.ACC else -1 for f in _FAMILIES])
@@ -1668,14 +1755,14 @@ def _general_reverse(tab: ProgramTable, kv: str, pad: int = 0) -> list[Program] 
         side_buf = g.ss * (_F * P * g.HS) + sb
         o_k = side_buf[recv & own]
         if _member(o_k, np.sort(side_buf[recv & ~own])).any():
-            return None
+            return _fallback("_general_reverse: an own slot's buffer received again")
     brought_sel = recv & inp & ~own
     bk = g.rkey(srank[brought_sel], g.sf[brought_sel], g.sc[brought_sel], g.shs[brought_sel])
     b_inst = g.inst[g.ss[brought_sel]]
     ob = np.argsort(bk, kind="stable")
     brought_k, brought_i = bk[ob], b_inst[ob]
     if (np.diff(brought_k) == 0).any():
-        return None                          # one (rank, buffer) brought twice: rows decide
+        return _fallback("_general_reverse: one (rank, buffer) brought twice")
     n_inst = len(g.inst_keys)
     last, hit = _lookup(bk, ra_k, ra_t, -1)
     latest = np.full(n_inst, -1, np.int64)
@@ -1715,7 +1802,7 @@ def _general_reverse(tab: ProgramTable, kv: str, pad: int = 0) -> list[Program] 
     for n, i in enumerate(emitted):
         u = when[i]
         if u < 0:
-            return None                      # the op rules raise with the message
+            return _fallback("_general_reverse: a re-issued collective before backward step 0")
         for side in by_inst[inst_bounds[i]:inst_bounds[i + 1]].tolist():
             new = n_next + len(re_sides)
             re_sides.append((int(g.kr[side]), u, base + n, int(g.kk[side]), int(g.kg[side])))
@@ -1774,11 +1861,11 @@ def _general_resend(g: _Gen, T: int, fams: list, skip: np.ndarray, after: int) -
     id_of = np.cumsum(used) - 1
     n = int(id_of[-1]) + 1 if NBC else 0
     if P * n > PLANE_CELLS:
-        return None
+        return _fallback("_general_resend: (rank, buffer) plane past PLANE_CELLS")
     by_coll = np.zeros(P * n, dtype=bool)
     by_coll[skip_r * n + id_of[skip_b]] = True
     if by_coll[xd * n + id_of[xb]].any():
-        return None                           # brought by a collective and a hop: rows decide
+        return _fallback("_general_resend: a buffer brought by a collective and a hop")
     keep = ~by_coll[rr * n + id_of[rb]]
     rr, rt, rb, rp = rr[keep], rt[keep], rb[keep], rp[keep]
     if not len(xt) and not len(rr):
@@ -1787,7 +1874,7 @@ def _general_resend(g: _Gen, T: int, fams: list, skip: np.ndarray, after: int) -
     used[:] = False
     used[xb] = True
     if not used[rb].all():
-        return None                           # read where it never arrived: rows decide
+        return _fallback("_general_resend: a read of a buffer that never arrived")
     id_of = np.cumsum(used) - 1
     n = int(id_of[-1]) + 1
     # buffer ids in emission order: (family name, chunk, first appearance: reads, then hops)
@@ -1851,7 +1938,7 @@ def _general_prune(tab: ProgramTable, ok: np.ndarray) -> list[Program] | None:
                              g.bkey(g.sf[slot], g.sc[slot], g.shs[slot])])
         ub, inv = _unique(hb)
         if len(ub) * P > PLANE_CELLS:
-            return None
+            return _fallback("_general_prune: (buffer, rank) plane past PLANE_CELLS")
         use = np.zeros((len(ub), P), dtype=bool)       # [buffer, rank]: a kept compute reads it
         for fam, ch in ((f, (g.cq, g.ckv)[sd]) for f, sd in c_reads):
             i, hit = _lookup(g.bkey(fam, ch, g.chs), ub, np.arange(len(ub)), 0)
