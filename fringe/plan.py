@@ -485,8 +485,14 @@ def _op_counts(programs, P: int, *, steps: bool = True, computes: bool = True) -
     ``steps=False``: leave ``steps`` zero (the backward's are not reported);
     ``computes=False``: the walk lists no compute (a table's are listed anyway)."""
     table = _shared_table(programs)
-    if table is None:
-        return _walk_counts(programs, P, computes=computes)
+    if table is None:                                 # the op walk: a fallback, counted
+        from .schedules import passes
+        t = passes._table(programs)
+        why = passes.NOT_A_TABLE if t is None else "_op_counts: no column reader for a general table"
+        counts = _walk_counts(programs, P, computes=computes)
+        passes._fallback(why)
+        passes._settle("stats", why)
+        return counts
     F = len(_WHOLE)
     parts = getattr(table, "_parts", None)
     if parts is not None and table._cols is None:     # computes + one row per transfer

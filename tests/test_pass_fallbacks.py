@@ -9,6 +9,7 @@ import pytest
 from fringe import masks, schedules
 from fringe.bench import packed_docs
 from fringe.plan import plan as make_plan
+from fringe.runtime import costmodel
 from fringe.schedules import passes
 from fringe.schedules.ir import Recv, program_from_ops
 from fringe.schedules.passes import ScheduleError
@@ -23,9 +24,13 @@ USER = {"two_level_allgather(4)": lambda: user_schedules.two_level_allgather(4),
         "allgather_then_ring(4)": lambda: user_schedules.allgather_then_ring(4),
         "two_level_allgather_columns(4)": lambda: user_schedules.two_level_allgather_columns(4)}
 
-#: Built-ins that still fall back today, {(schedule, mask, kv): {(pass, reason), ...}}: none.
-#: A new fallback fails the test; a legitimate one is listed here with its reason.
-KNOWN: dict = {}
+#: What still falls back today, by schedule: a new fallback fails the test, a legitimate one
+#: is listed here with its reason. The passes (check, prune, reverse) and the cost model's
+#: program reader take every built-in; plan stats walk the ops of a general table (head
+#: slices, collectives) for the forward and the backward.
+GENERAL_STATS = {("stats", "_op_counts: no column reader for a general table")}
+PLAIN = {"ring", "zigzag", "striped", "balanced"}
+KNOWN = {name: (set() if name in PLAIN else GENERAL_STATS) for name in SPECS + sorted(USER)}
 
 
 def _mask(name: str):
@@ -49,20 +54,23 @@ def test_the_registry_is_covered():
 
 @pytest.mark.parametrize("name", SPECS + sorted(USER))
 def test_builtin_plans_take_the_column_paths(name):
+    """plan (check, prune, reverse) and the cost model's reader inside no_fallbacks; plan
+    stats too, or exactly the fallbacks listed in KNOWN."""
     for mname in ("causal", "documents", "window"):
         for kv in ("resend", "keep"):
-            known = KNOWN.get((name, mname, kv), set())
             before = passes.fallbacks()
-            if known:
+            with passes.no_fallbacks():
                 p = make_plan(_schedule(name), _mask(mname), seq_len=S, world_size=P,
                               block_size=BLOCK, kv=kv)
+                pred = costmodel.simulate(p, "cpu")
+            assert len(p.forward) == P and len(p.backward) == P and pred.forward_s > 0
+            if KNOWN[name]:
+                p.stats(heads=16)
             else:
                 with passes.no_fallbacks():
-                    p = make_plan(_schedule(name), _mask(mname), seq_len=S, world_size=P,
-                                  block_size=BLOCK, kv=kv)
-            assert len(p.forward) == P and len(p.backward) == P
+                    p.stats(heads=16)
             got = set(passes.fallbacks() - before)
-            assert got == known, (name, mname, kv, got)
+            assert got == KNOWN[name], (name, mname, kv, got)
 
 
 def _allgather_forward():
@@ -126,6 +134,18 @@ def test_programs_without_a_table_fall_back_by_name(monkeypatch):
     before = passes.fallbacks()
     assert _text(passes.reverse(progs)) == want
     assert passes.fallbacks() - before == {("reverse", passes.NOT_A_TABLE): 1}
+    # collectives as op objects: the cost model's reader (which makes a plain table of plain
+    # ops itself) walks them, by name, to the columns of their table
+    coll = schedules.get("allgather").programs(P)
+    ops = _rebuilt(coll)
+    with passes.no_fallbacks():
+        want_cols = costmodel._columns(coll, 128, costmodel.Shape())
+        with pytest.raises(NotImplementedError, match=r"costmodel: .*not cut from one ProgramTable"):
+            costmodel._columns(ops, 128, costmodel.Shape())
+    before = passes.fallbacks()
+    walked = costmodel._columns(ops, 128, costmodel.Shape())
+    assert passes.fallbacks() - before == {("costmodel", passes.NOT_A_TABLE): 1}
+    assert len(walked.comp[0]) == len(want_cols.comp[0])
     monkeypatch.setenv("FRINGE_STRICT_PASSES", "1")      # the environment's switch
     with pytest.raises(NotImplementedError, match=r"reverse: "):
         passes.reverse(progs)

@@ -854,27 +854,43 @@ def _columns(programs: Sequence, L: int, shape: Shape) -> _Cols:
     without building an op (P=1024 rings have millions), plain or general (head slices and
     collectives as columns), else by walking the ops once. Both table readers give the
     columns the walk gives, up to the numbering of buffers and groups."""
+    from ..schedules import passes
     ir, fams, code = _family_codes()
+    passes._start()
     table_cls = getattr(ir, "ProgramTable", None)
     if table_cls is not None:
         try:
             t = table_cls.of(list(programs))
         except TypeError:             # ops without a plain column form, not cut from a table
             t = None
-        if t is not None and getattr(t, "general", False):
+        if t is None:
+            _fallback(passes.NOT_A_TABLE)
+        elif getattr(t, "general", False):
             cols = _general_columns(t, len(programs), L, shape, ir, fams, code)
             if cols is not None:
                 return cols
-        elif t is not None and _plain_table(t):
+        elif _plain_table(t):
             return _table_columns(t, len(programs), L, shape, fams, code)
+        else:
+            _fallback("_plain_table: a table with columns the reader does not know")
+    why = passes._WHY[0]
     import gc
     paused = gc.isenabled()           # the walk makes many small lists and tuples: without a
     gc.disable()                      # pause, collections traverse the plan's millions of ops
     try:
-        return _walk_columns(programs, L, shape, ir, fams, code)
+        cols = _walk_columns(programs, L, shape, ir, fams, code)
     finally:
         if paused:
             gc.enable()
+    passes._WHY[0] = why              # the walk answered: a fallback (counted, strict raises)
+    passes._settle("costmodel", "no ProgramTable in the IR")
+    return cols
+
+
+def _fallback(reason: str):
+    """:func:`fringe.schedules.passes._fallback`: the column reader gives up, saying why."""
+    from ..schedules import passes
+    return passes._fallback(reason)
 
 
 def _plain_table(t) -> bool:
@@ -1004,18 +1020,18 @@ def _general_columns(t, P: int, L: int, shape: Shape, ir, fams, code) -> _Cols |
     """
     parts = t._parts
     if len(parts) != 3 or any(set(d) != k for d, k in zip(parts, _GENERAL_PARTS)):
-        return None
+        return _fallback("_general_columns: parts this reader does not know")
     comp, xfer, coll = ({k: (v if k == "groups" else _i64(v)) for k, v in d.items()}
                         for d in parts)
     nf = len(fams)
     try:
         kind_code = _i64([_COLL_KINDS[k] for k in ir.COLL_KINDS])
     except (AttributeError, KeyError):           # collective kinds this model does not know
-        return None
+        return _fallback("_general_columns: collective kinds this model does not know")
     raw_groups = coll["groups"]
     for g in raw_groups:                         # what Collective checks of a group
         if not g or len(set(g)) != len(g) or min(g) < 0:
-            return None
+            return _fallback("_general_columns: an invalid group")
     g_size = _i64([len(g) for g in raw_groups])
 
     def heads_ok(hi, hn):
@@ -1033,13 +1049,13 @@ def _general_columns(t, P: int, L: int, shape: Shape, ir, fams, code) -> _Cols |
             and all(_within(d["step"], 0, 1 << 40) for d in (comp, xfer, coll))
             and heads_ok(comp["hi"], comp["hn"]) and heads_ok(xfer["hi"], xfer["hn"])
             and heads_ok(coll["slot_hi"], coll["slot_hn"])):
-        return None
+        return _fallback("_general_columns: a column out of range, or an invalid head slice")
     sx = coll["slot_idx"]
     if len(ss) and not (_within(sx, 0, 1 << 40) and (sx < g_size[coll["group"][ss]]).all()):
-        return None
+        return _fallback("_general_columns: a slot index out of range")
     slot_key = (ss * 2 + coll["slot_dir"]) * (1 << 40) + sx
     if (np.diff(slot_key) <= 0).any():           # slots in (side, dir, idx) order, distinct
-        return None
+        return _fallback("_general_columns: slots not in (side, direction, index) order")
 
     # buffer ids: whole heads family * P + chunk (as the walk), head slices one id each after
     NH = 1 + max((int(d[k].max()) for d, k in ((comp, "hn"), (xfer, "hn"), (coll, "slot_hn"))
@@ -1119,7 +1135,7 @@ def _general_columns(t, P: int, L: int, shape: Shape, ir, fams, code) -> _Cols |
     kg = remap[coll["group"]]
     me = _member_index(groups, kg, kr, P)
     if me is None:
-        return None                                     # a side whose rank is not a member
+        return _fallback("_general_columns: a collective side whose rank is not in its group")
     seq = np.arange(n_sides, dtype=np.int64)[_cell_order(kr, kt, coll["order"])]   # op order
     seq = seq[_cell_order(kr[seq], kt[seq], kg[seq])]  # by (rank, step, group), op order kept
     pos = np.arange(n_sides, dtype=np.int64)
