@@ -345,7 +345,8 @@ class PlanStats:
     one it shares when n % G == 0).
 
     Read from the programs' table columns without building an op (a P=1024 plan has
-    millions); programs with collectives or head slices are walked, a step at a time.
+    millions), collectives and head slices too; only programs not cut from one table are
+    walked, a step at a time.
     """
 
     rows: tuple[dict, ...]
@@ -472,23 +473,20 @@ class _OpCounts:
 _WHOLE = tuple((f, 1) for f in Family)
 
 
-def _shared_table(programs) -> ProgramTable | None:
-    """The table every program was cut from (rank r from row r), else None."""
-    from .schedules.passes import _table
-    t = _table(programs)
-    return None if t is None or t.general else t      # general tables: walk the ops
-
-
 def _op_counts(programs, P: int, *, steps: bool = True, computes: bool = True) -> _OpCounts:
     """:class:`_OpCounts` of ``programs`` from their :class:`ProgramTable` columns (no op
-    is built: millions at P=1024), else by walking the ops (collectives, head slices).
+    is built: millions at P=1024): the row columns, the parts of a plain table, or a general
+    table's parts (:func:`_general_counts`); programs not cut from one table are walked op
+    by op (:func:`_walk_counts`), a fallback counted by name.
     ``steps=False``: leave ``steps`` zero (the backward's are not reported);
     ``computes=False``: the walk lists no compute (a table's are listed anyway)."""
-    table = _shared_table(programs)
+    from .schedules.passes import _table
+    table = _table(programs)
+    if table is not None and table.general:
+        return _general_counts(table, P, steps=steps, computes=computes)
     if table is None:                                 # the op walk: a fallback, counted
         from .schedules import passes
-        t = passes._table(programs)
-        why = passes.NOT_A_TABLE if t is None else "_op_counts: no column reader for a general table"
+        why = passes.NOT_A_TABLE
         counts = _walk_counts(programs, P, computes=computes)
         passes._fallback(why)
         passes._settle("stats", why)
@@ -515,6 +513,70 @@ def _op_counts(programs, P: int, *, steps: bool = True, computes: bool = True) -
         pairs = ((rank, step),)
     return _OpCounts(found, None, _WHOLE, sent.astype(np.int64), recv.astype(np.int64),
                      _distinct_steps(pairs, P) if steps else np.zeros(P, dtype=np.int64))
+
+
+def _general_counts(table: ProgramTable, P: int, *, steps: bool = True,
+                    computes: bool = True) -> _OpCounts:
+    """:class:`_OpCounts` of a general table (head slices, collectives) from its parts, what
+    :func:`_walk_counts` gives for its programs: computes (kind ``C_``) with their head
+    slices ``hi/hn``; a transfer counts on its ``src`` (sent) and ``dst`` (received); a
+    collective side's occupied slots count on its rank by direction, but for a kind whose
+    rule keeps the own slot in place (``OWN_SLOT_IN_PLACE``) the slot at the side's own
+    member index. Keys are ``(family, hn or 1)`` of every transfer and slot (an own slot's
+    too, as the walk lists it at count zero)."""
+    from .schedules.ir import OWN_SLOT_IN_PLACE
+    comp, xfer, coll = table._parts
+    i64 = functools.partial(np.asarray, dtype=np.int64)
+    F = len(_WHOLE)
+    if computes:
+        is_c = i64(comp["kind"]) == C_
+        found = tuple(i64(comp[k])[is_c] for k in ("rank", "q", "kv"))
+        hn = i64(comp["hn"])[is_c]
+        splits = np.where(hn == 0, 1, hn) if (hn > 0).any() else None
+    else:
+        found = tuple(np.zeros(0, dtype=np.int64) for _ in range(3))
+        splits = None
+    # slots: the side's rank, direction, and whether it is the side's own slot kept in place
+    side = i64(coll["slot_side"])
+    s_rank = i64(coll["rank"])[side]
+    s_dir = i64(coll["slot_dir"])
+    own = np.zeros(len(side), dtype=bool)
+    kind, group = i64(coll["kind"]), i64(coll["group"])
+    in_place = np.asarray(OWN_SLOT_IN_PLACE, dtype=bool)
+    if len(side) and in_place[kind].any():
+        groups = coll["groups"]
+        pair = group * np.int64(P) + i64(coll["rank"])        # (group, rank) of each side
+        uniq, inv = np.unique(pair, return_inverse=True)
+        index = [{m: i for i, m in enumerate(g)} for g in groups]
+        me = np.array([index[int(u) // P].get(int(u) % P, -1) for u in uniq],
+                      dtype=np.int64)[inv.reshape(-1)]
+        own = in_place[kind[side]] & (i64(coll["slot_idx"]) == me[side])
+    fams = (i64(xfer["fam"]), i64(coll["slot_fam"]))
+    ns = tuple(np.where(n == 0, 1, n) for n in (i64(xfer["hn"]), i64(coll["slot_hn"])))
+    NH = 1 + max((int(n.max()) for n in ns if len(n)), default=1)
+    x_key, k_key = (f * NH + n for f, n in zip(fams, ns))
+    present = np.zeros(F * NH, dtype=bool)
+    present[x_key] = True
+    present[k_key] = True
+    codes = np.flatnonzero(present)                  # (family order, n) order, as the walk
+    keys = tuple((_FAMILIES[int(c) // NH], int(c) % NH) for c in codes)
+    col = np.cumsum(present) - 1
+    K = len(keys)
+    src, dst = i64(xfer["src"]), i64(xfer["dst"])
+    keep = ~own
+    out = []
+    for x_rank, d in ((src, 0), (dst, 1)):
+        sel = keep & (s_dir == d)
+        r = np.concatenate([x_rank, s_rank[sel]])
+        k = np.concatenate([col[x_key], col[k_key[sel]]])
+        out.append(np.bincount(r * K + k, minlength=P * K).reshape(P, K).astype(np.int64))
+    pairs = ((i64(comp["rank"]), i64(comp["step"])), (src, i64(xfer["step"])),
+             (dst, i64(xfer["step"])), (i64(coll["rank"]), i64(coll["step"])))
+    return _OpCounts(found, splits, keys, *out,
+                     _distinct_steps(pairs, P) if steps else np.zeros(P, dtype=np.int64))
+
+
+_FAMILIES = tuple(Family)
 
 
 def _distinct_steps(pairs, P: int) -> np.ndarray:

@@ -25,12 +25,10 @@ USER = {"two_level_allgather(4)": lambda: user_schedules.two_level_allgather(4),
         "two_level_allgather_columns(4)": lambda: user_schedules.two_level_allgather_columns(4)}
 
 #: What still falls back today, by schedule: a new fallback fails the test, a legitimate one
-#: is listed here with its reason. The passes (check, prune, reverse) and the cost model's
-#: program reader take every built-in; plan stats walk the ops of a general table (head
-#: slices, collectives) for the forward and the backward.
-GENERAL_STATS = {("stats", "_op_counts: no column reader for a general table")}
-PLAIN = {"ring", "zigzag", "striped", "balanced"}
-KNOWN = {name: (set() if name in PLAIN else GENERAL_STATS) for name in SPECS + sorted(USER)}
+#: is listed here with its reason. The passes (check, prune, reverse), the cost model's
+#: program reader and plan stats (general tables too: head slices, collectives) take every
+#: built-in and user schedule here on columns: nothing is listed.
+KNOWN = {name: set() for name in SPECS + sorted(USER)}
 
 
 def _mask(name: str):
@@ -54,8 +52,8 @@ def test_the_registry_is_covered():
 
 @pytest.mark.parametrize("name", SPECS + sorted(USER))
 def test_builtin_plans_take_the_column_paths(name):
-    """plan (check, prune, reverse) and the cost model's reader inside no_fallbacks; plan
-    stats too, or exactly the fallbacks listed in KNOWN."""
+    """plan (check, prune, reverse), the cost model's reader and plan stats inside
+    no_fallbacks, or exactly the fallbacks listed in KNOWN."""
     for mname in ("causal", "documents", "window"):
         for kv in ("resend", "keep"):
             before = passes.fallbacks()
