@@ -272,11 +272,9 @@ class Plan:
 
         progs = hashlib.sha1(self.schedule.name.encode())
         for programs in (self.forward, self.backward):
-            try:                # columns: no op objects built (millions at P=1024)
-                tab = ProgramTable.of(programs)
-            except TypeError:   # head slices or collectives: the general form, whose digest
-                tab = ProgramTable.general_of(programs)  # equals the plain one's and the
-            progs.update(tab.digest().encode())          # builder's (pickled plans agree)
+            # columns: no op objects built (millions at P=1024); equal programs digest
+            # equal however they were built or pickled
+            progs.update(ProgramTable.of(programs).digest().encode())
         out = {
             "layout": sha(self.layout.fingerprint(), self.layout.order.numpy().tobytes()),
             "programs": progs.hexdigest()[:16],
@@ -481,38 +479,7 @@ def _op_counts(programs, P: int, *, steps: bool = True, computes: bool = True) -
     ``steps=False``: leave ``steps`` zero (the backward's are not reported);
     ``computes=False``: the walk lists no compute (a table's are listed anyway)."""
     from .schedules.passes import _table
-    table = _table(programs)
-    if table is not None and table.general:
-        return _general_counts(table, P, steps=steps, computes=computes)
-    if table is None:                                 # the op walk: a fallback, counted
-        from .schedules import passes
-        why = passes.NOT_A_TABLE
-        counts = _walk_counts(programs, P, computes=computes)
-        passes._fallback(why)
-        passes._settle("stats", why)
-        return counts
-    F = len(_WHOLE)
-    parts = getattr(table, "_parts", None)
-    if parts is not None and table._cols is None:     # computes + one row per transfer
-        comp, xfer = parts
-        is_c = comp["kind"] == C_
-        found = tuple(np.asarray(comp[k][is_c], dtype=np.int64) for k in ("rank", "q", "kv"))
-        src, dst, step, fam = xfer["src"], xfer["dst"], xfer["step"], xfer["fam"]
-        sent = np.bincount(src * F + fam, minlength=F * P).reshape(P, F)
-        recv = np.bincount(dst * F + fam, minlength=F * P).reshape(P, F)
-        pairs = ((comp["rank"], comp["step"]), (src, step), (dst, step))
-    else:                                             # the row columns
-        rank, step, kind, a, b = table.rank, table.step, table.kind, table.a, table.b
-        is_c = kind == C_
-        found = (rank[is_c], a[is_c], b[is_c])
-        counts = []
-        for k in (S_, R_):
-            sel = kind == k
-            counts.append(np.bincount(rank[sel] * F + a[sel], minlength=F * P).reshape(P, F))
-        sent, recv = counts
-        pairs = ((rank, step),)
-    return _OpCounts(found, None, _WHOLE, sent.astype(np.int64), recv.astype(np.int64),
-                     _distinct_steps(pairs, P) if steps else np.zeros(P, dtype=np.int64))
+    return _general_counts(_table(programs), P, steps=steps, computes=computes)
 
 
 def _general_counts(table: ProgramTable, P: int, *, steps: bool = True,

@@ -31,8 +31,8 @@ def _mask(name: str):
 def _general(plan):
     """The plan with programs cut from general tables (what the collective builders make)."""
     return dataclasses.replace(
-        plan, forward=ir.ProgramTable.general_of(plan.forward).programs(),
-        backward=ir.ProgramTable.general_of(plan.backward).programs())
+        plan, forward=ir.ProgramTable.of(plan.forward).programs(),
+        backward=ir.ProgramTable.of(plan.backward).programs())
 
 
 def _untabled(plan):
@@ -77,7 +77,7 @@ def test_general_tables_predict_what_the_op_walk_predicts(spec, mask, monkeypatc
         p = fringe.plan(schedules.get(spec), _mask(mask), seq_len=S, world_size=P,
                         block_size=8, kv=kv)
         gen, walked = _general(p), _untabled(p)
-        assert all(x.table is not None and x.table.general for x in gen.forward + gen.backward)
+        assert all(x.table is not None for x in gen.forward + gen.backward)
         assert all(x.table is None for x in walked.forward + walked.backward)
         for hw in PRESETS:
             want = costmodel.simulate(walked, hw, SHAPE)
@@ -109,14 +109,14 @@ def test_plans_whose_builders_make_general_tables_are_read_as_columns(monkeypatc
                     world_size=8, block_size=8)
     want = costmodel.simulate(_untabled(p), "h100-ib", SHAPE)
     src = p.forward[0].table
-    if src is None or not src.general:
+    if src is None:
         p = _general(p)
     _walks_refused(monkeypatch)
     assert_same_prediction(costmodel.simulate(p, "h100-ib", SHAPE), want)
 
 
 def _parts_of(plan):
-    t = ir.ProgramTable.general_of(plan.forward)
+    t = ir.ProgramTable.of(plan.forward)
     comp, xfer, coll = (dict(d) for d in t._parts)
     return t.world_size, comp, xfer, coll
 
@@ -130,7 +130,7 @@ def test_a_general_table_with_a_column_the_reader_does_not_know_is_walked():
     t = ir.ProgramTable._of_parts(P, comp, xfer, coll)
     assert costmodel._general_columns(t, P, L, SHAPE, ir, fams, code) is not None
     extra = ir.ProgramTable._of_parts(P, {**comp, "dtype": comp["q"]}, xfer, coll)
-    assert extra.general
+    assert extra is not None
     assert costmodel._general_columns(extra, P, L, SHAPE, ir, fams, code) is None
     odd_kind = ir.ProgramTable._of_parts(P, comp, xfer, {**coll, "kind": coll["kind"] * 0 + 7})
     assert costmodel._general_columns(odd_kind, P, L, SHAPE, ir, fams, code) is None

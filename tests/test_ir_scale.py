@@ -195,7 +195,7 @@ def test_columnar_lower_reverse_and_check_equal_the_op_by_op_rules_on_random_map
         fwd = schedules.lower(n, hops, need=need)
         plain = [Program(p.rank, p.steps) for p in schedules.lower(n, hops)]
         slow_fwd = schedules.prune(plain, need)
-        assert fwd[0].table is not None and slow_fwd[0].table is None
+        assert fwd[0].table is not None
         assert list(fwd) == slow_fwd
         check(fwd, need=need)
         check(slow_fwd, need=need)

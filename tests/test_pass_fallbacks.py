@@ -76,7 +76,7 @@ def _allgather_forward():
     need = make_plan(sched, _mask("documents"), seq_len=S, world_size=P,
                      block_size=BLOCK).tiles != 0
     progs = sched.programs(P)             # unpruned, one general table
-    assert passes._table(progs) is not None and passes._table(progs).general
+    assert passes._table(progs) is not None
     return progs, need
 
 
@@ -119,34 +119,23 @@ def _rebuilt(programs, drop_recv: bool = False):
     return out
 
 
-def test_programs_without_a_table_fall_back_by_name(monkeypatch):
+def test_programs_written_as_op_objects_plan_on_the_one_table(monkeypatch):
+    """Op objects (hand-written, rebuilt, parsed) become one table up front: every pass and
+    reader runs on its columns, with no fallback, and gives what the built programs give."""
     fwd = schedules.get("ring").programs(P)
     progs = _rebuilt(fwd)
-    assert passes._table(progs) is None
-    with passes.no_fallbacks():
-        want = _text(passes.reverse(fwd))
-        with pytest.raises(NotImplementedError, match=r"check: .*not cut from one ProgramTable"):
-            passes.check(progs)
-        with pytest.raises(NotImplementedError, match=r"reverse: .*not cut from one ProgramTable"):
-            passes.reverse(progs)
-    before = passes.fallbacks()
-    assert _text(passes.reverse(progs)) == want
-    assert passes.fallbacks() - before == {("reverse", passes.NOT_A_TABLE): 1}
-    # collectives as op objects: the cost model's reader (which makes a plain table of plain
-    # ops itself) walks them, by name, to the columns of their table
+    assert progs[0].table is None and passes._table(progs) is not None
     coll = schedules.get("allgather").programs(P)
     ops = _rebuilt(coll)
-    with passes.no_fallbacks():
-        want_cols = costmodel._columns(coll, 128, costmodel.Shape())
-        with pytest.raises(NotImplementedError, match=r"costmodel: .*not cut from one ProgramTable"):
-            costmodel._columns(ops, 128, costmodel.Shape())
+    monkeypatch.setenv("FRINGE_STRICT_PASSES", "1")      # the environment's switch too
     before = passes.fallbacks()
-    walked = costmodel._columns(ops, 128, costmodel.Shape())
-    assert passes.fallbacks() - before == {("costmodel", passes.NOT_A_TABLE): 1}
-    assert len(walked.comp[0]) == len(want_cols.comp[0])
-    monkeypatch.setenv("FRINGE_STRICT_PASSES", "1")      # the environment's switch
-    with pytest.raises(NotImplementedError, match=r"reverse: "):
-        passes.reverse(progs)
+    with passes.no_fallbacks():
+        passes.check(progs)
+        assert _text(passes.reverse(progs)) == _text(passes.reverse(fwd))
+        want_cols = costmodel._columns(coll, 128, costmodel.Shape())
+        got = costmodel._columns(ops, 128, costmodel.Shape())
+    assert passes.fallbacks() == before
+    assert len(got.comp[0]) == len(want_cols.comp[0])
 
 
 def test_an_invalid_program_still_raises_its_schedule_error():

@@ -72,7 +72,7 @@ def test_general_stats_columns_equal_the_op_walk(name, P, monkeypatch):
             p = plan_mod.plan(_schedule(name), _mask(mname, S, P), seq_len=S, world_size=P,
                               block_size=BLOCK, kv=kv)
             for progs in (p.forward, p.backward):
-                assert passes._table(progs).general
+                assert passes._table(progs) is not None
             with passes.no_fallbacks():              # the columns, no op walked
                 fwd = _op_counts(p.forward, P)
                 bwd = _op_counts(p.backward, P, steps=False, computes=False)
@@ -90,16 +90,16 @@ def test_general_stats_columns_equal_the_op_walk(name, P, monkeypatch):
             assert sum(r["fwd_sent"] + r["bwd_sent"] for r in got[0].rows) > 0
 
 
-def test_collectives_as_op_objects_still_walk_by_name():
-    """Programs not cut from one table: the op walk, counted as the stats fallback."""
+def test_collectives_as_op_objects_count_on_their_table():
+    """Programs not cut from one table become one: counted on columns, no fallback, equal
+    to the op walk."""
     P = 8
     progs = schedules.get("allgather").programs(P)
     rebuilt = [plan_mod.Program(r, prog.steps) for r, prog in enumerate(progs)]
-    assert passes._table(rebuilt) is None
-    with passes.no_fallbacks():
-        want = _op_counts(progs, P)
-        with pytest.raises(NotImplementedError, match=r"stats: .*not cut from one ProgramTable"):
-            _op_counts(rebuilt, P)
+    assert rebuilt[0].table is None
     before = passes.fallbacks()
-    _same(_op_counts(rebuilt, P), want)
-    assert passes.fallbacks() - before == {("stats", passes.NOT_A_TABLE): 1}
+    with passes.no_fallbacks():
+        got = _op_counts(rebuilt, P)
+    assert passes.fallbacks() == before
+    _same(got, _op_counts(progs, P))
+    _same(got, _walk_counts(progs, P))

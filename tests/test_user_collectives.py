@@ -202,8 +202,8 @@ def test_column_prune_and_reverse_equal_the_op_rules_on_user_schedules(kind, g, 
     need = rng.random((P, P)) < 0.5
     need[np.arange(P), np.arange(P)] = True
     plain = passes.prune(progs, need)
-    assert passes._general_prune(ProgramTable.general_of(progs), need) == plain
-    tab = ProgramTable.general_of(plain)
+    assert passes._general_prune(ProgramTable.of(progs), need) == plain
+    tab = ProgramTable.of(plain)
     for kv in ("resend", "keep"):
         want = passes.reverse(plain, kv=kv)
         got = passes._general_reverse(tab, kv)

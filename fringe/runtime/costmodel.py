@@ -859,20 +859,10 @@ def _columns(programs: Sequence, L: int, shape: Shape) -> _Cols:
     passes._start()
     table_cls = getattr(ir, "ProgramTable", None)
     if table_cls is not None:
-        try:
-            t = table_cls.of(list(programs))
-        except TypeError:             # ops without a plain column form, not cut from a table
-            t = None
-        if t is None:
-            _fallback(passes.NOT_A_TABLE)
-        elif getattr(t, "general", False):
-            cols = _general_columns(t, len(programs), L, shape, ir, fams, code)
-            if cols is not None:
-                return cols
-        elif _plain_table(t):
-            return _table_columns(t, len(programs), L, shape, fams, code)
-        else:
-            _fallback("_plain_table: a table with columns the reader does not know")
+        t = table_cls.of(list(programs))
+        cols = _general_columns(t, len(programs), L, shape, ir, fams, code)
+        if cols is not None:
+            return cols
     why = passes._WHY[0]
     import gc
     paused = gc.isenabled()           # the walk makes many small lists and tuples: without a

@@ -20,7 +20,7 @@ import torch
 
 from ..layout import Layout
 from .ir import Program, ProgramTable
-from .passes import Hop, HopTable, _table, check, gc_paused, lower, prune
+from .passes import Hop, HopTable, check, gc_paused, lower, prune
 
 LayoutFn = Callable[..., Layout]          # (seq_len, world_size, *, block_size) -> Layout
 HopsFn = Callable[[int], Mapping[int, Sequence[Hop]]]
@@ -101,17 +101,10 @@ class Schedule:
 
 
 def _as_table(progs: list[Program]) -> list[Program]:
-    """Programs given as op objects, as the programs of one table (rows, or the general
-    form for head slices and collectives), so that every pass after runs on columns.
-    Programs a table cannot hold (a send without its receive) stay as they are: ``check``
-    names the fault on them."""
-    if not progs or _table(progs) is not None or any(p.rank != r for r, p in enumerate(progs)):
+    """Programs given as op objects, as the programs of their one table, so that every pass
+    after runs on columns (:meth:`ProgramTable.of` names a transfer without its partner).
+    Programs out of rank order stay as they are: ``check`` names that."""
+    if not progs or any(p.rank != r for r, p in enumerate(progs)):
         return progs
-    try:
-        try:
-            tab = ProgramTable.of(progs)
-        except TypeError:                   # head slices or collectives: the general form
-            tab = ProgramTable.general_of(progs)
-    except (TypeError, ValueError):
-        return progs
+    tab = ProgramTable.of(progs)
     return list(tab.programs())

@@ -81,14 +81,7 @@ def _sorted_slots(slots: dict) -> dict:
 def _parts_of(programs: list[Program]) -> tuple[dict, dict, dict]:
     """``(comp, xfer, coll)`` of programs in the general column form (read from the table
     they were cut from, else converted)."""
-    tab = programs[0].table if programs else None
-    if tab is None or tab._parts is None or not all(
-            p.table is tab and p.rank == r for r, p in enumerate(programs)):
-        tab = ProgramTable.general_of(programs)
-    if tab.general:
-        return tab._parts
-    comp, xfer = tab._parts
-    return comp, dict(xfer, rorder=xfer["order"]), _no_coll()
+    return ProgramTable.of(programs)._parts
 
 
 def _first_slots(rank, step, order, tie, count) -> np.ndarray:

@@ -981,66 +981,98 @@ _KIND_CODE = {"C": C_, "G": G_, "S": S_, "R": R_}
 ADJOINT_CODE = tuple(_KIND_CODE[RULES[k].adjoint] for k in sorted(_KIND_CODE, key=_KIND_CODE.get))
 
 
+class ScheduleError(ValueError):
+    """A program violates the IR's rules; the message names the rank and step."""
+
+
 class ProgramTable:
-    """Every rank's program as parallel integer columns, one row per op.
+    """Every rank's program as typed, read-only integer columns: *the* IR.
 
-    Rows are sorted by (rank, step) and, within a step, in op order. Columns: ``rank``,
-    ``step``, ``kind`` (0 ``C``, 1 ``G``, 2 ``S``, 3 ``R``), and ``a, b, c``: ``(q, kv, -1)``
-    for a compute, ``(family code, chunk, peer)`` for a transfer (family codes index
-    ``tuple(Family)``). A plan's passes run on these columns with numpy (a causal ring at
-    P=1024 is about four million ops); :meth:`programs` gives :class:`Program` values that
-    build their steps when first looked at.
+    One form, built by every schedule (the ring family's lowering, the collectives,
+    ``compose``, :class:`~fringe.schedules.columns.ProgramBuilder`) and by :meth:`of` from
+    op objects (hand-written, ``programs_fn=``, ``build=``, parsed text). Three parts
+    (:meth:`_of_parts`), each a dict of equal-length int columns:
 
-    The passes build their tables from *parts* instead (:meth:`_of_parts`): computes, and
-    transfers with one row for a send and its receive, each with an order key that places
-    the op within its rank's step. The rows above are then derived when first read, and one
-    rank's steps are cut from the parts without deriving every rank's rows.
+    * ``comp``: one row per compute: ``rank, step, kind`` (0 ``C``, 1 ``G``), ``q, kv``,
+      ``hi, hn`` (head slice ``hi`` of ``hn``; ``hn == 0``: all heads) and ``order``;
+    * ``xfer``: one row per point-to-point transfer, its send and its receive together:
+      ``step, src, dst, fam, chunk, hi, hn`` (family codes index ``tuple(Family)``),
+      ``order`` (the send's place on ``src``) and ``rorder`` (the receive's on ``dst``);
+    * ``coll``: one row per member side of a collective (``rank, step, order, kind, group``:
+      kind a code of :data:`COLL_KINDS`, group an index into ``coll["groups"]``, a tuple of
+      rank tuples) and one row per occupied slot (``slot_side``: its side's row,
+      ``slot_dir``: 0 send, 1 receive, ``slot_idx``: the member index, ``slot_fam,
+      slot_chunk, slot_hi, slot_hn``: the buffer), slots sorted by (side, dir, idx).
+
+    Within a rank's step ops go by ``order`` (computes first on ties, then sends, then
+    receives, then collectives). The arrays are the table's own read-only memory, so a check
+    that passed on a table stays true. :class:`Program` values cut from it (:meth:`programs`)
+    are *views*: they build their op objects only when looked at. Rows (one per op: ``rank,
+    step, kind, a, b, c``) are a view too, for tables of whole-heads computes and transfers
+    (:attr:`chain`); ``ProgramTable(P, rank, step, kind, a, b, c)`` builds the table of such
+    rows.
+
+    Room for what comes next: a transfer row may grow a block-range reference (a ragged
+    range table beside ``xfer``: only the blocks the receiver's tiles read) and a route row
+    (one buffer forwarded along consecutive hops from step a to step b) without a new form:
+    each is another column of ``xfer`` that the passes read where they read ``xfer``.
     """
 
     def __init__(self, world_size: int, rank, step, kind, a, b, c) -> None:
         import numpy as np
-        cols = [np.array(x, dtype=np.int64, order="C", copy=True) for x in (rank, step, kind, a, b, c)]
-        for x in cols:
-            x.setflags(write=False)      # the table's own memory: what was checked stays so
+        cols = [np.array(x, dtype=np.int64, order="C", copy=True).reshape(-1)
+                for x in (rank, step, kind, a, b, c)]
         if len({len(x) for x in cols}) != 1:
             raise ValueError(f"ProgramTable columns must have one length, got {[len(x) for x in cols]}")
-        rank, step = cols[0], cols[1]
+        rank, step, kind, a, b, c = cols
         dr, ds = np.diff(rank), np.diff(step)
         if len(rank) and (rank.min() < 0 or rank.max() >= world_size
                           or (dr < 0).any() or ((dr == 0) & (ds < 0)).any()):
             raise ValueError(f"ProgramTable rows must be sorted by rank (each in [0, {world_size})), "
                              f"then by step")
-        self._init(world_size, cols, None)
+        if len(kind) and (kind.min() < C_ or kind.max() > R_):
+            raise ValueError(f"ProgramTable rows hold kinds 0-3 (C, G, S, R), got kind "
+                             f"{int(kind[(kind < C_) | (kind > R_)][0])}")
+        order = np.arange(len(rank))
+        comp = kind <= G_
+        is_s, is_r = kind == S_, kind == R_
+        # a send is (step, src, dst, fam, chunk) on src; its receive the same on dst
+        skey = np.stack([step[is_s], rank[is_s], c[is_s], a[is_s], b[is_s]])
+        rkey = np.stack([step[is_r], c[is_r], rank[is_r], a[is_r], b[is_r]])
+        so, ro = np.lexsort(skey[::-1]), np.lexsort(rkey[::-1])
+        if skey.shape != rkey.shape or not np.array_equal(skey[:, so], rkey[:, ro]):
+            raise ValueError("ProgramTable rows: a send without its receive in the same step "
+                             "(or a receive without its send); ProgramTable.of(programs) names it")
+        xs = np.flatnonzero(is_s)[so]
+        xr = np.flatnonzero(is_r)[ro]
+        P = world_size
+        t = ProgramTable._of_parts(
+            P, dict(rank=rank[comp], step=step[comp], kind=kind[comp], q=a[comp], kv=b[comp],
+                    order=order[comp]),
+            dict(step=step[xs], src=rank[xs], dst=c[xs], fam=a[xs], chunk=b[xs], order=xs,
+                 rorder=xr))
+        self.__dict__.update(t.__dict__)
+        self._programs = tuple(Program._from_table(self, r) for r in range(P))
 
-    def _init(self, world_size: int, cols, parts) -> None:
+    def _init(self, world_size: int, parts) -> None:
+        import numpy as np
         self.world_size = world_size
-        self._cols = cols
         self._parts = parts
-        self._bounds = None
-        self._index = None               # plain parts: each rank's rows
-        self._gindex = None              # general parts: each rank's rows and sides' slots
+        self._cols = None                # the row view, derived on first use (chain tables)
+        self._gindex = None              # each rank's rows and sides' slots
         self._passed: set = set()        # check() flags whose structural checks passed
+        comp, xfer, coll = parts
+        #: Whether the table holds whole-heads computes and transfers only (no head slice, no
+        #: collective): what the row view and the ring chain's shortcuts of the passes take.
+        self.chain = bool(not len(coll["rank"]) and not comp["hn"].any() and not xfer["hn"].any())
         self._programs = tuple(Program._from_table(self, r) for r in range(world_size))
 
     @classmethod
     def _of_parts(cls, world_size: int, comp: dict, xfer: dict,
                   coll: dict | None = None) -> ProgramTable:
-        """A table from computes ``comp`` (``rank, step, kind, q, kv, order``) and transfers
-        ``xfer`` (``step, src, dst, fam, chunk, order``: a send on ``src`` and its receive on
-        ``dst``). Within a rank's step ops go by ``order`` (computes first on ties, then
-        sends, then receives, then collectives); the row columns are derived on first use.
-
-        The *general* form (what the collective schedules build) adds head slices and
-        collectives: ``comp`` and ``xfer`` may carry ``hi, hn`` (head slice ``hi`` of ``hn``;
-        ``hn == 0``: all heads) and ``xfer`` a ``rorder`` (the receive's order on ``dst``
-        when it differs from the send's); ``coll`` holds one row per member side of a
-        collective (``rank, step, order, kind, group``: kind a code of :data:`COLL_KINDS`,
-        group an index into ``coll["groups"]``, a tuple of rank tuples) and one row per
-        occupied slot (``slot_side``: its side's row, ``slot_dir``: 0 send, 1 receive,
-        ``slot_idx``: the member index, ``slot_fam, slot_chunk, slot_hi, slot_hn``: the
-        buffer), slots sorted by (side, dir, idx). Such a table has no row columns
-        (:meth:`general`); its programs are cut from the parts.
-        """
+        """The table of parts ``comp``, ``xfer`` and ``coll`` (the class docstring's
+        columns). ``hi, hn`` may be left out (all heads), ``rorder`` too (the send's order),
+        and ``coll`` (no collectives)."""
         import numpy as np
 
         def small(x):                    # int32 where it fits: half the memory at P=1024
@@ -1051,60 +1083,53 @@ class ProgramTable:
             return x                     # a check that passed on the table stays true
         self = object.__new__(cls)
         comp = {k: small(v) for k, v in comp.items()}
-        xfer = {k: small(v) for k, v in xfer.items()}
-        sliced = any(len(d.get("hn", ())) and int(np.max(d["hn"])) > 0 for d in (comp, xfer))
-        if coll is None and not sliced and "rorder" not in xfer:
-            for d in (comp, xfer):
-                d.pop("hi", None)
-                d.pop("hn", None)
-            self._init(world_size, None, (comp, xfer))
-            return self
+        same = "rorder" not in xfer or xfer["rorder"] is xfer["order"]
+        xfer = {k: small(v) for k, v in xfer.items() if k != "rorder" or not same}
         for d in (comp, xfer):
             n = len(d["order"])
             for k in ("hi", "hn"):
-                d[k] = small(d[k] if k in d else np.zeros(n, np.int32))
+                if k not in d:
+                    d[k] = small(np.zeros(n, np.int32))
         if "rorder" not in xfer:
             xfer["rorder"] = xfer["order"]
         coll = _no_coll() if coll is None else dict(coll)
         groups = tuple(tuple(int(m) for m in g) for g in coll.pop("groups"))
         coll = {k: small(v) for k, v in coll.items()}
         coll["groups"] = groups
-        self._init(world_size, None, (comp, xfer, coll))
+        self._init(world_size, (comp, xfer, coll))
         return self
 
-    @property
-    def general(self) -> bool:
-        """Whether the table holds head slices or collectives (parts only, no row columns)."""
-        return self._parts is not None and len(self._parts) == 3
-
-    # ---- the row columns (derived from parts on first use) ------------------------------
+    # ---- the row view (chain tables) -----------------------------------------------------
     def _rows(self):
-        if self._cols is None and self.general:
-            raise TypeError("a ProgramTable with head slices or collectives has no row columns "
-                            "(rank, step, kind, a, b, c); read its parts or its programs")
         if self._cols is None:
+            if not self.chain:
+                raise TypeError("rows (rank, step, kind, a, b, c) are a view of tables of "
+                                "whole-heads computes and transfers; this one holds head "
+                                "slices or collectives: read its parts or its programs")
             import numpy as np
-            comp, xfer = self._parts
+            comp, xfer, _ = self._parts
             rank, step, kind, a, b, c, order = self._part_rows(comp, xfer)
-            o = _row_order(rank, step, order)
+            o = _lex_order([rank, step, order])
             self._cols = [np.ascontiguousarray(x[o], dtype=np.int64)
                           for x in (rank, step, kind, a, b, c)]
+            for x in self._cols:
+                x.setflags(write=False)
         return self._cols
 
     @staticmethod
-    def _part_rows(comp, xfer, cs=slice(None), ss=slice(None), rs=slice(None)):
-        """Rows (rank, step, kind, a, b, c, order) of the selected computes, sends, receives
-        (``cs, ss, rs``: index arrays or slices into the parts)."""
+    def _part_rows(comp, xfer):
+        """Rows (rank, step, kind, a, b, c, order) of a chain table's computes, sends and
+        receives."""
         import numpy as np
         cat = np.concatenate
-        n_c, n_s, n_r = len(comp["rank"][cs]), len(xfer["src"][ss]), len(xfer["src"][rs])
-        return (cat([comp["rank"][cs], xfer["src"][ss], xfer["dst"][rs]]),
-                cat([comp["step"][cs], xfer["step"][ss], xfer["step"][rs]]),
-                cat([comp["kind"][cs], np.full(n_s, S_), np.full(n_r, R_)]),
-                cat([comp["q"][cs], xfer["fam"][ss], xfer["fam"][rs]]),
-                cat([comp["kv"][cs], xfer["chunk"][ss], xfer["chunk"][rs]]),
-                cat([np.full(n_c, -1), xfer["dst"][ss], xfer["src"][rs]]),
-                cat([comp["order"][cs], xfer["order"][ss], xfer["order"][rs]]))
+        n_c, n_x = len(comp["rank"]), len(xfer["src"])
+        return (cat([comp["rank"], xfer["src"], xfer["dst"]]),
+                cat([comp["step"], xfer["step"], xfer["step"]]),
+                cat([comp["kind"], np.full(n_x, S_), np.full(n_x, R_)]),
+                cat([comp["q"], xfer["fam"], xfer["fam"]]),
+                cat([comp["kv"], xfer["chunk"], xfer["chunk"]]),
+                cat([np.full(n_c, -1), xfer["dst"], xfer["src"]]),
+                cat([comp["order"], xfer["order"], xfer["rorder"]]))
 
     rank = property(lambda self: self._rows()[0])
     step = property(lambda self: self._rows()[1])
@@ -1114,22 +1139,16 @@ class ProgramTable:
     c = property(lambda self: self._rows()[5])
 
     def __len__(self) -> int:
-        if self._cols is None:
-            comp, xfer = self._parts[:2]
-            n_coll = len(self._parts[2]["rank"]) if self.general else 0
-            return len(comp["rank"]) + 2 * len(xfer["src"]) + n_coll
-        return len(self._cols[0])
+        comp, xfer, coll = self._parts
+        return len(comp["rank"]) + 2 * len(xfer["src"]) + len(coll["rank"])
 
     def head_splits(self) -> set[int]:
-        """The ways the table's buffers split heads (``n`` of every ``h<i>/<n>``), from the
-        columns: only the general form holds head slices."""
-        if not self.general:
-            return set()
+        """The ways the table's buffers split heads (``n`` of every ``h<i>/<n>``)."""
         import numpy as np
         comp, xfer, coll = self._parts
         found = set()
         for x in (comp["hn"], xfer["hn"], coll["slot_hn"]):
-            if len(x):
+            if len(x) and x.any():
                 found.update(int(n) for n in np.unique(x) if n)
         return found
 
@@ -1138,53 +1157,48 @@ class ProgramTable:
         return self._programs
 
     def digest(self) -> str:
-        """A hash of the programs: equal for equal programs whatever their form (rows, plain
-        parts, general parts, or op objects turned into a table), without building any op.
+        """A hash of the programs: equal for equal programs however they were built (any
+        builder's order keys, op objects turned into a table, pickled), without building
+        any op.
 
-        Every form hashes the same canonical columns: one row per op in program order
-        (``rank, step, kind, a, b, c`` as the row columns; a collective side is kind
-        ``4 + its code`` with ``a`` its group's index in order of first use and ``b, c`` its
-        send and receive slot counts), then head slices and collective slots only when
-        there are any. ``ProgramTable.of(plan.forward).digest()`` is what a plan fingerprint
-        hashes at P=1024 instead of the programs' text (millions of ops).
+        It hashes canonical columns: one row per op in program order (``rank, step, kind,
+        a, b, c`` as the row view; a collective side is kind ``4 + its code`` with ``a`` its
+        group's index in order of first use and ``b, c`` its send and receive slot counts),
+        then head slices and collective slots only when there are any.
+        ``ProgramTable.of(plan.forward).digest()`` is what a plan fingerprint hashes at
+        P=1024 instead of the programs' text (millions of ops).
         """
         import hashlib
-        h = hashlib.sha1(f"programs/{self.world_size}/".encode())
-        if not self.general:
-            for col in self._rows():
-                h.update(col.tobytes())
-            return h.hexdigest()
         import numpy as np
+        h = hashlib.sha1(f"programs/{self.world_size}/".encode())
         comp, xfer, coll = self._parts
-        i64 = lambda x: np.asarray(x, dtype=np.int64)
+        i64 = lambda x: np.asarray(x, dtype=np.int64)     # noqa: E731
         nc, nx, nk = len(comp["rank"]), len(xfer["src"]), len(coll["rank"])
         cat = np.concatenate
         slot_side = i64(coll["slot_side"])
         n_send = np.bincount(slot_side[i64(coll["slot_dir"]) == 0], minlength=nk)[:nk]
         n_recv = np.bincount(slot_side[i64(coll["slot_dir"]) == 1], minlength=nk)[:nk]
-        rank = cat([i64(comp["rank"]), i64(xfer["src"]), i64(xfer["dst"]), i64(coll["rank"])])
-        step = cat([i64(comp["step"]), i64(xfer["step"]), i64(xfer["step"]), i64(coll["step"])])
-        order = cat([i64(comp["order"]), i64(xfer["order"]), i64(xfer["rorder"]),
-                     i64(coll["order"])])
-        tie = np.repeat(np.arange(4), [nc, nx, nx, nk])
+        rank = cat([comp["rank"], xfer["src"], xfer["dst"], coll["rank"]])
+        step = cat([comp["step"], xfer["step"], xfer["step"], coll["step"]])
+        order = cat([comp["order"], xfer["order"], xfer["rorder"], coll["order"]])
+        tie = np.repeat(np.arange(4, dtype=np.int8), [nc, nx, nx, nk])
+        o = _lex_order([rank, step, order, tie])        # stable: the programs' op order
         kind = cat([i64(comp["kind"]), np.full(nx, S_), np.full(nx, R_), 4 + i64(coll["kind"])])
         a = cat([i64(comp["q"]), i64(xfer["fam"]), i64(xfer["fam"]), i64(coll["group"])])
         b = cat([i64(comp["kv"]), i64(xfer["chunk"]), i64(xfer["chunk"]), n_send])
         c = cat([np.full(nc, -1), i64(xfer["dst"]), i64(xfer["src"]), n_recv])
-        hi = cat([i64(comp["hi"]), i64(xfer["hi"]), i64(xfer["hi"]), np.zeros(nk, np.int64)])
-        hn = cat([i64(comp["hn"]), i64(xfer["hn"]), i64(xfer["hn"]), np.zeros(nk, np.int64)])
-        o = np.lexsort((tie, order, step, rank))          # stable: the programs' op order
-        sides = o[o >= 2 * nx + nc] - (2 * nx + nc)      # collective sides in program order
         if nk:                                           # groups by first use, not by index
+            sides = o[o >= 2 * nx + nc] - (2 * nx + nc)  # collective sides in program order
             g = a[2 * nx + nc:]
             first = {}
             for x in g[sides].tolist():
                 first.setdefault(x, len(first))
-            a = a.copy()
             a[2 * nx + nc:] = [first[x] for x in g.tolist()]
         for col in (rank, step, kind, a, b, c):
-            h.update(np.ascontiguousarray(col[o]).tobytes())
-        if hn.any():
+            h.update(np.ascontiguousarray(i64(col)[o]).tobytes())
+        if comp["hn"].any() or xfer["hn"].any():
+            hi = cat([i64(comp["hi"]), i64(xfer["hi"]), i64(xfer["hi"]), np.zeros(nk, np.int64)])
+            hn = cat([i64(comp["hn"]), i64(xfer["hn"]), i64(xfer["hn"]), np.zeros(nk, np.int64)])
             h.update(b"heads")
             h.update(np.ascontiguousarray(hi[o]).tobytes())
             h.update(np.ascontiguousarray(hn[o]).tobytes())
@@ -1198,32 +1212,9 @@ class ProgramTable:
                 h.update(np.ascontiguousarray(i64(coll[k])[so]).tobytes())
         return h.hexdigest()
 
-    def _rank_cols(self, rank: int):
-        """Columns (step, kind, a, b, c) of one rank's rows, in order."""
-        import numpy as np
-        if self.general:
-            raise TypeError("a general ProgramTable has no row columns; use _steps_of")
-        if self._cols is not None:
-            if self._bounds is None:
-                self._bounds = np.searchsorted(self._cols[0],
-                                               np.arange(self.world_size + 1)).tolist()
-            lo, hi = self._bounds[rank], self._bounds[rank + 1]
-            return [x[lo:hi] for x in self._cols[1:]]
-        comp, xfer = self._parts
-        if self._index is None:      # rows of each rank, by computes / sends / receives
-            ix = []
-            for col in (comp["rank"], xfer["src"], xfer["dst"]):
-                o = np.argsort(col, kind="stable")
-                ix.append((o, np.searchsorted(col[o], np.arange(self.world_size + 1))))
-            self._index = ix
-        sel = [o[b[rank]:b[rank + 1]] for o, b in self._index]
-        _, step, kind, a, b, c, order = self._part_rows(comp, xfer, *sel)
-        o = _row_order(np.zeros(0, np.int64), step, order)
-        return [x[o] for x in (step, kind, a, b, c)]
-
     def _general_index(self):
         """Per part, the rows of each rank: (order, bounds) for computes, sends, receives,
-        collective sides."""
+        collective sides; and each side's slot bounds."""
         import numpy as np
         if self._gindex is None:
             comp, xfer, coll = self._parts
@@ -1235,7 +1226,8 @@ class ProgramTable:
             self._gindex = (ix, sb)
         return self._gindex
 
-    def _general_steps_of(self, rank: int) -> tuple[Step, ...]:
+    def _steps_of(self, rank: int) -> tuple[Step, ...]:
+        """Rank ``rank``'s steps as op objects (the view)."""
         import numpy as np
         comp, xfer, coll = self._parts
         ix, sb = self._general_index()
@@ -1273,61 +1265,19 @@ class ProgramTable:
             i = j
         return tuple(steps)
 
-    def _steps_of(self, rank: int) -> tuple[Step, ...]:
-        if self.general:
-            return self._general_steps_of(rank)
-        step, kind, a, b, c = (x.tolist() for x in self._rank_cols(rank))
-        steps, i, n = [], 0, len(step)
-        while i < n:
-            t, ops = step[i], []
-            while i < n and step[i] == t:
-                k = kind[i]
-                if k <= G_:
-                    ops.append(_KINDS[k](a[i], b[i]))
-                else:
-                    ops.append(_KINDS[k](_buf(_FAMILIES[a[i]], b[i]), c[i]))
-                i += 1
-            steps.append(Step(t, tuple(ops)))
-        return tuple(steps)
-
     @classmethod
     def of(cls, programs: Sequence[Program]) -> ProgramTable:
-        """The table of any list of programs (returned as is when they were cut from one)."""
+        """The table of any programs, one per rank in rank order (the table itself when they
+        were cut from one): its :meth:`programs` equal them op for op.
+
+        Raises :class:`ScheduleError` naming the rank and step (``<-- ERROR HERE``) when a
+        transfer names an invalid peer, or a send and its receive are not in the same step.
+        """
+        import numpy as np
         src = programs[0].table if len(programs) else None
         if src is not None and src.world_size == len(programs) and all(
                 p.table is src and p.rank == r for r, p in enumerate(programs)):
             return src
-        rows = []
-        for prog in programs:
-            for t, op in prog.ops():
-                if (isinstance(op, (Compute, GradCompute)) and op.heads is not None) or (
-                        isinstance(op, (Send, Recv)) and op.buf.heads is not None):
-                    raise TypeError(f"rank {prog.rank}, step {t}: a ProgramTable has no row "
-                                    f"column for head slices ({op}); ProgramTable.general_of "
-                                    f"makes the general form, or keep such programs as Program "
-                                    f"values")
-                if isinstance(op, (Compute, GradCompute)):
-                    rows.append((prog.rank, t, C_ if isinstance(op, Compute) else G_, op.q, op.kv, -1))
-                elif isinstance(op, (Send, Recv)):
-                    rows.append((prog.rank, t, S_ if isinstance(op, Send) else R_,
-                                 _FAMILY_CODE[op.buf.family], op.buf.chunk, op.peer))
-                else:
-                    raise TypeError(f"rank {prog.rank}, step {t}: a ProgramTable holds C, G, S and R "
-                                    f"ops; {op!r} has no column form (keep such programs as Program "
-                                    f"values: the passes handle them op by op)")
-        import numpy as np
-        arr = np.array(rows, dtype=np.int64).reshape(-1, 6)
-        if len(arr) and (np.diff(arr[:, 0]) < 0).any():
-            raise ValueError("ProgramTable.of: pass programs in rank order")
-        return cls(len(programs), *arr.T)
-
-
-    @classmethod
-    def general_of(cls, programs: Sequence[Program]) -> ProgramTable:
-        """The general form (head slices and collectives) of any programs, whose
-        :meth:`programs` equal them op for op. Raises ValueError when a send and its receive
-        are not in the same step (:func:`fringe.schedules.check` names such a fault)."""
-        import numpy as np
         P = len(programs)
         comp: list = []
         sends: dict = {}
@@ -1345,8 +1295,11 @@ class ProgramTable:
                         hi, hn = op.heads or (0, 0)
                         comp.append((r, t, C_ if tp is Compute else G_, op.q, op.kv, o, hi, hn))
                     elif tp is Send or tp is Recv:
-                        src, dst = (r, op.peer) if tp is Send else (op.peer, r)
-                        key = (t, src, dst, op.buf)
+                        if not 0 <= op.peer < P or op.peer == r:
+                            raise ScheduleError(f"rank {r}, step {t}: {op} names an invalid peer "
+                                                f"(world size {P})\n{marked(prog, t)}")
+                        src_, dst = (r, op.peer) if tp is Send else (op.peer, r)
+                        key = (t, src_, dst, op.buf)
                         (sends if tp is Send else recvs).setdefault(key, []).append(o)
                     elif tp is Collective:
                         g = groups.setdefault(op.group, len(groups))
@@ -1357,20 +1310,14 @@ class ProgramTable:
                                 fam, ch, h = _FIELDS[b]
                                 slots.append((side, d, i, _FAMILY_CODE[fam], ch, *(h or (0, 0))))
                     else:
-                        raise TypeError(f"rank {r}, step {t}: {op!r} has no column form")
+                        raise TypeError(f"rank {r}, step {t}: {op!r} is not an op of the IR")
+        if len(sends) != len(recvs) or any(len(v) != len(recvs.get(k, ())) for k, v in sends.items()):
+            _unmatched(programs, sends, recvs)
         xfer = []
         for key, os_ in sends.items():
-            or_ = recvs.get(key, [])
-            if len(or_) != len(os_):
-                raise ValueError(f"step {key[0]}: {len(os_)} send(s) of {key[3]} from rank "
-                                 f"{key[1]} to rank {key[2]} but {len(or_)} receive(s)")
             fam, ch, h = _FIELDS[key[3]]
-            for a, b in zip(os_, or_):
+            for a, b in zip(os_, recvs[key]):
                 xfer.append((key[0], key[1], key[2], _FAMILY_CODE[fam], ch, a, *(h or (0, 0)), b))
-        if len(recvs) != len(sends) or any(k not in sends for k in recvs):
-            k = next(k for k in recvs if k not in sends)
-            raise ValueError(f"step {k[0]}: a receive of {k[3]} on rank {k[2]} from rank {k[1]} "
-                             f"has no send")
 
         def cols(rows, names):
             arr = np.array(rows, dtype=np.int64).reshape(-1, len(names))
@@ -1382,6 +1329,28 @@ class ProgramTable:
                               "slot_hi", "slot_hn")))
         k["groups"] = tuple(groups)
         return cls._of_parts(P, c, x, k)
+
+
+def _unmatched(programs, sends: dict, recvs: dict):
+    """Raise the :class:`ScheduleError` of the first transfer (in program order) whose
+    sends and receives differ in number."""
+    for prog in programs:
+        r = prog.rank
+        for step in prog.steps:
+            t = step.index
+            for op in step.ops:
+                if type(op) is Send:
+                    key, mine, other, peer, missing = ((t, r, op.peer, op.buf), sends, recvs,
+                                                       op.peer, "receive")
+                elif type(op) is Recv:
+                    key, mine, other, peer, missing = ((t, op.peer, r, op.buf), recvs, sends,
+                                                       op.peer, "send")
+                else:
+                    continue
+                if len(other.get(key, ())) != len(mine[key]):
+                    raise ScheduleError(f"rank {r}, step {t}: '{op}' has no matching {missing} "
+                                        f"on rank {peer} in the same step\n{marked(prog, t)}")
+    raise AssertionError("unreachable: sends and receives differ but no op says so")
 
 
 #: Collective kinds by their code in a general :class:`ProgramTable`.
@@ -1412,19 +1381,20 @@ def buffer_of(fam: int, chunk: int, hi: int, hn: int) -> Buffer:
     return b
 
 
-def _row_order(rank, step, order):
-    """A stable sort of rows by (rank, step, order); ``rank`` empty: by (step, order)."""
+def _lex_order(cols):
+    """A stable sort of rows by the columns ``cols`` (most significant first): one argsort of
+    a combined key where it fits in int64, else a lexsort."""
     import numpy as np
-    if not len(step):
+    n = len(cols[0])
+    if not n:
         return np.zeros(0, np.int64)
-    cols = ([rank] if len(rank) else []) + [step, order]
     lo = [int(x.min()) for x in cols]
     span = [int(x.max()) - m + 1 for x, m in zip(cols, lo)]
-    if min(lo) < 0 or np.prod([float(w) for w in span]) >= 2.0 ** 62:
-        return np.lexsort(cols[::-1])
-    key = cols[0].astype(np.int64) - lo[0]
+    if np.prod([float(w) for w in span]) >= 2.0 ** 62:
+        return np.lexsort([np.asarray(x) for x in cols[::-1]])
+    key = np.asarray(cols[0], dtype=np.int64) - lo[0]
     for x, m, w in zip(cols[1:], lo[1:], span[1:]):
-        key = key * w + (x - m)
+        key = key * w + (np.asarray(x, dtype=np.int64) - m)
     return np.argsort(key, kind="stable")
 
 

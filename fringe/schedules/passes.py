@@ -24,7 +24,7 @@ import torch
 
 from .ir import (C_, COLL_KINDS as ir_kinds, COLLECTIVE_ADJOINT, G_, R_, S_, Buffer, Collective,
                  Compute, Family, GradCompute, Op, Program, ProgramTable, Recv, Send, _BUFS_OF,
-                 ADJOINT_CODE, OWN_SLOT_IN_PLACE, RULES, TILE_TOUCH_CODES, _FIELDS, _buf, marked,
+                 ADJOINT_CODE, OWN_SLOT_IN_PLACE, RULES, ScheduleError, TILE_TOUCH_CODES, _FIELDS, _buf, marked,
                  program_from_ops, steps_of)
 
 
@@ -46,8 +46,6 @@ def gc_paused():
             gc.enable()
 
 
-class ScheduleError(ValueError):
-    """A program violates the IR's rules; the message names the rank and step."""
 
 
 # ---------------------------------------------------------------------------------------
@@ -382,15 +380,9 @@ def prune(programs: Sequence[Program], need: torch.Tensor) -> list[Program]:
     P = len(programs)
     ok = _need_array(need, P)
     _start()
-    tab = _table(programs)
-    if tab is None:
-        _fallback(NOT_A_TABLE)
-    elif tab.general:
-        fast = _general_prune(tab, ok)
-        if fast is not None:
-            return fast
-    else:
-        _fallback("no column prune for a plain table")
+    fast = _general_prune(_table(programs), ok)
+    if fast is not None:
+        return fast
     why = _WHY[0]
 
     okl = ok.tolist()
@@ -554,18 +546,11 @@ def reverse(programs: Sequence[Program], *, kv: str = "resend") -> list[Program]
         raise ValueError(f"kv must be one of {KV_MODES}, got {kv!r}")
     _start()
     tab = _table(programs)
-    if tab is None:
-        _fallback(NOT_A_TABLE)
-    elif tab.general:
+    fast = _reverse_parts(tab, kv) if tab.chain else None       # the ring chain's shortcut
+    if fast is None:
         fast = _general_reverse(tab, kv)
-        if fast is not None:
-            return fast
-    else:
-        fast = _reverse_parts(tab, kv) if tab._parts is not None else None
-        if fast is None:
-            fast = _reverse_table(tab, kv)
-        if fast is not None:
-            return fast
+    if fast is not None:
+        return fast
     why = _WHY[0]
     T0 = steps_of(programs)
     T = T0
@@ -787,23 +772,18 @@ def check(programs: Sequence[Program], *, need: torch.Tensor | None = None,
             raise ScheduleError(f"program {r} is for rank {prog.rank}; pass programs in rank order")
     _start()
     tab = _table(programs)
-    if tab is None:
-        _fallback(NOT_A_TABLE)
+    arr = None if need is None else _need_array(need, P)
+    flags = (backward, kv if backward else None)
+    if flags in tab._passed:                     # its (read-only) columns passed these before:
+        ok = (arr is None or _table_tiles_ok(tab, arr)            # the tiles are what is new
+              or _fallback("tiles not computed exactly once", False))
     else:
-        arr = None if need is None else _need_array(need, P)
-        flags = (backward, kv if backward else None)
-        if flags in tab._passed:                 # its (read-only) columns passed these before:
-            ok = (arr is None or _table_tiles_ok(tab, arr)        # the tiles are what is new
-                  or _fallback("tiles not computed exactly once", False))
-        elif tab.general:
+        ok = _parts_ok(tab, arr, backward, kv) if tab.chain else None   # the chain's shortcut
+        if ok is None:
             ok = _general_ok(tab, arr, backward, kv)
-        else:
-            ok = _parts_ok(tab, arr, backward, kv) if tab._parts is not None else None
-            if ok is None:
-                ok = _table_ok(tab, arr, backward, kv)
-        if ok:
-            tab._passed.add(flags)
-            return                               # else the op-by-op checks below name the fault
+    if ok:
+        tab._passed.add(flags)
+        return                                   # else the op-by-op checks below name the fault
     why = _WHY[0]
     flags = (backward, kv if backward else None)
     if _passed_before(programs, flags):
@@ -1002,193 +982,14 @@ def _check_tiles(programs: Sequence[Program], need: np.ndarray) -> None:
 # ---------------------------------------------------------------------------------------
 # the same passes on a ProgramTable (numpy; what plans of the built-in schedules use)
 # ---------------------------------------------------------------------------------------
-def _table(programs: Sequence[Program]) -> ProgramTable | None:
-    """The table all ``programs`` were cut from, in rank order; None for other programs."""
-    src = programs[0].table if len(programs) else None
-    if src is None or src.world_size != len(programs):
-        return None
-    if all(p.table is src and p.rank == r for r, p in enumerate(programs)):
-        return src
-    return None
+def _table(programs: Sequence[Program]) -> ProgramTable:
+    """The one table of ``programs`` (the table they were cut from, else built from their
+    ops: :meth:`ProgramTable.of`, which names a transfer without its partner)."""
+    return ProgramTable.of(programs)
 
 
-def _table_ok(tab: ProgramTable, need: np.ndarray | None, backward: bool, kv: str) -> bool:
-    """True when the table passes every check; False means: run the op-by-op check for the
-    message (it finds the same fault and names it)."""
-    P = tab.world_size
-    if len(tab) == 0:
-        return need is None or not need.any() or _fallback("empty programs, non-empty tiles", False)
-    rank, step, kind, a, b, c = tab.rank, tab.step, tab.kind, tab.a, tab.b, tab.c
-    comp = kind <= G_
-    comm = ~comp
-    if int(step.min()) < 0 or int(b.min()) < 0 or int(b.max()) >= P:
-        return _fallback("_table_ok: a step or chunk out of range", False)
-    if (comp & ((a < 0) | (a >= P))).any():
-        return _fallback("_table_ok: a compute's chunk out of range", False)
-    if (comm & ((c < 0) | (c >= P) | (c == rank) | (a < 0) | (a >= _F))).any():
-        return _fallback("_table_ok: a transfer's peer or family out of range", False)
-    if int(kind.min()) < C_ or int(kind.max()) > R_:
-        return _fallback("_table_ok: an op kind the row columns do not hold", False)
-    if (int(step.max()) + 2) * P ** 3 * _F >= 2 ** 62:
-        return _fallback("_table_ok: keys past int64", False)
-    # every send has its receive, same step, same buffer
-    src = np.where(kind == S_, rank, c)
-    dst = np.where(kind == S_, c, rank)
-    key = (((step * P + src) * P + dst) * _F + a) * P + b
-    if not np.array_equal(np.sort(key[kind == S_]), np.sort(key[kind == R_])):
-        return _fallback("_table_ok: a send without its receive", False)
-    # presence: each read at step t needs the buffer owned, or written / received before t
-    def bkey(r, fam, chunk):
-        return (r * _F + fam) * P + chunk
-    Q, KV, OUT, DOUT = (_FAMILY_CODE[f] for f in (Family.Q, Family.KV, Family.OUT, Family.DOUT))
-    isg, iss, isr = kind == G_, kind == S_, kind == R_
-    side = (a, b)                                   # a tile's chunks: q, kv
-    reads = [(bkey(rank[m], f, side[sd][m]), step[m])
-             for f, m, sd in _tile_touches(kind, written=False)]
-    reads.append((bkey(rank[iss], a[iss], b[iss]), step[iss]))
-    writes = [(bkey(rank[m], f, side[sd][m]), step[m] + 1)
-              for f, m, sd in _tile_touches(kind, written=True)]
-    writes.append((bkey(rank[isr], a[isr], b[isr]), step[isr] + 1))
-    ranks = np.arange(P)
-    owned = [Q, KV] + ([OUT, DOUT] if backward else [])
-    writes += [(bkey(ranks, f, ranks), np.zeros(P, np.int64)) for f in owned]
-    if backward and kv == "keep":
-        writes.append((bkey(rank[isg], KV, b[isg]), np.zeros(int(isg.sum()), np.int64)))
-    wk = np.concatenate([w[0] for w in writes])
-    wv = np.concatenate([w[1] for w in writes])
-    order = np.argsort(wk, kind="stable")
-    wk, wv = wk[order], wv[order]
-    ukeys, starts = _runs(wk)
-    avail = np.minimum.reduceat(wv, starts)
-    rk = np.concatenate([r[0] for r in reads])
-    rt = np.concatenate([r[1] for r in reads])
-    at = np.minimum(np.searchsorted(ukeys, rk), len(ukeys) - 1)
-    if not ((ukeys[at] == rk) & (avail[at] <= rt)).all():
-        return _fallback("_table_ok: a read before its buffer is present", False)
-    if need is not None:
-        count = np.bincount(a[comp] * P + b[comp], minlength=P * P).reshape(P, P)
-        if not np.array_equal(count, need.astype(np.int64)):
-            return _fallback("_table_ok: tiles not computed exactly once", False)
-    return True
-
-
-def _reverse_table(tab: ProgramTable, kv: str) -> list[Program] | None:
-    """:func:`reverse` on columns; None when the op-by-op rules must decide (errors, or a
-    buffer received twice by one rank)."""
-    P = tab.world_size
-    rank, step, kind, a, b, c = tab.rank, tab.step, tab.kind, tab.a, tab.b, tab.c
-    n = len(rank)
-    comm = kind >= S_
-    grad_codes = np.array([_FAMILY_CODE[f] for f in _FAMILIES if f.is_gradient])
-    if (kind == G_).any() or (comm & np.isin(a, grad_codes)).any() or ((kind == C_) & (a != rank)).any():
-        return _fallback("_reverse_table: not forward programs (gradients, or a compute of "
-                         "another rank's queries)")
-    T = int(step.max()) + 1 if n else 0
-    cot = np.array([_FAMILY_CODE[f.cotangent] if f is not Family.ACC else -1 for f in _FAMILIES])
-    adj = dict(rank=rank, step=T - step, kind=np.choose(kind, ADJOINT_CODE),
-               a=np.where(comm, cot[np.where(comm, a, 0)], a), b=b, c=c,
-               group=np.zeros(n, np.int64), seq=np.arange(n))
-    parts = [adj]
-    if kv == "resend" and n:
-        extra = _resend_rows(P, T, rank, step, kind, a, b, c)
-        if extra is None:
-            return None
-        parts.append(extra)
-    cols = {k: np.concatenate([p[k] for p in parts]) for k in adj}
-    order = np.lexsort((cols["seq"], cols["group"], cols["step"], cols["rank"]))
-    out = ProgramTable(P, *(cols[k][order] for k in ("rank", "step", "kind", "a", "b", "c")))
-    return list(out.programs())
-
-
-def _resend_rows(P, T, rank, step, kind, a, b, c):
-    """The kv (and q) re-sends of ``_rematerialise``, as rows; None to fall back."""
-    NONE = np.int64(1) << 40
-    isc = kind == C_
-    side = (a[isc], b[isc])
-    c_reads = [(f, sd) for f, sd, w in TILE_TOUCH_CODES[C_] if not w]
-    # (buffer, rank) pairs as one key: buffer = fam * P + chunk
-    rd_key = np.concatenate([(f * P + side[sd]) * P + rank[isc] for f, sd in c_reads])
-    rd_t = np.concatenate([step[isc]] * len(c_reads))
-    inp = np.isin(a, [f for f, _ in c_reads])
-    isr = (kind == R_) & inp
-    in_key = (a[isr] * P + b[isr]) * P + rank[isr]
-    in_t, in_src = step[isr], c[isr]
-    if len(_uniq(in_key)) != len(in_key):
-        return _fallback("_resend_rows: a rank receives a buffer twice")
-    iss = (kind == S_) & inp
-    out_key = (a[iss] * P + b[iss]) * P + rank[iss]
-    o = np.lexsort((np.nonzero(iss)[0], -step[iss], out_key))        # first latest hop per key
-    ok_, first = _runs(out_key[o])
-    last_key, last_t, last_dst = ok_, step[iss][o][first], c[iss][o][first]
-    # holders: (buffer, rank) with reads or an in-hop, rank not the owner
-    hk = _uniq(np.concatenate([rd_key, in_key]))
-    hb, hr = hk // P, hk % P
-    hk = hk[hr != hb % P]
-    hb, hr = hk // P, hk % P
-    H = len(hk)
-    if H == 0:
-        return _no_rows()
-
-    ro = np.argsort(rd_key, kind="stable")
-    rkeys, rstart = _runs(rd_key[ro])
-    rmax = np.maximum.reduceat(rd_t[ro], rstart) if len(ro) else np.zeros(0, np.int64)
-    maxread, has_read = _lookup(hk, rkeys, rmax, 0)
-    io = np.argsort(in_key)
-    ikeys = in_key[io]
-    arr, has_in = _lookup(hk, ikeys, in_t[io], -1)
-    src, _ = _lookup(hk, ikeys, in_src[io], -1)
-    sup_t, has_sup = _lookup(hk, last_key, last_t, 0)
-    sup_d, _ = _lookup(hk, last_key, last_dst, -1)
-    need_at = np.where(has_read, T - maxread, NONE)
-    # upstream: src (not the owner) whose latest hop went to this rank
-    up_key = hb * P + np.where(has_in, src, 0)
-    up_idx, up_hit = _lookup(up_key, hk, np.arange(H), -1)
-    src_sup, src_has = _lookup(up_key, last_key, last_dst, -1)
-    relay_up = has_in & (src != hb % P) & up_hit & src_has & (src_sup == hr)
-    if (relay_up & (arr[np.where(up_hit, up_idx, 0)] >= arr)).any():
-        return _fallback("_resend_rows: a route that is not a tree in time")
-    cand_idx = np.nonzero(relay_up)[0]
-    cand_idx = cand_idx[np.argsort(arr[cand_idx], kind="stable")]
-    _, starts = _runs(arr[cand_idx])
-    for g in np.split(cand_idx, starts[1:]):      # forward arrival order: upstream first
-        if len(g):
-            up = need_at[up_idx[g]]
-            cand = np.where(up != NONE, T - arr[g] - 1, NONE)
-            need_at[g] = np.minimum(need_at[g], cand)
-    # emission in (family name, chunk, rank) order, as the op-by-op pass does
-    fam_rank = np.argsort(np.argsort([f.value for f in _FAMILIES]))
-    emit = np.lexsort((hr, hb % P, fam_rank[hb // P]))
-    emit = emit[need_at[emit] != NONE]
-    e = need_at[emit]
-    d_idx, d_hit = _lookup(hb[emit] * P + sup_d[emit], hk, np.arange(H), -1)
-    relay = (has_sup[emit] & (T - sup_t[emit] <= e) & d_hit
-             & (need_at[np.where(d_hit, d_idx, 0)] != NONE))
-    if ((~relay) & (e - 1 < 0)).any():
-        return _fallback("_resend_rows: a fetch before backward step 0")
-    owner = hb[emit] % P
-    frm = np.where(relay, sup_d[emit], owner)
-    u = np.where(relay, T - sup_t[emit] - 1, e - 1)
-    to = hr[emit]
-    fam, chunk = hb[emit] // P, hb[emit] % P
-    m = len(emit)
-    seq = np.arange(m)
-    return dict(rank=np.concatenate([frm, to]), step=np.concatenate([u, u]),
-                kind=np.concatenate([np.full(m, S_), np.full(m, R_)]),
-                a=np.concatenate([fam, fam]), b=np.concatenate([chunk, chunk]),
-                c=np.concatenate([to, frm]), group=np.ones(2 * m, np.int64),
-                seq=np.concatenate([seq, seq]))
-
-
-def _no_rows():
-    z = np.zeros(0, np.int64)
-    return dict(rank=z, step=z, kind=z, a=z, b=z, c=z, group=z, seq=z)
-
-
-# ---------------------------------------------------------------------------------------
-# the passes on a table's parts (computes, and transfers with one row per send/receive pair):
-# what lower and reverse produce; dense [family, rank, chunk] arrays instead of sorting
-# ---------------------------------------------------------------------------------------
-#: Above this many (family, rank, chunk) cells the passes on parts use the sorted row columns.
+#: Above this many (family, rank, chunk) cells the chain shortcuts leave a table to the
+#: general passes (sorted keys instead of dense planes).
 DENSE_CELLS = 1 << 26
 
 
@@ -1204,10 +1005,12 @@ def _assign_min(arr: np.ndarray, idx: np.ndarray, val: np.ndarray) -> None:
 
 
 def _parts_ok(tab: ProgramTable, need: np.ndarray | None, backward: bool, kv: str) -> bool | None:
-    """:func:`_table_ok` on parts: True when every check passes, False to let the op-by-op
-    check name the fault, None when the table is too large for the dense arrays."""
+    """The ring chain's shortcut of :func:`_general_ok` (a :attr:`~ProgramTable.chain`
+    table: whole-heads computes and transfers, dense ``[rank, chunk]`` planes): True when
+    every check passes, False to let the op-by-op check name the fault, None when the table
+    is too large for the dense arrays (the general check decides)."""
     P = tab.world_size
-    comp, xfer = tab._parts
+    comp, xfer = tab._parts[:2]
     if _F * P * P > DENSE_CELLS:
         return None
     cr, ct, ck, cq, ckv = comp["rank"], comp["step"], comp["kind"], comp["q"], comp["kv"]
@@ -1259,10 +1062,11 @@ def _parts_ok(tab: ProgramTable, need: np.ndarray | None, backward: bool, kv: st
 
 
 def _reverse_parts(tab: ProgramTable, kv: str) -> list[Program] | None:
-    """:func:`reverse` on parts (forward programs that move kv only, each rank computing its
-    own queries); None when the row columns must decide."""
+    """The ring chain's shortcut of :func:`_general_reverse` (a :attr:`~ProgramTable.chain`
+    table of forward programs that move kv only, each rank computing its own queries); None
+    when the general reverse must decide."""
     P = tab.world_size
-    comp, xfer = tab._parts
+    comp, xfer = tab._parts[:2]
     KV = _FAMILY_CODE[Family.KV]
     cr, ct, ck, cq, ckv = comp["rank"], comp["step"], comp["kind"], comp["q"], comp["kv"]
     xt, xs, xd, xf, xc = xfer["step"], xfer["src"], xfer["dst"], xfer["fam"], xfer["chunk"]
@@ -1274,19 +1078,19 @@ def _reverse_parts(tab: ProgramTable, kv: str) -> list[Program] | None:
     bcomp = dict(rank=cr, step=T - ct, kind=np.full(len(cr), ADJOINT_CODE[C_], np.int64), q=cq, kv=ckv,
                  order=comp["order"])
     bx = [dict(step=T - xt, src=xd, dst=xs, fam=np.full(len(xs), _FAMILY_CODE[Family.DKV]),
-               chunk=xc, order=xfer["order"])]
+               chunk=xc, order=xfer["rorder"], rorder=xfer["order"])]
     if kv == "resend":
         after = 1 + max([int(x["order"].max()) for x in (comp, xfer) if len(x["order"])])
         extra = _resend_parts(P, T, cr, ct, ckv, xt, xs, xd, xc, xfer["order"], after)
         if extra is None:
             return None
-        bx.append(extra)
+        bx.append(dict(extra, rorder=extra["order"]))
     bxfer = {k: np.concatenate([x[k] for x in bx]) for k in bx[0]}
     return list(ProgramTable._of_parts(P, bcomp, bxfer).programs())
 
 
 def _resend_parts(P, T, cr, ct, ckv, xt, xs, xd, xc, xorder, after, owner=None):
-    """:func:`_resend_rows` on the hops themselves: the kv re-sends of the backward as
+    """The backward's kv re-send on the hops themselves: the kv re-sends of the backward as
     transfers (orders from ``after`` on, in (chunk, rank) order: after every adjoint op), or
     None to fall back.
 
@@ -1509,7 +1313,7 @@ def _lookup(keys: np.ndarray, table_keys: np.ndarray, values: np.ndarray, defaul
 
 
 def _general_ok(tab: ProgramTable, need: np.ndarray | None, backward: bool, kv: str) -> bool | None:
-    """:func:`_table_ok` on a general table's parts: True when every check passes, False to
+    """The structural checks on a table's columns: True when every check passes, False to
     let the op-by-op check name the fault."""
     g = _Gen(tab)
     if not g.ok:
@@ -1594,19 +1398,10 @@ def _general_ok(tab: ProgramTable, need: np.ndarray | None, backward: bool, kv: 
 
 
 def _table_tiles_ok(tab: ProgramTable, need: np.ndarray) -> bool:
-    """The tile check alone, on any table's columns."""
-    if tab.general:
-        comp = tab._parts[0]
-        return _general_tiles_ok(need, *(np.asarray(comp[k], dtype=np.int64)
-                                          for k in ("q", "kv", "hi", "hn")))
-    if tab._parts is not None and tab._cols is None:
-        q, kv = (np.asarray(tab._parts[0][k], dtype=np.int64) for k in ("q", "kv"))
-    else:
-        comp = tab.kind <= G_
-        q, kv = tab.a[comp], tab.b[comp]
-    P = tab.world_size
-    count = np.bincount(q * P + kv, minlength=P * P).reshape(P, P)
-    return np.array_equal(count, need.astype(np.int64))
+    """The tile check alone, on a table's computes."""
+    comp = tab._parts[0]
+    return _general_tiles_ok(need, *(np.asarray(comp[k], dtype=np.int64)
+                                      for k in ("q", "kv", "hi", "hn")))
 
 
 def _by_family(entries) -> dict:
