@@ -1,0 +1,530 @@
+"""The IR's rules op by op: the readable oracle of the column passes.
+
+:mod:`fringe.schedules.passes` runs ``check``, ``prune`` and ``reverse`` on the columns of
+the one :class:`~fringe.schedules.ir.ProgramTable`; :func:`fringe.plan` reads plan stats and
+the cost model its programs from the same columns. This module states the same rules on op
+objects, one op at a time, from each op's ``reads()`` / ``writes()`` / ``adjoint()`` (the
+rule table :data:`fringe.schedules.ir.RULES`), as :mod:`fringe.ops.reference` states
+attention for the kernels. It is slow (Python per op) and exists for the differential
+tests: production modules never import it.
+"""
+from __future__ import annotations
+
+import bisect
+import collections
+import itertools
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from ..schedules.ir import (RULES, Buffer, Collective, Compute, Family, GradCompute, Op,
+                            Program, Recv, Send, _BUFS_OF, _FIELDS, _buf, marked,
+                            program_from_ops, steps_of)
+from ..schedules.passes import Hop, KV_MODES, ScheduleError, _need_array
+
+_INPUTS = frozenset(f for f, _ in RULES["C"].reads)   # what computes read
+_INPUT_BUFS, _GRADS, _OUTS = _BUFS_OF["input"], _BUFS_OF["gradient"], _BUFS_OF["out"]
+_TILES = frozenset({Compute, GradCompute})
+
+
+def check(programs: Sequence[Program], *, need: torch.Tensor | None = None,
+          backward: bool = False, kv: str = "resend") -> None:
+    """:func:`fringe.schedules.check`'s rules op by op (same faults, same messages)."""
+    P = len(programs)
+    for r, prog in enumerate(programs):
+        if prog.rank != r:
+            raise ScheduleError(f"program {r} is for rank {prog.rank}; pass programs in rank order")
+    posted: collections.Counter = collections.Counter()
+    for prog in programs:
+        r = prog.rank
+        for step in prog.steps:
+            t = step.index
+            for op in step.ops:
+                if isinstance(op, Send):
+                    key = (t, r, op.peer, op.buf, True)
+                elif isinstance(op, Recv):
+                    key = (t, op.peer, r, op.buf, False)
+                else:
+                    continue
+                if not 0 <= op.peer < P or op.peer == r:
+                    _fail(programs, r, t, f"{op} names an invalid peer (world size {P})")
+                posted[key] += 1
+    for (t, src, dst, buf, is_send), n in posted.items():
+        if posted.get((t, src, dst, buf, not is_send), 0) != n:
+            who, op = (src, Send(buf, dst)) if is_send else (dst, Recv(buf, src))
+            peer = dst if is_send else src
+            missing = "receive" if is_send else "send"
+            _fail(programs, who, t, f"'{op}' has no matching {missing} on rank {peer} in the "
+                                    f"same step")
+    _check_collectives(programs)
+    _check_presence(programs, backward=backward, kv=kv)
+    if need is not None:
+        _check_tiles(programs, _need_array(need, P))
+
+
+def prune(programs: Sequence[Program], need: torch.Tensor) -> list[Program]:
+    """:func:`fringe.schedules.prune`'s rules op by op."""
+    P = len(programs)
+    ok = _need_array(need, P)
+
+    okl = ok.tolist()
+
+    def kept(op) -> bool:
+        return okl[op.q][op.kv]
+
+    uses: set[tuple[int, Buffer]] = set()              # (rank, buffer) read by a kept compute
+    moves: dict[Buffer, list[tuple[int, int, int]]] = collections.defaultdict(list)
+    add = uses.add
+    changed = [False] * P                   # a compute dropped, or an input moved, or a step empty
+    for prog in programs:
+        r = prog.rank
+        for t, op in prog.ops():
+            if type(op) is Compute and op.heads is None:     # the hot path, by attribute
+                if okl[op.q][op.kv]:
+                    for b in op.reads():
+                        add((r, b))
+                else:
+                    changed[r] = True
+                continue
+            if isinstance(op, (Compute, GradCompute)):
+                changed[r] = changed[r] or not kept(op)
+                if kept(op):
+                    uses.update((prog.rank, b) for b in op.reads())
+            elif isinstance(op, Send) and op.buf.family in _INPUTS:
+                moves[op.buf].append((t, prog.rank, op.peer))
+                changed[r] = True
+            elif isinstance(op, Recv) and op.buf.family in _INPUTS:
+                changed[r] = True
+            elif type(op) is Collective:        # each contribution is a move (own slot: r -> r)
+                group = op.group
+                for k, b in zip(*op.sparse_sends):
+                    if b.family in _INPUTS:
+                        moves[b].append((t, r, group[k]))
+                        changed[r] = True
+                if any(b.family in _INPUTS for b in op.sparse_recvs[1]):
+                    changed[r] = True
+    keep: set[tuple[Buffer, int, int, int]] = set()     # (buffer, step, src, dst)
+    for b, hops in moves.items():
+        hops.sort(key=lambda h: -h[0])
+        live: set[int] = set()                           # ranks with a kept hop out, later
+        n = 0
+        while n < len(hops):                             # latest step first, a step at a time
+            t = hops[n][0]
+            group = []
+            while n < len(hops) and hops[n][0] == t:
+                group.append(hops[n])
+                n += 1
+            # kept: its receiver computes with b, or forwards b later (a kept move out of it);
+            # a collective's own slot (src == dst) by the same rule
+            kept_now = [(src, dst) for (_, src, dst) in group if (dst, b) in uses or dst in live]
+            keep.update((b, t, src, dst) for src, dst in kept_now)
+            live.update(src for src, _ in kept_now)
+    thinned = _thin_collectives(programs, keep)
+    pruned = []
+    for prog in programs:
+        if not changed[prog.rank] and all(step.ops for step in prog.steps):
+            pruned.append(prog)             # nothing to drop: the same value, without a rebuild
+            continue
+        ops: dict[int, list[Op]] = collections.defaultdict(list)
+        dropped = False
+        seen: collections.Counter = collections.Counter()
+        for t, op in prog.ops():
+            if isinstance(op, (Compute, GradCompute)):
+                if kept(op):
+                    ops[t].append(op)
+                else:
+                    dropped = True
+            elif isinstance(op, (Send, Recv)) and op.buf.family in _INPUTS:
+                src, dst = (prog.rank, op.peer) if isinstance(op, Send) else (op.peer, prog.rank)
+                if (op.buf, t, src, dst) in keep:
+                    ops[t].append(op)
+                else:
+                    dropped = True
+            elif type(op) is Collective:
+                key = (t, op.group, seen[(t, op.group)])
+                seen[(t, op.group)] += 1
+                new = thinned.get((prog.rank, key), op)
+                if new is not None:
+                    ops[t].append(new)
+                dropped = dropped or new is not op
+            else:
+                ops[t].append(op)
+        if dropped or not all(step.ops for step in prog.steps):
+            prog = program_from_ops(prog.rank, ops)
+        pruned.append(prog)                 # unchanged programs stay the same values
+    return pruned
+
+
+def reverse(programs: Sequence[Program], *, kv: str = "resend") -> list[Program]:
+    """:func:`fringe.schedules.reverse`'s rules op by op (as many prologue steps as
+    re-materialising needs)."""
+    if kv not in KV_MODES:
+        raise ValueError(f"kv must be one of {KV_MODES}, got {kv!r}")
+    T0 = steps_of(programs)
+    T = T0
+    while True:
+        try:
+            return _reverse_ops(programs, kv, T)
+        except _TooEarly as e:
+            if T - T0 + e.by > 2 * T0 + 2:
+                raise ScheduleError(f"{e.what}; no number of prologue steps delivers it")
+            T += e.by
+
+
+def _thin_collectives(programs: Sequence[Program], keep: set) -> dict:
+    """Each collective side with input slots, thinned to the contributions in ``keep``
+    (``(buffer, step, src, dst)``): ``{(rank, (step, group, n)): op}``, the op itself when
+    nothing is dropped and None when no member's side of that collective is left moving
+    anything (own slots move nothing; then no member issues it)."""
+    out: dict = {}
+    empty: dict = {}
+    for prog in programs:
+        r = prog.rank
+        seen: collections.Counter = collections.Counter()
+        for step in prog.steps:
+            t = step.index
+            for op in step.collectives:
+                key = (t, op.group, seen[(t, op.group)])
+                seen[(t, op.group)] += 1
+                g = op.group
+                (si, sb), (ri, rb) = op.sparse_sends, op.sparse_recvs
+                ks = [n for n, (k, b) in enumerate(zip(si, sb))
+                      if b.family not in _INPUTS or (b, t, r, g[k]) in keep]
+                kr = [n for n, (k, b) in enumerate(zip(ri, rb))
+                      if b.family not in _INPUTS or (b, t, g[k], r) in keep]
+                if len(ks) == len(si) and len(kr) == len(ri):
+                    new = op
+                else:
+                    new = Collective.sparse(op.kind, g, (tuple(si[n] for n in ks), tuple(sb[n] for n in ks)),
+                                            (tuple(ri[n] for n in kr), tuple(rb[n] for n in kr)))
+                out[(r, key)] = new
+                moves = any(g[si[n]] != r for n in ks) or any(g[ri[n]] != r for n in kr)
+                empty[key] = empty.get(key, True) and not moves   # own slots move nothing
+    for (r, key) in out:
+        if empty[key]:
+            out[(r, key)] = None
+    return out
+
+
+class _TooEarly(Exception):
+    """A backward move would need a step before 0: so many more prologue steps."""
+
+    def __init__(self, by: int, what: str) -> None:
+        super().__init__(what)
+        self.by, self.what = by, what
+
+
+def _reverse_ops(programs: Sequence[Program], kv: str, T: int) -> list[Program]:
+    """:func:`reverse` op by op, forward step t becoming backward step ``T - t``."""
+    P = len(programs)
+    ops: list[dict[int, list[Op]]] = [collections.defaultdict(list) for _ in range(P)]
+    # (rank, buffer) -> the last forward step a compute reads it (steps increase in a program)
+    reads_at: dict[tuple[int, Buffer], int] = {}
+    in_hop: dict[tuple[int, Buffer], Hop] = {}
+    out_hops: dict[tuple[int, Buffer], list[Hop]] = collections.defaultdict(list)
+    by_collective: set[tuple[int, Buffer]] = set()     # inputs a collective brought to a rank
+    collectives: dict[tuple, dict[int, Collective]] = collections.defaultdict(dict)
+    for prog in programs:
+        r = prog.rank
+        seen: collections.Counter = collections.Counter()
+        for step in prog.steps:
+            t = step.index
+            dst = ops[r][T - t]
+            for op in step.ops:
+                if type(op) is Compute:     # the hot path: whole-heads tiles, by attribute
+                    q, k, h = op.q, op.kv, op.heads
+                    dst.append(_grad_compute(q, k, h))
+                    for b in op.reads():
+                        reads_at[(r, b)] = t
+                    continue
+                _reverse_op(prog, r, t, op, T, ops, dst, reads_at, in_hop, out_hops,
+                            by_collective, collectives, seen)
+    _reissue(T, ops, collectives, reads_at, kv)
+    _rematerialise(T, ops, reads_at, in_hop, out_hops, skip=by_collective,
+                   families=_INPUTS if kv == "resend" else frozenset({Family.Q}))
+    return [program_from_ops(r, ops[r]) for r in range(P)]
+
+
+def _grad_compute(q: int, kv: int, heads, _new=object.__new__, _set=object.__setattr__,
+                  _cls=GradCompute) -> GradCompute:
+    """``GradCompute(q, kv, heads)`` from a Compute's checked fields (no re-validation)."""
+    g = _new(_cls)
+    _set(g, "q", q)
+    _set(g, "kv", kv)
+    _set(g, "heads", heads)
+    return g
+
+
+def _reverse_op(prog, r, t, op, T, ops, dst, reads_at, in_hop, out_hops, by_collective,
+                collectives, seen) -> None:
+    """One op (not a forward Compute) of :func:`reverse`'s rules."""
+    if isinstance(op, GradCompute) or (isinstance(op, (Send, Recv))
+                                       and op.buf.family.is_gradient) or (
+            isinstance(op, Collective) and not (_GRADS.isdisjoint(op.reads())
+                                                and _GRADS.isdisjoint(op.writes()))):
+        raise ScheduleError(f"rank {r}, step {t}: reverse takes forward programs; found "
+                            f"{op}\n{marked(prog, t)}")
+    dst.append(op.adjoint())
+    if isinstance(op, (Send, Recv)):
+        fam = op.buf.family
+        if fam is Family.OUT:       # the merged (out, lse) goes with its cotangent
+            ops[r][T - t].append(Recv(op.buf, op.peer) if isinstance(op, Send)
+                                 else Send(op.buf, op.peer))
+        elif fam in _INPUTS and isinstance(op, Send):
+            out_hops[(r, op.buf)].append(Hop(t, r, op.peer))
+        elif fam in _INPUTS:
+            in_hop[(r, op.buf)] = Hop(t, op.peer, r)
+    elif isinstance(op, Collective):
+        if not (_OUTS.isdisjoint(op.reads()) and _OUTS.isdisjoint(op.writes())):
+            ops[r][T - t].append(op.transposed())
+        by_collective.update((r, b) for b in _INPUT_BUFS.intersection(op.received(r)))
+        key = (t, op.group, seen[(t, op.group)])
+        seen[(t, op.group)] += 1
+        collectives[key][r] = op
+    else:
+        for b in op.reads():
+            reads_at[(r, b)] = t
+
+
+def _reissue(T, ops, collectives, reads_at, kv: str) -> None:
+    """Re-issue each forward collective that brought inputs (q, kv) the backward reads again.
+
+    Every member issues it unchanged, one step before the earliest backward read of what it
+    brings on any member (a forward read at step t is a backward read at T - t), and before
+    any re-issued collective that sends on what it brings (a 2D schedule forwards head slices
+    an all-to-all brought). With ``kv="keep"`` a collective that brings only kv is not
+    re-issued (the kv is kept).
+    """
+    brought: dict[tuple[int, Buffer], tuple] = {}
+    when: dict[tuple, int] = {}
+    repeat = itertools.repeat
+    for key, sides in collectives.items():
+        latest, families = None, set()          # the last forward read of what it brought
+        for r, op in sides.items():
+            got = _INPUT_BUFS.intersection(op.received(r))
+            if not got:
+                continue
+            pairs = list(zip(repeat(r), got))
+            brought.update(zip(pairs, repeat(key)))
+            families.update(_FIELDS[b][0] for b in got)
+            ats = [a for a in map(reads_at.get, pairs) if a is not None]
+            if ats:
+                latest = max(ats) if latest is None else max(latest, max(ats))
+        if latest is not None and not (kv == "keep" and families == {Family.KV}):
+            when[key] = T - latest - 1
+    for key in sorted(collectives, key=lambda k_: -k_[0]):      # latest forward step first
+        if key not in when:
+            continue
+        for r, op in collectives[key].items():
+            for b in op.reads():
+                dep = brought.get((r, b))
+                if dep is not None:
+                    when[dep] = min(when.get(dep, when[key] - 1), when[key] - 1)
+    if when and min(when.values()) < 0:
+        key, u = min(when.items(), key=lambda kv_: kv_[1])
+        raise _TooEarly(-u, f"the collective at forward step {key[0]} over group "
+                            f"{list(key[1])} would have to be re-issued at backward step {u}")
+    for key, u in sorted(when.items(), key=lambda kv_: (kv_[0][0], kv_[0][1], kv_[0][2])):
+        for r, op in collectives[key].items():
+            ops[r][u].append(op)
+
+
+def _rematerialise(T, ops, reads_at, in_hop, out_hops, *, skip=frozenset(),
+                   families=_INPUTS) -> None:
+    """Add the input moves of the backward: each non-owner that reads buffer b gets it in time.
+
+    No recursion: a rank's first need depends only on its upstream neighbour's, and the
+    upstream rank received the buffer earlier, so ranks are visited in forward arrival order.
+    ``skip``: (rank, buffer) pairs a re-issued collective delivers; ``families``: the
+    buffer families to re-send.
+    """
+    holders: dict[Buffer, set[int]] = collections.defaultdict(set)
+    # in program order (buffers that sort alike, head slices of one chunk, keep it)
+    for (r, b) in itertools.filterfalse(skip.__contains__, itertools.chain(reads_at, in_hop)):
+        fam, chunk, _ = _FIELDS[b]
+        if r != chunk and fam in families:
+            holders[b].add(r)
+    for b in sorted(holders, key=lambda b: (b.family.value, b.chunk)):
+        owner = b.chunk
+        ranks = sorted(holders[b])
+
+        last_out = {}                          # rank -> its latest hop of b onwards
+        for r in ranks:
+            hops = out_hops.get((r, b))
+            if hops:
+                last_out[r] = max(hops, key=lambda h: h.step)
+
+        def supplier(r: int) -> int | None:
+            hop = last_out.get(r)
+            return None if hop is None else hop.dst
+
+        need_at: dict[int, int | None] = {}    # rank -> first backward step it needs b present
+        arrival = sorted(ranks, key=lambda r: in_hop[(r, b)].step if (r, b) in in_hop else -1)
+        for r in arrival:
+            last = reads_at.get((r, b))
+            times = [] if last is None else [T - last]
+            hop = in_hop.get((r, b))
+            if hop is not None and hop.src != owner and supplier(hop.src) == r:
+                if need_at.get(hop.src) is not None:
+                    times.append(T - hop.step - 1)      # r sends b up at that step
+            need_at[r] = min(times) if times else None
+        for r in ranks:
+            e = need_at[r]
+            if e is None:
+                continue
+            d = supplier(r)
+            if d is not None:
+                t_s = last_out[r].step
+                if T - t_s <= e and need_at.get(d) is not None:
+                    u = T - t_s - 1
+                    ops[d][u].append(Send(b, r))
+                    ops[r][u].append(Recv(b, d))
+                    continue
+            if e - 1 < 0:
+                raise _TooEarly(1 - e, f"rank {r} needs {b} at backward step {e}; there is "
+                                       f"no earlier step to fetch it in")
+            ops[owner][e - 1].append(Send(b, r))
+            ops[r][e - 1].append(Recv(b, owner))
+
+
+def _fail(programs: Sequence[Program], rank: int, step: int, what: str):
+    raise ScheduleError(f"rank {rank}, step {step}: {what}\n{marked(programs[rank], step)}")
+
+
+def _check_collectives(programs: Sequence[Program]) -> None:
+    """Every member of a group issues the same collectives in the same step and order, and
+    what one member sends another receives (the same buffer, or nothing on both sides).
+
+    Work is per occupied slot, not per member pair: a 1024-member gather that moves a few
+    chunks costs what it moves (slots are compared as sets of (sender, receiver, buffer)).
+    """
+    P = len(programs)
+    issued: dict[tuple, dict[int, list]] = collections.defaultdict(lambda: collections.defaultdict(list))
+    member: dict[int, tuple[tuple, dict[int, int], int]] = {}     # id(group) -> index, max
+    for prog in programs:
+        r = prog.rank
+        for step in prog.steps:
+            for op in step.collectives:
+                hit = member.get(id(op.group))
+                if hit is None or hit[0] is not op.group:
+                    hit = member[id(op.group)] = (op.group, {m: i for i, m in enumerate(op.group)},
+                                                  max(op.group))
+                if r not in hit[1]:
+                    _fail(programs, r, step.index, f"'{op}': rank {r} is not a member of its group")
+                if hit[2] >= P:
+                    _fail(programs, r, step.index, f"'{op}' names a rank outside [0, {P})")
+                me = hit[1][r]
+                (si, sb), (ri, rb) = op.sparse_sends, op.sparse_recvs
+                if _slot(si, sb, me) != _slot(ri, rb, me):
+                    _fail(programs, r, step.index, f"'{op}': the slot of rank {r} itself must hold "
+                                                   f"the same buffer on both sides (or '-')")
+                issued[(step.index, op.group)][r].append(op)
+    for (t, group), sides in issued.items():
+        counts = {m: len(sides.get(m, ())) for m in group}
+        if len(set(counts.values())) != 1:
+            few = min(group, key=lambda m: counts[m])
+            many = max(group, key=lambda m: counts[m])
+            _fail(programs, few, t, f"rank {few} issues {counts[few]} collective(s) over group "
+                                    f"{list(group)} in this step but rank {many} issues "
+                                    f"{counts[many]}; every member issues the same collectives "
+                                    f"in the same order")
+        for n in range(counts[group[0]]):
+            ops = [sides[m][n] for m in group]
+            kind0 = ops[0].kind
+            for m, op in zip(group, ops):
+                if op.kind != kind0:
+                    _fail(programs, m, t, f"'{op}' is collective #{n} over group {list(group)} "
+                                          f"here, but rank {group[0]} issues '{ops[0]}'")
+            # what a sends to each member is what each member receives from a
+            sent, got = set(), set()
+            for i, op in enumerate(ops):          # slots by zip (in C); own slots dropped
+                (si, sb), (ri, rb) = op.sparse_sends, op.sparse_recvs
+                sent.update(zip(itertools.repeat(i), si, sb))
+                got.update(zip(ri, itertools.repeat(i), rb))
+                own = _slot(si, sb, i)
+                if own is not None:
+                    sent.discard((i, i, own))
+                own = _slot(ri, rb, i)
+                if own is not None:
+                    got.discard((i, i, own))
+            if sent != got:
+                a_i, b_i = min((a_i, b_i) for a_i, b_i, _ in sent ^ got)
+                a, b = group[a_i], group[b_i]
+                given = _slot(*ops[a_i].sparse_sends, b_i)
+                taken = _slot(*ops[b_i].sparse_recvs, a_i)
+                _fail(programs, a, t, f"'{ops[a_i]}' sends {given or 'nothing'} to rank {b}, but "
+                                      f"rank {b}'s side '{ops[b_i]}' receives {taken or 'nothing'} "
+                                      f"from rank {a}")
+
+
+def _slot(idx: tuple[int, ...], bufs: tuple[Buffer, ...], k: int) -> Buffer | None:
+    """Slot ``k`` of a collective side given sparse (its buffer, or None)."""
+    at = bisect.bisect_left(idx, k)
+    return bufs[at] if at < len(idx) and idx[at] == k else None
+
+
+def _check_presence(programs: Sequence[Program], *, backward: bool, kv: str) -> None:
+    for prog in programs:
+        r = prog.rank
+        present = {_buf(Family.Q, r), _buf(Family.KV, r)}
+        if backward:
+            present |= {_buf(f, r) for f in (Family.OUT, Family.DOUT, Family.DQ, Family.DKV)}
+            if kv == "keep":
+                present |= {b for _, op in prog.ops() if isinstance(op, GradCompute)
+                            for b in op.reads() if b.family is Family.KV}
+        for step in prog.steps:
+            arriving = []
+            for op in step.ops:
+                # a collective's own slot stays in place: not a read (RULES)
+                reads = op.sent(r) if type(op) is Collective else op.reads()
+                if present.issuperset(reads):
+                    arriving.extend(op.writes())
+                    continue
+                for b in reads:
+                    if b not in present and b.parent not in present:
+                        if isinstance(op, Send):
+                            what = f"'{op}' sends {b}, which is not on rank {r} yet"
+                        else:
+                            what = f"'{op}' needs {b}, which is not on rank {r} yet"
+                        _fail(programs, r, step.index, what)
+                arriving.extend(op.writes())
+            present.update(arriving)
+
+
+def _check_tiles(programs: Sequence[Program], need: np.ndarray) -> None:
+    P = len(programs)
+    tiles = [(op.q, op.kv, op.heads) for prog in programs for step in prog.steps
+             for op in step.ops if type(op) in _TILES]
+    qk = np.array([x[:2] for x in tiles], dtype=np.int64).reshape(-1, 2)
+    q, k = qk[:, 0], qk[:, 1]
+    if len(q) and (q.min() < 0 or q.max() >= P or k.min() < 0 or k.max() >= P):
+        raise ScheduleError(f"a compute names a chunk outside [0, {P})")
+    sliced: dict[tuple[int, int], list] = collections.defaultdict(list)
+    if any(x[2] is not None for x in tiles):
+        for i, j, h in tiles:
+            sliced[(i, j)].append(h)
+        count = np.zeros((P, P), dtype=np.int64)
+    else:                                     # whole heads only: a count per tile
+        count = np.bincount(q * P + k, minlength=P * P).reshape(P, P)
+    for (i, j), heads in sliced.items():      # a tile is whole heads once, or each slice once
+        ns = {h[1] for h in heads if h is not None}
+        if heads == [None] or (len(ns) == 1 and None not in heads
+                               and sorted(h[0] for h in heads) == list(range(ns.pop()))):
+            count[i, j] = 1
+        else:
+            count[i, j] = len(heads) + (len(heads) == 1)     # never 1: not a cover
+    bad = np.argwhere(count != need.astype(np.int64))
+    if not len(bad):
+        return
+    i, j = (int(x) for x in bad[0])
+    where = [f"rank {prog.rank} step {t}" + ("" if op.heads is None else f" (h{op.heads[0]}/"
+                                              f"{op.heads[1]})")
+             for prog in programs for t, op in prog.ops()
+             if isinstance(op, (Compute, GradCompute)) and (op.q, op.kv) == (i, j)]
+    n = len(where)
+    what = ("is never computed" if n == 0 and need[i, j] else
+            f"is computed {n} times ({', '.join(where)})" if need[i, j] else
+            f"is empty but computed at {', '.join(where)}")
+    raise ScheduleError(f"tile q{i}·kv{j} {what}; every non-empty tile must be computed "
+                        f"exactly once (all heads at once, or each head slice of one split once)")
