@@ -1,6 +1,8 @@
 """The balanced layout: least predicted step time, documents kept whole, communication pruned."""
 from __future__ import annotations
 
+import hashlib
+
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
@@ -441,3 +443,64 @@ def test_sliding_window_stays_contiguous_or_better(S, P):
     t = lambda p: float(layout.predict(nat, blocks_of(p.layout, bs), P, block_size=bs).max())  # noqa: E731
     assert t(bal) <= t(ring) * (1 + 1e-9)
     assert forward_sends(ring) <= forward_sends(bal) <= P
+
+
+def _order_digest(lay: layout.Layout) -> str:
+    """sha256 of the layout's order as little-endian int64, first 16 hex digits."""
+    return hashlib.sha256(lay.order.numpy().astype("<i8").tobytes()).hexdigest()[:16]
+
+
+#: (name, S, P, block, digest of balanced's order), computed on main before the solver moved
+#: into its own module (fringe/layout/_balanced.py): notebook 01's masks (S=2048, P=4,
+#: block 64), the six documents of fringe.schedules.balanced's doctest, packed documents
+#: past EXACT_BLOCKS (estimated calls; notebook 03's 128 documents at S=65,536), windows
+#: and causal. A change here is a change of the solver's answer, not of its module.
+PINNED = [("nb01_packed", 2048, 4, 64, "5ccf19f4f2c0424b"),
+          ("nb01_window", 2048, 4, 64, "5ccf19f4f2c0424b"),
+          ("nb01_prefix", 2048, 4, 64, "8440d9a2fbd2f0d3"),
+          ("doctest_docs", 1024, 4, 16, "2280cf4375bd6e30"),
+          ("docs128", 65536, 8, 32, "fe6341c1243597aa"),
+          ("docs128", 65536, 32, 32, "c080ee6a646e0724"),
+          ("docs16", 16384, 8, 16, "bb62ed45b6dae244"),
+          ("docs5", 32768, 16, 32, "4495a2fe7688d43d"),
+          ("window3000", 32768, 8, 32, "7c2e81a844e02bcc"),
+          ("window512", 8192, 4, 16, "d7c2866f911c21d6"),
+          ("causal", 8192, 4, 16, "76bca593929cf6fe")]
+
+
+def _pinned_mask(name: str, S: int):
+    if name.startswith("nb01_"):
+        ids = torch.repeat_interleave(torch.arange(6), torch.tensor([700, 90, 500, 300, 180, 278]))
+        return {"nb01_packed": masks.causal() & masks.document(ids),
+                "nb01_window": masks.sliding_window(256),
+                "nb01_prefix": masks.causal() | masks.prefix_lm(128)}[name]
+    if name == "doctest_docs":
+        ids = torch.repeat_interleave(torch.arange(6), torch.tensor([256, 64, 192, 128, 320, 64]))
+        return masks.causal() & masks.document(ids)
+    if name.startswith("docs"):
+        return masks.causal() & masks.document(bench.packed_docs(S, int(name[4:]), 0))
+    if name.startswith("window"):
+        return masks.sliding_window(int(name[6:]))
+    return masks.causal()
+
+
+@pytest.mark.parametrize("name,S,P,bs,digest", PINNED)
+def test_balanced_orders_are_pinned(name, S, P, bs, digest):
+    """The balanced layout's block order for these masks is exactly what it was on main
+    before the module split (the solver moved, its answers did not)."""
+    nat = sparse(_pinned_mask(name, S), S, bs)
+    assert _order_digest(layout.balanced(S, P, block_size=bs, natural=nat)) == digest
+    if name.startswith("nb01_"):          # through fringe.plan, as the notebook plans it
+        p = fringe.plan(schedules.balanced(), _pinned_mask(name, S), seq_len=S, world_size=P,
+                        block_size=bs)
+        assert _order_digest(p.layout) == digest
+
+
+def test_balanced_orders_of_weighted_maps_and_block_work_are_pinned():
+    """Several maps with weights, and the LPT deal of block_work, as on main before the split."""
+    S, P, bs = 8192, 4, 16
+    maps = [(sparse(masks.sliding_window(512), S, bs), 3), (sparse(masks.causal(), S, bs), 1)]
+    assert _order_digest(layout.balanced(S, P, block_size=bs, natural=maps)) == "2f7fc874a155c39f"
+    work = torch.arange(64, dtype=torch.float64) % 7
+    assert _order_digest(layout.balanced(1024, 4, block_size=16, block_work=work)) == \
+        "a163828ee8412782"
