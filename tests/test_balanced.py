@@ -10,6 +10,7 @@ from torch.testing import assert_close
 
 import fringe
 from fringe import bench, layout, masks, schedules
+from fringe.layout import _balanced   # the solver's private helpers
 from fringe.ops import reference
 from fringe.testing import make_qkv, seeds, tolerances
 
@@ -111,7 +112,7 @@ def test_predicted_time_is_never_worse_than_contiguous_or_zigzag(P, n_docs, seed
     lay = layout.balanced(S, P, block_size=bs, natural=nat)
     t = lambda lay: float(layout.predict(nat, blocks_of(lay, bs), P, block_size=bs).max())  # noqa: E731
     zz = t(layout.zigzag(S, P, block_size=bs))
-    if layout.segments(nat) == [(0, S // bs)] and layout._Rows.of(nat_sparse(nat)).plain:
+    if layout.segments(nat) == [(0, S // bs)] and _balanced._Rows.of(nat_sparse(nat)).plain:
         # every block row's kv starts at block 0 (the first document ends inside block 0):
         # causal at block level, where balanced keeps pair work balanced (BALANCE_SLACK)
         # even where calls make contiguous predicted faster
@@ -265,16 +266,16 @@ def test_sparse_work_estimate_equals_the_dense_one(kind, P, m, order, seed):
         orders = [b for _, b in layout.candidates(bm, P)]
     else:
         orders = [blocks_of(getattr(layout, order)(S, P, block_size=bs), bs)]
-    rows = layout._Rows.of(bm)
+    rows = _balanced._Rows.of(bm)
     assert rows.first.tolist() == torch.where(nat != 0, torch.arange(nb), nb).min(1).values.tolist()
     for blocks in orders:
-        work, qr, kr = layout._approx_work(rows, blocks, P, bs)
+        work, qr, kr = _balanced._approx_work(rows, blocks, P, bs)
         want, need = dense_approx_work(nat, blocks, P, bs)
         assert torch.equal(work, want), (work, want)
         got = torch.zeros(P, P, dtype=torch.bool)
         got[qr, kr] = True
         assert torch.equal(got, need)
-        assert torch.equal(layout._ring_moves(qr, kr, P), dense_ring_moves(need, P))
+        assert torch.equal(_balanced._ring_moves(qr, kr, P), dense_ring_moves(need, P))
     segs = layout.segments(bm)
     assert segs == layout.segments(nat)
     assert segs[0][0] == 0 and segs[-1][1] == nb
@@ -355,7 +356,7 @@ def chain_pieces(blocks: torch.Tensor, P: int) -> list[tuple[int, int, int]]:
     n = blocks.numel() // P
     owner = torch.empty_like(blocks)
     owner[blocks] = torch.arange(blocks.numel()) // n
-    start, end, _ = layout._runs(owner)
+    start, end, _ = _balanced._runs(owner)
     return [(int(a), int(b), int(owner[a])) for a, b in zip(start, end)]
 
 
@@ -419,9 +420,9 @@ def test_exact_lap_search_finds_the_least_heaviest_rank(P, cap, seed):
     g = torch.Generator().manual_seed(seed)
     w = torch.rand(nb, generator=g, dtype=torch.float64)
     ids = packed(nb * 2, 1 + seed % 3 + P, seed)
-    reach = layout._reach([layout._Rows.of(sparse(masks.causal() & masks.document(ids), nb * 2, 2))])
+    reach = _balanced._reach([_balanced._Rows.of(sparse(masks.causal() & masks.document(ids), nb * 2, 2))])
     for r in (None, reach):
-        blocks = layout._laps_exact(w, P, cap, r)
+        blocks = _balanced._laps_exact(w, P, cap, r)
         want = brute_laps(w, P, cap, r)
         if blocks is None:
             assert want == float("inf")
