@@ -142,5 +142,3 @@ def _gloo_probe(rank: int, world_size: int, size: int = 1 << 20, reps: int = 5):
     lat = _best(lambda: round_trip(tiny), reps) / 2
     t = _best(lambda: round_trip(big), reps) / 2
     return lat, big.numel() * 4 / max(t - lat, 1e-9)
-
-

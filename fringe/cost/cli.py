@@ -161,7 +161,7 @@ def cli(args) -> int:
     shape = Shape(heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
                   dtype=args.dtype)
     hw = get_hardware(args.hardware)
-    budget = memory_budget(getattr(args, "max_memory", None))
+    budget = memory_budget(args.max_memory)
     check_plan_memory(args.seq_len, budget)
     mask = mask_from_spec(args.mask, args.seq_len)
     rows, preds = [], []
@@ -191,5 +191,3 @@ def cli(args) -> int:
             render.save_png(render.timeline_figure(pred), path)
             print(f"wrote {path}")
     return 0
-
-

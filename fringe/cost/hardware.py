@@ -116,10 +116,10 @@ _H100 = dict(fwd_flops=600e12, bwd_flops=450e12, call_s=5e-6, bwd_call_s=8e-6, m
              causal=0.55, row_s=1e-14, latency_s=10e-6, bandwidth=360e9, memory_bytes=80e9)
 
 #: Measured on this repository's shared 2-core x86 runner by
-#: :func:`fringe.cost.calibrate.calibrate` (torch 2.13, 1 thread per rank, float32, H=8 D=64, fused CPU SDPA through fringe.ops; CPU time of the
-#: calling thread). gloo between two processes over shared memory measured 0.9-9.5 GB/s and
-#: 0.1-2 ms round-trip latency depending on the load from other processes: 2 GB/s and 0.1 ms
-#: are taken. Re-measure with ``costmodel.calibrate()`` or ``--hardware this`` elsewhere.
+#: :func:`fringe.cost.calibrate.calibrate` (torch 2.13, 1 thread per rank, float32, H=8 D=64,
+#: fused CPU SDPA through fringe.ops; CPU time of the calling thread). gloo between two
+#: processes over shared memory measured 0.9-9.5 GB/s and 0.1-2 ms round-trip latency
+#: depending on the load from other processes: 2 GB/s and 0.1 ms are taken. Re-measure with ``costmodel.calibrate()`` or ``--hardware this`` elsewhere.
 _CPU = dict(fwd_flops=4.5e10, bwd_flops=4.1e10, call_s=1.0e-4, bwd_call_s=1.6e-4, masked=1.25,
             bwd_masked=1.3, causal=0.6, row_s=1.1e-8, latency_s=1.0e-4, bandwidth=2.0e9,
             memory_bytes=None)
@@ -236,4 +236,3 @@ class Shape:
         if kind == "dq":
             return B * H * L * D * self.acc_itemsize
         return B * H * L * (Dv + 1) * self.acc_itemsize     # a partial out + lse
-

@@ -343,4 +343,3 @@ def _general_columns(t, P: int, L: int, shape: Shape) -> _Cols:
     splits = tuple(sorted({1} | set(u_hn.tolist())))
     return _Cols(P, (cr, ct, cg, cq, ckv, np.where(whole, 1, chn)), sends, touch, coll_cols,
                  groups, buf_bytes, splits)
-

@@ -427,5 +427,3 @@ def simulate(plan, hardware: str | Hardware = "cpu", shape: Shape = Shape(), *,
                 + shape.buffer_bytes("out", L) + shape.buffer_bytes("dq", L)
                 + shape.buffer_bytes("dkv", L))
     return Prediction(label, hw, shape, P, plan.seq_len, memory=peak + resident, **out)
-
-

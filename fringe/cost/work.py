@@ -435,4 +435,3 @@ def tile_work_bytes(plan) -> tuple[int, str]:
     need = TILE_WORK_BYTES_PER_BLOCK * u * (n + 1) * n
     return need, (f"{TILE_WORK_BYTES_PER_BLOCK} bytes x {u:,} distinct partial tile maps x "
                   f"{n + 1:,} x {n:,} blocks")
-

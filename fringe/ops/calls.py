@@ -283,4 +283,3 @@ def plan_tile(blocks: np.ndarray, *, Lq: int, Lk: int, block_size: int, fused: b
     if all(check(a + t, c + t) for a, b, c, d, sq in plan if sq for t in range(b - a)):
         return plan
     return pieces(check)
-
