@@ -119,7 +119,8 @@ _H100 = dict(fwd_flops=600e12, bwd_flops=450e12, call_s=5e-6, bwd_call_s=8e-6, m
 #: :func:`fringe.cost.calibrate.calibrate` (torch 2.13, 1 thread per rank, float32, H=8 D=64,
 #: fused CPU SDPA through fringe.ops; CPU time of the calling thread). gloo between two
 #: processes over shared memory measured 0.9-9.5 GB/s and 0.1-2 ms round-trip latency
-#: depending on the load from other processes: 2 GB/s and 0.1 ms are taken. Re-measure with ``costmodel.calibrate()`` or ``--hardware this`` elsewhere.
+#: depending on the load from other processes: 2 GB/s and 0.1 ms are taken. Re-measure with
+#: ``costmodel.calibrate()`` or ``--hardware this`` elsewhere.
 _CPU = dict(fwd_flops=4.5e10, bwd_flops=4.1e10, call_s=1.0e-4, bwd_call_s=1.6e-4, masked=1.25,
             bwd_masked=1.3, causal=0.6, row_s=1.1e-8, latency_s=1.0e-4, bandwidth=2.0e9,
             memory_bytes=None)
