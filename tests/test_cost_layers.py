@@ -140,3 +140,9 @@ def test_what_the_simulator_derives_is_kept_off_the_plan_and_goes_with_it():
     del p, copy
     gc.collect()
     assert len(cost_simulate._DERIVED) == n - 1
+
+
+def test_the_simulator_docstring_runs():
+    import doctest
+    result = doctest.testmod(cost_simulate)
+    assert result.attempted >= 5 and result.failed == 0

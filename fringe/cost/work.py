@@ -36,11 +36,12 @@ _RECT_CHUNK = 1 << 16     # rectangles hashed at once in _distinct_maps_from_rec
 def _maps_work(maps: torch.Tensor, *, L: int, block_size: int, masked_ok: bool) -> np.ndarray:
     """``[N, 4]`` (calls, full pairs, masked pairs, causal pairs) of N block maps ``[N, n, n]``.
 
-    The sub-problems are the ``sdpa`` kernel's (:func:`fringe.ops.tile._plan` with
-    ``fused=True``): square causal-aligned diagonal runs as one ``is_causal`` call each, the
-    rest grouped by rows and cut where columns switch between all-FULL (no mask) and mixed,
+    The sub-problems are the ``sdpa`` kernel's, from the one planner
+    (:func:`fringe.ops.calls.fused_pieces`, which :func:`fringe.ops.tile._plan` runs on one
+    tile): square causal-aligned diagonal runs as one ``is_causal`` call each, the rest
+    grouped by rows and cut where columns switch between all-FULL (no mask) and mixed,
     whichever makes no more calls than the plain grouping, map by map (the block pattern
-    decides, as :mod:`fringe.ops.tile` says for the cost model). The maps are stacked into
+    decides: the cost model sees block maps only). The maps are stacked into
     one column with an all-EMPTY row between them (an empty q-block row always ends a
     group), so one pass groups them all exactly as one by one; a piece is FULL when every
     block it covers is FULL (no mask).
