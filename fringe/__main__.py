@@ -6,7 +6,7 @@
 * ``show``: prints a plan's step × rank grid and its per-rank work and traffic.
 * ``bench``: measures planning, attention speed and exposed communication (:mod:`fringe.bench`).
 * ``predict``: predicts every schedule at scale with the **cost model**, computing nothing
-  (:mod:`fringe.runtime.costmodel`); ``--png`` writes the timeline. ``simulate`` is the
+  (:mod:`fringe.cost`); ``--png`` writes the timeline. ``simulate`` is the
   same command (the name the cost model's issue uses), and says so. It is not :mod:`fringe.simulate`, which *runs* the
   attention numerically on an in-process virtual mesh.
 
@@ -200,7 +200,7 @@ def parser() -> argparse.ArgumentParser:
         help="predict step time, balance, exposed communication, bytes and memory per rank "
              "with the cost model, computing nothing ('simulate' is the same command; "
              "not fringe.simulate, the numeric in-process run)",
-        description="The cost model (fringe.runtime.costmodel): predicted times for P ranks on "
+        description="The cost model (fringe.cost): predicted times for P ranks on "
                     "a hardware preset; nothing is computed. (fringe.simulate in Python is the "
                     "numeric in-process run, a different thing.)", **listed)
     sim.add_argument("--world-size", type=positive_int, default=1024,
@@ -245,10 +245,10 @@ def _demo(args) -> int:
 
 
 def _bench(args) -> int:
-    from .runtime import costmodel
-    budget = costmodel.memory_budget(args.max_memory)
-    costmodel.check_plan_memory(args.plan_size, budget, flag="--plan-size")
-    costmodel.check_plan_memory(args.seq_len, budget)
+    from .cost import cli as cost_cli
+    budget = cost_cli.memory_budget(args.max_memory)
+    cost_cli.check_plan_memory(args.plan_size, budget, flag="--plan-size")
+    cost_cli.check_plan_memory(args.seq_len, budget)
     try:
         print(run(world_sizes=tuple(args.world_sizes), plan_size=args.plan_size,
                   case=AttnCase(schedule=args.schedule, seq_len=args.seq_len, iters=args.iters)))
@@ -259,9 +259,11 @@ def _bench(args) -> int:
 
 
 def _show(args) -> int:
-    from .runtime import costmodel
-    budget = costmodel.memory_budget(args.max_memory)
-    costmodel.check_plan_memory(args.seq_len, budget)
+    from .cost import cli as cost_cli
+    from .cost.hardware import Shape
+    from .cost.simulate import simulate
+    budget = cost_cli.memory_budget(args.max_memory)
+    cost_cli.check_plan_memory(args.seq_len, budget)
     _, _, doc_ids = make_batch(0, seq_len=args.seq_len, seed=args.seed)
     p = make_plan(make_schedule(args.schedule), make_mask(args.mask, doc_ids,
                                                        window=min(args.window, args.seq_len)),
@@ -271,12 +273,11 @@ def _show(args) -> int:
         print(render.table(p, backward=True))
     print(p.stats().table())
     if args.png:
-        costmodel.check_memory(p, budget, what=f"--png (the cost model's timeline) at "
-                                               f"S={args.seq_len:,}")
+        cost_cli.check_memory(p, budget, what=f"--png (the cost model's timeline) at "
+                                              f"S={args.seq_len:,}")
         stem = args.png[:-4]
         render.save_png(render.tile_map_figure(p), args.png)
-        pred = costmodel.simulate(p, "cpu", costmodel.Shape(heads=8, kv_heads=8, head_dim=64,
-                                                            dtype="float32"))
+        pred = simulate(p, "cpu", Shape(heads=8, kv_heads=8, head_dim=64, dtype="float32"))
         render.save_png(render.timeline_figure(pred), f"{stem}.timeline.png")
         print(f"wrote {args.png} (tile map) and {stem}.timeline.png (timeline, cost model, cpu)")
     return 0
@@ -288,13 +289,13 @@ DEPRECATED_SIMULATE = ("note: 'python -m fringe simulate' is the cost model, als
 
 
 def _predict(args) -> int:
-    from .runtime import costmodel
+    from .cost import cli as cost_cli
     if args.command == "simulate":
         print(DEPRECATED_SIMULATE, file=sys.stderr)
     if args.schedules is None:
         args.schedules = registry.names(world_size=args.world_size, heads=args.heads,
                                         kv_heads=args.kv_heads)
-    return costmodel.cli(args)
+    return cost_cli.cli(args)
 
 
 def main(argv: list[str] | None = None) -> int:

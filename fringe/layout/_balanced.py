@@ -14,12 +14,13 @@ import torch
 
 from ..masks import DEFAULT_BLOCK_SIZE, BlockMap
 from ._layout import Layout, _check, _granularity_error
+from ..cost import hardware as _hardware, work as _work   # the cost model's bottom layer
 
 #: How many starting offsets the "laps" candidate of :func:`balanced` tries (a search budget).
 _LAP_OFFSETS = 128  # not a block size
 
 #: Shape the balanced layout predicts time for when none is given: the shape the ``cpu``
-#: hardware preset was calibrated with (:func:`fringe.runtime.costmodel.calibrate`'s defaults:
+#: hardware preset was calibrated with (:func:`fringe.cost.calibrate.calibrate`'s defaults:
 #: H=G=8, D=64, float32). Only the ratio of per-call to per-pair cost depends on it.
 BALANCE_SHAPE = dict(batch=1, heads=8, kv_heads=8, head_dim=64, dtype="float32")
 
@@ -87,7 +88,7 @@ def balanced(seq_len: int, world_size: int, *, block_size: int = DEFAULT_BLOCK_S
     :data:`BALANCE_SLACK` times the pair work of the best balanced one are dropped, so such
     masks are balanced even where kernel calls dominate (tiny blocks). The candidates left are
     scored by :func:`predict` (per rank: kernel calls and (q, kv) pairs of every
-    tile from :func:`fringe.runtime.costmodel.tile_work`, forward and backward, plus the
+    tile from :func:`fringe.cost.work.tile_work`, forward and backward, plus the
     bytes it sends and receives, not overlapped); among those whose slowest rank is within
     :data:`HOP_SLACK` of the fastest, the one whose kv chunks travel the fewest hops wins,
     then the fastest of those (ties: the earlier candidate in the list above). When ring's
@@ -106,7 +107,7 @@ def balanced(seq_len: int, world_size: int, *, block_size: int = DEFAULT_BLOCK_S
     densify the ``(S/block)^2`` map; a dense map is only painted for the exact call count of
     sequences of at most :data:`EXACT_BLOCKS` blocks.
 
-    The constants come from ``hardware`` (a :class:`fringe.runtime.costmodel.Hardware` or a
+    The constants come from ``hardware`` (a :class:`fringe.cost.hardware.Hardware` or a
     preset name) and are plain data, so every rank plans the same layout; values measured by
     ``costmodel.calibrate()`` differ from rank to rank and must be broadcast from rank 0
     before planning, or ranks disagree on the layout (the plan fingerprint check then fails).
@@ -123,9 +124,9 @@ def balanced(seq_len: int, world_size: int, *, block_size: int = DEFAULT_BLOCK_S
             block_size=..., sparse=True)``; :func:`fringe.plan` passes it), the dense int8
             map, or a list of ``(map, weight)`` pairs (weights > 0, e.g. layers per mask).
         hardware: cost constants (default the ``cpu`` preset): a preset name or a
-            :class:`fringe.runtime.costmodel.Hardware`; not ``"this"`` (a calibration made
+            :class:`fringe.cost.hardware.Hardware`; not ``"this"`` (a calibration made
             now differs between ranks: calibrate once, broadcast, pass the Hardware).
-        shape: a :class:`fringe.runtime.costmodel.Shape` (default :data:`BALANCE_SHAPE`).
+        shape: a :class:`fringe.cost.hardware.Shape` (default :data:`BALANCE_SHAPE`).
 
     Raises:
         ValueError: sizes that do not divide, a block map / work of the wrong size, or
@@ -190,15 +191,14 @@ def _deal_blocks(seq_len: int, world_size: int, block_size: int, block_work) -> 
 
 
 def _model(hardware, shape):
-    from ..runtime import costmodel
     if isinstance(hardware, str) and hardware == "this":
         raise ValueError("hardware='this' calibrates now, and measured constants differ from "
                          "rank to rank and call to call, so ranks would plan different layouts; "
                          "run costmodel.calibrate() once (on rank 0, broadcast the Hardware to "
                          "every rank) and pass that Hardware, or use a preset such as 'cpu'")
-    hw = costmodel.get_hardware(hardware)
-    sh = costmodel.Shape(**BALANCE_SHAPE) if shape is None else shape
-    return costmodel, hw, sh
+    hw = _hardware.get_hardware(hardware)
+    sh = _hardware.Shape(**BALANCE_SHAPE) if shape is None else shape
+    return _hardware, hw, sh
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -304,7 +304,7 @@ def predict(natural, blocks: torch.Tensor, world_size: int, *,
     """Predicted seconds of one forward + backward per rank for a block order, float64 ``[P]``.
 
     Compute: the tiles of the ring schedule over this layout, each costed by
-    :func:`fringe.runtime.costmodel.tile_work` (calls, FULL / masked / causal pairs, as
+    :func:`fringe.cost.work.tile_work` (calls, FULL / masked / causal pairs, as
     :mod:`fringe.ops.tile` splits them; above :data:`EXACT_BLOCKS` blocks the calls are
     estimated from runs of blocks) with ``hardware``'s per-call and per-pair constants.
     Communication: kv chunk ``j`` travels the ring ``j -> j+1 -> ...`` up to the farthest
@@ -357,8 +357,6 @@ def _predict_moves(rows: list[_Rows], blocks: torch.Tensor, P: int, *, block_siz
 
 def _predict_one(rows: _Rows, blocks: torch.Tensor, P: int, *, block_size: int, hardware,
                  shape) -> tuple[torch.Tensor, float]:
-    import types
-
     cm, hw, sh = _model(hardware, shape)
     nb = rows.nb
     n = nb // P
@@ -372,10 +370,8 @@ def _predict_one(rows: _Rows, blocks: torch.Tensor, P: int, *, block_size: int, 
         tiles = torch.full((P, P), _PARTIAL, dtype=torch.int8)
         tiles[~nonempty] = _EMPTY
         tiles[full] = _FULL
-        fake = types.SimpleNamespace(      # what the cost model reads of a Plan
-            world_size=P, local_len=L, block_size=block_size, mask_mod=True, tiles=tiles,
-            blocks=bmap, tile_blocks=lambda i, j: bmap[i * n:(i + 1) * n, j * n:(j + 1) * n])
-        work = torch.as_tensor(cm.tile_work(fake)).sum(dim=1)               # [P, 4]
+        work = torch.as_tensor(_work.dense_tile_work(tiles, bmap, block_size=block_size)
+                               ).sum(dim=1)                                 # [P, 4]
         needer, chunk = torch.nonzero(nonempty, as_tuple=True)
     else:
         work, needer, chunk = _approx_work(rows, blocks, P, block_size)
