@@ -188,9 +188,8 @@ def check_mesh(mesh, plan) -> None:
     """
     if mesh.ndim != 2:
         return
-    from ..schedules.collectives import inner_size_of
     P = plan.world_size
-    k = inner_size_of(plan.schedule)
+    k = plan.schedule.inner_size        # set by schedules.compose, None for any other
     shape = tuple(int(x) for x in mesh.shape)
     names = mesh.mesh_dim_names
     if k is None:
