@@ -27,7 +27,8 @@ import os
 import torch
 import torch.distributed as dist
 
-from .engine import Runtime
+from .contract import PlanLike
+from .engine import Runtime, check_inputs
 
 #: Used when neither ``timeout_s=`` nor ``FRINGE_TIMEOUT`` is given.
 DEFAULT_TIMEOUT_S = 300.0
@@ -180,7 +181,7 @@ def register_mesh(mesh) -> None:
         _SUBGROUPS[(id(world), ranks)] = pg
 
 
-def check_mesh(mesh, plan) -> None:
+def check_mesh(mesh, plan: PlanLike) -> None:
     """A 2D mesh must have the plan's grid: shape ``(P // k, k)`` for ``compose(..., inner_size=k)``.
 
     Raises:
@@ -377,7 +378,7 @@ class DistRuntime(Runtime):
         self.timeout_s = resolve_timeout(timeout_s)
         super().__init__([self.rank], self._transport)
 
-    def agree(self, plan, q, k, v, *, sinks=None, batch=None, problem: str = "") -> None:
+    def agree(self, plan: PlanLike | None, q, k, v, *, sinks=None, batch=None, problem: str = "") -> None:
         """All ranks agree on shapes, dtype, device, plan and inputs; raise on every rank if not.
 
         Runs on every call (one all-gather of a short int64 vector, never cached). This
@@ -400,8 +401,6 @@ class DistRuntime(Runtime):
             ValueError: some rank's inputs are invalid (the message names the rank).
             CommTimeout: a peer never joined the exchange.
         """
-        from ..plan import Plan
-        from .engine import check_inputs
         try:
             if problem:
                 raise _Found
@@ -424,7 +423,7 @@ class DistRuntime(Runtime):
         dtype = q.dtype if isinstance(q, torch.Tensor) else None
         code = _DTYPES.index(dtype) if dtype in _DTYPES else 99
         cuda = isinstance(q, torch.Tensor) and q.is_cuda
-        is_plan = isinstance(plan, Plan)
+        is_plan = isinstance(plan, PlanLike)
         digests = plan.digests() if is_plan else dict.fromkeys(_PLAN_FIELDS, "")
         sink_desc = "none" if sinks is None else \
             f"{tuple(getattr(sinks, 'shape', ()))}/{getattr(sinks, 'dtype', type(sinks).__name__)}"
