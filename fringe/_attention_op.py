@@ -44,7 +44,8 @@ import torch
 
 from ._handle import resolve
 from .runtime.contract import PlanLike
-from .runtime.distributed import DistRuntime, check_sinks, is_device_mesh, mesh_ranks
+from .runtime.distributed import (DEFAULT_TIMEOUT_S, DistRuntime, check_sinks, is_device_mesh,
+                                  mesh_ranks, resolve_timeout, subgroup)
 from .runtime.engine import acc_dtype, check_inputs, kept_names
 from .runtime.interpreter import head_range, kv_shape
 from .runtime.virtual import VirtualRuntime
@@ -110,8 +111,6 @@ def _key(where: str, group):
 
 def _group(where: str):
     import torch.distributed as dist
-
-    from .runtime.distributed import subgroup
     if where == DIST:
         return None
     if where in _GROUPS:
@@ -254,7 +253,6 @@ def _with_autograd(fn, device: torch.device):
 
 def timeout_problem(timeout_s) -> Exception | None:
     """The error :class:`DistRuntime` would raise for this timeout (or ``FRINGE_TIMEOUT``)."""
-    from .runtime.distributed import resolve_timeout
     try:
         resolve_timeout(timeout_s)
     except ValueError as e:
@@ -266,7 +264,6 @@ def fail_everywhere(where: str, timeout_s, q, k, v, sinks, problem: str) -> None
     """Join the agreement exchange the op's peers are in with this rank's ``problem`` (input
     that cannot enter the op), so every rank raises it at once; always raises. A bad
     ``timeout_s`` (or ``FRINGE_TIMEOUT``) waits the default time instead."""
-    from .runtime.distributed import DEFAULT_TIMEOUT_S
     if timeout_problem(timeout_s):
         timeout_s = DEFAULT_TIMEOUT_S if timeout_problem(None) else None
     rt = DistRuntime(_group(where), timeout_s=timeout_s)

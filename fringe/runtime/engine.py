@@ -10,6 +10,7 @@ from typing import Sequence
 
 import torch
 
+from ..ops import check_qkv, merge, tile_backward, tile_forward
 from ..schedules.ir import Buffer, Compute, Family, GradCompute
 from .contract import PlanLike
 from .interpreter import RankState, Transport, check_head_split, execute, head_range, kv_shape
@@ -23,7 +24,6 @@ def check_inputs(q, k, v, *, plan: PlanLike, local: bool) -> None:
             :class:`~fringe.runtime.contract.PlanLike`), or q/k/v are not tensors.
         ValueError: shapes that do not fit the plan, with the fix.
     """
-    from ..ops import check_qkv
     if not isinstance(plan, PlanLike):
         raise TypeError(f"plan must be a fringe.Plan from fringe.plan(schedule, mask_mod, ...), "
                         f"got {type(plan).__name__}")
@@ -115,7 +115,6 @@ def _rank_state(program, rank: int, q, k, v, *, like, backward: bool,
     k and v are held as the parts of the rank's kv buffer (packed ``[2, B, G, L, D]``, or
     ``[1, B, G, L, D + Dv]``, only if sent), borrowed: never written.
     """
-    from ..ops import merge
     mine = {Family.Q, Family.KV, Family.OUT, Family.DOUT, Family.DQ, Family.DKV}
     protect = set(protect) | {Buffer.of(f, rank) for f in mine}
     st = RankState(rank, program, like=like, heads=(q.shape[1], k.shape[1]), device=q.device,
@@ -171,8 +170,6 @@ def forward(plan: PlanLike, ranks: Sequence[int], q: torch.Tensor, k: torch.Tens
         ``(out [R, B, H, L, Dv], lse [R, B, H, L], kept, states)`` where ``kept`` is a list of
         per-rank lists of kv buffers to save (empty unless ``plan.kv == "keep"``).
     """
-    from ..ops import merge, tile_forward
-
     acc = acc_dtype(q.dtype)
     H = q.shape[2]
     check_heads(plan, H, k.shape[2])
@@ -237,8 +234,6 @@ def backward(plan: PlanLike, ranks: Sequence[int], q, k, v, out, lse, dout, dlse
         gradients of ``plan.score_params`` summed over the tiles these ranks computed
         (this process's share; under torch.distributed each rank returns its own part).
     """
-    from ..ops import tile_backward
-
     acc = acc_dtype(q.dtype)
     H = q.shape[2]
     check_heads(plan, H, k.shape[2])
