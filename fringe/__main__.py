@@ -20,7 +20,14 @@ import math
 import sys
 from typing import Callable
 
+from . import render
+from .bench import AttnCase, run
+from .demo import (DEFAULT_WINDOW, MASKS, MAX_LAYERS, MAX_LR, DemoConfig, make_batch, make_mask,
+                   make_schedule, run_demo)
+from .launch import LaunchError
 from .layout import DEFAULT_BLOCK_SIZE
+from .plan import plan as make_plan
+from .schedules import registry
 
 
 def _number(cast: type, expected: str, ok: Callable[[float], bool]) -> Callable[[str], float]:
@@ -97,7 +104,6 @@ def _max_memory(p: argparse.ArgumentParser) -> None:
 def schedule_name(text: str) -> str:
     """argparse type: a schedule name from the registry, in its one spelling
     (``fringe.schedules.registry``: ``zigzag``, ``allgather:4``, ``compose:zigzag+ulysses:2``)."""
-    from .schedules import registry
     try:
         return registry.canonical(text)
     except ValueError as e:
@@ -105,19 +111,16 @@ def schedule_name(text: str) -> str:
 
 
 def _schedule_help(default: str | None) -> str:
-    from .schedules import registry
     tail = f" (default: {default})" if default else ""
     return f"a schedule: {registry.syntax()}; see the list below{tail}".replace("%", "%%")
 
 
 def _schedule_epilog() -> str:
-    from .schedules import registry
     return "schedules (fringe.schedules.names()):\n" + "\n".join(
         "  " + line for line in registry.describe().splitlines())
 
 
 def _common(p: argparse.ArgumentParser, *, seq_len: int) -> None:
-    from .demo import DEFAULT_WINDOW, MASKS
     p.add_argument("--world-size", type=positive_int, default=4, help="P, context-parallel ranks")
     p.add_argument("--schedule", type=schedule_name, default="zigzag", metavar="NAME",
                    help="which ranks compute which tiles when: " + _schedule_help("zigzag"))
@@ -136,7 +139,6 @@ def _common(p: argparse.ArgumentParser, *, seq_len: int) -> None:
 
 
 def parser() -> argparse.ArgumentParser:
-    from .demo import MAX_LAYERS, MAX_LR
     ap = argparse.ArgumentParser(
         prog="python -m fringe", description="Context-parallel attention for any mask_mod.",
         epilog="'predict' (also 'simulate') is the cost model: it predicts times and "
@@ -228,8 +230,6 @@ def parser() -> argparse.ArgumentParser:
 
 
 def _demo(args) -> int:
-    from .demo import DemoConfig, run_demo
-    from .launch import LaunchError
     cfg = DemoConfig(world_size=args.world_size, schedule=args.schedule, mask=args.mask,
                      seq_len=args.seq_len, block_size=args.block_size, steps=args.steps,
                      batch_size=args.batch_size, dtype=args.dtype, seed=args.seed,
@@ -245,8 +245,6 @@ def _demo(args) -> int:
 
 
 def _bench(args) -> int:
-    from .bench import AttnCase, run
-    from .launch import LaunchError
     from .runtime import costmodel
     budget = costmodel.memory_budget(args.max_memory)
     costmodel.check_plan_memory(args.plan_size, budget, flag="--plan-size")
@@ -261,9 +259,6 @@ def _bench(args) -> int:
 
 
 def _show(args) -> int:
-    from . import render
-    from .demo import make_batch, make_mask, make_schedule
-    from .plan import plan as make_plan
     from .runtime import costmodel
     budget = costmodel.memory_budget(args.max_memory)
     costmodel.check_plan_memory(args.seq_len, budget)
@@ -294,7 +289,6 @@ DEPRECATED_SIMULATE = ("note: 'python -m fringe simulate' is the cost model, als
 
 def _predict(args) -> int:
     from .runtime import costmodel
-    from .schedules import registry
     if args.command == "simulate":
         print(DEPRECATED_SIMULATE, file=sys.stderr)
     if args.schedules is None:

@@ -16,6 +16,8 @@ from typing import Callable
 
 import torch
 
+from fringe.masks import evaluate
+
 ScoreMod = Callable[..., torch.Tensor]
 MaskMod = Callable[..., torch.Tensor]
 
@@ -128,8 +130,6 @@ def mask_for(mask_mod: MaskMod | None, q_pos: torch.Tensor, kv_pos: torch.Tensor
     """
     if mask_mod is None:
         return None
-    from fringe.masks import evaluate
-
     if getattr(mask_mod, "bh_invariant", False):
         return evaluate(mask_mod, q_pos, kv_pos)
     return evaluate(mask_mod, q_pos, kv_pos, B=B, H=H)

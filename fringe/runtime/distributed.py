@@ -423,11 +423,14 @@ class DistRuntime(Runtime):
         dtype = q.dtype if isinstance(q, torch.Tensor) else None
         code = _DTYPES.index(dtype) if dtype in _DTYPES else 99
         cuda = isinstance(q, torch.Tensor) and q.is_cuda
-        is_plan = isinstance(plan, PlanLike)
-        digests = plan.digests() if is_plan else dict.fromkeys(_PLAN_FIELDS, "")
+        # valid: check_inputs passed, so plan is a Plan (no import of the plan layer needed);
+        # where this rank's input is invalid every rank raises on the flag below before any
+        # other field is compared
+        valid = not problem
+        digests = plan.digests() if valid else dict.fromkeys(_PLAN_FIELDS, "")
         sink_desc = "none" if sinks is None else \
             f"{tuple(getattr(sinks, 'shape', ()))}/{getattr(sinks, 'dtype', type(sinks).__name__)}"
-        mine = ([plan.world_size if is_plan else -1, B, H, G, L, D, code, int(cuda), int(bool(problem))]
+        mine = ([plan.world_size if valid else -1, B, H, G, L, D, code, int(cuda), int(bool(problem))]
                 + [_h48(digests[f]) for f in _PLAN_FIELDS] + [_h48(sink_desc)]
                 + [v.shape[-1] if isinstance(v, torch.Tensor) and v.dim() == 4 else -1]
                 + [-1 if batch is None else int(batch)])
