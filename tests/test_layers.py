@@ -59,9 +59,6 @@ KNOWN: list[tuple[str, str, str, str]] = [
     ("fringe.runtime.costmodel", "fringe",
      "calibration imports the facade for fringe.attention: import fringe.api (in fringe/cost/, "
      "tools layer)", "h5 (cost package)"),
-    ("fringe.runtime.engine", "fringe.plan",
-     "check_inputs imports Plan for an isinstance: a Protocol (or value) of what the runtime "
-     "reads, defined at or below the runtime", "h4 (plan contracts)"),
     ("fringe.schedules.passes", "fringe.testing.oracle",
      "the last pass fallbacks reach the op-by-op oracle (a marked transitional import): "
      "column code only, or raise", "h1a/h1b/h2 (passes)"),
