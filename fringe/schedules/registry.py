@@ -23,6 +23,11 @@ which pairs it supports. Which schedules can run a given world size and head cou
 too (``names(world_size=4, heads=2, kv_heads=1)``, :func:`why_not`), so a caller need not
 learn each schedule's rules.
 
+The text is input: :func:`get` parses it into a :class:`~fringe.schedules.base.Spec` and builds
+from that; a schedule carries its spec as a field (set by the built-in constructors, and by
+:func:`get` for a registered user factory), and :func:`spec` prints that field. A schedule's
+display name is never parsed: a hand-made ``Schedule("zigzag", ...)`` has no spec.
+
 >>> from fringe import schedules
 >>> schedules.get("compose:zigzag+ulysses:2")
 Schedule(compose(zigzag, ulysses, inner_size=2))
