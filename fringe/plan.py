@@ -24,6 +24,7 @@ from . import masks as _masks
 from ._handle import new_handle
 from ._stats import PlanStats, _OpCounts, _op_counts, _walk_counts  # noqa: F401 (re-exported)
 from .layout import DEFAULT_BLOCK_SIZE, Layout
+from .runtime.contract import PlanCache, PlanLike as PlanLike   # the runtime's view of a plan
 from .schedules import KVPolicy, Program, Schedule, check, reverse
 from .schedules.ir import ProgramTable
 
@@ -59,6 +60,14 @@ class Plan:
         reads_batch: the mask or the score_mod depends on ``b`` (``torch.func.vmap`` then
             runs each vmapped slice alone instead of folding it into the batch).
         handle: set on construction: the plan's name for fringe's custom op.
+        cache: set on construction: the :class:`~fringe.runtime.contract.PlanCache` of what
+            is derived from the plan in this process (positions, tile maps, digests, head
+            shifts, the cost model's columns), each entry written by the one module it names.
+            Never compared, copied or pickled: a copy starts with an empty one.
+
+    The runtime and autograd read a plan through
+    :class:`~fringe.runtime.contract.PlanLike` (``fringe.plan.PlanLike``): those members and
+    no others.
 
     Mutable state. A plan is immutable, and two rules keep it so:
 
@@ -95,11 +104,16 @@ class Plan:
     #: a 0-d int64 tensor naming this plan to fringe's custom op (:mod:`fringe._handle`), so
     #: ``torch.compile`` guards on tensor metadata, not on the plan: no recompile per batch
     handle: torch.Tensor = dataclasses.field(init=False, repr=False, compare=False)
+    cache: PlanCache = dataclasses.field(default_factory=PlanCache, init=False, repr=False,
+                                         compare=False)
 
     def __setstate__(self, state: dict) -> None:
-        """A copied or unpickled plan gets a handle of its own (keys are per process)."""
-        self.__dict__.update(state)
-        self._guard()           # the copy's own tensors, at their versions now
+        """A copied or unpickled plan gets a handle and an empty cache of its own (handles are
+        per process; the copy's tensors are others, at their versions now)."""
+        for name, value in state.items():
+            object.__setattr__(self, name, value)
+        object.__setattr__(self, "cache", PlanCache())
+        self._guard()
         object.__setattr__(self, "handle", new_handle(self))
 
     def __post_init__(self) -> None:
@@ -107,20 +121,16 @@ class Plan:
         object.__setattr__(self, "handle", new_handle(self))
 
     def __getstate__(self) -> dict:
-        """Copies and pickles leave the guard and the caches behind: the copy's tensors are
-        others (unpickling bumps their ``_version``): it records its own (``__setstate__``)."""
-        state = dict(self.__dict__)
-        for name in _LOCAL_STATE:
-            state.pop(name, None)
-        return state
+        """The plan's fields, less its handle and cache: a copy or a pickle gets its own."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if f.name not in _LOCAL_FIELDS}
 
     def _guard(self) -> list:
-        """``(what, tensor, version)`` of every tensor of the plan's state. Recorded when the
-        plan is built, copied or unpickled."""
-        d = self.__dict__
-        if "_guarded" not in d:
-            d["_guarded"] = [(what, t, t._version) for what, t in _covered(self)]
-        return d["_guarded"]
+        """``(what, tensor, version)`` of every tensor of the plan's state
+        (``cache.guarded``). Recorded when the plan is built, copied or unpickled."""
+        if self.cache.guarded is None:
+            self.cache.guarded = [(what, t, t._version) for what, t in _covered(self)]
+        return self.cache.guarded
 
     def _versions(self) -> tuple[int, ...]:
         return tuple(t._version for _, t, _ in self._guard())
@@ -145,16 +155,15 @@ class Plan:
                     f"return copies; tensor.clone() for the rest) and build a new plan for "
                     f"changed data")
 
-    def _cached(self, name: str, key, make):
-        """``make()`` cached under ``key`` in the plan's cache ``name`` (internal: never
-        handed out; its version is guarded like the plan's own tensors)."""
+    def _cached(self, cache: dict, what: str, key, make):
+        """``make()`` cached under ``key`` in ``cache`` (an entry of :attr:`cache`; internal:
+        never handed out; its version is guarded like the plan's own tensors)."""
         guard = self._guard()
-        cache = self.__dict__.setdefault(name, {})
         hit = cache.get(key)
         if hit is None:
             hit = cache[key] = make()
-            guard.append((f"the plan's cached {name[1:].replace('_', ' ')} {key} (a mask_mod "
-                          f"or kernel wrote into its arguments?)", hit, hit._version))
+            guard.append((f"the plan's cached {what} {key} (a mask_mod or kernel wrote into "
+                          f"its arguments?)", hit, hit._version))
         return hit
 
     # ---- sizes ---------------------------------------------------------------------
@@ -179,7 +188,7 @@ class Plan:
     def _positions(self, rank: int, device: torch.device | str | None = None) -> torch.Tensor:
         """The runtime's cached positions (per rank and device; internal, never handed out:
         the tile kernels' call cache keys on this very object and its ``_version``)."""
-        return self._cached("_pos_cache", (rank, str(device or "cpu")),
+        return self._cached(self.cache.positions, "positions", (rank, str(device or "cpu")),
                             lambda: self.layout.positions(rank).to(device or "cpu"))
 
     def tile_kind(self, i: int, j: int) -> BlockKind:
@@ -198,14 +207,14 @@ class Plan:
 
     def _tile_index(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Rectangles grouped by tile: ``(sorted tile keys i*P+j, order, counts)``."""
-        idx = self.__dict__.get("_tile_idx")
+        idx = self.cache.tile_index
         if idx is None:
             n, P = self.local_len // self.block_size, self.world_size
             r = self.block_map.rects
             key = torch.div(r[:, 0], n, rounding_mode="floor") * P + \
                 torch.div(r[:, 2], n, rounding_mode="floor")
             key, order = key.sort(stable=True)
-            idx = self.__dict__["_tile_idx"] = (key, order)
+            idx = self.cache.tile_index = (key, order)
         return idx
 
     def tile_blocks(self, i: int, j: int) -> torch.Tensor:
@@ -216,7 +225,7 @@ class Plan:
     def _tile_blocks(self, i: int, j: int) -> torch.Tensor:
         """The runtime's cached :meth:`tile_blocks` (built from :attr:`block_map` on first
         use; a rank reads its own row of tiles: ``P * (L/block)^2`` bytes). Internal."""
-        return self._cached("_tile_cache", (i, j), lambda: self._paint_tile(i, j))
+        return self._cached(self.cache.tiles, "tile", (i, j), lambda: self._paint_tile(i, j))
 
     def _paint_tile(self, i: int, j: int) -> torch.Tensor:
         n, P = self.local_len // self.block_size, self.world_size
@@ -257,7 +266,7 @@ class Plan:
         mask was classified for.
         """
         vers = self._versions()
-        cached = self.__dict__.get("_digests")
+        cached = self.cache.digests
         if cached and cached[0] == vers:
             return cached[1]
 
@@ -289,7 +298,7 @@ class Plan:
             "options": sha(self.scale, _kernel_name(self.kernel), self.kv, self.block_size,
                            self.batch_size, self.num_heads),
         }
-        self.__dict__["_digests"] = (vers, out)
+        self.cache.digests = (vers, out)
         return out
 
     def fingerprint(self) -> str:
@@ -430,9 +439,8 @@ def _size(name: str, val, low: int = 1) -> int:
     return n
 
 
-#: What a plan derives and keeps for this process only (dropped by copies and pickles).
-_LOCAL_STATE = ("_guarded", "_pos_cache", "_tile_cache", "_tile_idx", "_digests", "_head_shift",
-                "_head_splits")
+#: The fields a plan makes for this process only (copies and pickles make their own).
+_LOCAL_FIELDS = ("handle", "cache")
 
 
 def _covered(plan: Plan) -> list[tuple[str, torch.Tensor]]:

@@ -125,21 +125,18 @@ def test_a_failing_element_check_ends_a_causal_square():
     assert [p for p in checked if p[4]] == [(0, 3, 0, 3, True), (4, 6, 4, 6, True)]
 
 
-def test_what_the_simulator_derives_is_kept_off_the_plan_and_goes_with_it():
+def test_what_the_simulator_derives_is_kept_in_the_plan_cache_not_its_fields():
     p = fringe.plan(schedules.zigzag(), masks.causal(), seq_len=256, world_size=4,
                     block_size=16)
     before = set(p.__dict__)
     a = cost_simulate.simulate(p, "cpu")
     assert set(p.__dict__) == before                              # nothing written into it
-    assert p in cost_simulate._DERIVED and "work" in cost_simulate._DERIVED[p]
+    assert "work" in p.cache.simulate                             # the cost model's entry
     b = cost_simulate.simulate(p, "cpu")                          # read from the cache
     assert a.step_s == b.step_s > 0
     copy = dataclasses.replace(p)
-    assert copy not in cost_simulate._DERIVED                     # a copy derives its own
-    n = len(cost_simulate._DERIVED)
-    del p, copy
-    gc.collect()
-    assert len(cost_simulate._DERIVED) == n - 1
+    assert copy.cache is not p.cache and not copy.cache.simulate  # a copy derives its own
+    assert cost_simulate.simulate(copy, "cpu").step_s == a.step_s
 
 
 def test_the_simulator_docstring_runs():

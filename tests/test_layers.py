@@ -52,9 +52,6 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
 #: Violations other work removes: (importer, imported, reason, owner). ``imported`` is the module
 #: the rule counts (a package's ``__init__`` where the import runs it). The lead empties this list.
 KNOWN: list[tuple[str, str, str, str]] = [
-    ("fringe.runtime.engine", "fringe.plan",
-     "check_inputs imports Plan for an isinstance: a Protocol (or value) of what the runtime "
-     "reads, defined at or below the runtime", "h4 (plan contracts)"),
     ("fringe.schedules.passes", "fringe.testing.oracle",
      "the last pass fallbacks reach the op-by-op oracle (a marked transitional import): "
      "column code only, or raise", "h1a/h1b/h2 (passes)"),

@@ -31,8 +31,9 @@ run leaves behind, so the reports and figures of :mod:`fringe.render` work for b
 The middle layer of the cost model: it reads the programs through
 :mod:`fringe.cost.programs` (the IR only) and the tiles through :mod:`fringe.cost.work`.
 What does not depend on the hardware (the program columns, the tile work) is derived once per
-plan and kept in :data:`_DERIVED`, a weak table owned here (never written into the frozen
-plan), so a plan simulated on several presets reads its programs once.
+plan and kept in the plan's cache object (``plan.cache.simulate``, an entry this module alone
+writes; never in the frozen plan's fields), so a plan simulated on several presets reads its
+programs once.
 
 >>> import fringe
 >>> from fringe import masks, schedules
@@ -48,7 +49,6 @@ P ranks.
 from __future__ import annotations
 
 import dataclasses
-import weakref
 
 import numpy as np
 
@@ -60,11 +60,6 @@ from .work import _costs, tile_work
 __all__ = ["Prediction", "simulate"]
 
 #: What the simulator derives from a plan that does not depend on the hardware, by plan:
-#: ``{(direction, shape): program columns, "work": tile work}``. Weak keys: an entry goes with
-#: its plan. (A plan cache object of the plan's own is to replace it.)
-_DERIVED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
 
 @dataclasses.dataclass
 class _Flat:
@@ -392,7 +387,7 @@ def simulate(plan, hardware: str | Hardware = "cpu", shape: Shape = Shape(), *,
     P, L = plan.world_size, plan.local_len
     label = name or plan.schedule.name
     # what does not depend on the hardware, once per plan (several presets, one plan)
-    cache = _DERIVED.setdefault(plan, {})
+    cache = plan.cache.simulate      # {(direction, shape): program columns, "work": tile work}
     cols = {}
     for which, progs in (("forward", plan.forward), ("backward", plan.backward)):
         key = (which, shape)

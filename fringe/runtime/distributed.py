@@ -27,7 +27,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from ..schedules.collectives import inner_size_of
+from .contract import PlanLike
 from .engine import Runtime, check_inputs
 
 #: Used when neither ``timeout_s=`` nor ``FRINGE_TIMEOUT`` is given.
@@ -181,7 +181,7 @@ def register_mesh(mesh) -> None:
         _SUBGROUPS[(id(world), ranks)] = pg
 
 
-def check_mesh(mesh, plan) -> None:
+def check_mesh(mesh, plan: PlanLike) -> None:
     """A 2D mesh must have the plan's grid: shape ``(P // k, k)`` for ``compose(..., inner_size=k)``.
 
     Raises:
@@ -190,7 +190,7 @@ def check_mesh(mesh, plan) -> None:
     if mesh.ndim != 2:
         return
     P = plan.world_size
-    k = inner_size_of(plan.schedule)
+    k = plan.schedule.inner_size        # set by schedules.compose, None for any other
     shape = tuple(int(x) for x in mesh.shape)
     names = mesh.mesh_dim_names
     if k is None:
@@ -378,7 +378,7 @@ class DistRuntime(Runtime):
         self.timeout_s = resolve_timeout(timeout_s)
         super().__init__([self.rank], self._transport)
 
-    def agree(self, plan, q, k, v, *, sinks=None, batch=None, problem: str = "") -> None:
+    def agree(self, plan: PlanLike | None, q, k, v, *, sinks=None, batch=None, problem: str = "") -> None:
         """All ranks agree on shapes, dtype, device, plan and inputs; raise on every rank if not.
 
         Runs on every call (one all-gather of a short int64 vector, never cached). This
