@@ -531,6 +531,8 @@ def _parts_ok(tab: ProgramTable, need: np.ndarray | None, backward: bool, kv: st
             return False
     if (len(ct) and int(ct.min()) < 0) or (len(xt) and int(xt.min()) < 0) or (xs == xd).any():
         return False
+    if comp["hi"].any() or xfer["hi"].any():     # whole heads are slice 0 of 0
+        return False
     KV = _FAMILY_CODE[Family.KV]
     isg = ck == G_
 
@@ -836,9 +838,8 @@ class _Gen:
             r, t, op = _located(tab, tie, row)
             if tie == 3 and self.gmax[self.kg[row]] >= P:
                 _fail(tab, r, t, f"'{op}' names a rank outside [0, {P})")
-            chunk = {0: max(int(self.cq[row]), int(self.ckv[row])) if tie == 0 else 0,
-                     1: int(self.xc[row]), 2: int(self.xc[row]),
-                     3: int(self.sc[self.ss == row].max()) if tie == 3 else 0}[tie]
+            chunk = (max(int(self.cq[row]), int(self.ckv[row])) if tie == 0 else
+                     int(self.sc[self.ss == row].max()) if tie == 3 else int(self.xc[row]))
             _fail(tab, r, t, f"'{op}' names chunk {chunk}, outside [0, {P})")
         if top >= P:                         # lenient: renumber the chunks past P - 1
             big = _uniq(np.concatenate([c[c >= P] for c in cols]))
