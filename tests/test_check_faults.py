@@ -229,8 +229,8 @@ def test_the_injected_faults_reach_every_rule():
 
 
 def test_the_chain_shortcut_and_the_sorted_presence_check_name_the_same_faults(monkeypatch):
-    """Past the dense limits (the chain's planes, the presence plane) the checks sort keys:
-    the same verdicts, no fallback."""
+    """Past the dense limits (the chain's planes, the presence plane, the member table) the
+    checks sort keys: the same verdicts, no fallback."""
     rng = np.random.default_rng(5)
     cases = []
     for spec in ("ring", "allgather:2", "two_level_allgather(2,mixed)"):
@@ -242,6 +242,7 @@ def test_the_chain_shortcut_and_the_sorted_presence_check_name_the_same_faults(m
     want = [_verdict(oracle.check, b, need=n, backward=bw, kv=kv) for b, n, bw, kv in cases]
     monkeypatch.setattr(passes, "DENSE_CELLS", 0)
     monkeypatch.setattr(passes, "PLANE_CELLS", 0)
+    monkeypatch.setattr(passes, "MEMBER_CELLS", 0)
     got = [_verdict(passes.check, b, need=n, backward=bw, kv=kv) for b, n, bw, kv in cases]
     assert got == want
     assert sum(v is not None for v in want) > len(want) // 2
@@ -306,3 +307,17 @@ def test_other_passes_name_a_chunk_past_the_last_rank():
                                             rf"{P + 2}, outside \[0, {P}\)(.|\n)*ERROR HERE"):
         passes._Gen(ProgramTable.of(bad))
     assert _verdict(passes.check, bad) == _verdict(oracle.check, bad) is not None
+
+
+def test_row_keys_are_equal_for_equal_rows_and_ordered_past_int64_spans():
+    rng = np.random.default_rng(3)
+    a = rng.integers(0, 3, 200) * (1 << 40)             # spans whose product is past int64
+    b = rng.integers(0, 3, 200) * (1 << 40) - (1 << 41)
+    c = rng.integers(0, 2, 200)
+    for cols in ((a, b, c), (c, a)):
+        keys = passes._row_keys(*cols)
+        rows = list(zip(*(x.tolist() for x in cols)))
+        for i in range(0, 200, 7):
+            for j in range(0, 200, 11):
+                assert (keys[i] == keys[j]) == (rows[i] == rows[j])
+                assert (keys[i] < keys[j]) == (rows[i] < rows[j])

@@ -931,6 +931,10 @@ def _row_keys(*cols: np.ndarray) -> np.ndarray:
     return key
 
 
+#: The largest dense ``[group, rank]`` member table :func:`_member_pos` allocates.
+MEMBER_CELLS = 1 << 24
+
+
 def _member_pos(groups, glen: np.ndarray, gmax: np.ndarray, kg: np.ndarray,
                 kr: np.ndarray) -> np.ndarray:
     """Each collective side's member index in its group (-1: its rank is not a member): a
@@ -938,7 +942,7 @@ def _member_pos(groups, glen: np.ndarray, gmax: np.ndarray, kg: np.ndarray,
     if not len(kr):
         return np.zeros(0, np.int64)
     width = max(int(gmax.max()), int(kr.max())) + 1
-    if len(groups) * width <= 1 << 24:
+    if len(groups) * width <= MEMBER_CELLS:
         pos = np.full((len(groups), width), -1, dtype=np.int64)
         for g, grp in enumerate(groups):
             pos[g, list(grp)] = np.arange(len(grp))
