@@ -1105,31 +1105,28 @@ def _collectives_ok(tab: ProgramTable, g: _Gen) -> None:
                                   f"group {list(group)} in this step but rank {group[many]} "
                                   f"issues {cnt[many]}; every member issues the same "
                                   f"collectives in the same order")
-    for i in insts.tolist():
-        sides = np.flatnonzero(g.inst == i)
-        by_me = sides[np.argsort(g.me[sides])]          # one side per member, in group order
-        n = int(g.ordinal[by_me[0]])
-        if bad_kind[i]:
-            m = int(np.flatnonzero(g.kk[by_me] != g.kk[by_me[0]])[0])
-            op0 = _located(tab, 3, int(by_me[0]))[2]
-            r, _, op = _located(tab, 3, int(by_me[m]))
-            _fail(tab, r, t, f"'{op}' is collective #{n} over group {list(group)} here, but "
-                             f"rank {group[0]} issues '{op0}'")
-        if bad_xfer[i]:
-            a1, a2 = sent & (sinst == i), got & (sinst == i)
-            pairs = np.concatenate([np.stack([sme[a1], g.sidx[a1]])[:, ~_member(k1[a1[sent]], s2)],
-                                    np.stack([g.sidx[a2], sme[a2]])[:, ~_member(k2[a2[got]], s1)]],
-                                   axis=1)
-            a_i, b_i = (int(x) for x in pairs[:, np.lexsort(pairs[::-1])[0]])
-            side_a, side_b = int(by_me[a_i]), int(by_me[b_i])
-            given = _slot_buffer(tab, side_a, 0, b_i)
-            taken = _slot_buffer(tab, side_b, 1, a_i)
-            op_a = _located(tab, 3, side_a)[2]
-            op_b = _located(tab, 3, side_b)[2]
-            a, bb = group[a_i], group[b_i]
-            _fail(tab, a, t, f"'{op_a}' sends {given or 'nothing'} to rank {bb}, but rank "
-                             f"{bb}'s side '{op_b}' receives {taken or 'nothing'} from rank {a}")
-    raise AssertionError("unreachable: a collective fault that no instance shows")
+    i = int(insts[np.flatnonzero(bad_kind[insts] | bad_xfer[insts])[0]])    # by ordinal
+    sides = np.flatnonzero(g.inst == i)
+    by_me = sides[np.argsort(g.me[sides])]              # one side per member, in group order
+    if bad_kind[i]:
+        m = int(np.flatnonzero(g.kk[by_me] != g.kk[by_me[0]])[0])
+        op0 = _located(tab, 3, int(by_me[0]))[2]
+        r, _, op = _located(tab, 3, int(by_me[m]))
+        _fail(tab, r, t, f"'{op}' is collective #{int(g.ordinal[by_me[0]])} over group "
+                         f"{list(group)} here, but rank {group[0]} issues '{op0}'")
+    a1, a2 = sent & (sinst == i), got & (sinst == i)   # the lowest (sender, receiver) unmatched
+    pairs = np.concatenate([np.stack([sme[a1], g.sidx[a1]])[:, ~_member(k1[a1[sent]], s2)],
+                            np.stack([g.sidx[a2], sme[a2]])[:, ~_member(k2[a2[got]], s1)]],
+                           axis=1)
+    a_i, b_i = (int(x) for x in pairs[:, np.lexsort(pairs[::-1])[0]])
+    side_a, side_b = int(by_me[a_i]), int(by_me[b_i])
+    given = _slot_buffer(tab, side_a, 0, b_i)
+    taken = _slot_buffer(tab, side_b, 1, a_i)
+    op_a = _located(tab, 3, side_a)[2]
+    op_b = _located(tab, 3, side_b)[2]
+    a, bb = group[a_i], group[b_i]
+    _fail(tab, a, t, f"'{op_a}' sends {given or 'nothing'} to rank {bb}, but rank {bb}'s side "
+                     f"'{op_b}' receives {taken or 'nothing'} from rank {a}")
 
 
 def _presence_ok(tab: ProgramTable, g: _Gen, backward: bool, kv: str) -> None:
