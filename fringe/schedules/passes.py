@@ -777,8 +777,9 @@ class _Gen:
             bad = _outside(col, lo, hi)
             if bad is not None:
                 i = int(np.flatnonzero(bad)[0])
+                bound = {1 << 40: "2**40", 1 << 31: "2**31"}.get(hi, hi)
                 raise ScheduleError(f"ProgramTable {part} row {i}: {what.format(int(col[i]))} "
-                                    f"is outside [{lo}, {hi})")
+                                    f"is outside [{lo}, {bound})")
         for part, hi, hn in (("compute", self.chi, self.chn), ("transfer", self.xhi, self.xhn),
                              ("collective slot", self.shi, self.shn)):
             if len(hn) and (int(hn.max()) != 0 or int(hi.min()) != 0 or int(hi.max()) != 0):
