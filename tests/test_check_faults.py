@@ -43,7 +43,7 @@ CASES_PER_PROGRAM = 20
 def _programs(spec: str) -> list:
     """``(programs, need, backward, kv)`` of the spec's plans: forward and backward under
     both kv policies, on a causal and a document mask."""
-    docs = torch.tensor([0] * 20 + [1] * 24 + [2] * 20)
+    docs = torch.bucketize(torch.arange(S), torch.tensor([S * 5 // 16, S * 11 // 16]), right=True)
     out = []
     for mask, kv in ((masks.causal(), "resend"), (masks.causal() & masks.document(docs), "keep")):
         p = fringe.plan(SPECS[spec](), mask, seq_len=S, world_size=P, block_size=BLOCK, kv=kv)
@@ -106,7 +106,8 @@ def _inject(progs: list, fault: str, rng) -> list | None:
     cands = [x for x in every if isinstance(x[3], want)
              and (fault != "earlier" or x[1] > 0)
              and (fault != "swap" or len(ops[x[0]][x[1]]) > 1)
-             and (fault != "slot" or x[3].sparse_sends[0] or x[3].sparse_recvs[0])]
+             and (fault not in ("slot", "chunk", "family") or not isinstance(x[3], Collective)
+                  or x[3].sparse_sends[0] or x[3].sparse_recvs[0])]
     if not cands:
         return None
     r, t, i, op = cands[int(rng.integers(len(cands)))]
