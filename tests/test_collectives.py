@@ -18,7 +18,7 @@ from fringe.ops import reference
 from fringe.runtime import RankState, VirtualMesh, execute
 from fringe.schedules import Collective, Program, ScheduleError, Step, check, parse_op, reverse
 from fringe.schedules.ir import Buffer, Family, format_programs, parse_programs
-from fringe.testing import mask_family, make_qkv, tolerances
+from fringe.testing import mask_family, make_qkv, oracle, tolerances
 
 BLOCK = 2
 
@@ -275,15 +275,21 @@ def test_check_names_a_member_that_skips_a_collective():
                        block_size=BLOCK).forward
     bad = [good[0], Program(1, tuple(s for s in good[1].steps if s.index != 0))]
     with pytest.raises(ScheduleError, match=r"rank 1 issues 0 collective\(s\) over group \[0, 1\]"
-                                            r"(.|\n)*<-- ERROR HERE"):
+                                            r"(.|\n)*<-- ERROR HERE") as got:
         check(bad)
+    with pytest.raises(ScheduleError) as want:          # the op-by-op rules say the same
+        oracle.check(bad)
+    assert str(got.value) == str(want.value)
     swapped = parse_op("A2A[0,1] q1h0/2,q1h1/2 > q0h1/2,q1h1/2")
     wrong = parse_op("A2A[0,1] q1h0/2,q1h1/2 > q0h0/2,q1h1/2")
     assert swapped != wrong
     assert good[1].steps[0].ops[0] == swapped
     p1 = Program(1, (Step(0, (wrong,) + good[1].steps[0].ops[1:]),) + good[1].steps[1:])
-    with pytest.raises(ScheduleError, match="receives"):
+    with pytest.raises(ScheduleError, match="receives") as got:
         check([good[0], p1])
+    with pytest.raises(ScheduleError) as want:
+        oracle.check([good[0], p1])
+    assert str(got.value) == str(want.value)
 
 
 def test_reverse_of_a_collective_program_rematerialises_inputs_once():

@@ -61,8 +61,11 @@ def test_column_passes_equal_the_op_rules(spec, P, seed, density):
         assert format_programs(got) == format_programs(want), (spec, kv)
         assert got[0].table is not None
         assert passes._general_ok(got[0].table, need, True, kv) is True
-        assert passes._general_ok(got[0].table, need, True,
-                                  "resend" if kv == "keep" else "keep") is (kv == "resend")
+        if kv == "resend":                              # keep: the kv is kept anyway
+            assert passes._general_ok(got[0].table, need, True, "keep") is True
+        else:                                           # nothing re-sends the kv kept
+            with pytest.raises(ScheduleError, match="which is not on rank"):
+                passes._general_ok(got[0].table, need, True, "resend")
 
 
 def _plan_programs():
@@ -120,7 +123,8 @@ def test_a_fault_in_a_general_table_is_named_by_check(fault, message):
     need, progs = _plan_programs()
     bad = _edit(progs, 3 if fault in (_drop_compute, _compute_too_early) else 1, fault)
     tab = ProgramTable.of(bad)
-    assert passes._general_ok(tab, need, False, "resend") is False
+    with pytest.raises(ScheduleError, match=message):
+        passes._general_ok(tab, need, False, "resend")
     with pytest.raises(ScheduleError, match=message):
         passes.check(list(tab.programs()), need=need)
 
@@ -170,4 +174,5 @@ def test_past_the_plane_limit_the_checks_sort_and_the_rules_decide(monkeypatch):
     assert format_programs(passes.reverse(list(tab.programs()))) == format_programs(
         passes.reverse(progs))
     bad = ProgramTable.of(_edit(progs, 3, _compute_too_early))
-    assert passes._general_ok(bad, need, False, "resend") is False
+    with pytest.raises(ScheduleError, match="not on rank"):
+        passes._general_ok(bad, need, False, "resend")

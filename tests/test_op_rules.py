@@ -89,7 +89,7 @@ def test_tile_touch_codes_are_the_rules():
 
 def test_a_column_pass_gives_the_views_families():
     """The column passes' tile touches (``passes._tile_touches`` over a kind column) name,
-    row by row, the buffers the op views read and write."""
+    row by row, the buffers the op views read and write, in the views' order."""
     rng = np.random.default_rng(18)
     P, n = 6, 40
     kind = rng.integers(0, 2, n)
@@ -97,13 +97,14 @@ def test_a_column_pass_gives_the_views_families():
     side = {Q_SIDE: q, KV_SIDE: kv}
     fams = tuple(Family)
     for written in (False, True):
-        got: list[set] = [set() for _ in range(n)]
-        for f, rows, sd in passes._tile_touches(kind, written=written):
+        got: list[dict] = [{} for _ in range(n)]
+        for f, rows, sd, k in passes._tile_touches(kind, written=written):
             for i in np.arange(n)[rows]:
-                got[i].add(Buffer.of(fams[f], int(side[sd][i])))
+                got[i][k] = Buffer.of(fams[f], int(side[sd][i]))
         for i in range(n):
             op = (Compute if kind[i] == C_ else GradCompute)(int(q[i]), int(kv[i]))
-            assert got[i] == set(op.writes() if written else op.reads()), (i, op)
+            want = op.writes() if written else op.reads()
+            assert tuple(got[i][k] for k in sorted(got[i])) == want, (i, op)
 
 
 @pytest.mark.parametrize("spec", ["ring", "allgather"])

@@ -17,7 +17,7 @@ from fringe import masks
 from fringe.launch import Workers
 from fringe.ops import reference
 from fringe.schedules import Buffer, Collective, Compute, ScheduleError, check, prune, reverse
-from fringe.testing import make_qkv, tolerances
+from fringe.testing import make_qkv, oracle, tolerances
 from fringe.testing.user_schedules import allgather_then_ring, two_level_allgather
 
 BLOCK = 4
@@ -241,3 +241,8 @@ def test_faults_in_user_programs_are_named(kind, match, form):
     with pytest.raises(ScheduleError, match=match) as e:
         fringe.plan(sched, masks.causal(), seq_len=4 * BLOCK * 2, world_size=4, block_size=BLOCK)
     assert "<-- ERROR HERE" in str(e.value)
+    with pytest.raises(ScheduleError) as want:          # the op-by-op rules say the same
+        oracle.check(fn(4))
+    with pytest.raises(ScheduleError) as got:
+        check(fn(4))
+    assert str(got.value) == str(want.value)

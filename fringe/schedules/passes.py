@@ -24,7 +24,7 @@ import torch
 from .ir import (C_, COLL_KINDS as ir_kinds, COLLECTIVE_ADJOINT, G_, R_, S_, Buffer, Collective,
                  Compute, Family, GradCompute, Op, Program, ProgramTable, Recv, Send, _BUFS_OF,
                  ADJOINT_CODE, OWN_SLOT_IN_PLACE, RULES, ScheduleError, TILE_TOUCH_CODES, _FIELDS, _buf, marked,
-                 program_from_ops, steps_of)
+                 buffer_of, program_from_ops, steps_of)
 
 
 @contextlib.contextmanager
@@ -116,10 +116,11 @@ _TILES = frozenset({Compute, GradCompute})
 
 
 def _tile_touches(kind: np.ndarray, *, written: bool):
-    """``(family code, rows, side)`` for each touch of the tile rows of ``kind`` (a table's
+    """``(family code, rows, side, n)`` for each touch of the tile rows of ``kind`` (a table's
     kind column) that ``written`` selects, read from :data:`TILE_TOUCH_CODES` (the one rule
     table): ``rows`` picks the rows (a mask, or all of them), ``side`` is
-    :data:`~fringe.schedules.ir.Q_SIDE` or ``KV_SIDE`` (which chunk column the buffer is of)."""
+    :data:`~fringe.schedules.ir.Q_SIDE` or ``KV_SIDE`` (which chunk column the buffer is of),
+    ``n`` the touch's place among the rule's reads (or writes): the order an op reads in."""
     for code, touches in TILE_TOUCH_CODES.items():
         rows = kind == code
         n = int(rows.sum())
@@ -127,9 +128,8 @@ def _tile_touches(kind: np.ndarray, *, written: bool):
             continue
         if n == len(kind):
             rows = slice(None)
-        for fam, side, w in touches:
-            if w is written:
-                yield fam, rows, side
+        for k, (fam, side) in enumerate((f, s) for f, s, w in touches if w is written):
+            yield fam, rows, side, k
 _Q, _KV, _OUT, _DOUT = Family.Q, Family.KV, Family.OUT, Family.DOUT
 
 
@@ -444,35 +444,42 @@ def check(programs: Sequence[Program], *, need: torch.Tensor | None = None,
     * programs are for ranks 0..P-1 in order; peers are valid and never the rank itself;
     * every send has its receive of the same buffer on the peer in the same step, and
       vice versa;
+    * every member of a collective's group issues it, in the same step and order, of one
+      kind, with its own slot alike on both sides; what one member sends another receives;
     * every buffer an op reads is present on that rank at the start of the step: owned
-      (q, kv; and out, dout in the backward), written or received at an earlier step, or,
-      in the backward with ``kv="keep"``, kept from the forward;
+      (q, kv; and out, dout, dq, dkv in the backward), written or received at an earlier
+      step, or, in the backward with ``kv="keep"``, kept from the forward;
     * with ``need``: every non-empty (q, kv) tile is computed exactly once across ranks
       and no empty tile is computed.
 
-    A message about a step ends with the rank's program and ``<-- ERROR HERE`` on that step.
+    It runs on the columns of the programs' one table and names the first fault: of the
+    first rule broken, in the order above, the first in program order (lowest rank, then
+    step, then op), with the message of the op-by-op rules
+    (:func:`fringe.testing.oracle.check`). A message about a step ends with the rank's
+    program and ``<-- ERROR HERE`` on that step. Columns no program can hold (a kind or
+    family code out of range, a negative step, ...) are named by their table row.
+
+    Raises:
+        ScheduleError: the first fault, as above.
     """
     P = len(programs)
     for r, prog in enumerate(programs):
         if prog.rank != r:
             raise ScheduleError(f"program {r} is for rank {prog.rank}; pass programs in rank order")
-    _start()
     tab = _table(programs)
     arr = None if need is None else _need_array(need, P)
     flags = (backward, kv if backward else None)
     if flags in tab._passed:                     # its (read-only) columns passed these before:
-        ok = (arr is None or _table_tiles_ok(tab, arr)            # the tiles are what is new
-              or _fallback("tiles not computed exactly once", False))
-    else:
-        ok = _parts_ok(tab, arr, backward, kv) if tab.chain else None   # the chain's shortcut
-        if ok is None:
-            ok = _general_ok(tab, arr, backward, kv)
-    if ok:
-        tab._passed.add(flags)
+        if arr is not None:                      # the tiles are what is new
+            _table_tiles_ok(tab, arr)
         return
-    from ..testing import oracle        # TRANSITIONAL: the oracle names the fault
-    oracle.check(programs, need=need, backward=backward, kv=kv)
-    _settle("check", "unknown")
+    fast = _parts_ok(tab, arr, backward, kv) if tab.chain else None   # the chain's shortcut
+    if fast is not True:
+        _general_ok(tab, arr, backward, kv)      # names the first fault
+        if fast is False:
+            raise RuntimeError("internal error: the ring chain's check rejected programs that "
+                               "the general check accepts; please report it with the programs")
+    tab._passed.add(flags)
 
 
 def _table(programs: Sequence[Program]) -> ProgramTable:
@@ -497,11 +504,19 @@ def _assign_min(arr: np.ndarray, idx: np.ndarray, val: np.ndarray) -> None:
             np.minimum.at(arr, idx, val)
 
 
+def _owned(backward: bool) -> list[int]:
+    """Family codes of the buffers of its own chunk a rank holds from step 0: q and kv; in
+    the backward also out, dout and the gradient accumulators dq, dkv."""
+    fams = [Family.Q, Family.KV] + ([Family.OUT, Family.DOUT, Family.DQ, Family.DKV]
+                                    if backward else [])
+    return [_FAMILY_CODE[f] for f in fams]
+
+
 def _parts_ok(tab: ProgramTable, need: np.ndarray | None, backward: bool, kv: str) -> bool | None:
     """The ring chain's shortcut of :func:`_general_ok` (a :attr:`~ProgramTable.chain`
     table: whole-heads computes and transfers, dense ``[rank, chunk]`` planes): True when
-    every check passes, False to let the op-by-op check name the fault, None when the table
-    is too large for the dense arrays (the general check decides)."""
+    every check passes, False when one fails (:func:`_general_ok` then names the fault),
+    None when the table is too large for the dense arrays (the general check decides)."""
     P = tab.world_size
     comp, xfer = tab._parts[:2]
     if _F * P * P > DENSE_CELLS:
@@ -509,21 +524,23 @@ def _parts_ok(tab: ProgramTable, need: np.ndarray | None, backward: bool, kv: st
     cr, ct, ck, cq, ckv = comp["rank"], comp["step"], comp["kind"], comp["q"], comp["kv"]
     xt, xs, xd, xf, xc = xfer["step"], xfer["src"], xfer["dst"], xfer["fam"], xfer["chunk"]
     if not len(cr) and not len(xs):
-        return need is None or not need.any() or _fallback("empty programs, non-empty tiles", False)
+        return need is None or not need.any()
     for lo, hi, col in ((0, P, cr), (0, P, cq), (0, P, ckv), (0, P, xs), (0, P, xd),
                         (0, P, xc), (0, _F, xf), (C_, G_ + 1, ck)):
         if len(col) and (int(col.min()) < lo or int(col.max()) >= hi):
-            return _fallback("_parts_ok: a column out of range", False)
+            return False
     if (len(ct) and int(ct.min()) < 0) or (len(xt) and int(xt.min()) < 0) or (xs == xd).any():
-        return _fallback("_parts_ok: a negative step or a send to itself", False)
-    Q, KV, OUT, DOUT = (_FAMILY_CODE[f] for f in (Family.Q, Family.KV, Family.OUT, Family.DOUT))
+        return False
+    if comp["hi"].any() or xfer["hi"].any():     # whole heads are slice 0 of 0
+        return False
+    KV = _FAMILY_CODE[Family.KV]
     isg = ck == G_
 
     ranks = np.arange(P)
-    owned = [Q, KV] + ([OUT, DOUT] if backward else [])
-    writes = [(f, ranks, ranks, np.zeros(P, np.int64)) for f in owned]
+    writes = [(f, ranks, ranks, np.zeros(P, np.int64)) for f in _owned(backward)]
     side = (cq, ckv)
-    writes += [(f, cr[m], side[sd][m], ct[m] + 1) for f, m, sd in _tile_touches(ck, written=True)]
+    writes += [(f, cr[m], side[sd][m], ct[m] + 1)
+               for f, m, sd, _ in _tile_touches(ck, written=True)]
     if backward and kv == "keep":
         writes.append((KV, cr[isg], ckv[isg], np.zeros(int(isg.sum()), np.int64)))
     # one [rank, chunk] plane per family written (int32 steps), the others never present
@@ -542,15 +559,16 @@ def _parts_ok(tab: ProgramTable, need: np.ndarray | None, backward: bool, kv: st
         _assign_min(avail, cell(f, r, chunk), t)
     _assign_min(avail, cell(xf, xd, xc), xt + 1)
     avail[len(fams) * P * P:] = never            # the plane of families nothing writes
-    reads = [(cell(f, cr[m], side[sd][m]), ct[m]) for f, m, sd in _tile_touches(ck, written=False)]
+    reads = [(cell(f, cr[m], side[sd][m]), ct[m])
+             for f, m, sd, _ in _tile_touches(ck, written=False)]
     reads.append((cell(xf, xs, xc), xt))
     for idx, t in reads:
         if not (avail[idx] <= t).all():
-            return _fallback("_parts_ok: a read before its buffer is present", False)
+            return False
     if need is not None:
         count = np.bincount(cq * P + ckv, minlength=P * P).reshape(P, P)
         if not np.array_equal(count, need.astype(np.int64)):
-            return _fallback("_parts_ok: tiles not computed exactly once", False)
+            return False
     return True
 
 
@@ -678,11 +696,17 @@ PLANE_CELLS = 1 << 27
 class _Gen:
     """A general table's parts as int64 columns, with the derived codes the passes share:
     ``hs`` a head slice code (0: all heads, else ``hn*(hn-1)/2 + hi + 1``), ``HS`` one more
-    than the largest, member index ``me`` of each collective side, and the instance
-    (``inst``: step, group and ordinal among that rank's collectives over the group in the
-    step) each side belongs to."""
+    than the largest, member index ``me`` of each collective side (-1: not a member), and
+    the instance (``inst``: step, group and ordinal among that rank's collectives over the
+    group in the step) each side belongs to; ``kg`` is one index per distinct group.
 
-    def __init__(self, tab: ProgramTable) -> None:
+    Columns no program can hold raise :class:`ScheduleError` naming their row, an invalid
+    transfer peer the op rules' message. Chunks and group members past ``P - 1`` raise too,
+    unless ``lenient`` (what :func:`check` reads, which names them where the op rules do:
+    chunks past ``P - 1`` are renumbered ``P, P + 1, ...`` in order, ``C`` chunk ids in all).
+    """
+
+    def __init__(self, tab: ProgramTable, *, lenient: bool = False) -> None:
         P = self.P = tab.world_size
         comp, xfer, coll = tab._parts
         i64 = lambda d, ks: [np.asarray(d[k], dtype=np.int64) for k in ks]  # noqa: E731
@@ -697,19 +721,18 @@ class _Gen:
          self.shn) = i64(coll, ("slot_side", "slot_dir", "slot_idx", "slot_fam", "slot_chunk",
                                 "slot_hi", "slot_hn"))
         self.groups = coll["groups"]
-        self.ok = self._valid()
-        if not self.ok:
-            return
+        self.glen = np.array([len(g) for g in self.groups] or [0], dtype=np.int64)
+        self._valid(tab, lenient)
+        self.ok = True                       # an invalid table raised in _valid
         self.chs, self.xhs, self.shs = (self.hs(h, n) for h, n in
                                         ((self.chi, self.chn), (self.xhi, self.xhn),
                                          (self.shi, self.shn)))
         self.HS = 1 + max([int(x.max()) for x in (self.chs, self.xhs, self.shs) if len(x)] or [0])
-        ng = len(self.groups)
-        pos = np.full((max(ng, 1), P), -1, dtype=np.int64)
-        for g, grp in enumerate(self.groups):
-            pos[g, list(grp)] = np.arange(len(grp))
-        self.glen = np.array([len(g) for g in self.groups] or [0], dtype=np.int64)
-        self.me = pos[self.kg, self.kr] if len(self.kr) else np.zeros(0, np.int64)
+        canon: dict = {}                     # one index per distinct group
+        ids = [canon.setdefault(g, n) for n, g in enumerate(self.groups)]
+        if len(canon) != len(ids):
+            self.kg = np.array(ids, dtype=np.int64)[self.kg]
+        self.me = _member_pos(self.groups, self.glen, self.gmax, self.kg, self.kr)
         # instances: (step, group, ordinal), ordinal counted per (rank, step, group) by order
         n = len(self.kr)
         o = np.lexsort((self.ko, self.kg, self.kt, self.kr))
@@ -721,34 +744,109 @@ class _Gen:
         ordinal = np.empty(n, dtype=np.int64)
         ordinal[o] = np.arange(n) - start
         self.ordinal = ordinal
-        key = (self.kt * max(ng, 1) + self.kg) * (int(ordinal.max()) + 1 if n else 1) + ordinal
-        self.inst_keys, self.inst = _unique(key)
+        self.inst_keys, self.inst = _unique(_row_keys(self.kt, self.kg, ordinal))
 
     @staticmethod
     def hs(hi: np.ndarray, hn: np.ndarray) -> np.ndarray:
         return np.where(hn == 0, 0, hn * (hn - 1) // 2 + hi + 1)
 
-    def _valid(self) -> bool:
-        P, ng = self.P, len(self.groups)
-
-        def out(lo, hi, *cols):
-            return any(len(c) and (int(c.min()) < lo or int(c.max()) >= hi) for c in cols)
-        if out(0, P, self.cr, self.cq, self.ckv, self.xs, self.xd, self.xc, self.kr, self.sc):
-            return _fallback("_Gen: a rank, chunk or peer out of range", False)
-        if out(0, _F, self.xf, self.sf) or out(C_, G_ + 1, self.ck) or out(0, 3, self.kk):
-            return _fallback("_Gen: a family, compute kind or collective kind out of range", False)
-        if out(0, max(ng, 1), self.kg) or out(0, 1 << 40, self.ct, self.xt, self.kt):
-            return _fallback("_Gen: a group index or step out of range", False)
-        if (self.xs == self.xd).any() or out(0, 2, self.sdir) or out(0, max(len(self.kr), 1), self.ss):
-            return _fallback("_Gen: a send to itself, or a slot's direction or side out of range", False)
-        for hi, hn in ((self.chi, self.chn), (self.xhi, self.xhn), (self.shi, self.shn)):
-            if len(hn) and ((hn < 0) | ((hn == 0) & (hi != 0))
-                            | ((hn > 0) & ((hi < 0) | (hi >= hn)))).any():
-                return _fallback("_Gen: an invalid head slice", False)
-        for grp in self.groups:
-            if not grp or len(set(grp)) != len(grp) or min(grp) < 0 or max(grp) >= P:
-                return _fallback("_Gen: an invalid group (empty, repeated or out-of-range members)", False)
-        return ng * P <= 1 << 24
+    def _valid(self, tab: ProgramTable, lenient: bool) -> None:
+        """Raise the first fault of the columns themselves (by part, then row), then the
+        first transfer (in program order) naming an invalid peer; unless ``lenient``, the
+        first op naming a chunk or rank past ``P - 1``. Sets ``gmax`` (each group's largest
+        member) and ``C``."""
+        P, ng, n_side = self.P, len(self.groups), len(self.kr)
+        steps = (0, 1 << 40)
+        heads = "a head slice h{}/{} (needs 0 <= i < n < 65536, or i = n = 0: all heads)"
+        for part, col, (lo, hi), what in (
+                ("compute", self.cr, (0, P), "rank {}"), ("compute", self.ct, steps, "step {}"),
+                ("compute", self.ck, (C_, G_ + 1), "kind code {} (0: C, 1: G)"),
+                ("compute", self.cq, (0, 1 << 31), "q chunk {}"),
+                ("compute", self.ckv, (0, 1 << 31), "kv chunk {}"),
+                ("transfer", self.xt, steps, "step {}"),
+                ("transfer", self.xf, (0, _F), "family code {}"),
+                ("transfer", self.xc, (0, 1 << 31), "chunk {}"),
+                ("collective side", self.kr, (0, P), "rank {}"),
+                ("collective side", self.kt, steps, "step {}"),
+                ("collective side", self.kk, (0, len(ir_kinds)), f"kind code {{}} ({ir_kinds})"),
+                ("collective side", self.kg, (0, max(ng, 1)), "group index {}"),
+                ("collective slot", self.ss, (0, max(n_side, 1)), "side {}"),
+                ("collective slot", self.sdir, (0, 2), "direction {} (0: send, 1: receive)"),
+                ("collective slot", self.sf, (0, _F), "family code {}"),
+                ("collective slot", self.sc, (0, 1 << 31), "chunk {}")):
+            bad = _outside(col, lo, hi)
+            if bad is not None:
+                i = int(np.flatnonzero(bad)[0])
+                bound = {1 << 40: "2**40", 1 << 31: "2**31"}.get(hi, hi)
+                raise ScheduleError(f"ProgramTable {part} row {i}: {what.format(int(col[i]))} "
+                                    f"is outside [{lo}, {bound})")
+        for part, hi, hn in (("compute", self.chi, self.chn), ("transfer", self.xhi, self.xhn),
+                             ("collective slot", self.shi, self.shn)):
+            if len(hn) and (int(hn.max()) != 0 or int(hi.min()) != 0 or int(hi.max()) != 0):
+                bad = (hn < 0) | (hn >= 1 << 16) | np.where(hn == 0, hi != 0, (hi < 0) | (hi >= hn))
+                if bad.any():
+                    i = int(np.flatnonzero(bad)[0])
+                    raise ScheduleError(f"ProgramTable {part} row {i}: "
+                                        f"{heads.format(int(hi[i]), int(hn[i]))}")
+        gmax = []
+        for n, grp in enumerate(self.groups):
+            if not grp or len(set(grp)) != len(grp) or min(grp) < 0 or max(grp) >= 1 << 31:
+                raise ScheduleError(f"ProgramTable group {n} {list(grp)}: a group is one or "
+                                    f"more distinct ranks >= 0")
+            gmax.append(max(grp))
+        self.gmax = np.array(gmax or [0], dtype=np.int64)
+        if len(self.ss):
+            width = self.glen[self.kg[self.ss]]
+            bad = (self.sidx < 0) | (self.sidx >= width)
+            if bad.any():
+                i = int(np.flatnonzero(bad)[0])
+                raise ScheduleError(f"ProgramTable collective slot row {i}: member index "
+                                    f"{int(self.sidx[i])} is outside [0, {int(width[i])}) "
+                                    f"(its group's size)")
+            n_idx = int(self.glen.max()) + 1
+            step = np.diff((self.ss * 2 + self.sdir) * n_idx + self.sidx)
+            if len(step) and int(step.min()) <= 0:
+                i = int(np.flatnonzero(step <= 0)[0]) + 1
+                raise ScheduleError(f"ProgramTable collective slot row {i}: slots must be "
+                                    f"sorted by (side, direction, member index), each once")
+        # transfers naming an invalid peer, as the op rules name them (a send or a receive
+        # whose rank is in range; both out of range: no program holds it)
+        so, do = _outside(self.xs, 0, P), _outside(self.xd, 0, P)
+        same = self.xs == self.xd
+        if so is not None or do is not None or same.any():
+            so = np.zeros(len(same), bool) if so is None else so
+            do = np.zeros(len(same), bool) if do is None else do
+            both = so & do
+            if both.any():
+                i = int(np.flatnonzero(both)[0])
+                raise ScheduleError(f"ProgramTable transfer row {i}: ranks {int(self.xs[i])} -> "
+                                    f"{int(self.xd[i])} are outside [0, {P})")
+            cands = [(1, np.flatnonzero(~so & (do | same)), None),
+                     (2, np.flatnonzero(~do & (so | same)), None)]
+            k, j = _first_in_order(tab, cands)
+            r, t, op = _located(tab, cands[k][0], int(cands[k][1][j]))
+            _fail(tab, r, t, f"{op} names an invalid peer (world size {P})")
+        cols = (self.cq, self.ckv, self.xc, self.sc)
+        top = max([int(c.max()) for c in cols if len(c)] or [-1])
+        self.C = P
+        if not lenient and (top >= P or int(self.gmax.max()) >= P):
+            past = [(0, np.flatnonzero((self.cq >= P) | (self.ckv >= P))),
+                    (1, np.flatnonzero(self.xc >= P)), (2, np.flatnonzero(self.xc >= P)),
+                    (3, _uniq(np.concatenate([self.ss[self.sc >= P],
+                                              np.flatnonzero(self.gmax[self.kg] >= P)])))]
+            k, j = _first_in_order(tab, [(tie, rows, None) for tie, rows in past])
+            tie, row = past[k][0], int(past[k][1][j])
+            r, t, op = _located(tab, tie, row)
+            if tie == 3 and self.gmax[self.kg[row]] >= P:
+                _fail(tab, r, t, f"'{op}' names a rank outside [0, {P})")
+            chunk = (max(int(self.cq[row]), int(self.ckv[row])) if tie == 0 else
+                     int(self.sc[self.ss == row].max()) if tie == 3 else int(self.xc[row]))
+            _fail(tab, r, t, f"'{op}' names chunk {chunk}, outside [0, {P})")
+        if top >= P:                         # lenient: renumber the chunks past P - 1
+            big = _uniq(np.concatenate([c[c >= P] for c in cols]))
+            self.cq, self.ckv, self.xc, self.sc = (
+                np.where(c >= P, P + np.searchsorted(big, c), c) for c in cols)
+            self.C = P + len(big)
 
     def pos_rank(self, group, idx):
         """The rank at member index ``idx`` of group ``group`` (index arrays)."""
@@ -762,11 +860,11 @@ class _Gen:
 
     def bkey(self, fam, chunk, hs):
         """A buffer as one int: (family, chunk, head slice code)."""
-        return (fam * self.P + chunk) * self.HS + hs
+        return (fam * self.C + chunk) * self.HS + hs
 
     def rkey(self, rank, fam, chunk, hs):
         """A (rank, buffer) pair as one int."""
-        return ((rank * _F + fam) * self.P + chunk) * self.HS + hs
+        return ((rank * _F + fam) * self.C + chunk) * self.HS + hs
 
 
 def _unique(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -805,167 +903,419 @@ def _lookup(keys: np.ndarray, table_keys: np.ndarray, values: np.ndarray, defaul
     return np.where(hit, values[at], default), hit
 
 
-def _general_ok(tab: ProgramTable, need: np.ndarray | None, backward: bool, kv: str) -> bool | None:
-    """The structural checks on a table's columns: True when every check passes, False to
-    let the op-by-op check name the fault."""
-    g = _Gen(tab)
-    if not g.ok:
-        return False
-    P = g.P
-    Q, KV, OUT, DOUT = (_FAMILY_CODE[f] for f in (_Q, _KV, _OUT, _DOUT))
-    # collectives: every member issues each (step, group, ordinal) once, of one kind, and
-    # what one member sends another receives
+def _outside(col: np.ndarray, lo: int, hi: int) -> np.ndarray | None:
+    """Bool mask of the entries of ``col`` outside ``[lo, hi)``; None when there are none
+    (decided by the column's min and max: no mask on the accept path)."""
+    if not len(col) or (int(col.min()) >= lo and int(col.max()) < hi):
+        return None
+    return (col < lo) | (col >= hi)
+
+
+def _row_keys(*cols: np.ndarray) -> np.ndarray:
+    """One int64 key per row of the equal-length int columns ``cols``, equal for equal rows
+    and increasing with the rows in lexicographic order: mixed radix where the spans fit in
+    int64, else compact ids column by column (a sort each)."""
+    n = len(cols[0])
+    if not n:
+        return np.zeros(0, np.int64)
+    lo = [int(c.min()) for c in cols]
+    span = [int(c.max()) - m + 1 for c, m in zip(cols, lo)]
+    if np.prod([float(w) for w in span]) < 2.0 ** 62:
+        key = cols[0] - lo[0]
+        for c, m, w in zip(cols[1:], lo[1:], span[1:]):
+            key = key * w + (c - m)
+        return key
+    key = _unique(cols[0])[1]
+    for c in cols[1:]:
+        cid = _unique(c)[1]
+        key = _unique(key * (int(cid.max()) + 1) + cid)[1]
+    return key
+
+
+#: The largest dense ``[group, rank]`` member table :func:`_member_pos` allocates.
+MEMBER_CELLS = 1 << 24
+
+
+def _member_pos(groups, glen: np.ndarray, gmax: np.ndarray, kg: np.ndarray,
+                kr: np.ndarray) -> np.ndarray:
+    """Each collective side's member index in its group (-1: its rank is not a member): a
+    dense ``[group, rank]`` table where it is small, else a sorted lookup."""
+    if not len(kr):
+        return np.zeros(0, np.int64)
+    width = max(int(gmax.max()), int(kr.max())) + 1
+    if len(groups) * width <= MEMBER_CELLS:
+        pos = np.full((len(groups), width), -1, dtype=np.int64)
+        for g, grp in enumerate(groups):
+            pos[g, list(grp)] = np.arange(len(grp))
+        return pos[kg, kr]
+    flat = np.fromiter(itertools.chain.from_iterable(groups), np.int64, int(glen.sum()))
+    starts = np.cumsum(glen) - glen
+    idx = np.arange(len(flat)) - np.repeat(starts, glen)
+    keys = np.repeat(np.arange(len(groups)), glen) * width + flat
+    o = np.argsort(keys, kind="stable")
+    return _lookup(kg * width + kr, keys[o], idx[o], -1)[0]
+
+
+# ---- locating a fault: program order over the parts, and the op a row is in its view ----
+def _where_cols(tab: ProgramTable, tie: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(rank, step, order) of the ops of one part: ``tie`` 0 computes, 1 sends (a transfer
+    on its source), 2 receives (on its destination), 3 collective sides; within a rank's step
+    ops go by (order, tie, row), as the program views list them."""
+    comp, xfer, coll = tab._parts
+    part, names = {0: (comp, ("rank", "step", "order")), 1: (xfer, ("src", "step", "order")),
+                   2: (xfer, ("dst", "step", "rorder")),
+                   3: (coll, ("rank", "step", "order"))}[tie]
+    return tuple(np.asarray(part[k], dtype=np.int64) for k in names)
+
+
+def _first_in_order(tab: ProgramTable, cands: list) -> tuple[int, int]:
+    """The first in program order of candidate ops ``[(tie, rows, sub), ...]`` (``sub``:
+    None, or each entry's place within its op, an int or an array): ``(k, j)``, entry j of
+    ``cands[k]``."""
+    keys = []
+    for k, (tie, rows, sub) in enumerate(cands):
+        rows = np.asarray(rows, dtype=np.int64)
+        n = len(rows)
+        r, t, o = (c[rows] for c in _where_cols(tab, tie))
+        keys.append(np.stack([r, t, o, np.full(n, tie), rows,
+                              np.broadcast_to(np.asarray(0 if sub is None else sub, np.int64), (n,)),
+                              np.full(n, k), np.arange(n)]))
+    a = np.concatenate(keys, axis=1)
+    w = int(np.lexsort(a[5::-1])[0])         # by rank, step, order, tie, row, sub
+    return int(a[6, w]), int(a[7, w])
+
+
+def _located(tab: ProgramTable, tie: int, row: int) -> tuple[int, int, Op]:
+    """``(rank, step, op)`` of row ``row`` of part ``tie`` (:func:`_where_cols`): the op
+    object in its rank's program view (:meth:`ProgramTable.programs`)."""
+    r, t, o = (int(c[row]) for c in _where_cols(tab, tie))
+    before = 0
+    for k, (order, bounds) in enumerate(tab._general_index()[0]):
+        rows = order[bounds[r]:bounds[r + 1]]
+        _, st, oo = (c[rows] for c in _where_cols(tab, k))
+        here = st == t
+        rows, oo = rows[here], oo[here]
+        before += int(((oo < o) | ((oo == o) & ((k < tie) | ((k == tie) & (rows < row))))).sum())
+    step = next(s for s in tab.programs()[r].steps if s.index == t)
+    return r, t, step.ops[before]
+
+
+def _fail(tab: ProgramTable, rank: int, step: int, what: str):
+    raise ScheduleError(f"rank {rank}, step {step}: {what}\n{marked(tab.programs()[rank], step)}")
+
+
+def _slot_buffer(tab: ProgramTable, side: int, direction: int, idx: int) -> Buffer | None:
+    """The buffer of a collective side's slot (None: empty)."""
+    coll = tab._parts[2]
+    lo, hi = np.searchsorted(coll["slot_side"], [side, side + 1])
+    for s in range(int(lo), int(hi)):
+        if int(coll["slot_dir"][s]) == direction and int(coll["slot_idx"][s]) == idx:
+            return buffer_of(*(int(coll[k][s]) for k in ("slot_fam", "slot_chunk", "slot_hi",
+                                                          "slot_hn")))
+    return None
+
+
+def _general_ok(tab: ProgramTable, need: np.ndarray | None, backward: bool, kv: str) -> bool:
+    """The structural checks of :func:`check` on a table's columns: True when every check
+    passes, else a :class:`ScheduleError` naming the first fault as the op rules do."""
+    g = _Gen(tab, lenient=True)          # the columns themselves, and transfer peers
     if len(g.kr):
-        if (g.me < 0).any():
-            return _fallback("_general_ok: a collective side whose rank is not in its group", False)
-        n_inst = len(g.inst_keys)
-        count = np.bincount(g.inst, minlength=n_inst)
-        first = np.full(n_inst, -1, dtype=np.int64)
-        first[g.inst[::-1]] = np.arange(len(g.inst))[::-1]
-        if not np.array_equal(count, g.glen[g.kg[first]]):
-            return _fallback("_general_ok: a collective not issued once by every member", False)
-        kmin = np.full(n_inst, 9, np.int64)
-        kmax = np.full(n_inst, -1, np.int64)
-        np.minimum.at(kmin, g.inst, g.kk)
-        np.maximum.at(kmax, g.inst, g.kk)
-        if (kmin != kmax).any():
-            return _fallback("_general_ok: a collective of mixed kinds", False)
-        if len(g.ss):
-            if (g.sidx < 0).any() or (g.sidx >= g.glen[g.kg[g.ss]]).any():
-                return _fallback("_general_ok: a slot index out of range", False)
-            n_idx = int(g.glen.max()) + 1       # slots strictly increasing by (side, dir, idx)
-            if np.diff((g.ss * 2 + g.sdir) * n_idx + g.sidx).min(initial=1) <= 0:
-                return _fallback("_general_ok: slots not in (side, direction, index) order", False)
-        sme, sinst = g.me[g.ss], g.inst[g.ss]
-        b = g.bkey(g.sf, g.sc, g.shs)
-        own = g.sidx == sme
-        mine = [np.full(len(g.kr), -1, np.int64) for _ in range(2)]
-        for d in (0, 1):
-            sel = own & (g.sdir == d)
-            mine[d][g.ss[sel]] = b[sel]
-        if not np.array_equal(*mine):
-            return _fallback("_general_ok: a side's own slot differs between directions", False)
-        sent = ~own & (g.sdir == 0)
-        got = ~own & (g.sdir == 1)
-        if int(sent.sum()) != int(got.sum()):
-            return _fallback("_general_ok: collective sends and receives differ in number", False)
-        n_idx, n_b = int(g.glen.max()), _F * P * g.HS
-        if float(len(g.inst_keys)) * n_idx * n_idx * n_b < 2.0 ** 62:   # one int64 key a slot
-            k1 = ((sinst[sent] * n_idx + sme[sent]) * n_idx + g.sidx[sent]) * n_b + b[sent]
-            k2 = ((sinst[got] * n_idx + g.sidx[got]) * n_idx + sme[got]) * n_b + b[got]
-            if not np.array_equal(np.sort(k1), np.sort(k2)):
-                return _fallback("_general_ok: a collective send without its receive", False)
-        else:
-            a1 = np.stack([sinst[sent], sme[sent], g.sidx[sent], b[sent]])
-            a2 = np.stack([sinst[got], g.sidx[got], sme[got], b[got]])
-            if not np.array_equal(a1[:, np.lexsort(a1[::-1])], a2[:, np.lexsort(a2[::-1])]):
-                return _fallback("_general_ok: a collective send without its receive", False)
-    # presence: each read at step t needs the buffer (or its whole-heads parent) owned, or
-    # written / received before t
-    isg = g.ck == G_
-    ranks = np.arange(P)
-    zero = np.zeros(P, np.int64)
-    owned = [Q, KV] + ([OUT, DOUT] if backward else [])
-    writes = [(ranks, f, ranks, zero, zero) for f in owned]     # (rank, fam, chunk, hs, t)
-    cr, ct, cq, ckv, chs = g.cr, g.ct, g.cq, g.ckv, g.chs
-    side = (cq, ckv)
-    writes += [(cr[m], f, side[sd][m], chs[m], ct[m] + 1)
-               for f, m, sd in _tile_touches(g.ck, written=True)]
-    writes.append((g.xd, g.xf, g.xc, g.xhs, g.xt + 1))
-    if backward and kv == "keep":
-        writes.append((cr[isg], KV, ckv[isg], chs[isg], np.zeros(int(isg.sum()), np.int64)))
-    srank, sstep = g.kr[g.ss], g.kt[g.ss]
-    rs = g.sdir == 1
-    writes.append((srank[rs], g.sf[rs], g.sc[rs], g.shs[rs], sstep[rs] + 1))
-    reads = [(cr[m], f, side[sd][m], chs[m], ct[m]) for f, m, sd in _tile_touches(g.ck, written=False)]
-    reads.append((g.xs, g.xf, g.xc, g.xhs, g.xt))
-    # a side's send slots, its own slot aside (it moves nothing; a buffer it also sends to
-    # another member is read by that slot)
-    ss_ = ~rs & ~((g.sidx == g.me[g.ss]) & np.array(OWN_SLOT_IN_PLACE)[g.kk[g.ss]]) if len(g.ss) else ~rs
-    reads.append((srank[ss_], g.sf[ss_], g.sc[ss_], g.shs[ss_], sstep[ss_]))
-    if not _present(P, g.HS, writes, reads):
-        return False
-    if need is not None and not _general_tiles_ok(need, g.cq, g.ckv, g.chi, g.chn):
-        return _fallback("_general_ok: tiles not computed exactly once", False)
+        _collectives_ok(tab, g)
+    _presence_ok(tab, g, backward, kv)
+    if need is not None:
+        _table_tiles_ok(tab, need)
     return True
 
 
-def _table_tiles_ok(tab: ProgramTable, need: np.ndarray) -> bool:
-    """The tile check alone, on a table's computes."""
-    comp = tab._parts[0]
-    return _general_tiles_ok(need, *(np.asarray(comp[k], dtype=np.int64)
-                                      for k in ("q", "kv", "hi", "hn")))
+def _collectives_ok(tab: ProgramTable, g: _Gen) -> None:
+    """Every member issues each collective over its group once per (step, ordinal), of one
+    kind, with its own slot alike on both sides, and what one member sends another receives.
+
+    The first fault, as the op rules find it: the first side in program order that is not a
+    member of its group, names a rank past ``P - 1`` or holds its own slot differently on the
+    two sides; else of the (step, group) pairs in order of first issue, the first with a
+    fault: unequal counts, else by ordinal a kind unlike the first member's, then a
+    contribution without its receive (the lowest (sender, receiver) member pair).
+    """
+    P = g.P
+    n_side = len(g.kr)
+    b = g.bkey(g.sf, g.sc, g.shs)
+    sme, sinst = g.me[g.ss], g.inst[g.ss]
+    own = g.sidx == sme
+    mine = [np.full(n_side, -1, np.int64) for _ in range(2)]
+    for d in (0, 1):
+        sel = own & (g.sdir == d)
+        mine[d][g.ss[sel]] = b[sel]
+    bad = (g.me < 0) | (g.gmax[g.kg] >= P) | (mine[0] != mine[1])
+    if bad.any():
+        rows = np.flatnonzero(bad)
+        side = int(rows[_first_in_order(tab, [(3, rows, None)])[1]])
+        r, t, op = _located(tab, 3, side)
+        if g.me[side] < 0:
+            _fail(tab, r, t, f"'{op}': rank {r} is not a member of its group")
+        if g.gmax[g.kg[side]] >= P:
+            _fail(tab, r, t, f"'{op}' names a rank outside [0, {P})")
+        _fail(tab, r, t, f"'{op}': the slot of rank {r} itself must hold the same buffer on "
+                         f"both sides (or '-')")
+    n_inst = len(g.inst_keys)
+    count = np.bincount(g.inst, minlength=n_inst)
+    first = np.full(n_inst, -1, dtype=np.int64)
+    first[g.inst[::-1]] = np.arange(n_side)[::-1]
+    inst_g = g.kg[first]
+    bad_count = count != g.glen[inst_g]
+    kmin = np.full(n_inst, len(ir_kinds), np.int64)
+    kmax = np.full(n_inst, -1, np.int64)
+    np.minimum.at(kmin, g.inst, g.kk)
+    np.maximum.at(kmax, g.inst, g.kk)
+    bad_kind = kmin != kmax
+    # contributions: (instance, sender, receiver, buffer) as sent and as received, own slots
+    # aside (they move nothing)
+    sent = ~own & (g.sdir == 0)
+    got = ~own & (g.sdir == 1)
+    ns = int(sent.sum())
+    keys = _row_keys(np.concatenate([sinst[sent], sinst[got]]),
+                     np.concatenate([sme[sent], g.sidx[got]]),
+                     np.concatenate([g.sidx[sent], sme[got]]),
+                     np.concatenate([b[sent], b[got]]))
+    k1, k2 = keys[:ns], keys[ns:]
+    s1, s2 = np.sort(k1), np.sort(k2)
+    bad_xfer = np.zeros(n_inst, dtype=bool)
+    if not np.array_equal(s1, s2):
+        bad_xfer[sinst[sent][~_member(k1, s2)]] = True
+        bad_xfer[sinst[got][~_member(k2, s1)]] = True
+    bad_inst = bad_count | bad_kind | bad_xfer
+    if not bad_inst.any():
+        return
+    # the (step, group) pair first issued (program order of its first side) with a fault
+    pos = np.empty(n_side, np.int64)
+    pos[np.lexsort((np.arange(n_side), g.ko, g.kt, g.kr))] = np.arange(n_side)
+    pair = _unique(_row_keys(g.kt[first], inst_g))[1]
+    never = np.iinfo(np.int64).max
+    pair_first = np.full(int(pair.max()) + 1, never, np.int64)
+    np.minimum.at(pair_first, pair[g.inst], pos)
+    pair_bad = np.zeros(len(pair_first), dtype=bool)
+    pair_bad[pair[bad_inst]] = True
+    p = int(np.argmin(np.where(pair_bad, pair_first, never)))
+    insts = np.flatnonzero(pair == p)        # by ordinal (instance ids sort by it)
+    t = int(g.kt[first[insts[0]]])
+    group = g.groups[int(inst_g[insts[0]])]
+    if bad_count[insts].any():
+        cnt = np.bincount(g.me[pair[g.inst] == p], minlength=len(group))
+        few, many = int(np.argmin(cnt)), int(np.argmax(cnt))
+        _fail(tab, group[few], t, f"rank {group[few]} issues {cnt[few]} collective(s) over "
+                                  f"group {list(group)} in this step but rank {group[many]} "
+                                  f"issues {cnt[many]}; every member issues the same "
+                                  f"collectives in the same order")
+    i = int(insts[np.flatnonzero(bad_kind[insts] | bad_xfer[insts])[0]])    # by ordinal
+    sides = np.flatnonzero(g.inst == i)
+    by_me = sides[np.argsort(g.me[sides])]              # one side per member, in group order
+    if bad_kind[i]:
+        m = int(np.flatnonzero(g.kk[by_me] != g.kk[by_me[0]])[0])
+        op0 = _located(tab, 3, int(by_me[0]))[2]
+        r, _, op = _located(tab, 3, int(by_me[m]))
+        _fail(tab, r, t, f"'{op}' is collective #{int(g.ordinal[by_me[0]])} over group "
+                         f"{list(group)} here, but rank {group[0]} issues '{op0}'")
+    a1, a2 = sent & (sinst == i), got & (sinst == i)   # the lowest (sender, receiver) unmatched
+    pairs = np.concatenate([np.stack([sme[a1], g.sidx[a1]])[:, ~_member(k1[a1[sent]], s2)],
+                            np.stack([g.sidx[a2], sme[a2]])[:, ~_member(k2[a2[got]], s1)]],
+                           axis=1)
+    a_i, b_i = (int(x) for x in pairs[:, np.lexsort(pairs[::-1])[0]])
+    side_a, side_b = int(by_me[a_i]), int(by_me[b_i])
+    given = _slot_buffer(tab, side_a, 0, b_i)
+    taken = _slot_buffer(tab, side_b, 1, a_i)
+    op_a = _located(tab, 3, side_a)[2]
+    op_b = _located(tab, 3, side_b)[2]
+    a, bb = group[a_i], group[b_i]
+    _fail(tab, a, t, f"'{op_a}' sends {given or 'nothing'} to rank {bb}, but rank {bb}'s side "
+                     f"'{op_b}' receives {taken or 'nothing'} from rank {a}")
+
+
+def _presence_ok(tab: ProgramTable, g: _Gen, backward: bool, kv: str) -> None:
+    """Every read finds its buffer (or the buffer's whole-heads parent) on its rank at the
+    start of its step: owned (:func:`_owned`), kept (the backward's kv with ``kv="keep"``),
+    or written or received at an earlier step. Raises the op rules' message for the first
+    read in program order (the op's reads in the rule's order) that does not."""
+    P = g.P
+    KV = _FAMILY_CODE[Family.KV]
+    isg = g.ck == G_
+    ranks = np.arange(P)
+    zero = np.zeros(P, np.int64)
+    writes = [(ranks, f, ranks, zero, zero) for f in _owned(backward)]  # (rank, fam, chunk, hs, t)
+    cr, ct, chs = g.cr, g.ct, g.chs
+    side = (g.cq, g.ckv)
+    writes += [(cr[m], f, side[sd][m], chs[m], ct[m] + 1)
+               for f, m, sd, _ in _tile_touches(g.ck, written=True)]
+    writes.append((g.xd, g.xf, g.xc, g.xhs, g.xt + 1))
+    if backward and kv == "keep":
+        writes.append((cr[isg], KV, g.ckv[isg], chs[isg], np.zeros(int(isg.sum()), np.int64)))
+    srank, sstep = g.kr[g.ss], g.kt[g.ss]
+    rs = g.sdir == 1
+    writes.append((srank[rs], g.sf[rs], g.sc[rs], g.shs[rs], sstep[rs] + 1))
+    # reads, each with where it is: (tie, rows of its part, place among its op's reads)
+    reads, where = [], []
+    for f, m, sd, n in _tile_touches(g.ck, written=False):
+        reads.append((cr[m], f, side[sd][m], chs[m], ct[m]))
+        where.append((0, m, n, sd))
+    reads.append((g.xs, g.xf, g.xc, g.xhs, g.xt))
+    where.append((1, slice(None), 0, None))
+    if len(g.ss):
+        # a side's send slots, but an own slot that stays in place (RULES), unless another
+        # send slot of the side holds the same buffer
+        sends = g.sdir == 0
+        own = sends & (g.sidx == g.me[g.ss]) & np.array(OWN_SLOT_IN_PLACE)[g.kk[g.ss]]
+        if own.any():
+            b = g.bkey(g.sf, g.sc, g.shs)
+            own_b = np.full(len(g.kr), -1, np.int64)
+            own_b[g.ss[own]] = b[own]
+            shared = np.zeros(len(g.kr), dtype=bool)
+            shared[g.ss[sends & ~own & (b == own_b[g.ss])]] = True
+            own &= ~shared[g.ss]
+        sel = np.flatnonzero(sends & ~own)
+        reads.append((srank[sel], g.sf[sel], g.sc[sel], g.shs[sel], sstep[sel]))
+        where.append((3, sel, g.sidx[sel], None))
+    late = _late_reads(P, g.C, g.HS, writes, reads)
+    if late is None:
+        return
+    cands, entries = [], []
+    for k, lm in enumerate(late):
+        if lm is None:
+            continue
+        tie, m, sub, sd = where[k]
+        j = np.flatnonzero(lm)
+        if tie == 0:
+            rows = (np.flatnonzero(m) if isinstance(m, np.ndarray) else np.arange(len(g.cr)))[j]
+        elif tie == 1:
+            rows = j
+        else:
+            rows = g.ss[m[j]]
+            sub = sub[j]
+        cands.append((tie, rows, sub))
+        entries.append((k, j))
+    c, e = _first_in_order(tab, cands)
+    tie, row = cands[c][0], int(cands[c][1][e])
+    k, j = entries[c]
+    r, t, op = _located(tab, tie, row)
+    comp, xfer, coll = tab._parts
+    if tie == 0:
+        f, sd = reads[k][1], where[k][3]
+        buf = buffer_of(f, int(comp[("q", "kv")[sd]][row]), int(comp["hi"][row]),
+                        int(comp["hn"][row]))
+    elif tie == 1:
+        buf = buffer_of(*(int(xfer[x][row]) for x in ("fam", "chunk", "hi", "hn")))
+    else:
+        s = int(where[k][1][j[e]])
+        buf = buffer_of(*(int(coll[x][s]) for x in ("slot_fam", "slot_chunk", "slot_hi",
+                                                     "slot_hn")))
+    verb = "sends" if tie == 1 else "needs"
+    _fail(tab, r, t, f"'{op}' {verb} {buf}, which is not on rank {r} yet")
 
 
 def _by_family(entries) -> dict:
     """``(rank, fam, chunk, hs, t)`` column tuples (``fam`` an int or a column) split by
-    family: ``{fam: [(rank, chunk, hs, t), ...]}``."""
+    family: ``{fam: [(k, sel, rank, chunk, hs, t), ...]}``, ``k`` the entry's index and
+    ``sel`` the rows of that family (None: all)."""
     out = collections.defaultdict(list)
-    for r, f, ch, hs, t in entries:
+    for k, (r, f, ch, hs, t) in enumerate(entries):
         if not len(r):
             continue
         if isinstance(f, (int, np.integer)):
-            out[int(f)].append((r, ch, hs, t))
+            out[int(f)].append((k, None, r, ch, hs, t))
             continue
         for fv in np.flatnonzero(np.bincount(f, minlength=_F)).tolist():
-            m = f == fv
-            out[fv].append((r[m], ch[m], hs[m], t[m]))
+            sel = np.flatnonzero(f == fv)
+            out[fv].append((k, sel, r[sel], ch[sel], hs[sel], t[sel]))
     return out
 
 
-def _present(P: int, HS: int, writes: list, reads: list) -> bool:
-    """Whether every read ``(rank, fam, chunk, hs, t)`` finds its buffer, or the buffer's
-    whole-heads parent (``hs`` 0), written at a step <= t on that rank.
-
-    Dense, a family at a time: a plane ``[rank, buffer]`` of earliest write steps over the
-    family's buffers that occur (no sort of the millions of compute reads)."""
+def _late_reads(P: int, C: int, HS: int, writes: list, reads: list) -> list | None:
+    """Which reads ``(rank, fam, chunk, hs, t)`` find neither their buffer nor its
+    whole-heads parent (``hs`` 0) written at a step <= t on that rank: None when every read
+    does, else per entry of ``reads`` a bool mask of its late reads (None: none)."""
     w_by, r_by = _by_family(writes), _by_family(reads)
+    out = None
     for fam, rs in r_by.items():
-        ws = w_by.get(fam, [])
-        used = np.zeros(P * HS, dtype=bool)           # (chunk, hs) buffers of this family
+        at = _write_steps(P, C, HS, [w[2:] for w in w_by.get(fam, [])], [x[2:] for x in rs])
+        for k, sel, r, ch, hs, t in rs:
+            late = at(r, ch, hs) > t
+            if not late.any():
+                continue
+            li = np.flatnonzero(late)
+            li = li[at(r[li], ch[li], np.zeros(len(li), np.int64)) > t[li]]
+            if not len(li):
+                continue
+            if out is None:
+                out = [None] * len(reads)
+            if out[k] is None:
+                out[k] = np.zeros(len(reads[k][0]), dtype=bool)
+            out[k][li if sel is None else sel[li]] = True
+    return out
+
+
+def _write_steps(P: int, C: int, HS: int, ws: list, rs: list):
+    """``at(rank, chunk, hs)``: the earliest step buffers of one family are written on a
+    rank (int64 max: never), from writes ``ws`` ``[(rank, chunk, hs, t), ...]``; ``rs``, the
+    reads' ``(rank, chunk, hs, t)``, say which buffers are asked for. A dense ``[rank,
+    buffer]`` plane over the buffers that occur (no sort of the millions of compute reads),
+    or sorted keys past :data:`PLANE_CELLS`."""
+    never = np.iinfo(np.int64).max
+    if C * HS <= PLANE_CELLS:
+        used = np.zeros(C * HS, dtype=bool)          # (chunk, hs) buffers of this family
         for _, ch, hs, _ in itertools.chain(ws, rs):
             used[ch * HS + hs] = True
-        for _, ch, _, _ in rs:                        # the parents of what is read
+        for _, ch, _, _ in rs:                       # the parents of what is read
             used[ch * HS] = True
         ids = np.cumsum(used) - 1
         n = int(ids[-1]) + 1 if len(ids) else 0
-        if P * n > PLANE_CELLS:
-            return _present_sorted(P, HS, fam, ws, rs)
-        avail = np.full(P * n, np.iinfo(np.int64).max, dtype=np.int64)
-        for r, ch, hs, t in ws:
-            _assign_min(avail, r * n + ids[ch * HS + hs], t)
-        for r, ch, hs, t in rs:
-            late = avail[r * n + ids[ch * HS + hs]] > t
-            if late.any():
-                r, ch, t = r[late], ch[late], t[late]
-                if (avail[r * n + ids[ch * HS]] > t).any():
-                    return _fallback("_present: a read before its buffer is present", False)
-    return True
+        if P * n <= PLANE_CELLS:
+            avail = np.full(P * n, never, dtype=np.int64)
+            for r, ch, hs, t in ws:
+                _assign_min(avail, r * n + ids[ch * HS + hs], t)
+            return lambda r, ch, hs: avail[r * n + ids[ch * HS + hs]]
+    codes = ([ch * HS + hs for _, ch, hs, _ in itertools.chain(ws, rs)]
+             + [ch * HS for _, ch, _, _ in rs])
+    ub = _uniq(np.concatenate(codes)) if codes else np.zeros(0, np.int64)
 
-
-def _present_sorted(P: int, HS: int, fam: int, ws: list, rs: list) -> bool:
-    """:func:`_present` for one family by sorting keys (planes too large to allocate)."""
     def key(r, ch, hs):
-        return (r * P + ch) * HS + hs
+        return r * len(ub) + np.searchsorted(ub, ch * HS + hs)
     if not ws:
-        return _fallback("_present_sorted: a read of a family nothing writes", False)
+        return lambda r, ch, hs: np.full(len(r), never, dtype=np.int64)
     wk, wv = _min_by_key(np.concatenate([key(r, ch, hs) for r, ch, hs, _ in ws]),
                          np.concatenate([t for *_, t in ws]))
-    for r, ch, hs, t in rs:
-        at, _ = _lookup(key(r, ch, hs), wk, wv, 1 << 62)
-        late = at > t
-        if late.any():
-            at2, _ = _lookup(key(r[late], ch[late], 0), wk, wv, 1 << 62)
-            if (at2 > t[late]).any():
-                return _fallback("_present_sorted: a read before its buffer is present", False)
-    return True
+    return lambda r, ch, hs: _lookup(key(r, ch, hs), wk, wv, never)[0]
 
 
-def _general_tiles_ok(need: np.ndarray, cq: np.ndarray, ckv: np.ndarray, chi: np.ndarray,
-                      chn: np.ndarray) -> bool:
-    """Every non-empty tile computed exactly once (whole heads once, or each head slice of
-    one split once), no empty tile computed, from the computes' columns."""
+def _table_tiles_ok(tab: ProgramTable, need: np.ndarray) -> bool:
+    """Every non-empty tile of ``need`` computed exactly once (whole heads once, or each
+    head slice of one split once) and no empty tile computed, from the table's computes;
+    else the op rules' :class:`ScheduleError` for the first bad tile (row-major), listing
+    its computes in program order."""
+    comp = tab._parts[0]
+    cq, ckv, chi, chn = (np.asarray(comp[k], dtype=np.int64) for k in ("q", "kv", "hi", "hn"))
     P = len(need)
+    if len(cq) and (min(int(cq.min()), int(ckv.min())) < 0
+                    or max(int(cq.max()), int(ckv.max())) >= P):
+        raise ScheduleError(f"a compute names a chunk outside [0, {P})")
+    bad = _tile_counts(P, cq, ckv, chi, chn) != need.astype(np.int64).ravel()
+    if not bad.any():
+        return True
+    i, j = divmod(int(np.flatnonzero(bad)[0]), P)
+    rows = np.flatnonzero((cq == i) & (ckv == j))
+    r, t, o = (c[rows] for c in _where_cols(tab, 0))
+    rows = rows[np.lexsort((rows, o, t, r))]
+    where = [f"rank {int(comp['rank'][x])} step {int(comp['step'][x])}"
+             + ("" if not chn[x] else f" (h{int(chi[x])}/{int(chn[x])})") for x in rows.tolist()]
+    n = len(where)
+    what = ("is never computed" if n == 0 and need[i, j] else
+            f"is computed {n} times ({', '.join(where)})" if need[i, j] else
+            f"is empty but computed at {', '.join(where)}")
+    raise ScheduleError(f"tile q{i}·kv{j} {what}; every non-empty tile must be computed "
+                        f"exactly once (all heads at once, or each head slice of one split once)")
+
+
+def _tile_counts(P: int, cq: np.ndarray, ckv: np.ndarray, chi: np.ndarray,
+                 chn: np.ndarray) -> np.ndarray:
+    """Per tile (row-major ``[P * P]``): 1 when it is computed exactly once (whole heads
+    once, or each head slice of one split once), 0 when never, else another count."""
     whole = chn == 0
     count = np.bincount(cq[whole] * P + ckv[whole], minlength=P * P)
     sl = ~whole
@@ -980,7 +1330,7 @@ def _general_tiles_ok(need: np.ndarray, cq: np.ndarray, ckv: np.ndarray, chi: np
         good = (hi == pos) & (hn == np.repeat(hn[starts], n))
         cover = np.logical_and.reduceat(good, starts) & (n == hn[starts])
         count[uk] += np.where(cover, 1, 2)
-    return np.array_equal(count.reshape(P, P), need.astype(np.int64))
+    return count
 
 
 def _general_reverse(tab: ProgramTable, kv: str, pad: int = 0) -> list[Program] | None:
