@@ -15,7 +15,6 @@ import contextlib
 import dataclasses
 import gc
 import itertools
-import os
 from typing import Iterator, Mapping, Sequence
 
 import numpy as np
@@ -46,25 +45,16 @@ def gc_paused():
 
 
 # ---------------------------------------------------------------------------------------
-# fallbacks: a column path (numpy, what plans of the built-in schedules use) giving a program
-# to the op-by-op path. Each is a performance cliff (seconds at P=1024), so none is silent:
-# the column function says why (:func:`_fallback`), and when the op-by-op path then succeeds
-# (a valid program the columns did not take; an invalid one raises its ScheduleError and is
-# no fallback) the pass counts it by (pass, reason) in :func:`fallbacks`, and raises
-# ``NotImplementedError`` inside :func:`no_fallbacks` or with ``FRINGE_STRICT_PASSES=1``.
+# TRANSITIONAL shims, for callers outside reverse / prune only: check's failure tail (which
+# asks the oracle to name a fault) and the cost model's program reader still call these.
+# No pass falls back to op objects any more: ``_settle`` raises (a column path that gave up
+# is a bug to fix, never a slow path taken in silence). To go with those callers.
 # ---------------------------------------------------------------------------------------
-_FALLBACKS: collections.Counter = collections.Counter()
 _WHY: list = [None]             # the reason the last column function gave up
-_STRICT: list = [0]             # depth of no_fallbacks()
-
-#: Why a pass has no column path for programs at all.
-NOT_A_TABLE = "programs not cut from one ProgramTable (rank r from row r)"
 
 
 def _fallback(reason: str, value=None):
-    """A column function gives up on a program: remember ``reason`` for the pass that
-    called it (which settles it, :func:`_settle`) and return ``value`` (None, or False from
-    a check). Once per pass call, never per op."""
+    """A column function gives up, saying why (:func:`_settle` reports it); returns ``value``."""
     _WHY[0] = reason
     return value
 
@@ -74,35 +64,12 @@ def _start() -> None:
 
 
 def _settle(pass_name: str, default: str) -> None:
-    """The op-by-op path of ``pass_name`` answered a program a column path gave up on:
-    count it (why: the column function's reason, else ``default``), and raise when
-    fallbacks are errors."""
-    why = (pass_name, _WHY[0] or default)
+    """A column path of ``pass_name`` gave up on a program the op rules accepted: raise."""
+    why = _WHY[0] or default
     _WHY[0] = None
-    _FALLBACKS[why] += 1
-    if _STRICT[0] or os.environ.get("FRINGE_STRICT_PASSES") == "1":
-        raise NotImplementedError(
-            f"{pass_name}: the column path does not take these programs ({why[1]}), and the "
-            f"op-by-op path answered them instead (slow at large P); make the column path "
-            f"handle this form, or run outside passes.no_fallbacks() / FRINGE_STRICT_PASSES=1")
-
-
-def fallbacks() -> collections.Counter:
-    """How many times each pass fell back from its column path to the op-by-op path in this
-    process, by ``(pass, reason)`` (a copy)."""
-    return collections.Counter(_FALLBACKS)
-
-
-@contextlib.contextmanager
-def no_fallbacks():
-    """Inside, a pass that falls back to the op-by-op path raises ``NotImplementedError``
-    naming the pass and the reason (after the op path succeeded: an invalid program still
-    raises its ScheduleError). Nests. ``FRINGE_STRICT_PASSES=1`` does the same everywhere."""
-    _STRICT[0] += 1
-    try:
-        yield
-    finally:
-        _STRICT[0] -= 1
+    raise NotImplementedError(
+        f"{pass_name}: the column path does not take these programs ({why}); there is no "
+        f"op-by-op path in production: please report it with the programs")
 
 
 _INPUTS = frozenset(f for f, _ in RULES["C"].reads)   # what computes read; pruning may drop their moves
@@ -331,17 +298,22 @@ def _keep_hops(P: int, j, s, src, dst, use, *, buffers: int | None = None) -> np
 
     ``j``: the moved chunk (or, with ``buffers=n``, a buffer id in ``[0, n)``); ``use``: bool
     ``[chunk or buffer id, rank]``, the rank computes with it."""
-    keep = np.zeros(len(j), dtype=bool)
-    use = use.ravel()
-    live = np.zeros((P if buffers is None else buffers) * P, dtype=bool)   # [j * P + rank]:
-    at_dst, at_src = j * P + dst, j * P + src      # a kept hop leaves the rank later
+    at_dst, at_src = j * P + dst, j * P + src
+    return _keep_moves(at_dst, at_src, s, use.ravel()[at_dst], (P if buffers is None else buffers) * P)
+
+
+def _keep_moves(at_dst, at_src, s, used, K: int) -> np.ndarray:
+    """:func:`_keep_hops` on ``(buffer, rank)`` keys in ``[0, K)``: a move (at step ``s``, from
+    key ``at_src`` to key ``at_dst``) is kept when its receiver computes with the buffer
+    (``used``, per move) or has a kept move of it out, later."""
+    keep = np.zeros(len(s), dtype=bool)
+    live = np.zeros(K, dtype=bool)               # a kept move leaves the (buffer, rank) later
     by_step = _by_step(s, descending=True)
     _, starts = _runs(s[by_step])
     ends = list(starts[1:]) + [len(by_step)]
     for a, b in zip(starts.tolist(), ends):    # latest step first; one step at a time
         g = by_step[a:b]
-        d = at_dst[g]
-        kg = use[d] | live[d]
+        kg = used[g] | live[at_dst[g]]
         keep[g] = kg
         live[at_src[g[kg]]] = True
     return keep
@@ -374,16 +346,7 @@ def prune(programs: Sequence[Program], need: torch.Tensor) -> list[Program]:
         later collective or send), computes with it; a collective left moving nothing is
         dropped on every member. So a collective schedule may be written without the mask.
     """
-    P = len(programs)
-    ok = _need_array(need, P)
-    _start()
-    fast = _general_prune(_table(programs), ok)
-    if fast is not None:
-        return fast
-    from ..testing import oracle        # TRANSITIONAL: to go with the last fallback
-    pruned = oracle.prune(programs, need)
-    _settle("prune", "unknown")
-    return pruned
+    return _general_prune(_table(programs), _need_array(need, len(programs)))
 
 
 # ---------------------------------------------------------------------------------------
@@ -420,17 +383,9 @@ def reverse(programs: Sequence[Program], *, kv: str = "resend") -> list[Program]
     """
     if kv not in KV_MODES:
         raise ValueError(f"kv must be one of {KV_MODES}, got {kv!r}")
-    _start()
     tab = _table(programs)
     fast = _reverse_parts(tab, kv) if tab.chain else None       # the ring chain's shortcut
-    if fast is None:
-        fast = _general_reverse(tab, kv)
-    if fast is not None:
-        return fast
-    from ..testing import oracle        # TRANSITIONAL: to go with the last fallback
-    out = oracle.reverse(programs, kv=kv)
-    _settle("reverse", "unknown")
-    return out
+    return fast if fast is not None else _general_reverse(tab, kv)
 
 
 # ---------------------------------------------------------------------------------------
@@ -556,8 +511,9 @@ def _parts_ok(tab: ProgramTable, need: np.ndarray | None, backward: bool, kv: st
 
 def _reverse_parts(tab: ProgramTable, kv: str) -> list[Program] | None:
     """The ring chain's shortcut of :func:`_general_reverse` (a :attr:`~ProgramTable.chain`
-    table of forward programs that move kv only, each rank computing its own queries); None
-    when the general reverse must decide."""
+    table of forward programs that move kv only, each rank computing its own queries, each
+    kv chunk reaching a rank at most once and never its owner); None when the general
+    reverse must decide (it also names what is wrong)."""
     P = tab.world_size
     comp, xfer = tab._parts[:2]
     KV = _FAMILY_CODE[Family.KV]
@@ -567,6 +523,8 @@ def _reverse_parts(tab: ProgramTable, kv: str) -> list[Program] | None:
         return None
     if not len(cr) and not len(xs):
         return list(ProgramTable._of_parts(P, comp, xfer).programs())
+    if len(xs) and ((xc == xd).any() or np.bincount(xc * P + xd, minlength=P * P).max() > 1):
+        return None                         # kv arriving twice: the general reverse names it
     T = max(int(ct.max()) if len(ct) else -1, int(xt.max()) if len(xt) else -1) + 1
     bcomp = dict(rank=cr, step=T - ct, kind=np.full(len(cr), ADJOINT_CODE[C_], np.int64), q=cq, kv=ckv,
                  order=comp["order"])
@@ -574,49 +532,89 @@ def _reverse_parts(tab: ProgramTable, kv: str) -> list[Program] | None:
                chunk=xc, order=xfer["rorder"], rorder=xfer["order"])]
     if kv == "resend":
         after = 1 + max([int(x["order"].max()) for x in (comp, xfer) if len(x["order"])])
-        extra = _resend_parts(P, T, cr, ct, ckv, xt, xs, xd, xc, xfer["order"], after)
-        if extra is None:
-            return None
+        try:
+            extra = _resend_parts(P, T, cr, ct, ckv, xt, xs, xd, xc, xfer["order"], after)
+        except (_Pad, _Late):
+            return None                     # prologue steps, or a route the general reverse names
         bx.append(dict(extra, rorder=extra["order"]))
     bxfer = {k: np.concatenate([x[k] for x in bx]) for k in bx[0]}
     return list(ProgramTable._of_parts(P, bcomp, bxfer).programs())
 
 
+class _Pad(Exception):
+    """The re-sends need ``by`` more prologue steps (a fetch would fall before step 0)."""
+
+    def __init__(self, by: int) -> None:
+        super().__init__(by)
+        self.by = by
+
+
+class _Late(Exception):
+    """Hop ``hop`` sends a buffer on before hop ``arrival`` brings it to its sender."""
+
+    def __init__(self, hop: int, arrival: int) -> None:
+        super().__init__(hop, arrival)
+        self.hop, self.arrival = hop, arrival
+
+
 def _resend_parts(P, T, cr, ct, ckv, xt, xs, xd, xc, xorder, after, owner=None):
     """The backward's kv re-send on the hops themselves: the kv re-sends of the backward as
-    transfers (orders from ``after`` on, in (chunk, rank) order: after every adjoint op), or
-    None to fall back.
+    transfers (orders from ``after`` on, in (chunk, rank) order: after every adjoint op).
 
     With ``owner`` (int array), ``ckv`` and ``xc`` are buffer ids ``[0, len(owner))`` instead
     of kv chunks, ``owner[id]`` the rank that owns the buffer's data; the rows' ``chunk`` is
     then the buffer id, and orders go by (id, rank).
 
-    Every rank that holds a chunk it does not own received it by exactly one hop, so the
-    work is per hop (one entry each, in the forward's order), with dense ``[chunk, rank]``
-    arrays only for lookups; a route that is a chain in hop order (rings) settles who needs
-    a chunk by a segmented prefix sum, any other tree by a pass in arrival order.
+    The caller has made sure that a rank receives a buffer at most once and never its own.
+    Every rank that holds a buffer it does not own received it by that one hop or reads it
+    without one (its whole-heads parent came: it is fetched like the last rank of a route),
+    so the work is per entry (a hop or such a read, in the forward's order), with
+    ``[buffer, rank]`` arrays for lookups (dense, or over the keys that occur past
+    :data:`PLANE_CELLS`); a route that is a chain in hop order (rings) settles who needs a
+    buffer by a segmented prefix sum, any other tree by a pass in arrival order.
+
+    Raises:
+        _Pad: a fetch would fall before backward step 0 (so many more prologue steps).
+        _Late: a hop sends a buffer on before the hop that brings it to its sender.
     """
     NONE = np.int64(1) << 40
-    K = P * (P if owner is None else len(owner))
     own = np.arange(P) if owner is None else owner
+    nb = len(own)
+    rk0 = ckv * P + cr                              # (buffer, rank) of each read
+    remote = own[ckv] != cr
+    in0, out0 = xc * P + xd, xc * P + xs
+    if nb * P <= PLANE_CELLS:
+        K = nb * P
+
+        def ix(k):
+            return k
+    else:                                           # the (buffer, rank) keys that occur
+        space = _uniq(np.concatenate([in0, out0, rk0[remote]]))
+        K = len(space) + 1                          # + a sink for keys that do not occur
+
+        def ix(k):
+            return _lookup(k, space, np.arange(len(space)), len(space))[0]
+    in_key, out_key, rk = ix(in0), ix(out0), ix(rk0)
     n = len(xc)
-    in_key, out_key = xc * P + xd, xc * P + xs
-    if n and np.bincount(in_key, minlength=K).max() > 1:
-        return _fallback("_resend_parts: a rank receives a chunk twice")
     maxread = np.full(K, -1, np.int64)
-    rk = ckv * P + cr
     maxread[rk] = np.maximum(maxread[rk], ct)
     if len(rk) and not (maxread[rk] >= ct).all():
         np.maximum.at(maxread, rk, ct)
-    hop_of = np.full(K, -1, np.int64)               # [chunk * P + rank]: the hop that brought it
+    hop_of = np.full(K, -1, np.int64)               # [buffer, rank]: the entry that brought it
     hop_of[in_key] = np.arange(n)
-    remote = own[ckv] != cr
-    if remote.any() and (hop_of[rk[remote]] < 0).any():
-        return _fallback("_resend_parts: a read of a chunk that never arrived")
-    if not n:
+    # reads without a hop (not owned): entries of their own, arriving "before step 0"
+    v0 = _uniq(rk0[remote][hop_of[rk[remote]] < 0])
+    if not n and not len(v0):
         return _no_xfer()
-    # each (chunk, rank)'s latest hop onwards (first in program order among the latest)
-    if np.bincount(out_key, minlength=K).max() > 1:
+    vkey = ix(v0)
+    hop_of[vkey] = n + np.arange(len(v0))
+    e_key = np.concatenate([in_key, vkey])          # per entry: (buffer, rank) it brings
+    e_t = np.concatenate([xt, np.full(len(v0), -1, np.int64)])
+    e_b = np.concatenate([xc, v0 // P])
+    e_r = np.concatenate([xd, v0 % P])
+    m = len(e_key)
+    # each (buffer, rank)'s latest hop onwards (first in program order among the latest)
+    if n and np.bincount(out_key, minlength=K).max() > 1:
         o = np.lexsort((xorder, -xt, out_key))
         o = o[_runs(out_key[o])[1]]
     else:
@@ -625,14 +623,17 @@ def _resend_parts(P, T, cr, ct, ckv, xt, xs, xd, xc, xorder, after, owner=None):
     sup_d = np.full(K, -1, np.int64)
     sup_t[out_key[o]] = xt[o]
     sup_d[out_key[o]] = xd[o]
-    reads = maxread[in_key]                         # per hop: the receiver's last read
-    up = hop_of[out_key]                            # per hop: the hop that brought it to src
-    # the receiver relays b up: its upstream's latest hop of b went to it, so it re-sends b
-    relay_up = (up >= 0) & (sup_d[out_key] == xd)
-    if (relay_up & (xt[np.maximum(up, 0)] >= xt)).any():
-        return _fallback("_resend_parts: a route that is not a tree in time")
+    reads = maxread[e_key]                          # per entry: the receiver's last read
+    up = np.concatenate([hop_of[out_key], np.full(len(v0), -1, np.int64)])  # the entry that
+    # brought it to the hop's sender; the receiver relays b up when that sender's latest hop
+    # of b went to it
+    relay_up = (up >= 0) & np.concatenate([sup_d[out_key] == xd, np.zeros(len(v0), bool)])
+    late = relay_up & (e_t[np.maximum(up, 0)] >= e_t)
+    if late.any():
+        i = int(np.flatnonzero(late)[0])
+        raise _Late(i, int(up[i]))
     # a rank needs b when it reads it, or when it relays b up to a rank that needs it
-    idx = np.arange(n)
+    idx = np.arange(m)
     if (up[relay_up] == idx[relay_up] - 1).all():  # chains in hop order: segmented prefix OR
         seg = np.maximum.accumulate(np.where(relay_up, 0, idx))
         cs = np.cumsum(reads >= 0)
@@ -640,25 +641,26 @@ def _resend_parts(P, T, cr, ct, ckv, xt, xs, xd, xc, xorder, after, owner=None):
     else:                                           # any tree: upstream ranks received b earlier
         defined = reads >= 0
         g = np.nonzero(relay_up)[0]
-        g = g[_by_step(xt[g])]
-        _, starts = _runs(xt[g])
+        g = g[_by_step(e_t[g])]
+        _, starts = _runs(e_t[g])
         gu = up[g]
         for lo, hi in zip(starts.tolist(), starts[1:].tolist() + [len(g)]):
             defined[g[lo:hi]] |= defined[gu[lo:hi]]
     e = np.minimum(np.where(reads >= 0, T - reads, NONE),
-                   np.where(relay_up & defined[np.maximum(up, 0)], T - xt - 1, NONE))
+                   np.where(relay_up & defined[np.maximum(up, 0)], T - e_t - 1, NONE))
     emit = np.nonzero(e != NONE)[0]
-    key, e = in_key[emit], e[emit]
+    key, e = e_key[emit], e[emit]
     d = sup_d[key]
-    dh = hop_of[xc[emit] * P + np.maximum(d, 0)]    # the hop that took b on from this rank
+    c_ = e_b[emit]
+    dh = hop_of[ix(c_ * P + np.maximum(d, 0))]      # the hop that took b on from this rank
     relay = (d >= 0) & (T - sup_t[key] <= e) & (dh >= 0) & defined[np.maximum(dh, 0)]
-    if ((~relay) & (e - 1 < 0)).any():
-        return _fallback("_resend_parts: a fetch before backward step 0")
-    c_ = xc[emit]
+    fetch = ~relay
+    if (fetch & (e - 1 < 0)).any():
+        raise _Pad(int((1 - e[fetch]).max()))
     frm = np.where(relay, d, own[c_])
     u = np.where(relay, T - sup_t[key] - 1, e - 1)
-    return dict(step=u, src=frm, dst=xd[emit], fam=np.full(len(emit), _FAMILY_CODE[Family.KV]),
-                chunk=c_, order=after + key)        # (chunk, rank) order, as the op rules emit
+    return dict(step=u, src=frm, dst=e_r[emit], fam=np.full(len(emit), _FAMILY_CODE[Family.KV]),
+                chunk=c_, order=after + key)        # (buffer, rank) order, as the op rules emit
 
 
 def _no_xfer():
@@ -705,11 +707,13 @@ class _Gen:
                                          (self.shi, self.shn)))
         self.HS = 1 + max([int(x.max()) for x in (self.chs, self.xhs, self.shs) if len(x)] or [0])
         ng = len(self.groups)
-        pos = np.full((max(ng, 1), P), -1, dtype=np.int64)
-        for g, grp in enumerate(self.groups):
-            pos[g, list(grp)] = np.arange(len(grp))
         self.glen = np.array([len(g) for g in self.groups] or [0], dtype=np.int64)
-        self.me = pos[self.kg, self.kr] if len(self.kr) else np.zeros(0, np.int64)
+        # member index of each side: sorted (group, rank) keys (no [group, rank] plane)
+        m_key = np.concatenate([np.asarray(grp, dtype=np.int64) + g * np.int64(P)
+                                for g, grp in enumerate(self.groups)] or [np.zeros(0, np.int64)])
+        m_idx = np.concatenate([np.arange(len(grp)) for grp in self.groups] or [np.zeros(0, np.int64)])
+        o = np.argsort(m_key, kind="stable")
+        self.me = _lookup(self.kg * np.int64(P) + self.kr, m_key[o], m_idx[o], -1)[0]
         # instances: (step, group, ordinal), ordinal counted per (rank, step, group) by order
         n = len(self.kr)
         o = np.lexsort((self.ko, self.kg, self.kt, self.kr))
@@ -748,7 +752,7 @@ class _Gen:
         for grp in self.groups:
             if not grp or len(set(grp)) != len(grp) or min(grp) < 0 or max(grp) >= P:
                 return _fallback("_Gen: an invalid group (empty, repeated or out-of-range members)", False)
-        return ng * P <= 1 << 24
+        return True
 
     def pos_rank(self, group, idx):
         """The rank at member index ``idx`` of group ``group`` (index arrays)."""
@@ -983,22 +987,132 @@ def _general_tiles_ok(need: np.ndarray, cq: np.ndarray, ckv: np.ndarray, chi: np
     return np.array_equal(count.reshape(P, P), need.astype(np.int64))
 
 
-def _general_reverse(tab: ProgramTable, kv: str, pad: int = 0) -> list[Program] | None:
-    """:func:`reverse` on a general table's parts (the same rules, the same programs); None
-    when the op-by-op rules must decide (errors, and routes the columns do not follow).
-    ``pad``: prologue steps beyond the first (a chain of re-issued collectives needs them)."""
+def _gen(tab: ProgramTable) -> _Gen:
+    """The :class:`_Gen` of a table that reverse and prune can take: an invalid table (a
+    column out of range, a collective side whose rank is not in its group) raises the
+    :class:`ScheduleError` that :func:`check` names it with."""
     g = _Gen(tab)
-    if not g.ok:
-        return None                         # _Gen said why
-    if (g.ck != C_).any():
-        return _fallback("_general_reverse: a gradient compute in forward programs")
+    if not g.ok or (len(g.kr) and (g.me < 0).any()):
+        check(list(tab.programs()))         # names the first bad op
+        raise ScheduleError(f"invalid programs ({_WHY[0]}); fringe.schedules.check names no "
+                            f"fault in them: please report it with the programs")
+    return g
+
+
+def _step_of(prog: Program, t: int):
+    return next(s for s in prog.steps if s.index == t)
+
+
+def _not_forward(tab: ProgramTable, g: _Gen, grads: list) -> None:
+    """Raise for the first op (rank, then step, then op order) that is not a forward op: a
+    gradient compute, a moved gradient, a collective that touches gradients."""
+    cand = [(g.cr[g.ck != C_], g.ct[g.ck != C_])]
+    gx = np.isin(g.xf, grads)
+    cand += [(g.xs[gx], g.xt[gx]), (g.xd[gx], g.xt[gx])]
+    gs = g.ss[np.isin(g.sf, grads)]
+    cand.append((g.kr[gs], g.kt[gs]))
+    r, t = min((int(r), int(t)) for rs, ts in cand if len(rs)
+               for r, t in [min(zip(rs.tolist(), ts.tolist()))])
+    prog = tab.programs()[r]
+
+    def gradient(op) -> bool:
+        if isinstance(op, (Send, Recv)):
+            return op.buf.family.is_gradient
+        if isinstance(op, Collective):
+            return any(b.family.is_gradient for b in (*op.reads(), *op.writes()))
+        return isinstance(op, GradCompute)
+    op = next(op for op in _step_of(prog, t).ops if gradient(op))
+    raise ScheduleError(f"rank {r}, step {t}: reverse takes forward programs; found {op}\n"
+                        f"{marked(prog, t)}")
+
+
+def _arrive_once(tab: ProgramTable, g: _Gen, brought: np.ndarray) -> None:
+    """Every input buffer (q, kv) arrives at a rank at most once, and never at its owner,
+    whether by a hop or a collective (``brought``: the slots that bring one). The backward
+    returns a buffer's gradient along every route it came by, so a second arrival would
+    return it twice; :func:`lower` refuses such hops too. Raises naming the first such
+    arrival (by rank, then step)."""
+    P = g.P
+    inputs = [_FAMILY_CODE[f] for f in _INPUTS]
+    h = np.isin(g.xf, inputs)
+    ss = g.ss[brought]
+    r = np.concatenate([g.xd[h], g.kr[ss]])
+    if not len(r):
+        return
+    f = np.concatenate([g.xf[h], g.sf[brought]])
+    c = np.concatenate([g.xc[h], g.sc[brought]])
+    hs = np.concatenate([g.xhs[h], g.shs[brought]])
+    t = np.concatenate([g.xt[h], g.kt[ss]])
+    b = g.bkey(f, c, hs)
+    used = np.zeros(_F * P * g.HS, dtype=bool)
+    used[b] = True
+    ids = np.cumsum(used) - 1
+    n = int(ids[-1]) + 1
+    key = r * n + ids[b]
+    again = c == r                          # at its owner
+    if P * n <= PLANE_CELLS:
+        twice = np.bincount(key, minlength=P * n).max() > 1
+    else:
+        ks = np.sort(key)
+        twice = bool((ks[1:] == ks[:-1]).any())
+    if twice:                               # the later arrivals of each (rank, buffer)
+        o = np.lexsort((t, key))
+        dup = np.zeros(len(key), dtype=bool)
+        dup[o[1:]] = key[o[1:]] == key[o[:-1]]
+        again |= dup
+    if not again.any():
+        return
+    i = min(np.flatnonzero(again).tolist(), key=lambda i: (int(r[i]), int(t[i])))
+    hi = np.concatenate([g.xhi[h], g.shi[brought]])[i]
+    hn = np.concatenate([g.xhn[h], g.shn[brought]])[i]
+    buf = Buffer.of(_FAMILIES[int(f[i])], int(c[i]), None if hn == 0 else (int(hi), int(hn)))
+    rank, step = int(r[i]), int(t[i])
+    if c[i] == r[i]:
+        what = f"{buf} arrives at rank {rank}, which owns it"
+    else:
+        first = int(t[(key == key[i]) & ~again].min(initial=step))
+        what = f"{buf} arrives at rank {rank} again (it arrived at step {first})"
+    raise ScheduleError(
+        f"rank {rank}, step {step}: {what}; a rank receives each input at most once (reverse "
+        f"returns the gradient along every route a buffer came by, so it would return it "
+        f"twice): drop the second arrival\n{marked(tab.programs()[rank], step)}")
+
+
+def _late(tab: ProgramTable, hop: int, arrival: int) -> None:
+    """Raise for transfer row ``hop``, which sends a buffer on before transfer row
+    ``arrival`` brings it to its sender."""
+    x = tab._parts[1]
+    src, dst, t = (int(x[k][hop]) for k in ("src", "dst", "step"))
+    hn, hi = int(x["hn"][hop]), int(x["hi"][hop])
+    buf = Buffer.of(_FAMILIES[int(x["fam"][hop])], int(x["chunk"][hop]),
+                    None if hn == 0 else (hi, hn))
+    raise ScheduleError(
+        f"rank {src}, step {t}: sends {buf} on to rank {dst}, but {buf} arrives at rank {src} "
+        f"only at step {int(x['step'][arrival])} (from rank {int(x['src'][arrival])}); a route "
+        f"forwards a buffer after it arrives\n{marked(tab.programs()[src], t)}")
+
+
+def _more(pad: int, by: int, T0: int) -> int:
+    """``pad + by`` prologue steps beyond the first, within the op rules' bound."""
+    if pad + by > 2 * T0 + 2:
+        raise ScheduleError(f"reverse: re-materialising the inputs would need {pad + by + 1} "
+                            f"prologue steps before a {T0}-step backward; no number of prologue "
+                            f"steps delivers them")
+    return pad + by
+
+
+def _general_reverse(tab: ProgramTable, kv: str, pad: int = 0) -> list[Program]:
+    """:func:`reverse` on a table's parts (the rules of :mod:`fringe.testing.oracle`, the
+    same programs). ``pad``: prologue steps beyond the first (a chain of re-issued
+    collectives, or a fetch that would fall before step 0, needs them)."""
+    g = _gen(tab)
     P = g.P
     grads = [_FAMILY_CODE[f] for f in _FAMILIES if f.is_gradient]
-    if np.isin(g.xf, grads).any() or np.isin(g.sf, grads).any() or (len(g.kr) and (g.me < 0).any()):
-        return _fallback("_general_reverse: gradients moved, or a collective side whose rank "
-                         "is not in its group")
+    if (g.ck != C_).any() or np.isin(g.xf, grads).any() or np.isin(g.sf, grads).any():
+        _not_forward(tab, g, grads)
     Q, KV, OUT = (_FAMILY_CODE[f] for f in (_Q, _KV, _OUT))
-    T = 1 + max([int(x.max()) for x in (g.ct, g.xt, g.kt) if len(x)] or [-1]) + pad
+    T0 = 1 + max([int(x.max()) for x in (g.ct, g.xt, g.kt) if len(x)] or [-1])
+    T = T0 + pad
     cot = np.array([_FAMILY_CODE[f.cotangent] if f is not Family.ACC else -1 for f in _FAMILIES])
     # adjoints, at twice the forward order (+1: an op that goes with its adjoint)
     bcomp = dict(rank=g.cr, step=T - g.ct, kind=np.full(len(g.cr), ADJOINT_CODE[C_]), q=g.cq, kv=g.ckv,
@@ -1038,19 +1152,14 @@ def _general_reverse(tab: ProgramTable, kv: str, pad: int = 0) -> list[Program] 
     inp = np.isin(g.sf, [f for f, _ in c_reads])
     own = (g.sidx == g.me[g.ss]) & np.array(OWN_SLOT_IN_PLACE)[g.kk[g.ss]]
     recv = g.sdir == 1
-    sb = g.bkey(g.sf, g.sc, g.shs)
-    if (recv & own).any():                  # an own slot's buffer received again: rows decide
-        side_buf = g.ss * (_F * P * g.HS) + sb
-        o_k = side_buf[recv & own]
-        if _member(o_k, np.sort(side_buf[recv & ~own])).any():
-            return _fallback("_general_reverse: an own slot's buffer received again")
+    # (an own slot whose buffer another slot of the side also receives is received through
+    # that slot: the same buffers either way)
     brought_sel = recv & inp & ~own
     bk = g.rkey(srank[brought_sel], g.sf[brought_sel], g.sc[brought_sel], g.shs[brought_sel])
     b_inst = g.inst[g.ss[brought_sel]]
+    _arrive_once(tab, g, brought_sel)
     ob = np.argsort(bk, kind="stable")
     brought_k, brought_i = bk[ob], b_inst[ob]
-    if (np.diff(brought_k) == 0).any():
-        return _fallback("_general_reverse: one (rank, buffer) brought twice")
     n_inst = len(g.inst_keys)
     last, hit = _lookup(bk, ra_k, ra_t, -1)
     latest = np.full(n_inst, -1, np.int64)
@@ -1080,7 +1189,7 @@ def _general_reverse(tab: ProgramTable, kv: str, pad: int = 0) -> list[Program] 
             for d in np.unique(dep[dh]).tolist():
                 when[d] = min(when.get(d, when[i] - 1), when[i] - 1)
     if when and min(when.values()) < 0:      # a chain: as many more prologue steps
-        return _general_reverse(tab, kv, pad - min(when.values()))
+        return _general_reverse(tab, kv, _more(pad, -min(when.values()), T0))
     base = 2 * (1 + max([int(x.max()) for x in (g.co, g.xo, g.xro, g.ko) if len(x)] or [0]))
     side_bounds = np.searchsorted(g.ss, np.arange(n_side + 1))
     by_inst = np.argsort(g.inst, kind="stable")
@@ -1089,8 +1198,6 @@ def _general_reverse(tab: ProgramTable, kv: str, pad: int = 0) -> list[Program] 
     re_sides, re_slots = [], []
     for n, i in enumerate(emitted):
         u = when[i]
-        if u < 0:
-            return _fallback("_general_reverse: a re-issued collective before backward step 0")
         for side in by_inst[inst_bounds[i]:inst_bounds[i + 1]].tolist():
             new = n_next + len(re_sides)
             re_sides.append((int(g.kr[side]), u, base + n, int(g.kk[side]), int(g.kg[side])))
@@ -1105,9 +1212,12 @@ def _general_reverse(tab: ProgramTable, kv: str, pad: int = 0) -> list[Program] 
                                "slot_hi", "slot_hn"), b_)))
     # re-sends of inputs the backward reads again, along the reversed routes
     fams = [Q, KV] if kv == "resend" else [Q]
-    extra = _general_resend(g, T, fams, brought_k, base + len(emitted))
-    if extra is None:
-        return None
+    try:
+        extra = _general_resend(g, T, fams, brought_k, base + len(emitted))
+    except _Pad as e:                       # a fetch before step 0: as many more prologue steps
+        return _general_reverse(tab, kv, _more(pad, e.by, T0))
+    except _Late as e:
+        _late(tab, e.hop, e.arrival)
     xs.append(extra)
     bxfer = {k: np.concatenate([x[k] for x in xs]) for k in xs[0]}
     bcoll = {k: np.concatenate([x[k] for x in sides]) for k in sides[0]}
@@ -1119,11 +1229,17 @@ def _general_reverse(tab: ProgramTable, kv: str, pad: int = 0) -> list[Program] 
     return list(ProgramTable._of_parts(P, bcomp, bxfer, bcoll).programs())
 
 
-def _general_resend(g: _Gen, T: int, fams: list, skip: np.ndarray, after: int) -> dict | None:
+def _general_resend(g: _Gen, T: int, fams: list, skip: np.ndarray, after: int) -> dict:
     """The re-sends of input buffers (families ``fams``) that ranks read again in the
-    backward and received by point-to-point hops (``skip``: sorted (rank, buffer) keys a
-    re-issued collective delivers), as transfer rows ordered after ``after``, in the order
-    of the op rules: buffers by (family name, chunk, first appearance), then by rank."""
+    backward and received by point-to-point hops or not at all (a head slice read where its
+    whole buffer came: fetched from the owner) (``skip``: sorted (rank, buffer) keys a
+    re-issued collective delivers; no hop delivers those, :func:`_arrive_once`), as transfer
+    rows ordered after ``after``, in the order of the op rules: buffers by (family name,
+    chunk, first appearance), then by rank.
+
+    Raises:
+        _Pad, _Late: as :func:`_resend_parts` (hops numbered as the table's transfers).
+    """
     P = g.P
     isin = np.isin(g.xf, fams)
     xt, xs, xd, xf, xc, xhs = (x[isin] for x in (g.xt, g.xs, g.xd, g.xf, g.xc, g.xhs))
@@ -1141,28 +1257,26 @@ def _general_resend(g: _Gen, T: int, fams: list, skip: np.ndarray, after: int) -
     rr, rt, rb, rp = ([np.concatenate(c) for c in zip(*reads)] if reads else
                       [np.zeros(0, np.int64)] * 4)
     xb = g.bkey(xf, xc, xhs)
-    skip_r, skip_b = skip // NBC, skip % NBC
-    # compact ids over the buffers involved; (rank, id) planes for what a collective delivers
-    used = np.zeros(NBC, dtype=bool)
-    for x in (rb, xb, skip_b):
-        used[x] = True
-    id_of = np.cumsum(used) - 1
-    n = int(id_of[-1]) + 1 if NBC else 0
-    if P * n > PLANE_CELLS:
-        return _fallback("_general_resend: (rank, buffer) plane past PLANE_CELLS")
-    by_coll = np.zeros(P * n, dtype=bool)
-    by_coll[skip_r * n + id_of[skip_b]] = True
-    if by_coll[xd * n + id_of[xb]].any():
-        return _fallback("_general_resend: a buffer brought by a collective and a hop")
-    keep = ~by_coll[rr * n + id_of[rb]]
-    rr, rt, rb, rp = rr[keep], rt[keep], rb[keep], rp[keep]
+    if len(skip) and len(rr):               # reads of what a re-issued collective delivers
+        skip_r, skip_b = skip // NBC, skip % NBC
+        used = np.zeros(NBC, dtype=bool)    # compact ids over the buffers involved
+        used[rb] = True
+        used[skip_b] = True
+        id_of = np.cumsum(used) - 1
+        n = int(id_of[-1]) + 1
+        if P * n <= PLANE_CELLS:            # a (rank, id) plane
+            by_coll = np.zeros(P * n, dtype=bool)
+            by_coll[skip_r * n + id_of[skip_b]] = True
+            keep = ~by_coll[rr * n + id_of[rb]]
+        else:                               # sorted keys
+            keep = ~_member(rr * NBC + rb, skip)
+        rr, rt, rb, rp = rr[keep], rt[keep], rb[keep], rp[keep]
     if not len(xt) and not len(rr):
         return _no_xfer_general()
-    # what is left was brought by hops (else the op rules decide): ids over those buffers
-    used[:] = False
+    # what is left was brought by hops, or is read where its whole buffer came: ids over those
+    used = np.zeros(NBC, dtype=bool)
     used[xb] = True
-    if not used[rb].all():
-        return _fallback("_general_resend: a read of a buffer that never arrived")
+    used[rb] = True
     id_of = np.cumsum(used) - 1
     n = int(id_of[-1]) + 1
     # buffer ids in emission order: (family name, chunk, first appearance: reads, then hops)
@@ -1178,9 +1292,12 @@ def _general_resend(g: _Gen, T: int, fams: list, skip: np.ndarray, after: int) -
     r_bid, x_bid = bid[id_of[rb]], bid[id_of[xb]]
     owner = np.empty(n, np.int64)
     owner[bid] = uchunk
-    rows = _resend_parts(P, T, rr, rt, r_bid, xt, xs, xd, x_bid, g.xo[isin], after, owner=owner)
-    if rows is None:
-        return None
+    try:
+        rows = _resend_parts(P, T, rr, rt, r_bid, xt, xs, xd, x_bid, g.xo[isin], after,
+                             owner=owner)
+    except _Late as e:                      # hops numbered as the table's transfers
+        row = np.flatnonzero(isin)
+        raise _Late(int(row[e.hop]), int(row[e.arrival])) from None
     b = ub[emit_order][rows["chunk"]]         # the buffer code of each row's id
     hs = b % g.HS
     hn = np.zeros(len(hs), np.int64)
@@ -1200,15 +1317,13 @@ def _no_xfer_general():
     return dict(step=z, src=z, dst=z, fam=z, chunk=z, order=z, rorder=z, hi=z, hn=z)
 
 
-def _general_prune(tab: ProgramTable, ok: np.ndarray) -> list[Program] | None:
-    """:func:`prune` on a general table: computes of empty tiles dropped, and transfers of
-    q / kv (point to point, or a collective's contributions, own slots included) whose
-    receiver, and every rank it forwards them to later, computes nothing with them; a
-    collective left moving nothing is dropped on every member (the programs themselves when
-    nothing is dropped); None when the op rules must decide."""
-    g = _Gen(tab)
-    if not g.ok:
-        return None
+def _general_prune(tab: ProgramTable, ok: np.ndarray) -> list[Program]:
+    """:func:`prune` on a table: computes of empty tiles dropped, and transfers of q / kv
+    (point to point, or a collective's contributions, own slots included) whose receiver,
+    and every rank it forwards them to later, computes nothing with them; a collective left
+    moving nothing is dropped on every member (the programs themselves when nothing is
+    dropped). The rules of :func:`fringe.testing.oracle.prune`."""
+    g = _gen(tab)
     P = g.P
     keep_c = ok[g.cq, g.ckv]
     c_reads = [(f, sd) for f, sd, w in TILE_TOUCH_CODES[C_] if not w]
@@ -1225,17 +1340,24 @@ def _general_prune(tab: ProgramTable, ok: np.ndarray) -> list[Program] | None:
         hb = np.concatenate([g.bkey(g.xf[hop], g.xc[hop], g.xhs[hop]),
                              g.bkey(g.sf[slot], g.sc[slot], g.shs[slot])])
         ub, inv = _unique(hb)
-        if len(ub) * P > PLANE_CELLS:
-            return _fallback("_general_prune: (buffer, rank) plane past PLANE_CELLS")
-        use = np.zeros((len(ub), P), dtype=bool)       # [buffer, rank]: a kept compute reads it
+        u_key = []                          # (buffer, rank) a kept compute reads
         for fam, ch in ((f, (g.cq, g.ckv)[sd]) for f, sd in c_reads):
             i, hit = _lookup(g.bkey(fam, ch, g.chs), ub, np.arange(len(ub)), 0)
             hit &= keep_c
-            use[i[hit], g.cr[hit]] = True
-        kept = _keep_hops(P, inv, np.concatenate([g.xt[hop], g.kt[side]]),
-                          np.concatenate([g.xs[hop], np.where(sends, mine, peer)]),
-                          np.concatenate([g.xd[hop], np.where(sends, peer, mine)]),
-                          use, buffers=len(ub))
+            u_key.append(i[hit] * P + g.cr[hit])
+        u_key = np.concatenate(u_key)
+        m_t = np.concatenate([g.xt[hop], g.kt[side]])
+        at_src = inv * P + np.concatenate([g.xs[hop], np.where(sends, mine, peer)])
+        at_dst = inv * P + np.concatenate([g.xd[hop], np.where(sends, peer, mine)])
+        if len(ub) * P <= PLANE_CELLS:      # a dense [buffer, rank] plane
+            use = np.zeros(len(ub) * P, dtype=bool)
+            use[u_key] = True
+            kept = _keep_moves(at_dst, at_src, m_t, use[at_dst], len(ub) * P)
+        else:                               # past it: the (buffer, rank) keys that occur
+            space, cid = _unique(np.concatenate([at_dst, at_src]))
+            n_m = len(at_dst)
+            kept = _keep_moves(cid[:n_m], cid[n_m:], m_t, _member(at_dst, _uniq(u_key)),
+                               len(space))
         nh = int(hop.sum())
         keep_x[hop] = kept[:nh]
         keep_s[slot] = kept[nh:]
