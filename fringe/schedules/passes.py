@@ -46,15 +46,16 @@ def gc_paused():
 
 # ---------------------------------------------------------------------------------------
 # TRANSITIONAL shims, for callers outside reverse / prune only: check's failure tail (which
-# asks the oracle to name a fault) and the cost model's program reader still call these.
-# No pass falls back to op objects any more: ``_settle`` raises (a column path that gave up
-# is a bug to fix, never a slow path taken in silence). To go with those callers.
+# asks the oracle to name a fault) and the cost model's program reader (which walks the ops
+# when its column reader gives up) still call these. They do nothing but carry a reason; they
+# go with those callers (issue 18: no pass falls back to op objects; reverse and prune never
+# do).
 # ---------------------------------------------------------------------------------------
 _WHY: list = [None]             # the reason the last column function gave up
 
 
 def _fallback(reason: str, value=None):
-    """A column function gives up, saying why (:func:`_settle` reports it); returns ``value``."""
+    """A column function gives up, saying why; returns ``value``."""
     _WHY[0] = reason
     return value
 
@@ -64,12 +65,8 @@ def _start() -> None:
 
 
 def _settle(pass_name: str, default: str) -> None:
-    """A column path of ``pass_name`` gave up on a program the op rules accepted: raise."""
-    why = _WHY[0] or default
+    """Forget the reason (the caller's slow path answered)."""
     _WHY[0] = None
-    raise NotImplementedError(
-        f"{pass_name}: the column path does not take these programs ({why}); there is no "
-        f"op-by-op path in production: please report it with the programs")
 
 
 _INPUTS = frozenset(f for f, _ in RULES["C"].reads)   # what computes read; pruning may drop their moves
@@ -534,8 +531,8 @@ def _reverse_parts(tab: ProgramTable, kv: str) -> list[Program] | None:
         after = 1 + max([int(x["order"].max()) for x in (comp, xfer) if len(x["order"])])
         try:
             extra = _resend_parts(P, T, cr, ct, ckv, xt, xs, xd, xc, xfer["order"], after)
-        except (_Pad, _Late):
-            return None                     # prologue steps, or a route the general reverse names
+        except (_Pad, _Late, _Unsent):
+            return None                     # prologue steps, or what the general reverse names
         bx.append(dict(extra, rorder=extra["order"]))
     bxfer = {k: np.concatenate([x[k] for x in bx]) for k in bx[0]}
     return list(ProgramTable._of_parts(P, bcomp, bxfer).programs())
@@ -547,6 +544,10 @@ class _Pad(Exception):
     def __init__(self, by: int) -> None:
         super().__init__(by)
         self.by = by
+
+
+class _Unsent(Exception):
+    """A rank reads a buffer it does not own and no hop brings."""
 
 
 class _Late(Exception):
@@ -566,16 +567,16 @@ def _resend_parts(P, T, cr, ct, ckv, xt, xs, xd, xc, xorder, after, owner=None):
     then the buffer id, and orders go by (id, rank).
 
     The caller has made sure that a rank receives a buffer at most once and never its own.
-    Every rank that holds a buffer it does not own received it by that one hop or reads it
-    without one (its whole-heads parent came: it is fetched like the last rank of a route),
-    so the work is per entry (a hop or such a read, in the forward's order), with
-    ``[buffer, rank]`` arrays for lookups (dense, or over the keys that occur past
-    :data:`PLANE_CELLS`); a route that is a chain in hop order (rings) settles who needs a
-    buffer by a segmented prefix sum, any other tree by a pass in arrival order.
+    Every rank that reads a buffer it does not own received it by that one hop, so the work
+    is per hop (one entry each, in the forward's order), with ``[buffer, rank]`` arrays for
+    lookups (dense, or over the keys that occur past :data:`PLANE_CELLS`); a route that is a
+    chain in hop order (rings) settles who needs a buffer by a segmented prefix sum, any
+    other tree by a pass in arrival order.
 
     Raises:
         _Pad: a fetch would fall before backward step 0 (so many more prologue steps).
         _Late: a hop sends a buffer on before the hop that brings it to its sender.
+        _Unsent: a read of a buffer no hop brings (the caller names it).
     """
     NONE = np.int64(1) << 40
     own = np.arange(P) if owner is None else owner
@@ -600,19 +601,12 @@ def _resend_parts(P, T, cr, ct, ckv, xt, xs, xd, xc, xorder, after, owner=None):
     maxread[rk] = np.maximum(maxread[rk], ct)
     if len(rk) and not (maxread[rk] >= ct).all():
         np.maximum.at(maxread, rk, ct)
-    hop_of = np.full(K, -1, np.int64)               # [buffer, rank]: the entry that brought it
+    hop_of = np.full(K, -1, np.int64)               # [buffer, rank]: the hop that brought it
     hop_of[in_key] = np.arange(n)
-    # reads without a hop (not owned): entries of their own, arriving "before step 0"
-    v0 = _uniq(rk0[remote][hop_of[rk[remote]] < 0])
-    if not n and not len(v0):
+    if remote.any() and (hop_of[rk[remote]] < 0).any():
+        raise _Unsent()
+    if not n:
         return _no_xfer()
-    vkey = ix(v0)
-    hop_of[vkey] = n + np.arange(len(v0))
-    e_key = np.concatenate([in_key, vkey])          # per entry: (buffer, rank) it brings
-    e_t = np.concatenate([xt, np.full(len(v0), -1, np.int64)])
-    e_b = np.concatenate([xc, v0 // P])
-    e_r = np.concatenate([xd, v0 % P])
-    m = len(e_key)
     # each (buffer, rank)'s latest hop onwards (first in program order among the latest)
     if n and np.bincount(out_key, minlength=K).max() > 1:
         o = np.lexsort((xorder, -xt, out_key))
@@ -623,17 +617,16 @@ def _resend_parts(P, T, cr, ct, ckv, xt, xs, xd, xc, xorder, after, owner=None):
     sup_d = np.full(K, -1, np.int64)
     sup_t[out_key[o]] = xt[o]
     sup_d[out_key[o]] = xd[o]
-    reads = maxread[e_key]                          # per entry: the receiver's last read
-    up = np.concatenate([hop_of[out_key], np.full(len(v0), -1, np.int64)])  # the entry that
-    # brought it to the hop's sender; the receiver relays b up when that sender's latest hop
-    # of b went to it
-    relay_up = (up >= 0) & np.concatenate([sup_d[out_key] == xd, np.zeros(len(v0), bool)])
-    late = relay_up & (e_t[np.maximum(up, 0)] >= e_t)
+    reads = maxread[in_key]                         # per hop: the receiver's last read
+    up = hop_of[out_key]                            # per hop: the hop that brought it to src
+    # the receiver relays b up: its upstream's latest hop of b went to it, so it re-sends b
+    relay_up = (up >= 0) & (sup_d[out_key] == xd)
+    late = relay_up & (xt[np.maximum(up, 0)] >= xt)
     if late.any():
         i = int(np.flatnonzero(late)[0])
         raise _Late(i, int(up[i]))
     # a rank needs b when it reads it, or when it relays b up to a rank that needs it
-    idx = np.arange(m)
+    idx = np.arange(n)
     if (up[relay_up] == idx[relay_up] - 1).all():  # chains in hop order: segmented prefix OR
         seg = np.maximum.accumulate(np.where(relay_up, 0, idx))
         cs = np.cumsum(reads >= 0)
@@ -641,17 +634,17 @@ def _resend_parts(P, T, cr, ct, ckv, xt, xs, xd, xc, xorder, after, owner=None):
     else:                                           # any tree: upstream ranks received b earlier
         defined = reads >= 0
         g = np.nonzero(relay_up)[0]
-        g = g[_by_step(e_t[g])]
-        _, starts = _runs(e_t[g])
+        g = g[_by_step(xt[g])]
+        _, starts = _runs(xt[g])
         gu = up[g]
         for lo, hi in zip(starts.tolist(), starts[1:].tolist() + [len(g)]):
             defined[g[lo:hi]] |= defined[gu[lo:hi]]
     e = np.minimum(np.where(reads >= 0, T - reads, NONE),
-                   np.where(relay_up & defined[np.maximum(up, 0)], T - e_t - 1, NONE))
+                   np.where(relay_up & defined[np.maximum(up, 0)], T - xt - 1, NONE))
     emit = np.nonzero(e != NONE)[0]
-    key, e = e_key[emit], e[emit]
+    key, e = in_key[emit], e[emit]
     d = sup_d[key]
-    c_ = e_b[emit]
+    c_ = xc[emit]
     dh = hop_of[ix(c_ * P + np.maximum(d, 0))]      # the hop that took b on from this rank
     relay = (d >= 0) & (T - sup_t[key] <= e) & (dh >= 0) & defined[np.maximum(dh, 0)]
     fetch = ~relay
@@ -659,7 +652,7 @@ def _resend_parts(P, T, cr, ct, ckv, xt, xs, xd, xc, xorder, after, owner=None):
         raise _Pad(int((1 - e[fetch]).max()))
     frm = np.where(relay, d, own[c_])
     u = np.where(relay, T - sup_t[key] - 1, e - 1)
-    return dict(step=u, src=frm, dst=e_r[emit], fam=np.full(len(emit), _FAMILY_CODE[Family.KV]),
+    return dict(step=u, src=frm, dst=xd[emit], fam=np.full(len(emit), _FAMILY_CODE[Family.KV]),
                 chunk=c_, order=after + key)        # (buffer, rank) order, as the op rules emit
 
 
@@ -1212,8 +1205,10 @@ def _general_reverse(tab: ProgramTable, kv: str, pad: int = 0) -> list[Program]:
                                "slot_hi", "slot_hn"), b_)))
     # re-sends of inputs the backward reads again, along the reversed routes
     fams = [Q, KV] if kv == "resend" else [Q]
+    reads = _remote_reads(g, brought_k)
+    _reads_arrive(tab, g, reads)
     try:
-        extra = _general_resend(g, T, fams, brought_k, base + len(emitted))
+        extra = _general_resend(g, T, fams, reads, base + len(emitted))
     except _Pad as e:                       # a fetch before step 0: as many more prologue steps
         return _general_reverse(tab, kv, _more(pad, e.by, T0))
     except _Late as e:
@@ -1229,34 +1224,20 @@ def _general_reverse(tab: ProgramTable, kv: str, pad: int = 0) -> list[Program]:
     return list(ProgramTable._of_parts(P, bcomp, bxfer, bcoll).programs())
 
 
-def _general_resend(g: _Gen, T: int, fams: list, skip: np.ndarray, after: int) -> dict:
-    """The re-sends of input buffers (families ``fams``) that ranks read again in the
-    backward and received by point-to-point hops or not at all (a head slice read where its
-    whole buffer came: fetched from the owner) (``skip``: sorted (rank, buffer) keys a
-    re-issued collective delivers; no hop delivers those, :func:`_arrive_once`), as transfer
-    rows ordered after ``after``, in the order of the op rules: buffers by (family name,
-    chunk, first appearance), then by rank.
-
-    Raises:
-        _Pad, _Late: as :func:`_resend_parts` (hops numbered as the table's transfers).
-    """
+def _remote_reads(g: _Gen, skip: np.ndarray) -> tuple[np.ndarray, ...]:
+    """Reads of input buffers (q, kv) by computes on ranks that do not own them, less what a
+    re-issued collective delivers (``skip``: sorted (rank, buffer) keys): ``(rank, step,
+    buffer code, position in program order: rank, step, order, q before kv)``."""
     P = g.P
-    isin = np.isin(g.xf, fams)
-    xt, xs, xd, xf, xc, xhs = (x[isin] for x in (g.xt, g.xs, g.xd, g.xf, g.xc, g.xhs))
-    xo = g.xro[isin]
     NBC = _F * P * g.HS                       # buffer codes (family, chunk, head slice)
-    # reads by computes of the families, not owned: (rank, step, buffer code, position in
-    # program order: rank, step, order, q before kv)
     big = np.int64(1) << 20
     pos = ((g.cr * big + g.ct) * big + g.co) * 2
     side = (g.cq, g.ckv)
     c_reads = [(fam, side[sd]) for fam, sd, w in TILE_TOUCH_CODES[C_] if not w]
     reads = [(g.cr[m], g.ct[m], g.bkey(fam, ch[m], g.chs[m]), pos[m] + part)
-             for part, (fam, ch) in enumerate(c_reads) if fam in fams
-             for m in [ch != g.cr]]
+             for part, (fam, ch) in enumerate(c_reads) for m in [ch != g.cr]]
     rr, rt, rb, rp = ([np.concatenate(c) for c in zip(*reads)] if reads else
                       [np.zeros(0, np.int64)] * 4)
-    xb = g.bkey(xf, xc, xhs)
     if len(skip) and len(rr):               # reads of what a re-issued collective delivers
         skip_r, skip_b = skip // NBC, skip % NBC
         used = np.zeros(NBC, dtype=bool)    # compact ids over the buffers involved
@@ -1271,12 +1252,90 @@ def _general_resend(g: _Gen, T: int, fams: list, skip: np.ndarray, after: int) -
         else:                               # sorted keys
             keep = ~_member(rr * NBC + rb, skip)
         rr, rt, rb, rp = rr[keep], rt[keep], rb[keep], rp[keep]
+    return rr, rt, rb, rp
+
+
+def _slices(hs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(hi, hn)`` of head slice codes (:meth:`_Gen.hs`; 0: all heads, ``(0, 0)``)."""
+    hn = np.zeros(len(hs), np.int64)
+    hi = np.zeros(len(hs), np.int64)
+    if (hs > 0).any():
+        n_ = np.floor((1 + np.sqrt(8 * np.maximum(hs - 1, 0) + 1)) / 2).astype(np.int64)
+        n_ = np.where(n_ * (n_ - 1) // 2 > hs - 1, n_ - 1, n_)
+        n_ = np.where((n_ + 1) * n_ // 2 <= hs - 1, n_ + 1, n_)
+        hn = np.where(hs > 0, n_, 0)
+        hi = np.where(hs > 0, hs - 1 - n_ * (n_ - 1) // 2, 0)
+    return hi, hn
+
+
+def _reads_arrive(tab: ProgramTable, g: _Gen, reads: tuple) -> None:
+    """Every remote read (:func:`_remote_reads`) is of a buffer a hop brought to that rank as
+    such. Else, in program order, the first other: an invalid forward (check names it), or a
+    head slice read where its whole buffer arrived, which the rules cannot reverse (the
+    gradient goes back the way the buffer came, whole, and is written in slices)."""
+    P = g.P
+    rr, rt, rb, rp = reads
+    if not len(rr):
+        return
+    NBC = _F * P * g.HS
+    h = np.isin(g.xf, [_FAMILY_CODE[f] for f in _INPUTS])
+    xb, xd = g.bkey(g.xf[h], g.xc[h], g.xhs[h]), g.xd[h]
+    used = np.zeros(NBC, dtype=bool)
+    used[rb] = True
+    used[xb] = True
+    ids = np.cumsum(used) - 1
+    n = int(ids[-1]) + 1
+    if P * n <= PLANE_CELLS:
+        plane = np.zeros(P * n, dtype=bool)
+        plane[xd * n + ids[xb]] = True
+        bad = ~plane[rr * n + ids[rb]]
+    else:
+        bad = ~_member(rr * NBC + rb, _uniq(xd * NBC + xb))
+    if not bad.any():
+        return
+    i = np.flatnonzero(bad)[int(np.argmin(rp[bad]))]
+    r, t, code = int(rr[i]), int(rt[i]), int(rb[i])
+    hi, hn = (int(x[0]) for x in _slices(np.array([code % g.HS])))
+    buf = Buffer.of(_FAMILIES[code // g.HS // P], code // g.HS % P, (hi, hn) if hn else None)
+    check(list(tab.programs()))             # an invalid forward: check names the read
+    prog = tab.programs()[r]
+    op = next(op for op in _step_of(prog, t).ops if buf in op.reads())
+    if buf.heads is None:
+        raise ScheduleError(f"rank {r}, step {t}: '{op}' reads {buf}, which no hop or collective "
+                            f"brings to rank {r}\n{marked(prog, t)}")
+    raise NotImplementedError(
+        f"rank {r}, step {t}: '{op}' reads {buf}, a head slice of {buf.parent}, which arrived "
+        f"whole: reverse returns a buffer's gradient the way the buffer came (whole), and this "
+        f"one is written in slices. Compute with all heads where a buffer arrives whole, or "
+        f"move its head slices (S/R of {buf} and its siblings)\n{marked(prog, t)}")
+
+
+def _general_resend(g: _Gen, T: int, fams: list, reads: tuple, after: int) -> dict:
+    """The re-sends of input buffers (families ``fams``) that ranks read again in the
+    backward and received by point-to-point hops (``reads``: :func:`_remote_reads`, each
+    brought by a hop, :func:`_reads_arrive`), as transfer rows ordered after ``after``, in
+    the order of the op rules: buffers by (family name, chunk, first appearance), then by
+    rank.
+
+    Raises:
+        _Pad, _Late: as :func:`_resend_parts` (hops numbered as the table's transfers).
+    """
+    P = g.P
+    isin = np.isin(g.xf, fams)
+    xt, xs, xd, xf, xc, xhs = (x[isin] for x in (g.xt, g.xs, g.xd, g.xf, g.xc, g.xhs))
+    xo = g.xro[isin]
+    NBC = _F * P * g.HS                       # buffer codes (family, chunk, head slice)
+    big = np.int64(1) << 20
+    rr, rt, rb, rp = reads
+    if len(fams) < len(_INPUTS):
+        keep = np.isin(rb // (P * g.HS), fams)
+        rr, rt, rb, rp = rr[keep], rt[keep], rb[keep], rp[keep]
+    xb = g.bkey(xf, xc, xhs)
     if not len(xt) and not len(rr):
         return _no_xfer_general()
-    # what is left was brought by hops, or is read where its whole buffer came: ids over those
+    # what is left was brought by hops: ids over those buffers
     used = np.zeros(NBC, dtype=bool)
     used[xb] = True
-    used[rb] = True
     id_of = np.cumsum(used) - 1
     n = int(id_of[-1]) + 1
     # buffer ids in emission order: (family name, chunk, first appearance: reads, then hops)
@@ -1299,15 +1358,7 @@ def _general_resend(g: _Gen, T: int, fams: list, skip: np.ndarray, after: int) -
         row = np.flatnonzero(isin)
         raise _Late(int(row[e.hop]), int(row[e.arrival])) from None
     b = ub[emit_order][rows["chunk"]]         # the buffer code of each row's id
-    hs = b % g.HS
-    hn = np.zeros(len(hs), np.int64)
-    hi = np.zeros(len(hs), np.int64)
-    if (hs > 0).any():
-        n_ = np.floor((1 + np.sqrt(8 * np.maximum(hs - 1, 0) + 1)) / 2).astype(np.int64)
-        n_ = np.where(n_ * (n_ - 1) // 2 > hs - 1, n_ - 1, n_)
-        n_ = np.where((n_ + 1) * n_ // 2 <= hs - 1, n_ + 1, n_)
-        hn = np.where(hs > 0, n_, 0)
-        hi = np.where(hs > 0, hs - 1 - n_ * (n_ - 1) // 2, 0)
+    hi, hn = _slices(b % g.HS)
     return dict(step=rows["step"], src=rows["src"], dst=rows["dst"], fam=b // g.HS // P,
                 chunk=b // g.HS % P, order=rows["order"], rorder=rows["order"], hi=hi, hn=hn)
 
