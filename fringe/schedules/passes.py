@@ -376,7 +376,13 @@ def reverse(programs: Sequence[Program], *, kv: str = "resend") -> list[Program]
       traffic in the backward).
 
     Raises:
-        ScheduleError: if the programs are not forward programs or kv cannot be delivered.
+        ScheduleError: the programs are not forward programs, or not valid (as
+            :func:`check` names it), or an input (q, kv) arrives at a rank twice or at its
+            owner (its gradient would go back twice), or a hop forwards a buffer before it
+            arrives, or no number of prologue steps delivers the inputs in time.
+        NotImplementedError: a rank computes with head slices of a buffer that arrived
+            whole (its gradient would go back whole, though written in slices): the message
+            says how to write it instead.
     """
     if kv not in KV_MODES:
         raise ValueError(f"kv must be one of {KV_MODES}, got {kv!r}")
@@ -665,8 +671,8 @@ def _no_xfer():
 # the passes on a general table's parts (head slices and collectives: what the collective
 # schedules build); None: the op-by-op rules decide
 # ---------------------------------------------------------------------------------------
-#: The largest dense (rank, buffer) plane the general passes allocate; past it presence is
-#: checked by sorting keys, and re-sends and pruning go to the op rules.
+#: The largest dense (rank, buffer) plane the general passes allocate; past it presence,
+#: re-sends and pruning work on sorted keys.
 PLANE_CELLS = 1 << 27
 
 

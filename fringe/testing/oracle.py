@@ -5,8 +5,11 @@ the one :class:`~fringe.schedules.ir.ProgramTable`; :func:`fringe.plan` reads pl
 the cost model its programs from the same columns. This module states the same rules on op
 objects, one op at a time, from each op's ``reads()`` / ``writes()`` / ``adjoint()`` (the
 rule table :data:`fringe.schedules.ir.RULES`), as :mod:`fringe.ops.reference` states
-attention for the kernels. It is slow (Python per op) and exists for the differential
-tests: production modules never import it.
+attention for the kernels: ``check``, ``prune``, ``reverse`` and the plan stats' op counts
+(``op_counts``). It is slow (Python per op) and exists for the differential tests:
+production modules never import it (``tests/test_pass_fallbacks.py``). Where the rules give
+a backward that cannot be right (an input arriving at a rank twice, head slices computed
+from a buffer that arrived whole), the column ``reverse`` raises instead.
 """
 from __future__ import annotations
 
