@@ -196,3 +196,20 @@ def test_head_slices_computed_from_a_buffer_that_arrived_whole_are_refused_by_na
              for r in range(P)]
     with pytest.raises(ScheduleError, match="needs kv3, which is not on rank 0"):
         passes.reverse(never)
+
+
+def test_a_fetch_before_step_0_adds_a_prologue_step_as_the_oracle_does():
+    """kv0 forwarded at the last step to a rank that never computes with it (an unpruned
+    program): in the backward that rank relays kv0 up at step 0, so it fetches it one step
+    earlier; both column paths (the ring chain's and the general one) pad as the rules do."""
+    progs = [Program(0, (Step(0, (Compute(0, 0), Send(_kv(0), 1))),)),
+             Program(1, (Step(0, (Compute(1, 1), Recv(_kv(0), 0))),
+                         Step(1, (Compute(1, 0), Send(_kv(0), 2))))),
+             Program(2, (Step(0, (Compute(2, 2),)), Step(1, (Recv(_kv(0), 1),))))]
+    passes.check(progs)
+    want = oracle.reverse(progs)
+    assert max(s.index for p in want for s in p.steps) == 3      # T = 2, one more prologue step
+    assert format_programs(passes.reverse(progs)) == format_programs(want)
+    tab = passes._table(progs)
+    assert passes._reverse_parts(tab, "resend") is None           # the chain shortcut passes
+    assert format_programs(passes._general_reverse(tab, "resend")) == format_programs(want)
