@@ -993,8 +993,8 @@ def _gen(tab: ProgramTable) -> _Gen:
     g = _Gen(tab)
     if not g.ok or (len(g.kr) and (g.me < 0).any()):
         check(list(tab.programs()))         # names the first bad op
-        raise ScheduleError(f"invalid programs ({_WHY[0]}); fringe.schedules.check names no "
-                            f"fault in them: please report it with the programs")
+        raise ScheduleError("invalid programs, though fringe.schedules.check names no fault in "
+                            "them: please report it with the programs")
     return g
 
 
