@@ -213,3 +213,18 @@ def test_a_fetch_before_step_0_adds_a_prologue_step_as_the_oracle_does():
     tab = passes._table(progs)
     assert passes._reverse_parts(tab, "resend") is None           # the chain shortcut passes
     assert format_programs(passes._general_reverse(tab, "resend")) == format_programs(want)
+
+
+def test_an_own_slot_holding_what_another_slot_brings_reverses_as_the_oracle_does():
+    """Rank 0's own receive slot names kv1, which slot 1 also brings (so the own slot is not
+    in place, RULES): one arrival of kv1 all the same, reversed as the rules do."""
+    g = (0, 1)
+    ag = [Collective("AG", g, [_kv(1), _kv(0)], [_kv(1), _kv(1)]),
+          Collective("AG", g, [_kv(1), _kv(1)], [_kv(0), _kv(1)])]
+    progs = [Program(r, (Step(0, (Compute(r, r), ag[r])), Step(1, (Compute(r, 1 - r),))))
+             for r in g]
+    passes.check(progs)
+    for kv in ("resend", "keep"):
+        got = passes.reverse(progs, kv=kv)
+        assert format_programs(got) == format_programs(oracle.reverse(progs, kv=kv))
+        passes.check(got, backward=True, kv=kv)
