@@ -1049,8 +1049,10 @@ def _arrive_once(tab: ProgramTable, g: _Gen, brought: np.ndarray) -> None:
     n = int(ids[-1]) + 1
     key = r * n + ids[b]
     again = c == r                          # at its owner
-    if P * n <= PLANE_CELLS:
-        twice = np.bincount(key, minlength=P * n).max() > 1
+    if P * n <= PLANE_CELLS:                # distinct cells fewer than arrivals
+        seen = np.zeros(P * n, dtype=bool)
+        seen[key] = True
+        twice = int(np.count_nonzero(seen)) < len(key)
     else:
         ks = np.sort(key)
         twice = bool((ks[1:] == ks[:-1]).any())
