@@ -1,12 +1,10 @@
 """Plan stats: per-rank work and communication of a plan's programs, read from their
 table columns (:class:`PlanStats`, what :meth:`fringe.plan.Plan.stats` returns).
 
-The op-by-op walk (:func:`_walk_counts`) is the oracle the column counts are tested
-against."""
+The op-by-op walk (:func:`fringe.testing.oracle.op_counts`) is the oracle the column counts
+are tested against."""
 from __future__ import annotations
 
-import bisect
-import collections
 import dataclasses
 import functools
 import math
@@ -16,7 +14,7 @@ import numpy as np
 import torch
 
 from .masks import BlockKind
-from .schedules.ir import RULES, C_, Collective, Compute, Family, ProgramTable, Recv, Send
+from .schedules.ir import C_, Family, ProgramTable
 
 if TYPE_CHECKING:
     from .plan import Plan
@@ -175,11 +173,11 @@ _WHOLE = tuple((f, 1) for f in Family)
 
 def _op_counts(programs, P: int, *, steps: bool = True, computes: bool = True) -> _OpCounts:
     """:class:`_OpCounts` of ``programs`` from their :class:`ProgramTable` columns (no op
-    is built: millions at P=1024): the row columns, the parts of a plain table, or a general
-    table's parts (:func:`_general_counts`); programs not cut from one table are walked op
-    by op (:func:`_walk_counts`), a fallback counted by name.
+    is built: millions at P=1024), whatever form they are in (:func:`_general_counts`; op
+    programs become their table first). :func:`fringe.testing.oracle.op_counts` walks the
+    ops instead: the oracle of the tests.
     ``steps=False``: leave ``steps`` zero (the backward's are not reported);
-    ``computes=False``: the walk lists no compute (a table's are listed anyway)."""
+    ``computes=False``: list no compute."""
     from .schedules.passes import _table
     return _general_counts(_table(programs), P, steps=steps, computes=computes)
 
@@ -187,7 +185,7 @@ def _op_counts(programs, P: int, *, steps: bool = True, computes: bool = True) -
 def _general_counts(table: ProgramTable, P: int, *, steps: bool = True,
                     computes: bool = True) -> _OpCounts:
     """:class:`_OpCounts` of a general table (head slices, collectives) from its parts, what
-    :func:`_walk_counts` gives for its programs: computes (kind ``C_``) with their head
+    :func:`fringe.testing.oracle.op_counts` gives for its programs: computes (kind ``C_``) with their head
     slices ``hi/hn``; a transfer counts on its ``src`` (sent) and ``dst`` (received); a
     collective side's occupied slots count on its rank by direction, but for a kind whose
     rule keeps the own slot in place (``OWN_SLOT_IN_PLACE``) the slot at the side's own
@@ -270,74 +268,3 @@ def _distinct_steps(pairs, P: int) -> np.ndarray:
     return np.bincount(key[first] // span, minlength=P).astype(np.int64)
 
 
-class _KeyOf(dict):
-    """Buffer -> ``(Family, n)`` (n of its head slice, 1 for all heads), filled on demand;
-    one key tuple per (family, n), shared by every buffer that has it."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._keys: dict = {}
-
-    def __missing__(self, b):
-        h = b.heads
-        key = (b.family, 1 if h is None else h[1])
-        key = self[b] = self._keys.setdefault(key, key)
-        return key
-
-
-def _walk_counts(programs, P: int, *, computes: bool = True) -> _OpCounts:
-    """:class:`_OpCounts` by walking every op (programs that are not one table's).
-
-    A step's ops are read as they are held (no per-op tuple or buffer is built); a
-    collective's slots are counted from its sparse side, in C (``Counter.update``)."""
-    q, kv, split, per_rank = [], [], [], []
-    keyof = _KeyOf()
-    sent = [collections.Counter() for _ in programs]
-    recv = [collections.Counter() for _ in programs]
-    steps = np.zeros(P, dtype=np.int64)
-    bisect_left = bisect.bisect_left
-    in_place = {k: rule.own_slot_in_place for k, rule in RULES.items()}     # the rule table
-    for r, prog in enumerate(programs):           # row r: the r-th program, as plan.forward[r]
-        s_r, r_r, n0 = sent[r], recv[r], len(q)
-        prog_steps = prog.steps
-        steps[r] = len(prog_steps)
-        for step in prog_steps:
-            for op in step.ops:
-                t = type(op)
-                if t is Compute:
-                    if computes:
-                        q.append(op.q)
-                        kv.append(op.kv)
-                        split.append(op.heads)
-                elif t is Send:
-                    s_r[keyof[op.buf]] += 1
-                elif t is Recv:
-                    r_r[keyof[op.buf]] += 1
-                elif t is Collective:
-                    me = op.member_index(prog.rank) if in_place[op.kind] else None
-                    for (idx, bufs), got in ((op.sparse_sends, s_r), (op.sparse_recvs, r_r)):
-                        got.update(map(keyof.__getitem__, bufs))
-                        if me is not None:            # its own slot stays in place
-                            at = bisect_left(idx, me)
-                            if at < len(idx) and idx[at] == me:
-                                got[keyof[bufs[at]]] -= 1
-        per_rank.append(len(q) - n0)
-    keys = tuple(sorted({k for c in (*sent, *recv) for k in c},
-                        key=lambda k: (_FAMILY_ORDER[k[0]], k[1])))
-    col = {k: i for i, k in enumerate(keys)}
-    arrays = []
-    for side in (sent, recv):
-        a = np.zeros((P, len(keys)), dtype=np.int64)
-        for r, c in enumerate(side):
-            for k, n in c.items():
-                a[r, col[k]] = n
-        arrays.append(a)
-    rank = np.repeat(np.arange(len(programs), dtype=np.int64), per_rank)
-    splits = None
-    if any(h is not None for h in split):
-        splits = np.array([1 if h is None else h[1] for h in split], dtype=np.int64)
-    return _OpCounts((rank, np.array(q, dtype=np.int64), np.array(kv, dtype=np.int64)), splits,
-                     keys, *arrays, steps)
-
-
-_FAMILY_ORDER = {f: n for n, f in enumerate(Family)}

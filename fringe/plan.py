@@ -22,7 +22,7 @@ import torch
 
 from . import masks as _masks
 from ._handle import new_handle
-from ._stats import PlanStats, _OpCounts, _op_counts, _walk_counts  # noqa: F401 (re-exported)
+from ._stats import PlanStats, _OpCounts, _op_counts  # noqa: F401 (re-exported)
 from .layout import DEFAULT_BLOCK_SIZE, Layout
 from .runtime.contract import PlanCache, PlanLike as PlanLike   # the runtime's view of a plan
 from .schedules import KVPolicy, Program, Schedule, check, reverse

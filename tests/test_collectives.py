@@ -296,6 +296,8 @@ def test_reverse_of_a_collective_program_rematerialises_inputs_once():
     p = fringe.plan(schedules.ulysses(), masks.causal(), seq_len=16, world_size=2, block_size=BLOCK)
     again = reverse(p.forward)
     assert again == list(p.backward)
+    from fringe.testing import oracle
+    assert again == oracle.reverse(p.forward)                   # the rules, op by op
     kept = fringe.plan(schedules.ulysses(), masks.causal(), seq_len=16, world_size=2,
                        block_size=BLOCK, kv="keep")
     fams = {b.family for prog in kept.backward for _, op in prog.ops() if isinstance(op, Collective)

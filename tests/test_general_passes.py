@@ -15,6 +15,7 @@ from fringe import schedules
 from fringe.schedules import ScheduleError, passes
 from fringe.schedules.ir import (Buffer, Collective, Compute, Program, ProgramTable, Step,
                                  format_programs)
+from fringe.testing import oracle
 
 SPECS = ("allgather", "allgather:3", "ulysses", "compose:zigzag+ulysses:2",
          "compose:ring+ulysses:4", "compose:striped+ulysses:2", "compose:allgather+ulysses:2",
@@ -53,11 +54,10 @@ def test_column_passes_equal_the_op_rules(spec, P, seed, density):
     less = need & _need(P, seed + 10, 0.8)           # a map the programs were not built for
     if less.any():
         got = passes._general_prune(tab, less)
-        assert got is not None and got == passes.prune(plain, less), (spec, "prune")
+        assert got == oracle.prune(plain, less), (spec, "prune")
     for kv in ("resend", "keep"):
-        want = passes.reverse(plain, kv=kv)
+        want = oracle.reverse(plain, kv=kv)
         got = passes._general_reverse(tab, kv)
-        assert got is not None, (spec, kv)
         assert format_programs(got) == format_programs(want), (spec, kv)
         assert got[0].table is not None
         assert passes._general_ok(got[0].table, need, True, kv) is True
@@ -163,16 +163,17 @@ def test_a_table_checked_once_is_still_checked_for_its_tiles_and_cannot_be_refil
 
 
 def test_past_the_plane_limit_the_checks_sort_and_the_rules_decide(monkeypatch):
-    """Plans too large for a dense (rank, buffer) plane check presence by sorting keys, and
-    hand re-sends and pruning to the op rules: the same answers, faults still found."""
+    """Plans too large for a dense (rank, buffer) plane check presence, re-send and prune by
+    sorting keys: the oracle's answers, faults still found."""
     need, progs = _plan_programs()
     monkeypatch.setattr(passes, "PLANE_CELLS", 0)
     tab = ProgramTable.of(progs)
     assert passes._general_ok(tab, need, False, "resend") is True
-    assert passes._general_reverse(tab, "resend") is None
-    assert passes._general_prune(tab, need) is None
-    assert format_programs(passes.reverse(list(tab.programs()))) == format_programs(
-        passes.reverse(progs))
+    for kv in ("resend", "keep"):
+        assert format_programs(passes._general_reverse(tab, kv)) == format_programs(
+            oracle.reverse(progs, kv=kv))
+    less = need & ~np.eye(8, k=-1, dtype=bool)      # a map the programs were not built for
+    assert passes._general_prune(tab, less) == oracle.prune(progs, less)
     bad = ProgramTable.of(_edit(progs, 3, _compute_too_early))
     with pytest.raises(ScheduleError, match="not on rank"):
         passes._general_ok(bad, need, False, "resend")

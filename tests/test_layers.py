@@ -51,13 +51,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
 
 #: Violations other work removes: (importer, imported, reason, owner). ``imported`` is the module
 #: the rule counts (a package's ``__init__`` where the import runs it). The lead empties this list.
-KNOWN: list[tuple[str, str, str, str]] = [
-    ("fringe.schedules.passes", "fringe.testing.oracle",
-     "the last pass fallbacks reach the op-by-op oracle (a marked transitional import): "
-     "column code only, or raise", "h1a/h1b/h2 (passes)"),
-    ("fringe.schedules.passes", "fringe.testing",
-     "the same import runs fringe/testing/__init__.py; gone with the one above", "h1a/h1b/h2"),
-]
+KNOWN: list[tuple[str, str, str, str]] = []      # emptied: every import runs down the layers
 
 
 class Import(NamedTuple):

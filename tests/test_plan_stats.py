@@ -8,10 +8,11 @@ import torch
 import fringe
 from fringe import masks, schedules
 from fringe.bench import packed_docs
-from fringe.plan import PlanStats, _op_counts, _walk_counts
+from fringe.plan import PlanStats, _op_counts
 from fringe.runtime.costmodel import Shape
 from fringe.runtime.virtual import VirtualRuntime
 from fringe.schedules.ir import Collective, Compute, Program, ProgramTable, Recv, Send
+from fringe.testing import oracle
 
 BlockKind = masks.BlockKind
 
@@ -190,8 +191,8 @@ def _same_counts(a, b):
 
 @pytest.mark.parametrize("name", ["ring", "zigzag", "striped"])
 def test_table_parts_rows_and_ops_count_alike(name):
-    """One set of programs three ways: the passes' table parts, a table of row columns,
-    and plain Program values (walked)."""
+    """One set of programs three ways (the passes' table parts, a table of row columns, plain
+    Program values, which become a table too) count as the oracle walks their ops."""
     P, bs = 4, 4
     S = 2 * P * bs * 4
     p = fringe.plan(schedules.get(name), _mask("docs", S), seq_len=S, world_size=P,
@@ -200,7 +201,7 @@ def test_table_parts_rows_and_ops_count_alike(name):
         assert progs[0].table is not None and progs[0].table._parts is not None
         plain = [Program(r, prog.steps) for r, prog in enumerate(progs)]
         rows = ProgramTable.of(plain).programs()
-        ref = _walk_counts(plain, P)
+        ref = oracle.op_counts(plain, P)
         assert ref.sent.sum() > 0 and ref.steps.min() > 0
         for other in (progs, rows, plain):
             _same_counts(_op_counts(other, P), ref)
@@ -217,7 +218,7 @@ def test_stats_of_a_large_plan_build_no_op():
     assert sum(r["blocks"] for r in st.rows) == int(p.tile_block_counts().sum())
     assert sum(r["fwd_sent"] for r in st.rows) == sum(r["fwd_recv"] for r in st.rows) > 0
     r = max(range(P), key=lambda i: st.rows[i]["fwd_sent"])     # one rank against its ops
-    walked = _walk_counts([p.forward[r]], 1)
+    walked = oracle.op_counts([p.forward[r]], 1)
     assert st.rows[r]["steps"] == int(walked.steps[0])
     kv_bytes = 2 * (S // P) * 64 * 2                 # k and v, L tokens, D=64, bfloat16
     assert [k[0].value for k in walked.keys] == ["kv"]

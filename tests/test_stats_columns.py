@@ -1,6 +1,6 @@
 """Plan stats of a general table (collectives, head slices) are read from its columns
 (``fringe._stats._general_counts``) and equal, field by field, the stats of walking every op
-(``_walk_counts``, kept as the oracle and as the fallback for programs not cut from a table)."""
+(``fringe.testing.oracle.op_counts``, the oracle; programs in any form become a table)."""
 from __future__ import annotations
 
 import importlib
@@ -11,9 +11,9 @@ import torch
 
 from fringe import masks, schedules
 from fringe.bench import packed_docs
-from fringe.plan import _op_counts, _walk_counts
+from fringe.plan import _op_counts
 from fringe.schedules import passes
-from fringe.testing import user_schedules
+from fringe.testing import oracle, user_schedules
 
 plan_mod = importlib.import_module("fringe.plan")   # fringe.plan is also the function
 stats_mod = importlib.import_module("fringe._stats")
@@ -46,7 +46,7 @@ def _schedule(name: str):
 
 def _walked(programs, P, *, steps=True, computes=True):
     """The oracle: every op walked (the backward's steps are not reported: zero)."""
-    c = _walk_counts(programs, P, computes=computes)
+    c = oracle.op_counts(programs, P, computes=computes)
     return c if steps else plan_mod._OpCounts(c.computes, c.splits, c.keys, c.sent, c.recv,
                                               np.zeros(P, dtype=np.int64))
 
@@ -74,10 +74,9 @@ def test_general_stats_columns_equal_the_op_walk(name, P, monkeypatch):
                               block_size=BLOCK, kv=kv)
             for progs in (p.forward, p.backward):
                 assert passes._table(progs) is not None
-            with passes.no_fallbacks():              # the columns, no op walked
-                fwd = _op_counts(p.forward, P)
-                bwd = _op_counts(p.backward, P, steps=False, computes=False)
-                got = [p.stats(**v) for v in VARIANTS]
+            fwd = _op_counts(p.forward, P)                  # the columns, no op walked
+            bwd = _op_counts(p.backward, P, steps=False, computes=False)
+            got = [p.stats(**v) for v in VARIANTS]
             assert all(prog._steps is None for prog in (*p.forward, *p.backward))
             _same(fwd, _walked(p.forward, P))
             _same(bwd, _walked(p.backward, P, steps=False, computes=False))
@@ -92,15 +91,12 @@ def test_general_stats_columns_equal_the_op_walk(name, P, monkeypatch):
 
 
 def test_collectives_as_op_objects_count_on_their_table():
-    """Programs not cut from one table become one: counted on columns, no fallback, equal
-    to the op walk."""
+    """Programs not cut from one table become one: counted on its columns, equal to the
+    oracle's op walk."""
     P = 8
     progs = schedules.get("allgather").programs(P)
     rebuilt = [plan_mod.Program(r, prog.steps) for r, prog in enumerate(progs)]
     assert rebuilt[0].table is None
-    before = passes.fallbacks()
-    with passes.no_fallbacks():
-        got = _op_counts(rebuilt, P)
-    assert passes.fallbacks() == before
+    got = _op_counts(rebuilt, P)
     _same(got, _op_counts(progs, P))
-    _same(got, _walk_counts(progs, P))
+    _same(got, oracle.op_counts(progs, P))

@@ -1,11 +1,16 @@
 """Passes over programs: lowering a communication pattern, pruning by the mask, deriving
 the backward by rule, and the structural checks every schedule must pass.
 
-All of these work on :class:`~fringe.schedules.ir.Program` values only, so a hand-written
-list of steps gets the same pruning, checks and backward as the built-in schedules. Which
-buffers an op touches is asked of the op (``reads()`` / ``writes()``), and the backward is
-built from each op's ``adjoint()``. Every pass is iterative and close to linear in the number
-of ops (P=1024 ranks plan in seconds; ``tests/test_ir_scale.py``).
+Each pass is written once, with numpy on the columns of the one
+:class:`~fringe.schedules.ir.ProgramTable` (programs given as op objects, hand-written or
+parsed, become their table first), so a hand-written schedule gets the same pruning, checks
+and backward as the built-in ones. Which buffers an op touches, and its adjoint, come from the
+one rule table :data:`~fringe.schedules.ir.RULES`. Two named shortcuts for the ring chain's
+shape (``_parts_ok``, ``_reverse_parts``: whole-heads computes and transfers, dense planes)
+read and write the same columns and are tested against the general code. Nothing falls back to
+op objects: a pass handles every table or raises naming the rank and step (``<-- ERROR
+HERE``) or the shape it does not support. :mod:`fringe.testing.oracle` states the same rules
+op by op, the oracle of the differential tests; no production module imports it.
 """
 from __future__ import annotations
 
@@ -15,7 +20,6 @@ import contextlib
 import dataclasses
 import gc
 import itertools
-import os
 from typing import Iterator, Mapping, Sequence
 
 import numpy as np
@@ -43,66 +47,6 @@ def gc_paused():
     finally:
         if was:
             gc.enable()
-
-
-# ---------------------------------------------------------------------------------------
-# fallbacks: a column path (numpy, what plans of the built-in schedules use) giving a program
-# to the op-by-op path. Each is a performance cliff (seconds at P=1024), so none is silent:
-# the column function says why (:func:`_fallback`), and when the op-by-op path then succeeds
-# (a valid program the columns did not take; an invalid one raises its ScheduleError and is
-# no fallback) the pass counts it by (pass, reason) in :func:`fallbacks`, and raises
-# ``NotImplementedError`` inside :func:`no_fallbacks` or with ``FRINGE_STRICT_PASSES=1``.
-# ---------------------------------------------------------------------------------------
-_FALLBACKS: collections.Counter = collections.Counter()
-_WHY: list = [None]             # the reason the last column function gave up
-_STRICT: list = [0]             # depth of no_fallbacks()
-
-#: Why a pass has no column path for programs at all.
-NOT_A_TABLE = "programs not cut from one ProgramTable (rank r from row r)"
-
-
-def _fallback(reason: str, value=None):
-    """A column function gives up on a program: remember ``reason`` for the pass that
-    called it (which settles it, :func:`_settle`) and return ``value`` (None, or False from
-    a check). Once per pass call, never per op."""
-    _WHY[0] = reason
-    return value
-
-
-def _start() -> None:
-    _WHY[0] = None
-
-
-def _settle(pass_name: str, default: str) -> None:
-    """The op-by-op path of ``pass_name`` answered a program a column path gave up on:
-    count it (why: the column function's reason, else ``default``), and raise when
-    fallbacks are errors."""
-    why = (pass_name, _WHY[0] or default)
-    _WHY[0] = None
-    _FALLBACKS[why] += 1
-    if _STRICT[0] or os.environ.get("FRINGE_STRICT_PASSES") == "1":
-        raise NotImplementedError(
-            f"{pass_name}: the column path does not take these programs ({why[1]}), and the "
-            f"op-by-op path answered them instead (slow at large P); make the column path "
-            f"handle this form, or run outside passes.no_fallbacks() / FRINGE_STRICT_PASSES=1")
-
-
-def fallbacks() -> collections.Counter:
-    """How many times each pass fell back from its column path to the op-by-op path in this
-    process, by ``(pass, reason)`` (a copy)."""
-    return collections.Counter(_FALLBACKS)
-
-
-@contextlib.contextmanager
-def no_fallbacks():
-    """Inside, a pass that falls back to the op-by-op path raises ``NotImplementedError``
-    naming the pass and the reason (after the op path succeeded: an invalid program still
-    raises its ScheduleError). Nests. ``FRINGE_STRICT_PASSES=1`` does the same everywhere."""
-    _STRICT[0] += 1
-    try:
-        yield
-    finally:
-        _STRICT[0] -= 1
 
 
 _INPUTS = frozenset(f for f, _ in RULES["C"].reads)   # what computes read; pruning may drop their moves
@@ -331,17 +275,22 @@ def _keep_hops(P: int, j, s, src, dst, use, *, buffers: int | None = None) -> np
 
     ``j``: the moved chunk (or, with ``buffers=n``, a buffer id in ``[0, n)``); ``use``: bool
     ``[chunk or buffer id, rank]``, the rank computes with it."""
-    keep = np.zeros(len(j), dtype=bool)
-    use = use.ravel()
-    live = np.zeros((P if buffers is None else buffers) * P, dtype=bool)   # [j * P + rank]:
-    at_dst, at_src = j * P + dst, j * P + src      # a kept hop leaves the rank later
+    at_dst, at_src = j * P + dst, j * P + src
+    return _keep_moves(at_dst, at_src, s, use.ravel()[at_dst], (P if buffers is None else buffers) * P)
+
+
+def _keep_moves(at_dst, at_src, s, used, K: int) -> np.ndarray:
+    """:func:`_keep_hops` on ``(buffer, rank)`` keys in ``[0, K)``: a move (at step ``s``, from
+    key ``at_src`` to key ``at_dst``) is kept when its receiver computes with the buffer
+    (``used``, per move) or has a kept move of it out, later."""
+    keep = np.zeros(len(s), dtype=bool)
+    live = np.zeros(K, dtype=bool)               # a kept move leaves the (buffer, rank) later
     by_step = _by_step(s, descending=True)
     _, starts = _runs(s[by_step])
     ends = list(starts[1:]) + [len(by_step)]
     for a, b in zip(starts.tolist(), ends):    # latest step first; one step at a time
         g = by_step[a:b]
-        d = at_dst[g]
-        kg = use[d] | live[d]
+        kg = used[g] | live[at_dst[g]]
         keep[g] = kg
         live[at_src[g[kg]]] = True
     return keep
@@ -374,16 +323,7 @@ def prune(programs: Sequence[Program], need: torch.Tensor) -> list[Program]:
         later collective or send), computes with it; a collective left moving nothing is
         dropped on every member. So a collective schedule may be written without the mask.
     """
-    P = len(programs)
-    ok = _need_array(need, P)
-    _start()
-    fast = _general_prune(_table(programs), ok)
-    if fast is not None:
-        return fast
-    from ..testing import oracle        # TRANSITIONAL: to go with the last fallback
-    pruned = oracle.prune(programs, need)
-    _settle("prune", "unknown")
-    return pruned
+    return _general_prune(_table(programs), _need_array(need, len(programs)))
 
 
 # ---------------------------------------------------------------------------------------
@@ -416,21 +356,19 @@ def reverse(programs: Sequence[Program], *, kv: str = "resend") -> list[Program]
       traffic in the backward).
 
     Raises:
-        ScheduleError: if the programs are not forward programs or kv cannot be delivered.
+        ScheduleError: the programs are not forward programs, or not valid (as
+            :func:`check` names it), or an input (q, kv) arrives at a rank twice or at its
+            owner (its gradient would go back twice), or a hop forwards a buffer before it
+            arrives, or no number of prologue steps delivers the inputs in time.
+        NotImplementedError: a rank computes with head slices of a buffer that arrived
+            whole (its gradient would go back whole, though written in slices): the message
+            says how to write it instead.
     """
     if kv not in KV_MODES:
         raise ValueError(f"kv must be one of {KV_MODES}, got {kv!r}")
-    _start()
     tab = _table(programs)
     fast = _reverse_parts(tab, kv) if tab.chain else None       # the ring chain's shortcut
-    if fast is None:
-        fast = _general_reverse(tab, kv)
-    if fast is not None:
-        return fast
-    from ..testing import oracle        # TRANSITIONAL: to go with the last fallback
-    out = oracle.reverse(programs, kv=kv)
-    _settle("reverse", "unknown")
-    return out
+    return fast if fast is not None else _general_reverse(tab, kv)
 
 
 # ---------------------------------------------------------------------------------------
@@ -574,8 +512,9 @@ def _parts_ok(tab: ProgramTable, need: np.ndarray | None, backward: bool, kv: st
 
 def _reverse_parts(tab: ProgramTable, kv: str) -> list[Program] | None:
     """The ring chain's shortcut of :func:`_general_reverse` (a :attr:`~ProgramTable.chain`
-    table of forward programs that move kv only, each rank computing its own queries); None
-    when the general reverse must decide."""
+    table of forward programs that move kv only, each rank computing its own queries, each
+    kv chunk reaching a rank at most once and never its owner); None when the general
+    reverse must decide (it also names what is wrong)."""
     P = tab.world_size
     comp, xfer = tab._parts[:2]
     KV = _FAMILY_CODE[Family.KV]
@@ -585,6 +524,8 @@ def _reverse_parts(tab: ProgramTable, kv: str) -> list[Program] | None:
         return None
     if not len(cr) and not len(xs):
         return list(ProgramTable._of_parts(P, comp, xfer).programs())
+    if len(xs) and ((xc == xd).any() or np.bincount(xc * P + xd, minlength=P * P).max() > 1):
+        return None                         # kv arriving twice: the general reverse names it
     T = max(int(ct.max()) if len(ct) else -1, int(xt.max()) if len(xt) else -1) + 1
     bcomp = dict(rank=cr, step=T - ct, kind=np.full(len(cr), ADJOINT_CODE[C_], np.int64), q=cq, kv=ckv,
                  order=comp["order"])
@@ -592,49 +533,86 @@ def _reverse_parts(tab: ProgramTable, kv: str) -> list[Program] | None:
                chunk=xc, order=xfer["rorder"], rorder=xfer["order"])]
     if kv == "resend":
         after = 1 + max([int(x["order"].max()) for x in (comp, xfer) if len(x["order"])])
-        extra = _resend_parts(P, T, cr, ct, ckv, xt, xs, xd, xc, xfer["order"], after)
-        if extra is None:
-            return None
+        try:
+            extra = _resend_parts(P, T, cr, ct, ckv, xt, xs, xd, xc, xfer["order"], after)
+        except (_Pad, _Late, _Unsent):
+            return None                     # prologue steps, or what the general reverse names
         bx.append(dict(extra, rorder=extra["order"]))
     bxfer = {k: np.concatenate([x[k] for x in bx]) for k in bx[0]}
     return list(ProgramTable._of_parts(P, bcomp, bxfer).programs())
 
 
+class _Pad(Exception):
+    """The re-sends need ``by`` more prologue steps (a fetch would fall before step 0)."""
+
+    def __init__(self, by: int) -> None:
+        super().__init__(by)
+        self.by = by
+
+
+class _Unsent(Exception):
+    """A rank reads a buffer it does not own and no hop brings."""
+
+
+class _Late(Exception):
+    """Hop ``hop`` sends a buffer on before hop ``arrival`` brings it to its sender."""
+
+    def __init__(self, hop: int, arrival: int) -> None:
+        super().__init__(hop, arrival)
+        self.hop, self.arrival = hop, arrival
+
+
 def _resend_parts(P, T, cr, ct, ckv, xt, xs, xd, xc, xorder, after, owner=None):
     """The backward's kv re-send on the hops themselves: the kv re-sends of the backward as
-    transfers (orders from ``after`` on, in (chunk, rank) order: after every adjoint op), or
-    None to fall back.
+    transfers (orders from ``after`` on, in (chunk, rank) order: after every adjoint op).
 
     With ``owner`` (int array), ``ckv`` and ``xc`` are buffer ids ``[0, len(owner))`` instead
     of kv chunks, ``owner[id]`` the rank that owns the buffer's data; the rows' ``chunk`` is
     then the buffer id, and orders go by (id, rank).
 
-    Every rank that holds a chunk it does not own received it by exactly one hop, so the
-    work is per hop (one entry each, in the forward's order), with dense ``[chunk, rank]``
-    arrays only for lookups; a route that is a chain in hop order (rings) settles who needs
-    a chunk by a segmented prefix sum, any other tree by a pass in arrival order.
+    The caller has made sure that a rank receives a buffer at most once and never its own.
+    Every rank that reads a buffer it does not own received it by that one hop, so the work
+    is per hop (one entry each, in the forward's order), with ``[buffer, rank]`` arrays for
+    lookups (dense, or over the keys that occur past :data:`PLANE_CELLS`); a route that is a
+    chain in hop order (rings) settles who needs a buffer by a segmented prefix sum, any
+    other tree by a pass in arrival order.
+
+    Raises:
+        _Pad: a fetch would fall before backward step 0 (so many more prologue steps).
+        _Late: a hop sends a buffer on before the hop that brings it to its sender.
+        _Unsent: a read of a buffer no hop brings (the caller names it).
     """
     NONE = np.int64(1) << 40
-    K = P * (P if owner is None else len(owner))
     own = np.arange(P) if owner is None else owner
+    nb = len(own)
+    rk0 = ckv * P + cr                              # (buffer, rank) of each read
+    remote = own[ckv] != cr
+    in0, out0 = xc * P + xd, xc * P + xs
+    if nb * P <= PLANE_CELLS:
+        K = nb * P
+
+        def ix(k):
+            return k
+    else:                                           # the (buffer, rank) keys that occur
+        space = _uniq(np.concatenate([in0, out0, rk0[remote]]))
+        K = len(space) + 1                          # + a sink for keys that do not occur
+
+        def ix(k):
+            return _lookup(k, space, np.arange(len(space)), len(space))[0]
+    in_key, out_key, rk = ix(in0), ix(out0), ix(rk0)
     n = len(xc)
-    in_key, out_key = xc * P + xd, xc * P + xs
-    if n and np.bincount(in_key, minlength=K).max() > 1:
-        return _fallback("_resend_parts: a rank receives a chunk twice")
     maxread = np.full(K, -1, np.int64)
-    rk = ckv * P + cr
     maxread[rk] = np.maximum(maxread[rk], ct)
     if len(rk) and not (maxread[rk] >= ct).all():
         np.maximum.at(maxread, rk, ct)
-    hop_of = np.full(K, -1, np.int64)               # [chunk * P + rank]: the hop that brought it
+    hop_of = np.full(K, -1, np.int64)               # [buffer, rank]: the hop that brought it
     hop_of[in_key] = np.arange(n)
-    remote = own[ckv] != cr
     if remote.any() and (hop_of[rk[remote]] < 0).any():
-        return _fallback("_resend_parts: a read of a chunk that never arrived")
+        raise _Unsent()
     if not n:
         return _no_xfer()
-    # each (chunk, rank)'s latest hop onwards (first in program order among the latest)
-    if np.bincount(out_key, minlength=K).max() > 1:
+    # each (buffer, rank)'s latest hop onwards (first in program order among the latest)
+    if n and np.bincount(out_key, minlength=K).max() > 1:
         o = np.lexsort((xorder, -xt, out_key))
         o = o[_runs(out_key[o])[1]]
     else:
@@ -647,8 +625,10 @@ def _resend_parts(P, T, cr, ct, ckv, xt, xs, xd, xc, xorder, after, owner=None):
     up = hop_of[out_key]                            # per hop: the hop that brought it to src
     # the receiver relays b up: its upstream's latest hop of b went to it, so it re-sends b
     relay_up = (up >= 0) & (sup_d[out_key] == xd)
-    if (relay_up & (xt[np.maximum(up, 0)] >= xt)).any():
-        return _fallback("_resend_parts: a route that is not a tree in time")
+    late = relay_up & (xt[np.maximum(up, 0)] >= xt)
+    if late.any():
+        i = int(np.flatnonzero(late)[0])
+        raise _Late(i, int(up[i]))
     # a rank needs b when it reads it, or when it relays b up to a rank that needs it
     idx = np.arange(n)
     if (up[relay_up] == idx[relay_up] - 1).all():  # chains in hop order: segmented prefix OR
@@ -668,15 +648,16 @@ def _resend_parts(P, T, cr, ct, ckv, xt, xs, xd, xc, xorder, after, owner=None):
     emit = np.nonzero(e != NONE)[0]
     key, e = in_key[emit], e[emit]
     d = sup_d[key]
-    dh = hop_of[xc[emit] * P + np.maximum(d, 0)]    # the hop that took b on from this rank
-    relay = (d >= 0) & (T - sup_t[key] <= e) & (dh >= 0) & defined[np.maximum(dh, 0)]
-    if ((~relay) & (e - 1 < 0)).any():
-        return _fallback("_resend_parts: a fetch before backward step 0")
     c_ = xc[emit]
+    dh = hop_of[ix(c_ * P + np.maximum(d, 0))]      # the hop that took b on from this rank
+    relay = (d >= 0) & (T - sup_t[key] <= e) & (dh >= 0) & defined[np.maximum(dh, 0)]
+    fetch = ~relay
+    if (fetch & (e - 1 < 0)).any():
+        raise _Pad(int((1 - e[fetch]).max()))
     frm = np.where(relay, d, own[c_])
     u = np.where(relay, T - sup_t[key] - 1, e - 1)
     return dict(step=u, src=frm, dst=xd[emit], fam=np.full(len(emit), _FAMILY_CODE[Family.KV]),
-                chunk=c_, order=after + key)        # (chunk, rank) order, as the op rules emit
+                chunk=c_, order=after + key)        # (buffer, rank) order, as the op rules emit
 
 
 def _no_xfer():
@@ -688,8 +669,8 @@ def _no_xfer():
 # the passes on a general table's parts (head slices and collectives: what the collective
 # schedules build); None: the op-by-op rules decide
 # ---------------------------------------------------------------------------------------
-#: The largest dense (rank, buffer) plane the general passes allocate; past it presence is
-#: checked by sorting keys, and re-sends and pruning go to the op rules.
+#: The largest dense (rank, buffer) plane the general passes allocate; past it presence,
+#: re-sends and pruning work on sorted keys.
 PLANE_CELLS = 1 << 27
 
 
@@ -1333,22 +1314,134 @@ def _tile_counts(P: int, cq: np.ndarray, ckv: np.ndarray, chi: np.ndarray,
     return count
 
 
-def _general_reverse(tab: ProgramTable, kv: str, pad: int = 0) -> list[Program] | None:
-    """:func:`reverse` on a general table's parts (the same rules, the same programs); None
-    when the op-by-op rules must decide (errors, and routes the columns do not follow).
-    ``pad``: prologue steps beyond the first (a chain of re-issued collectives needs them)."""
+def _gen(tab: ProgramTable) -> _Gen:
+    """The :class:`_Gen` of a table that reverse and prune can take: an invalid table (a
+    column out of range, a collective side whose rank is not in its group) raises the
+    :class:`ScheduleError` that :func:`check` names it with."""
     g = _Gen(tab)
-    if not g.ok:
-        return None                         # _Gen said why
-    if (g.ck != C_).any():
-        return _fallback("_general_reverse: a gradient compute in forward programs")
+    if not g.ok or (len(g.kr) and (g.me < 0).any()):
+        check(list(tab.programs()))         # names the first bad op
+        raise ScheduleError("invalid programs, though fringe.schedules.check names no fault in "
+                            "them: please report it with the programs")
+    return g
+
+
+def _step_of(prog: Program, t: int):
+    return next(s for s in prog.steps if s.index == t)
+
+
+def _not_forward(tab: ProgramTable, g: _Gen, grads: list) -> None:
+    """Raise for the first op (rank, then step, then op order) that is not a forward op: a
+    gradient compute, a moved gradient, a collective that touches gradients."""
+    cand = [(g.cr[g.ck != C_], g.ct[g.ck != C_])]
+    gx = np.isin(g.xf, grads)
+    cand += [(g.xs[gx], g.xt[gx]), (g.xd[gx], g.xt[gx])]
+    gs = g.ss[np.isin(g.sf, grads)]
+    cand.append((g.kr[gs], g.kt[gs]))
+    r, t = min((int(r), int(t)) for rs, ts in cand if len(rs)
+               for r, t in [min(zip(rs.tolist(), ts.tolist()))])
+    prog = tab.programs()[r]
+
+    def gradient(op) -> bool:
+        if isinstance(op, (Send, Recv)):
+            return op.buf.family.is_gradient
+        if isinstance(op, Collective):
+            return any(b.family.is_gradient for b in (*op.reads(), *op.writes()))
+        return isinstance(op, GradCompute)
+    op = next(op for op in _step_of(prog, t).ops if gradient(op))
+    raise ScheduleError(f"rank {r}, step {t}: reverse takes forward programs; found {op}\n"
+                        f"{marked(prog, t)}")
+
+
+def _arrive_once(tab: ProgramTable, g: _Gen, brought: np.ndarray) -> None:
+    """Every input buffer (q, kv) arrives at a rank at most once, and never at its owner,
+    whether by a hop or a collective (``brought``: the slots that bring one). The backward
+    returns a buffer's gradient along every route it came by, so a second arrival would
+    return it twice; :func:`lower` refuses such hops too. Raises naming the first such
+    arrival (by rank, then step)."""
+    P = g.P
+    inputs = [_FAMILY_CODE[f] for f in _INPUTS]
+    h = np.isin(g.xf, inputs)
+    ss = g.ss[brought]
+    r = np.concatenate([g.xd[h], g.kr[ss]])
+    if not len(r):
+        return
+    f = np.concatenate([g.xf[h], g.sf[brought]])
+    c = np.concatenate([g.xc[h], g.sc[brought]])
+    hs = np.concatenate([g.xhs[h], g.shs[brought]])
+    t = np.concatenate([g.xt[h], g.kt[ss]])
+    b = g.bkey(f, c, hs)
+    used = np.zeros(_F * P * g.HS, dtype=bool)
+    used[b] = True
+    ids = np.cumsum(used) - 1
+    n = int(ids[-1]) + 1
+    key = r * n + ids[b]
+    again = c == r                          # at its owner
+    if P * n <= PLANE_CELLS:                # distinct cells fewer than arrivals
+        seen = np.zeros(P * n, dtype=bool)
+        seen[key] = True
+        twice = int(np.count_nonzero(seen)) < len(key)
+    else:
+        ks = np.sort(key)
+        twice = bool((ks[1:] == ks[:-1]).any())
+    if twice:                               # the later arrivals of each (rank, buffer)
+        o = np.lexsort((t, key))
+        dup = np.zeros(len(key), dtype=bool)
+        dup[o[1:]] = key[o[1:]] == key[o[:-1]]
+        again |= dup
+    if not again.any():
+        return
+    i = min(np.flatnonzero(again).tolist(), key=lambda i: (int(r[i]), int(t[i])))
+    hi = np.concatenate([g.xhi[h], g.shi[brought]])[i]
+    hn = np.concatenate([g.xhn[h], g.shn[brought]])[i]
+    buf = Buffer.of(_FAMILIES[int(f[i])], int(c[i]), None if hn == 0 else (int(hi), int(hn)))
+    rank, step = int(r[i]), int(t[i])
+    if c[i] == r[i]:
+        what = f"{buf} arrives at rank {rank}, which owns it"
+    else:
+        first = int(t[(key == key[i]) & ~again].min(initial=step))
+        what = f"{buf} arrives at rank {rank} again (it arrived at step {first})"
+    raise ScheduleError(
+        f"rank {rank}, step {step}: {what}; a rank receives each input at most once (reverse "
+        f"returns the gradient along every route a buffer came by, so it would return it "
+        f"twice): drop the second arrival\n{marked(tab.programs()[rank], step)}")
+
+
+def _late(tab: ProgramTable, hop: int, arrival: int) -> None:
+    """Raise for transfer row ``hop``, which sends a buffer on before transfer row
+    ``arrival`` brings it to its sender."""
+    x = tab._parts[1]
+    src, dst, t = (int(x[k][hop]) for k in ("src", "dst", "step"))
+    hn, hi = int(x["hn"][hop]), int(x["hi"][hop])
+    buf = Buffer.of(_FAMILIES[int(x["fam"][hop])], int(x["chunk"][hop]),
+                    None if hn == 0 else (hi, hn))
+    raise ScheduleError(
+        f"rank {src}, step {t}: sends {buf} on to rank {dst}, but {buf} arrives at rank {src} "
+        f"only at step {int(x['step'][arrival])} (from rank {int(x['src'][arrival])}); a route "
+        f"forwards a buffer after it arrives\n{marked(tab.programs()[src], t)}")
+
+
+def _more(pad: int, by: int, T0: int) -> int:
+    """``pad + by`` prologue steps beyond the first, within the op rules' bound."""
+    if pad + by > 2 * T0 + 2:
+        raise ScheduleError(f"reverse: re-materialising the inputs would need {pad + by + 1} "
+                            f"prologue steps before a {T0}-step backward; no number of prologue "
+                            f"steps delivers them")
+    return pad + by
+
+
+def _general_reverse(tab: ProgramTable, kv: str, pad: int = 0) -> list[Program]:
+    """:func:`reverse` on a table's parts (the rules of :mod:`fringe.testing.oracle`, the
+    same programs). ``pad``: prologue steps beyond the first (a chain of re-issued
+    collectives, or a fetch that would fall before step 0, needs them)."""
+    g = _gen(tab)
     P = g.P
     grads = [_FAMILY_CODE[f] for f in _FAMILIES if f.is_gradient]
-    if np.isin(g.xf, grads).any() or np.isin(g.sf, grads).any() or (len(g.kr) and (g.me < 0).any()):
-        return _fallback("_general_reverse: gradients moved, or a collective side whose rank "
-                         "is not in its group")
+    if (g.ck != C_).any() or np.isin(g.xf, grads).any() or np.isin(g.sf, grads).any():
+        _not_forward(tab, g, grads)
     Q, KV, OUT = (_FAMILY_CODE[f] for f in (_Q, _KV, _OUT))
-    T = 1 + max([int(x.max()) for x in (g.ct, g.xt, g.kt) if len(x)] or [-1]) + pad
+    T0 = 1 + max([int(x.max()) for x in (g.ct, g.xt, g.kt) if len(x)] or [-1])
+    T = T0 + pad
     cot = np.array([_FAMILY_CODE[f.cotangent] if f is not Family.ACC else -1 for f in _FAMILIES])
     # adjoints, at twice the forward order (+1: an op that goes with its adjoint)
     bcomp = dict(rank=g.cr, step=T - g.ct, kind=np.full(len(g.cr), ADJOINT_CODE[C_]), q=g.cq, kv=g.ckv,
@@ -1388,19 +1481,14 @@ def _general_reverse(tab: ProgramTable, kv: str, pad: int = 0) -> list[Program] 
     inp = np.isin(g.sf, [f for f, _ in c_reads])
     own = (g.sidx == g.me[g.ss]) & np.array(OWN_SLOT_IN_PLACE)[g.kk[g.ss]]
     recv = g.sdir == 1
-    sb = g.bkey(g.sf, g.sc, g.shs)
-    if (recv & own).any():                  # an own slot's buffer received again: rows decide
-        side_buf = g.ss * (_F * P * g.HS) + sb
-        o_k = side_buf[recv & own]
-        if _member(o_k, np.sort(side_buf[recv & ~own])).any():
-            return _fallback("_general_reverse: an own slot's buffer received again")
+    # (an own slot whose buffer another slot of the side also receives is received through
+    # that slot: the same buffers either way)
     brought_sel = recv & inp & ~own
     bk = g.rkey(srank[brought_sel], g.sf[brought_sel], g.sc[brought_sel], g.shs[brought_sel])
     b_inst = g.inst[g.ss[brought_sel]]
+    _arrive_once(tab, g, brought_sel)
     ob = np.argsort(bk, kind="stable")
     brought_k, brought_i = bk[ob], b_inst[ob]
-    if (np.diff(brought_k) == 0).any():
-        return _fallback("_general_reverse: one (rank, buffer) brought twice")
     n_inst = len(g.inst_keys)
     last, hit = _lookup(bk, ra_k, ra_t, -1)
     latest = np.full(n_inst, -1, np.int64)
@@ -1430,7 +1518,7 @@ def _general_reverse(tab: ProgramTable, kv: str, pad: int = 0) -> list[Program] 
             for d in np.unique(dep[dh]).tolist():
                 when[d] = min(when.get(d, when[i] - 1), when[i] - 1)
     if when and min(when.values()) < 0:      # a chain: as many more prologue steps
-        return _general_reverse(tab, kv, pad - min(when.values()))
+        return _general_reverse(tab, kv, _more(pad, -min(when.values()), T0))
     base = 2 * (1 + max([int(x.max()) for x in (g.co, g.xo, g.xro, g.ko) if len(x)] or [0]))
     side_bounds = np.searchsorted(g.ss, np.arange(n_side + 1))
     by_inst = np.argsort(g.inst, kind="stable")
@@ -1439,8 +1527,6 @@ def _general_reverse(tab: ProgramTable, kv: str, pad: int = 0) -> list[Program] 
     re_sides, re_slots = [], []
     for n, i in enumerate(emitted):
         u = when[i]
-        if u < 0:
-            return _fallback("_general_reverse: a re-issued collective before backward step 0")
         for side in by_inst[inst_bounds[i]:inst_bounds[i + 1]].tolist():
             new = n_next + len(re_sides)
             re_sides.append((int(g.kr[side]), u, base + n, int(g.kk[side]), int(g.kg[side])))
@@ -1455,9 +1541,14 @@ def _general_reverse(tab: ProgramTable, kv: str, pad: int = 0) -> list[Program] 
                                "slot_hi", "slot_hn"), b_)))
     # re-sends of inputs the backward reads again, along the reversed routes
     fams = [Q, KV] if kv == "resend" else [Q]
-    extra = _general_resend(g, T, fams, brought_k, base + len(emitted))
-    if extra is None:
-        return None
+    reads = _remote_reads(g, brought_k)
+    _reads_arrive(tab, g, reads)
+    try:
+        extra = _general_resend(g, T, fams, reads, base + len(emitted))
+    except _Pad as e:                       # a fetch before step 0: as many more prologue steps
+        return _general_reverse(tab, kv, _more(pad, e.by, T0))
+    except _Late as e:
+        _late(tab, e.hop, e.arrival)
     xs.append(extra)
     bxfer = {k: np.concatenate([x[k] for x in xs]) for k in xs[0]}
     bcoll = {k: np.concatenate([x[k] for x in sides]) for k in sides[0]}
@@ -1469,50 +1560,118 @@ def _general_reverse(tab: ProgramTable, kv: str, pad: int = 0) -> list[Program] 
     return list(ProgramTable._of_parts(P, bcomp, bxfer, bcoll).programs())
 
 
-def _general_resend(g: _Gen, T: int, fams: list, skip: np.ndarray, after: int) -> dict | None:
-    """The re-sends of input buffers (families ``fams``) that ranks read again in the
-    backward and received by point-to-point hops (``skip``: sorted (rank, buffer) keys a
-    re-issued collective delivers), as transfer rows ordered after ``after``, in the order
-    of the op rules: buffers by (family name, chunk, first appearance), then by rank."""
+def _remote_reads(g: _Gen, skip: np.ndarray) -> tuple[np.ndarray, ...]:
+    """Reads of input buffers (q, kv) by computes on ranks that do not own them, less what a
+    re-issued collective delivers (``skip``: sorted (rank, buffer) keys): ``(rank, step,
+    buffer code, position in program order: rank, step, order, q before kv)``."""
     P = g.P
-    isin = np.isin(g.xf, fams)
-    xt, xs, xd, xf, xc, xhs = (x[isin] for x in (g.xt, g.xs, g.xd, g.xf, g.xc, g.xhs))
-    xo = g.xro[isin]
     NBC = _F * P * g.HS                       # buffer codes (family, chunk, head slice)
-    # reads by computes of the families, not owned: (rank, step, buffer code, position in
-    # program order: rank, step, order, q before kv)
     big = np.int64(1) << 20
     pos = ((g.cr * big + g.ct) * big + g.co) * 2
     side = (g.cq, g.ckv)
     c_reads = [(fam, side[sd]) for fam, sd, w in TILE_TOUCH_CODES[C_] if not w]
     reads = [(g.cr[m], g.ct[m], g.bkey(fam, ch[m], g.chs[m]), pos[m] + part)
-             for part, (fam, ch) in enumerate(c_reads) if fam in fams
-             for m in [ch != g.cr]]
+             for part, (fam, ch) in enumerate(c_reads) for m in [ch != g.cr]]
     rr, rt, rb, rp = ([np.concatenate(c) for c in zip(*reads)] if reads else
                       [np.zeros(0, np.int64)] * 4)
-    xb = g.bkey(xf, xc, xhs)
-    skip_r, skip_b = skip // NBC, skip % NBC
-    # compact ids over the buffers involved; (rank, id) planes for what a collective delivers
+    if len(skip) and len(rr):               # reads of what a re-issued collective delivers
+        skip_r, skip_b = skip // NBC, skip % NBC
+        used = np.zeros(NBC, dtype=bool)    # compact ids over the buffers involved
+        used[rb] = True
+        used[skip_b] = True
+        id_of = np.cumsum(used) - 1
+        n = int(id_of[-1]) + 1
+        if P * n <= PLANE_CELLS:            # a (rank, id) plane
+            by_coll = np.zeros(P * n, dtype=bool)
+            by_coll[skip_r * n + id_of[skip_b]] = True
+            keep = ~by_coll[rr * n + id_of[rb]]
+        else:                               # sorted keys
+            keep = ~_member(rr * NBC + rb, skip)
+        rr, rt, rb, rp = rr[keep], rt[keep], rb[keep], rp[keep]
+    return rr, rt, rb, rp
+
+
+def _slices(hs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(hi, hn)`` of head slice codes (:meth:`_Gen.hs`; 0: all heads, ``(0, 0)``)."""
+    hn = np.zeros(len(hs), np.int64)
+    hi = np.zeros(len(hs), np.int64)
+    if (hs > 0).any():
+        n_ = np.floor((1 + np.sqrt(8 * np.maximum(hs - 1, 0) + 1)) / 2).astype(np.int64)
+        n_ = np.where(n_ * (n_ - 1) // 2 > hs - 1, n_ - 1, n_)
+        n_ = np.where((n_ + 1) * n_ // 2 <= hs - 1, n_ + 1, n_)
+        hn = np.where(hs > 0, n_, 0)
+        hi = np.where(hs > 0, hs - 1 - n_ * (n_ - 1) // 2, 0)
+    return hi, hn
+
+
+def _reads_arrive(tab: ProgramTable, g: _Gen, reads: tuple) -> None:
+    """Every remote read (:func:`_remote_reads`) is of a buffer a hop brought to that rank as
+    such. Else, in program order, the first other: an invalid forward (check names it), or a
+    head slice read where its whole buffer arrived, which the rules cannot reverse (the
+    gradient goes back the way the buffer came, whole, and is written in slices)."""
+    P = g.P
+    rr, rt, rb, rp = reads
+    if not len(rr):
+        return
+    NBC = _F * P * g.HS
+    h = np.isin(g.xf, [_FAMILY_CODE[f] for f in _INPUTS])
+    xb, xd = g.bkey(g.xf[h], g.xc[h], g.xhs[h]), g.xd[h]
     used = np.zeros(NBC, dtype=bool)
-    for x in (rb, xb, skip_b):
-        used[x] = True
-    id_of = np.cumsum(used) - 1
-    n = int(id_of[-1]) + 1 if NBC else 0
-    if P * n > PLANE_CELLS:
-        return _fallback("_general_resend: (rank, buffer) plane past PLANE_CELLS")
-    by_coll = np.zeros(P * n, dtype=bool)
-    by_coll[skip_r * n + id_of[skip_b]] = True
-    if by_coll[xd * n + id_of[xb]].any():
-        return _fallback("_general_resend: a buffer brought by a collective and a hop")
-    keep = ~by_coll[rr * n + id_of[rb]]
-    rr, rt, rb, rp = rr[keep], rt[keep], rb[keep], rp[keep]
+    used[rb] = True
+    used[xb] = True
+    ids = np.cumsum(used) - 1
+    n = int(ids[-1]) + 1
+    if P * n <= PLANE_CELLS:
+        plane = np.zeros(P * n, dtype=bool)
+        plane[xd * n + ids[xb]] = True
+        bad = ~plane[rr * n + ids[rb]]
+    else:
+        bad = ~_member(rr * NBC + rb, _uniq(xd * NBC + xb))
+    if not bad.any():
+        return
+    i = np.flatnonzero(bad)[int(np.argmin(rp[bad]))]
+    r, t, code = int(rr[i]), int(rt[i]), int(rb[i])
+    hi, hn = (int(x[0]) for x in _slices(np.array([code % g.HS])))
+    buf = Buffer.of(_FAMILIES[code // g.HS // P], code // g.HS % P, (hi, hn) if hn else None)
+    check(list(tab.programs()))             # an invalid forward: check names the read
+    prog = tab.programs()[r]
+    op = next(op for op in _step_of(prog, t).ops if buf in op.reads())
+    if buf.heads is None:
+        raise ScheduleError(f"rank {r}, step {t}: '{op}' reads {buf}, which no hop or collective "
+                            f"brings to rank {r}\n{marked(prog, t)}")
+    raise NotImplementedError(
+        f"rank {r}, step {t}: '{op}' reads {buf}, a head slice of {buf.parent}, which arrived "
+        f"whole: reverse returns a buffer's gradient the way the buffer came (whole), and this "
+        f"one is written in slices. Compute with all heads where a buffer arrives whole, or "
+        f"move its head slices (S/R of {buf} and its siblings)\n{marked(prog, t)}")
+
+
+def _general_resend(g: _Gen, T: int, fams: list, reads: tuple, after: int) -> dict:
+    """The re-sends of input buffers (families ``fams``) that ranks read again in the
+    backward and received by point-to-point hops (``reads``: :func:`_remote_reads`, each
+    brought by a hop, :func:`_reads_arrive`), as transfer rows ordered after ``after``, in
+    the order of the op rules: buffers by (family name, chunk, first appearance), then by
+    rank.
+
+    Raises:
+        _Pad, _Late: as :func:`_resend_parts` (hops numbered as the table's transfers).
+    """
+    P = g.P
+    isin = np.isin(g.xf, fams)
+    xt, xs, xd, xf, xc, xhs = (x[isin] for x in (g.xt, g.xs, g.xd, g.xf, g.xc, g.xhs))
+    xo = g.xro[isin]
+    NBC = _F * P * g.HS                       # buffer codes (family, chunk, head slice)
+    big = np.int64(1) << 20
+    rr, rt, rb, rp = reads
+    if len(fams) < len(_INPUTS):
+        keep = np.isin(rb // (P * g.HS), fams)
+        rr, rt, rb, rp = rr[keep], rt[keep], rb[keep], rp[keep]
+    xb = g.bkey(xf, xc, xhs)
     if not len(xt) and not len(rr):
         return _no_xfer_general()
-    # what is left was brought by hops (else the op rules decide): ids over those buffers
-    used[:] = False
+    # what is left was brought by hops: ids over those buffers
+    used = np.zeros(NBC, dtype=bool)
     used[xb] = True
-    if not used[rb].all():
-        return _fallback("_general_resend: a read of a buffer that never arrived")
     id_of = np.cumsum(used) - 1
     n = int(id_of[-1]) + 1
     # buffer ids in emission order: (family name, chunk, first appearance: reads, then hops)
@@ -1528,19 +1687,14 @@ def _general_resend(g: _Gen, T: int, fams: list, skip: np.ndarray, after: int) -
     r_bid, x_bid = bid[id_of[rb]], bid[id_of[xb]]
     owner = np.empty(n, np.int64)
     owner[bid] = uchunk
-    rows = _resend_parts(P, T, rr, rt, r_bid, xt, xs, xd, x_bid, g.xo[isin], after, owner=owner)
-    if rows is None:
-        return None
+    try:
+        rows = _resend_parts(P, T, rr, rt, r_bid, xt, xs, xd, x_bid, g.xo[isin], after,
+                             owner=owner)
+    except _Late as e:                      # hops numbered as the table's transfers
+        row = np.flatnonzero(isin)
+        raise _Late(int(row[e.hop]), int(row[e.arrival])) from None
     b = ub[emit_order][rows["chunk"]]         # the buffer code of each row's id
-    hs = b % g.HS
-    hn = np.zeros(len(hs), np.int64)
-    hi = np.zeros(len(hs), np.int64)
-    if (hs > 0).any():
-        n_ = np.floor((1 + np.sqrt(8 * np.maximum(hs - 1, 0) + 1)) / 2).astype(np.int64)
-        n_ = np.where(n_ * (n_ - 1) // 2 > hs - 1, n_ - 1, n_)
-        n_ = np.where((n_ + 1) * n_ // 2 <= hs - 1, n_ + 1, n_)
-        hn = np.where(hs > 0, n_, 0)
-        hi = np.where(hs > 0, hs - 1 - n_ * (n_ - 1) // 2, 0)
+    hi, hn = _slices(b % g.HS)
     return dict(step=rows["step"], src=rows["src"], dst=rows["dst"], fam=b // g.HS // P,
                 chunk=b // g.HS % P, order=rows["order"], rorder=rows["order"], hi=hi, hn=hn)
 
@@ -1550,15 +1704,13 @@ def _no_xfer_general():
     return dict(step=z, src=z, dst=z, fam=z, chunk=z, order=z, rorder=z, hi=z, hn=z)
 
 
-def _general_prune(tab: ProgramTable, ok: np.ndarray) -> list[Program] | None:
-    """:func:`prune` on a general table: computes of empty tiles dropped, and transfers of
-    q / kv (point to point, or a collective's contributions, own slots included) whose
-    receiver, and every rank it forwards them to later, computes nothing with them; a
-    collective left moving nothing is dropped on every member (the programs themselves when
-    nothing is dropped); None when the op rules must decide."""
-    g = _Gen(tab)
-    if not g.ok:
-        return None
+def _general_prune(tab: ProgramTable, ok: np.ndarray) -> list[Program]:
+    """:func:`prune` on a table: computes of empty tiles dropped, and transfers of q / kv
+    (point to point, or a collective's contributions, own slots included) whose receiver,
+    and every rank it forwards them to later, computes nothing with them; a collective left
+    moving nothing is dropped on every member (the programs themselves when nothing is
+    dropped). The rules of :func:`fringe.testing.oracle.prune`."""
+    g = _gen(tab)
     P = g.P
     keep_c = ok[g.cq, g.ckv]
     c_reads = [(f, sd) for f, sd, w in TILE_TOUCH_CODES[C_] if not w]
@@ -1575,17 +1727,24 @@ def _general_prune(tab: ProgramTable, ok: np.ndarray) -> list[Program] | None:
         hb = np.concatenate([g.bkey(g.xf[hop], g.xc[hop], g.xhs[hop]),
                              g.bkey(g.sf[slot], g.sc[slot], g.shs[slot])])
         ub, inv = _unique(hb)
-        if len(ub) * P > PLANE_CELLS:
-            return _fallback("_general_prune: (buffer, rank) plane past PLANE_CELLS")
-        use = np.zeros((len(ub), P), dtype=bool)       # [buffer, rank]: a kept compute reads it
+        u_key = []                          # (buffer, rank) a kept compute reads
         for fam, ch in ((f, (g.cq, g.ckv)[sd]) for f, sd in c_reads):
             i, hit = _lookup(g.bkey(fam, ch, g.chs), ub, np.arange(len(ub)), 0)
             hit &= keep_c
-            use[i[hit], g.cr[hit]] = True
-        kept = _keep_hops(P, inv, np.concatenate([g.xt[hop], g.kt[side]]),
-                          np.concatenate([g.xs[hop], np.where(sends, mine, peer)]),
-                          np.concatenate([g.xd[hop], np.where(sends, peer, mine)]),
-                          use, buffers=len(ub))
+            u_key.append(i[hit] * P + g.cr[hit])
+        u_key = np.concatenate(u_key)
+        m_t = np.concatenate([g.xt[hop], g.kt[side]])
+        at_src = inv * P + np.concatenate([g.xs[hop], np.where(sends, mine, peer)])
+        at_dst = inv * P + np.concatenate([g.xd[hop], np.where(sends, peer, mine)])
+        if len(ub) * P <= PLANE_CELLS:      # a dense [buffer, rank] plane
+            use = np.zeros(len(ub) * P, dtype=bool)
+            use[u_key] = True
+            kept = _keep_moves(at_dst, at_src, m_t, use[at_dst], len(ub) * P)
+        else:                               # past it: the (buffer, rank) keys that occur
+            space, cid = _unique(np.concatenate([at_dst, at_src]))
+            n_m = len(at_dst)
+            kept = _keep_moves(cid[:n_m], cid[n_m:], m_t, _member(at_dst, _uniq(u_key)),
+                               len(space))
         nh = int(hop.sum())
         keep_x[hop] = kept[:nh]
         keep_s[slot] = kept[nh:]

@@ -5,8 +5,11 @@ the one :class:`~fringe.schedules.ir.ProgramTable`; :func:`fringe.plan` reads pl
 the cost model its programs from the same columns. This module states the same rules on op
 objects, one op at a time, from each op's ``reads()`` / ``writes()`` / ``adjoint()`` (the
 rule table :data:`fringe.schedules.ir.RULES`), as :mod:`fringe.ops.reference` states
-attention for the kernels. It is slow (Python per op) and exists for the differential
-tests: production modules never import it.
+attention for the kernels: ``check``, ``prune``, ``reverse`` and the plan stats' op counts
+(``op_counts``). It is slow (Python per op) and exists for the differential tests:
+production modules never import it (``tests/test_pass_fallbacks.py``). Where the rules give
+a backward that cannot be right (an input arriving at a rank twice, head slices computed
+from a buffer that arrived whole), the column ``reverse`` raises instead.
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ import torch
 from ..schedules.ir import (RULES, Buffer, Collective, Compute, Family, GradCompute, Op,
                             Program, Recv, Send, _BUFS_OF, _FIELDS, _buf, marked,
                             program_from_ops, steps_of)
+from ..plan import _OpCounts
 from ..schedules.passes import Hop, KV_MODES, ScheduleError, _need_array
 
 _INPUTS = frozenset(f for f, _ in RULES["C"].reads)   # what computes read
@@ -749,3 +753,79 @@ def _walk_cost_columns(programs: Sequence, L: int, shape) -> _CostCols:
     return _CostCols(P, (cr, ct, cg, cq, ckv, chn), cols(send, 4), touch_cols, coll_cols,
                  [g for g, _ in sorted(groups.items(), key=lambda x: x[1])], buf_bytes,
                  tuple(sorted(splits)))
+
+
+# ---------------------------------------------------------------------------------------
+# plan stats: the op counts, op by op
+# ---------------------------------------------------------------------------------------
+class _KeyOf(dict):
+    """Buffer -> ``(Family, n)`` (n of its head slice, 1 for all heads), filled on demand;
+    one key tuple per (family, n), shared by every buffer that has it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._keys: dict = {}
+
+    def __missing__(self, b):
+        h = b.heads
+        key = (b.family, 1 if h is None else h[1])
+        key = self[b] = self._keys.setdefault(key, key)
+        return key
+
+
+def op_counts(programs, P: int, *, computes: bool = True) -> _OpCounts:
+    """The plan stats' op counts (:func:`fringe.plan._op_counts`) by walking every op.
+
+    A step's ops are read as they are held (no per-op tuple or buffer is built); a
+    collective's slots are counted from its sparse side, in C (``Counter.update``)."""
+    q, kv, split, per_rank = [], [], [], []
+    keyof = _KeyOf()
+    sent = [collections.Counter() for _ in programs]
+    recv = [collections.Counter() for _ in programs]
+    steps = np.zeros(P, dtype=np.int64)
+    bisect_left = bisect.bisect_left
+    in_place = {k: rule.own_slot_in_place for k, rule in RULES.items()}     # the rule table
+    for r, prog in enumerate(programs):           # row r: the r-th program, as plan.forward[r]
+        s_r, r_r, n0 = sent[r], recv[r], len(q)
+        prog_steps = prog.steps
+        steps[r] = len(prog_steps)
+        for step in prog_steps:
+            for op in step.ops:
+                t = type(op)
+                if t is Compute:
+                    if computes:
+                        q.append(op.q)
+                        kv.append(op.kv)
+                        split.append(op.heads)
+                elif t is Send:
+                    s_r[keyof[op.buf]] += 1
+                elif t is Recv:
+                    r_r[keyof[op.buf]] += 1
+                elif t is Collective:
+                    me = op.member_index(prog.rank) if in_place[op.kind] else None
+                    for (idx, bufs), got in ((op.sparse_sends, s_r), (op.sparse_recvs, r_r)):
+                        got.update(map(keyof.__getitem__, bufs))
+                        if me is not None:            # its own slot stays in place
+                            at = bisect_left(idx, me)
+                            if at < len(idx) and idx[at] == me:
+                                got[keyof[bufs[at]]] -= 1
+        per_rank.append(len(q) - n0)
+    keys = tuple(sorted({k for c in (*sent, *recv) for k in c},
+                        key=lambda k: (_FAMILY_ORDER[k[0]], k[1])))
+    col = {k: i for i, k in enumerate(keys)}
+    arrays = []
+    for side in (sent, recv):
+        a = np.zeros((P, len(keys)), dtype=np.int64)
+        for r, c in enumerate(side):
+            for k, n in c.items():
+                a[r, col[k]] = n
+        arrays.append(a)
+    rank = np.repeat(np.arange(len(programs), dtype=np.int64), per_rank)
+    splits = None
+    if any(h is not None for h in split):
+        splits = np.array([1 if h is None else h[1] for h in split], dtype=np.int64)
+    return _OpCounts((rank, np.array(q, dtype=np.int64), np.array(kv, dtype=np.int64)), splits,
+                     keys, *arrays, steps)
+
+
+_FAMILY_ORDER = {f: n for n, f in enumerate(Family)}
