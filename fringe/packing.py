@@ -47,6 +47,7 @@ from typing import Mapping, Sequence
 import torch
 
 from . import masks as _masks
+from .masks._kinds import _UNKNOWN
 
 __all__ = ["IGNORE_INDEX", "BatchKey", "Shard", "check_batch", "doc_ids_from_cu_seqlens",
            "doc_ids_from_position_ids", "document_mask", "global_token_count", "loss_sum",
@@ -202,7 +203,7 @@ class _RowDocuments:
         rows = [_masks.document(row).rule.prepare(qt, kt) for row in self.row_doc_ids]
         E, P, F = (int(k) for k in (_masks.BlockKind.EMPTY, _masks.BlockKind.PARTIAL,
                                     _masks.BlockKind.FULL))
-        U = _masks._UNKNOWN                     # undecided: refine (nodes) or evaluate (blocks)
+        U = _UNKNOWN            # undecided: refine (nodes) or evaluate (blocks)
 
         def cells(level: int, i: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
             cs = torch.stack([r(level, i, j) for r in rows])       # [B, cells]
@@ -285,7 +286,7 @@ class _RealTokens:
         n = self.n
         E, P, F = (int(k) for k in (_masks.BlockKind.EMPTY, _masks.BlockKind.PARTIAL,
                                     _masks.BlockKind.FULL))
-        U = _masks._UNKNOWN
+        U = _UNKNOWN
 
         def cells(level: int, i: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
             full = (qt.hi[level][i] < n) & (kt.hi[level][j] < n)

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from . import masks as _masks
+from .masks._blockmap import _paint
 from ._handle import new_handle
 from .layout import DEFAULT_BLOCK_SIZE, Layout
 from .schedules import KVPolicy, Program, Schedule, check, reverse
@@ -232,8 +233,8 @@ class Plan:
             t = i * P + j
             a, b = int(torch.searchsorted(key, t)), int(torch.searchsorted(key, t, right=True))
             sel = order[a:b]
-            out = _masks._paint(self.block_map.rects[sel], self.block_map.codes[sel],
-                                i * n, (i + 1) * n, j * n, (j + 1) * n)
+            out = _paint(self.block_map.rects[sel], self.block_map.codes[sel],
+                         i * n, (i + 1) * n, j * n, (j + 1) * n)
         return out
 
     def tile_block_counts(self) -> torch.Tensor:

@@ -176,7 +176,8 @@ def test_check_mask_catches_a_broadcast_meaning_and_passes_once_fringe_vmaps(mon
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         # fringe as it was: every mod broadcast. The FlexAttention oracle must catch it.
-        monkeypatch.setattr(M, "_decide", lambda *a, **k: "broadcast")
+        for module in (M._eval, M._bh):
+            monkeypatch.setattr(module, "_decide", lambda *a, **k: "broadcast")
         with pytest.raises(AssertionError, match=r"schedule=zigzag P=2 block_size=2.*(classified|differs)"):
             check_mask(all_causal_cm, **kw)
         monkeypatch.undo()
