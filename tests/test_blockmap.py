@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import fringe
-from fringe.bench import packed_docs
+from fringe.testing import packed_docs
 from fringe import masks as M
 from fringe import schedules
 from fringe.masks import BlockKind, BlockMap

@@ -15,7 +15,7 @@ import torch
 import fringe
 from fringe import masks as M
 from fringe import schedules
-from fringe.bench import packed_docs
+from fringe.testing import packed_docs
 from fringe.masks import BlockKind
 from fringe.masks._mask import _leaf
 from fringe.masks._rules import _Band, _Blocks

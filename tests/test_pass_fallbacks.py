@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from fringe import masks, schedules
-from fringe.bench import packed_docs
+from fringe.testing import packed_docs
 from fringe.plan import plan as make_plan
 from fringe.runtime import costmodel
 from fringe.schedules import passes

@@ -1711,7 +1711,7 @@ def mask_from_spec(spec: str, seq_len: int):
         ValueError: for anything else, saying what is accepted.
     """
     from .. import masks
-    from ..bench import packed_docs
+    from .._data import packed_docs
     kind, _, arg = spec.partition(":")
     if kind in ("causal", "full") and not arg:
         return masks.causal() if kind == "causal" else None
@@ -2047,7 +2047,7 @@ def _gloo_probe(rank: int, world_size: int, size: int = 1 << 20, reps: int = 5):
 def _validation_plan(schedule: str, mask: str, seq_len: int, world_size: int, block_size: int,
                      n_docs: int):
     from .. import masks, schedules
-    from ..bench import packed_docs
+    from .._data import packed_docs
     from ..plan import plan as make_plan
     m = masks.causal()
     if mask == "document":
