@@ -68,14 +68,15 @@ import sys
 import types
 
 from . import _classify
-from ._bh import reads_batch_head, unproven_bh
-from ._blockmap import DENSE_LIMIT, BlockMap
-from ._classify import BH_BUDGET_PAIRS, WARN_DENSE_PAIRS, classify
+from ._bh import ReadsBH as ReadsBH, reads_batch_head, reads_bh as reads_bh
+from ._blockmap import DENSE_LIMIT as DENSE_LIMIT, BlockMap
+from ._classify import BH_BUDGET_PAIRS as BH_BUDGET_PAIRS, WARN_DENSE_PAIRS as WARN_DENSE_PAIRS
+from ._classify import classify
 from ._digest import digest, fn_digest
-from ._eval import PROBE_SHAPE, PROBE_SHAPE_2, evaluate
-from ._kinds import DEFAULT_BLOCK_SIZE, BlockKind, MaskError, MaskMod
-from ._mask import (Mask, as_mask, causal, declared_bh_invariant, document, full, prefix_lm,
-                    sliding_window)
+from ._eval import PROBE_SHAPE as PROBE_SHAPE, PROBE_SHAPE_2 as PROBE_SHAPE_2, evaluate
+from ._kinds import DEFAULT_BLOCK_SIZE as DEFAULT_BLOCK_SIZE, BlockKind, MaskError, MaskMod
+from ._mask import (Mask, as_mask, causal, declared_bh_invariant as declared_bh_invariant, document,
+                    full, prefix_lm, sliding_window)
 from ._snapshot import snapshot
 
 __all__ = [

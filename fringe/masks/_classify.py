@@ -8,11 +8,11 @@ import warnings
 
 import torch
 
-from ._bh import _proven_invariant
+from ._bh import reads_bh
 from ._blockmap import BlockMap, _merge_rows
 from ._eval import _eval_pairs, _method
 from ._kinds import _EMPTY, _FULL, _PARTIAL, _UNKNOWN, DEFAULT_BLOCK_SIZE, MaskMod
-from ._mask import Mask, as_mask, declared_bh_invariant
+from ._mask import Mask, as_mask
 from ._rules import _and_codes, _Band, _Blocks, _CellCodes, _Document, _or_codes, _Tree
 
 # Memory bounds (elements) for the temporaries of classify.
@@ -167,12 +167,9 @@ def classify(mask_mod: MaskMod, q_pos: torch.Tensor, kv_pos: torch.Tensor, *,
     q_pos = q_pos.cpu()
     kv_pos = kv_pos.cpu()
     nqb, nkb = q_pos.numel() // bs, kv_pos.numel() // bs
-    # declared invariant (factories, as_mask(fn, bh_invariant=True)): trusted. Undeclared:
-    # invariant only where proven (every leaf broadcast-evaluated, its output's shape
-    # without a b / h axis); a leaf evaluated per scalar index is classified for each b, h.
-    decl = mask.bh_invariant if isinstance(mask_mod, Mask) else declared_bh_invariant(mask_mod)
-    invariant = decl is True or (decl is None and q_pos.numel() > 0 and kv_pos.numel() > 0 and
-                                 _proven_invariant(mask_mod, q_pos, kv_pos))
+    # classified once where it is declared or proven not to read b / h (reads_bh), else
+    # for each b < B, h < H
+    invariant = reads_bh(mask_mod, q_pos=q_pos, kv_pos=kv_pos).invariant
     nb, nh = (1, 1) if invariant else (B or 1, H or 1)
     if nb * nh > 1 and nqb and nkb and not _has_rule(mask):    # every pair is evaluated
         _check_bh_budget(mask, nqb * nkb * bs * bs, nb, nh)

@@ -9,11 +9,11 @@ import types
 
 import torch
 
-from ._bh import _proven_invariant
+from ._bh import reads_bh
 from ._blockmap import BlockMap
 from ._eval import _eval_pairs, _method
 from ._kinds import _PARTIAL
-from ._mask import Mask, declared_bh_invariant
+from ._mask import Mask
 
 _DIGEST_CHUNK_ELEMS = 1 << 22  # token pairs per chunk when a plain leaf is digested by value
 
@@ -99,7 +99,7 @@ def digest(mask_mod, *, order: torch.Tensor, blocks: torch.Tensor | BlockMap, bl
 
 def _mask_digest(hs: _Hasher, m, ctx: dict) -> None:
     if not isinstance(m, Mask):
-        _values_digest(hs, m, ctx, invariant=_digest_invariant(m, declared_bh_invariant(m), ctx))
+        _values_digest(hs, m, ctx, invariant=_digest_invariant(m, ctx))
         return
     hs.put("mask", f"{m.op}/{m.name}/{len(m.children)}/{m.bh_invariant}")
     if m.op != "leaf":
@@ -108,15 +108,12 @@ def _mask_digest(hs: _Hasher, m, ctx: dict) -> None:
     elif m.rule is not None:
         _rule_digest(hs, m.rule)
     else:
-        _values_digest(hs, m.mod, ctx, invariant=_digest_invariant(m.mod, m.bh_invariant, ctx))
+        _values_digest(hs, m.mod, ctx, invariant=_digest_invariant(m, ctx))
 
 
-def _digest_invariant(mod, decl: bool | None, ctx: dict) -> bool:
+def _digest_invariant(leaf, ctx: dict) -> bool:
     """Whether a leaf's bits are hashed once (b = h = 0): declared or proven invariant."""
-    if decl is not None:
-        return decl
-    order = ctx["order"]
-    return order.numel() > 0 and _proven_invariant(mod, order, order)
+    return reads_bh(leaf, q_pos=ctx["order"], kv_pos=ctx["order"]).invariant
 
 
 def _values_digest(hs: _Hasher, mod, ctx: dict, *, invariant: bool) -> None:

@@ -10,6 +10,7 @@ from typing import Sequence
 
 import torch
 
+from ..masks import reads_bh
 from ..schedules.ir import Buffer, Compute, Family, GradCompute
 from .interpreter import RankState, Transport, check_head_split, execute, head_range, kv_shape
 
@@ -135,7 +136,7 @@ def _shifted(plan, offset: int):
     cache = plan.__dict__.setdefault("_head_shift", {})
     if offset not in cache:
         mask, score = plan.mask_mod, plan.score_mod
-        if offset and mask is not None and not getattr(mask, "bh_invariant", False):
+        if offset and mask is not None and reads_bh(mask, seq_len=plan.layout.seq_len).h:
             base_mask = mask
 
             def mask(b, h, q_idx, kv_idx):
