@@ -14,6 +14,8 @@ Probes use a few positions (no S² evaluation).
 from __future__ import annotations
 
 import dataclasses
+import types
+import weakref
 
 import torch
 
@@ -83,6 +85,9 @@ def reads_bh(fn, *, seq_len: int | None = None, q_pos: torch.Tensor | None = Non
         MaskError: a mask_mod FlexAttention would refuse (see :func:`evaluate`), where the
             positions are the caller's.
     """
+    decl = _declared(fn)
+    if decl is not None and not witness:                    # the common case: no probe
+        return ReadsBH(b=not decl, h=not decl)
     q_pos, kv_pos, given = _probe_positions(seq_len, q_pos, kv_pos)
     parts = _parts(fn, q_pos, kv_pos, strict=given, score=score, witness=witness)
     return ReadsBH(b=any(p[1] for p in parts), h=any(p[2] for p in parts),
@@ -108,27 +113,31 @@ def reads_batch_head(mask_mod: MaskMod, *, seq_len: int | None = None,
 
 
 def _probe_positions(seq_len, q_pos, kv_pos):
-    """The probe positions (at most :data:`PROBE_SHAPE`'s ``Lk`` of them, spread over the
-    caller's) and whether they are the caller's."""
+    """The positions to spread the probe over and whether they are the caller's."""
     given = q_pos is not None or seq_len is not None
     if q_pos is None:
         q_pos = torch.arange(2) if seq_len is None else \
             torch.linspace(0, max(0, int(seq_len) - 1), PROBE_SHAPE[3]).round().long()
-    elif q_pos.numel():
-        q_pos = _spread(q_pos, PROBE_SHAPE[3])
     kv_pos = q_pos if kv_pos is None else kv_pos.to(q_pos.device)
-    if kv_pos.numel():
-        kv_pos = _spread(kv_pos, PROBE_SHAPE[3])
     return q_pos, kv_pos, given
+
+
+def _few(pos: torch.Tensor) -> torch.Tensor:
+    """At most :data:`PROBE_SHAPE`'s ``Lk`` positions, spread over ``pos``."""
+    return _spread(pos, PROBE_SHAPE[3]) if pos.numel() > PROBE_SHAPE[3] else pos
 
 
 # One part: (name, reads_b, reads_h, seen_b, seen_h, unproven).
 _Part = tuple[str, bool, bool, bool, bool, bool]
 
 
+def _declared(fn) -> bool | None:
+    return fn.bh_invariant if isinstance(fn, Mask) else declared_bh_invariant(fn)
+
+
 def _parts(fn, q_pos: torch.Tensor, kv_pos: torch.Tensor, *, strict: bool, score: bool,
            witness: bool) -> list[_Part]:
-    decl = fn.bh_invariant if isinstance(fn, Mask) else declared_bh_invariant(fn)
+    decl = _declared(fn)
     if decl is not None and not witness:
         return [(_name(fn), not decl, not decl, False, False, False)]
     if isinstance(fn, Mask) and fn.op != "leaf":
@@ -139,17 +148,51 @@ def _parts(fn, q_pos: torch.Tensor, kv_pos: torch.Tensor, *, strict: bool, score
         return [(n, not decl, not decl, sb, sh, False) for n, _, _, sb, sh, _ in kids]
     if q_pos.numel() == 0 or kv_pos.numel() == 0:
         seen_b = seen_h = proven = False                     # nothing to probe on
-    elif score:
-        seen_b, seen_h, proven = _probe_score(fn, q_pos, kv_pos)
     else:
         mod, rule = (fn.mod, fn.rule) if isinstance(fn, Mask) else (fn, None)
-        seen_b, seen_h, proven = _probe_mask(mod, q_pos, kv_pos, strict=strict,
-                                             elementwise=rule is not None, witness=witness)
+        key = (score, witness)
+        hit = _SEEN.get(mod, key) if strict else None
+        if hit is not None:
+            seen_b, seen_h, proven = hit
+        elif score:
+            seen_b, seen_h, proven = _probe_score(mod, _few(q_pos), _few(kv_pos))
+        else:
+            seen_b, seen_h, proven = _probe_mask(mod, _few(q_pos), _few(kv_pos), strict=strict,
+                                                 elementwise=rule is not None, witness=witness)
+        if strict and hit is None:
+            _SEEN.put(mod, key, (seen_b, seen_h, proven))
     if decl is not None:
         return [(_name(fn), not decl, not decl, seen_b, seen_h, False)]
     if proven:
         return [(_name(fn), seen_b, seen_h, seen_b, seen_h, False)]
     return [(_name(fn), True, True, seen_b, seen_h, True)]
+
+
+class _Probes:
+    """What the probe of a mod saw, per mod (weak keys: it lives as long as the mod) and per
+    ``(score, witness)``, on the caller's positions only: the tile ops ask on every call."""
+
+    def __init__(self) -> None:
+        self.seen: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    def get(self, mod, key) -> tuple[bool, bool, bool] | None:
+        if isinstance(mod, types.MethodType):      # a new object on every attribute access
+            return None
+        try:
+            return self.seen.get(mod, {}).get(key)
+        except TypeError:                          # not weak-referenceable: probe every call
+            return None
+
+    def put(self, mod, key, value: tuple[bool, bool, bool]) -> None:
+        if isinstance(mod, types.MethodType):
+            return
+        try:
+            self.seen.setdefault(mod, {})[key] = value
+        except TypeError:
+            pass
+
+
+_SEEN = _Probes()
 
 
 def _probe_mask(mod, q_pos: torch.Tensor, kv_pos: torch.Tensor, *, strict: bool,
