@@ -30,10 +30,12 @@ Layers:
   (torch's public ``create_mask``) on small non-square probes at two shapes and did nothing
   with its index tensors but elementwise ops (no shape read, no reduction); otherwise vmap,
   or the :class:`MaskError` FlexAttention's refusal implies (``.item()``, control flow,
-  non-bool). :func:`classify` and :func:`reads_batch_head` follow the same per-mod decision.
-  Whether a mask reads ``b`` / ``h`` is read from a broadcast mod's output shape; a mod
-  evaluated per scalar index cannot be proven to ignore them by a probe, so it is classified
-  for every ``b`` / ``h`` it will run with, or declared (:attr:`Mask.bh_invariant`).
+  non-bool). :func:`classify` and :func:`reads_bh` follow the same per-mod decision.
+* :func:`reads_bh` — the one answer to "does this mask_mod (or score_mod) read ``b`` / ``h``"
+  that classification, digests, plans and the tile ops ask: a declaration
+  (:attr:`Mask.bh_invariant`) decides; else a broadcast mod's output shape; a mod evaluated
+  per scalar index (or one the probe cannot call) cannot be proven to ignore them, so it
+  reads both: it is classified for every ``b`` / ``h`` it will run with, or refused.
 * :func:`classify` — the exact block map ``[nQb, nKb]`` (int8 :class:`BlockKind` codes)
   for arbitrary global index sets, without evaluating all pairs for structured masks; with
   ``sparse=True`` a :class:`BlockMap` (the non-empty blocks as rectangles), which is what
