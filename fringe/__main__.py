@@ -6,7 +6,7 @@
 * ``show``: prints a plan's step × rank grid and its per-rank work and traffic.
 * ``bench``: measures planning, attention speed and exposed communication (:mod:`fringe.bench`).
 * ``predict``: predicts every schedule at scale with the **cost model**, computing nothing
-  (:mod:`fringe.runtime.costmodel`); ``--png`` writes the timeline. ``simulate`` is the
+  (:mod:`fringe.cost`); ``--png`` writes the timeline. ``simulate`` is the
   same command (the name the cost model's issue uses), and says so. It is not :mod:`fringe.simulate`, which *runs* the
   attention numerically on an in-process virtual mesh.
 
@@ -20,7 +20,14 @@ import math
 import sys
 from typing import Callable
 
+from . import render
+from .bench import AttnCase, run
+from .demo import (DEFAULT_WINDOW, MASKS, MAX_LAYERS, MAX_LR, DemoConfig, make_batch, make_mask,
+                   make_schedule, run_demo)
+from .launch import LaunchError
 from .layout import DEFAULT_BLOCK_SIZE
+from .plan import plan as make_plan
+from .schedules import registry
 
 
 def _number(cast: type, expected: str, ok: Callable[[float], bool]) -> Callable[[str], float]:
@@ -97,7 +104,6 @@ def _max_memory(p: argparse.ArgumentParser) -> None:
 def schedule_name(text: str) -> str:
     """argparse type: a schedule name from the registry, in its one spelling
     (``fringe.schedules.registry``: ``zigzag``, ``allgather:4``, ``compose:zigzag+ulysses:2``)."""
-    from .schedules import registry
     try:
         return registry.canonical(text)
     except ValueError as e:
@@ -105,19 +111,16 @@ def schedule_name(text: str) -> str:
 
 
 def _schedule_help(default: str | None) -> str:
-    from .schedules import registry
     tail = f" (default: {default})" if default else ""
     return f"a schedule: {registry.syntax()}; see the list below{tail}".replace("%", "%%")
 
 
 def _schedule_epilog() -> str:
-    from .schedules import registry
     return "schedules (fringe.schedules.names()):\n" + "\n".join(
         "  " + line for line in registry.describe().splitlines())
 
 
 def _common(p: argparse.ArgumentParser, *, seq_len: int) -> None:
-    from .demo import DEFAULT_WINDOW, MASKS
     p.add_argument("--world-size", type=positive_int, default=4, help="P, context-parallel ranks")
     p.add_argument("--schedule", type=schedule_name, default="zigzag", metavar="NAME",
                    help="which ranks compute which tiles when: " + _schedule_help("zigzag"))
@@ -136,7 +139,6 @@ def _common(p: argparse.ArgumentParser, *, seq_len: int) -> None:
 
 
 def parser() -> argparse.ArgumentParser:
-    from .demo import MAX_LAYERS, MAX_LR
     ap = argparse.ArgumentParser(
         prog="python -m fringe", description="Context-parallel attention for any mask_mod.",
         epilog="'predict' (also 'simulate') is the cost model: it predicts times and "
@@ -198,7 +200,7 @@ def parser() -> argparse.ArgumentParser:
         help="predict step time, balance, exposed communication, bytes and memory per rank "
              "with the cost model, computing nothing ('simulate' is the same command; "
              "not fringe.simulate, the numeric in-process run)",
-        description="The cost model (fringe.runtime.costmodel): predicted times for P ranks on "
+        description="The cost model (fringe.cost): predicted times for P ranks on "
                     "a hardware preset; nothing is computed. (fringe.simulate in Python is the "
                     "numeric in-process run, a different thing.)", **listed)
     sim.add_argument("--world-size", type=positive_int, default=1024,
@@ -228,8 +230,6 @@ def parser() -> argparse.ArgumentParser:
 
 
 def _demo(args) -> int:
-    from .demo import DemoConfig, run_demo
-    from .launch import LaunchError
     cfg = DemoConfig(world_size=args.world_size, schedule=args.schedule, mask=args.mask,
                      seq_len=args.seq_len, block_size=args.block_size, steps=args.steps,
                      batch_size=args.batch_size, dtype=args.dtype, seed=args.seed,
@@ -245,12 +245,10 @@ def _demo(args) -> int:
 
 
 def _bench(args) -> int:
-    from .bench import AttnCase, run
-    from .launch import LaunchError
-    from .runtime import costmodel
-    budget = costmodel.memory_budget(args.max_memory)
-    costmodel.check_plan_memory(args.plan_size, budget, flag="--plan-size")
-    costmodel.check_plan_memory(args.seq_len, budget)
+    from .cost import cli as cost_cli
+    budget = cost_cli.memory_budget(args.max_memory)
+    cost_cli.check_plan_memory(args.plan_size, budget, flag="--plan-size")
+    cost_cli.check_plan_memory(args.seq_len, budget)
     try:
         print(run(world_sizes=tuple(args.world_sizes), plan_size=args.plan_size,
                   case=AttnCase(schedule=args.schedule, seq_len=args.seq_len, iters=args.iters)))
@@ -261,12 +259,11 @@ def _bench(args) -> int:
 
 
 def _show(args) -> int:
-    from . import render
-    from .demo import make_batch, make_mask, make_schedule
-    from .plan import plan as make_plan
-    from .runtime import costmodel
-    budget = costmodel.memory_budget(args.max_memory)
-    costmodel.check_plan_memory(args.seq_len, budget)
+    from .cost import cli as cost_cli
+    from .cost.hardware import Shape
+    from .cost.simulate import simulate
+    budget = cost_cli.memory_budget(args.max_memory)
+    cost_cli.check_plan_memory(args.seq_len, budget)
     _, _, doc_ids = make_batch(0, seq_len=args.seq_len, seed=args.seed)
     p = make_plan(make_schedule(args.schedule), make_mask(args.mask, doc_ids,
                                                        window=min(args.window, args.seq_len)),
@@ -276,12 +273,11 @@ def _show(args) -> int:
         print(render.table(p, backward=True))
     print(p.stats().table())
     if args.png:
-        costmodel.check_memory(p, budget, what=f"--png (the cost model's timeline) at "
-                                               f"S={args.seq_len:,}")
+        cost_cli.check_memory(p, budget, what=f"--png (the cost model's timeline) at "
+                                              f"S={args.seq_len:,}")
         stem = args.png[:-4]
         render.save_png(render.tile_map_figure(p), args.png)
-        pred = costmodel.simulate(p, "cpu", costmodel.Shape(heads=8, kv_heads=8, head_dim=64,
-                                                            dtype="float32"))
+        pred = simulate(p, "cpu", Shape(heads=8, kv_heads=8, head_dim=64, dtype="float32"))
         render.save_png(render.timeline_figure(pred), f"{stem}.timeline.png")
         print(f"wrote {args.png} (tile map) and {stem}.timeline.png (timeline, cost model, cpu)")
     return 0
@@ -293,14 +289,13 @@ DEPRECATED_SIMULATE = ("note: 'python -m fringe simulate' is the cost model, als
 
 
 def _predict(args) -> int:
-    from .runtime import costmodel
-    from .schedules import registry
+    from .cost import cli as cost_cli
     if args.command == "simulate":
         print(DEPRECATED_SIMULATE, file=sys.stderr)
     if args.schedules is None:
         args.schedules = registry.names(world_size=args.world_size, heads=args.heads,
                                         kv_heads=args.kv_heads)
-    return costmodel.cli(args)
+    return cost_cli.cli(args)
 
 
 def main(argv: list[str] | None = None) -> int:

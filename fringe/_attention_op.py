@@ -43,7 +43,9 @@ import concurrent.futures
 import torch
 
 from ._handle import resolve
-from .runtime.distributed import DistRuntime, check_sinks, is_device_mesh, mesh_ranks
+from .runtime.contract import PlanLike
+from .runtime.distributed import (DEFAULT_TIMEOUT_S, DistRuntime, check_sinks, is_device_mesh,
+                                  mesh_ranks, resolve_timeout, subgroup)
 from .runtime.engine import acc_dtype, check_inputs, kept_names
 from .runtime.interpreter import head_range, kv_shape
 from .runtime.virtual import VirtualRuntime
@@ -109,8 +111,6 @@ def _key(where: str, group):
 
 def _group(where: str):
     import torch.distributed as dist
-
-    from .runtime.distributed import subgroup
     if where == DIST:
         return None
     if where in _GROUPS:
@@ -128,13 +128,13 @@ def _group(where: str):
 # --------------------------------------------------------------------------------------
 
 
-def _identity(plan) -> bool:
+def _identity(plan: PlanLike) -> bool:
     """One rank holding every position in natural order: sharding is a view, not a copy."""
     order = plan.layout.order
     return plan.world_size == 1 and torch.equal(order, torch.arange(order.numel()))
 
 
-def _stack(plan, x: torch.Tensor) -> torch.Tensor:
+def _stack(plan: PlanLike, x: torch.Tensor) -> torch.Tensor:
     """Global ``[..., S, D]`` -> rank-stacked ``[P, ..., L, D]`` in the plan's layout (one
     gather: rank r's rows are ``order[r*L:(r+1)*L]``, as ``layout.shard(x, r)``)."""
     if _identity(plan):
@@ -144,7 +144,7 @@ def _stack(plan, x: torch.Tensor) -> torch.Tensor:
     return rows.unflatten(-2, (P, L)).movedim(-3, 0).contiguous()
 
 
-def _unstack(plan, x: torch.Tensor) -> torch.Tensor:
+def _unstack(plan: PlanLike, x: torch.Tensor) -> torch.Tensor:
     """Inverse of :func:`_stack` (``layout.unshard`` of the P shards)."""
     if _identity(plan):
         return x.squeeze(0)
@@ -154,12 +154,12 @@ def _unstack(plan, x: torch.Tensor) -> torch.Tensor:
     return x.movedim(0, -3).flatten(-3, -2).index_select(-2, inverse)
 
 
-def _stack_rows(plan, x: torch.Tensor) -> torch.Tensor:
+def _stack_rows(plan: PlanLike, x: torch.Tensor) -> torch.Tensor:
     """:func:`_stack` for ``[..., S]`` (lse)."""
     return _stack(plan, x.unsqueeze(-1)).squeeze(-1)
 
 
-def _unstack_rows(plan, x: torch.Tensor) -> torch.Tensor:
+def _unstack_rows(plan: PlanLike, x: torch.Tensor) -> torch.Tensor:
     return _unstack(plan, x.unsqueeze(-1)).squeeze(-1)
 
 
@@ -173,7 +173,7 @@ def _pack(kept: list, k: torch.Tensor) -> torch.Tensor:
     return torch.cat(flat) if flat else k.new_empty(0)
 
 
-def _unpack(plan, ranks, flat: torch.Tensor, k: torch.Tensor, v: torch.Tensor, H: int) -> list:
+def _unpack(plan: PlanLike, ranks, flat: torch.Tensor, k: torch.Tensor, v: torch.Tensor, H: int) -> list:
     """Per-rank lists of kept kv buffers ``[2, B, G', L, D]`` (G' the heads a slice holds;
     ``[1, B, G', L, D + Dv]`` when v's head dim differs, as the interpreter packs them)."""
     B, G, _, D = k.shape
@@ -253,7 +253,6 @@ def _with_autograd(fn, device: torch.device):
 
 def timeout_problem(timeout_s) -> Exception | None:
     """The error :class:`DistRuntime` would raise for this timeout (or ``FRINGE_TIMEOUT``)."""
-    from .runtime.distributed import resolve_timeout
     try:
         resolve_timeout(timeout_s)
     except ValueError as e:
@@ -265,7 +264,6 @@ def fail_everywhere(where: str, timeout_s, q, k, v, sinks, problem: str) -> None
     """Join the agreement exchange the op's peers are in with this rank's ``problem`` (input
     that cannot enter the op), so every rank raises it at once; always raises. A bad
     ``timeout_s`` (or ``FRINGE_TIMEOUT``) waits the default time instead."""
-    from .runtime.distributed import DEFAULT_TIMEOUT_S
     if timeout_problem(timeout_s):
         timeout_s = DEFAULT_TIMEOUT_S if timeout_problem(None) else None
     rt = DistRuntime(_group(where), timeout_s=timeout_s)
@@ -286,7 +284,7 @@ def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: list
                  timeout_s: float | None, keep: bool, reads_batch: bool
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(out, lse, kept)`` of the plan named by ``plan`` (see the module docstring)."""
-    p = resolve(plan)
+    p: PlanLike = resolve(plan)
     if where == VIRTUAL:
         check_inputs(q, k, v, plan=p, local=False)
         if sinks is not None:
@@ -326,7 +324,7 @@ def attention_backward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out
                           where: str, timeout_s: float | None, reads_batch: bool
                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     """``(dq, dk, dv, dparams)``: the plan's backward programs (``reverse(plan)``)."""
-    p = resolve(plan)
+    p: PlanLike = resolve(plan)
     p.check_unchanged()     # the forward's check must not outlive an edit made since
     H = q.shape[-3]
     if where == VIRTUAL:

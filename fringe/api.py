@@ -9,6 +9,7 @@ import torch.distributed as dist
 
 from . import _attention_op as _op
 from .autograd import attention as _attention
+from .runtime.contract import PlanLike
 from .runtime.distributed import is_device_mesh
 
 _LAST = _op.LAST           # group key -> the runtime of this process's last call on that group
@@ -18,7 +19,7 @@ _group_key = _op.group_key
 _where = torch.compiler.assume_constant_result(_op.register_group)
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, plan, group=None,
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, plan: PlanLike, group=None,
               timeout_s: float | None = None, return_lse: bool = False,
               sinks: torch.Tensor | None = None, batch_digest: torch.Tensor | None = None):
     """Context-parallel attention on this rank's shard; differentiable.

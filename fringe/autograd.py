@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from . import _attention_op as _op
-from .plan import Plan
+from .runtime.contract import PlanLike
 
 
 def _fold(x: torch.Tensor, bdim: int | None, n: int) -> torch.Tensor:
@@ -147,7 +147,7 @@ class AttentionBackward(torch.autograd.Function):
         return (_unfold(dq, n), _unfold(dk, n), _unfold(dv, n)), (0, 0, 0)
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, plan, where: str,
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, plan: PlanLike, where: str,
               timeout_s: float | None = None, sinks: torch.Tensor | None = None,
               batch: torch.Tensor | None = None):
     """``(out, lse)`` of ``plan`` through the custom op; both differentiable.
@@ -183,9 +183,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, plan, where:
     return out, lse
 
 
-def _entry_problem(q, k, v, plan, sinks, batch=None) -> Exception | None:
+def _entry_problem(q, k, v, plan: PlanLike, sinks, batch=None) -> Exception | None:
     """What keeps these inputs out of the op (it takes tensors and a plan handle), or None."""
-    if not isinstance(plan, Plan):
+    if not isinstance(plan, PlanLike):
         return TypeError(f"plan must be a fringe.Plan from fringe.plan(schedule, mask_mod, ...), "
                          f"got {type(plan).__name__}")
     for name, t in (("q", q), ("k", k), ("v", v)):

@@ -29,9 +29,12 @@ import time
 
 import torch
 
-from . import masks, schedules
+from . import masks, schedules, simulate
 from ._data import packed_docs as packed_docs  # moved to a leaf every layer may read
+from .api import attention, last_run
+from .launch import Workers
 from .plan import plan as make_plan
+from .runtime.distributed import DistRuntime
 from .schedules import registry
 
 PLAN_TARGET_S = {128: 1.0, 64: 2.0}   # 1M-token plan, one core, by block size
@@ -148,18 +151,16 @@ def _time(fn, iters: int) -> float:
 
 
 def _worker(rank: int, world_size: int, case: AttnCase):
-    import fringe
     mask = masks.causal() & masks.document(packed_docs(case.seq_len, case.n_docs, 1))
     p = make_plan(schedules.get(case.schedule), mask, seq_len=case.seq_len,
                   world_size=world_size, block_size=case.block_size)
     q, k, v = (p.layout.shard(t, rank).requires_grad_() for t in _qkv(case))
 
     def step():
-        out = fringe.attention(q, k, v, plan=p)
+        out = attention(q, k, v, plan=p)
         out.sum().backward()
     dt = _time(step, case.iters)
-    s = fringe.last_run().summary()
-    from .runtime.distributed import DistRuntime
+    s = last_run().summary()
     rt = DistRuntime(None)
     agree_s = _time(lambda: [rt.agree(p, q, k, v) for _ in range(AGREE_CALLS)], 1) / AGREE_CALLS
     return dict(seconds=dt, exposed_fwd=s["forward"]["exposed"],
@@ -168,14 +169,13 @@ def _worker(rank: int, world_size: int, case: AttnCase):
 
 def _single(case: AttnCase):
     """One process: fringe with P=1 (block-sparse) and torch's dense SDPA with a bool mask."""
-    import fringe
     mask = masks.causal() & masks.document(packed_docs(case.seq_len, case.n_docs, 1))
     p1 = make_plan(schedules.ring(), mask, seq_len=case.seq_len, world_size=1,
                    block_size=case.block_size)
     q, k, v = (t.requires_grad_() for t in _qkv(case))
 
     def fringe_step():
-        fringe.simulate.attention(q, k, v, plan=p1).sum().backward()
+        simulate.attention(q, k, v, plan=p1).sum().backward()
     dense_mask = masks.evaluate(mask, torch.arange(case.seq_len), torch.arange(case.seq_len))
 
     def dense_step():
@@ -253,7 +253,6 @@ def run(*, world_sizes=(2, 4), case: AttnCase = AttnCase(), plan_size: int = 1 <
     """
     from tabulate import tabulate
 
-    from .launch import Workers
     world_sizes = tuple(world_sizes)
     check_sizes(world_sizes=world_sizes, case=case, plan_size=plan_size,
                 plan_world_sizes=plan_world_sizes)

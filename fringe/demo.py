@@ -35,6 +35,7 @@ from torch import nn
 
 from . import masks, schedules
 from .api import attention as cp_attention, last_run
+from .launch import Workers
 from .layout import DEFAULT_BLOCK_SIZE
 from .ops import reference
 from .plan import plan as make_plan
@@ -467,7 +468,6 @@ def run_demo(cfg: DemoConfig | None = None, *, progress: Callable[[str], None] |
     Returns:
         A :class:`DemoResult`; check ``.ok``.
     """
-    from .launch import Workers
     cfg = cfg or DemoConfig()
     say = progress or (lambda _line: None)
     say(_describe(cfg))

@@ -61,7 +61,8 @@ import torch
 from . import masks as _masks
 from . import packing as _packing
 from .api import attention as _cp_attention
-from .plan import Plan, plan as _plan
+from .layout import DEFAULT_BLOCK_SIZE
+from .plan import Plan, _from_block_mask, padded_len, plan as _plan
 
 __all__ = ["KWARG", "NAME", "LayerPlan", "Plans", "attention_forward", "layer_kinds",
            "mask_function", "model_inputs", "plans", "register"]
@@ -292,8 +293,6 @@ def plans(model, schedule, mask=None, *, seq_len: int, world_size: int, group=No
                                                        k["sliding_window"] or 0))
     from torch.nn.attention.flex_attention import BlockMask
     if isinstance(mask, BlockMask):          # its mask_mod, checked as fringe.plan does
-        from .layout import DEFAULT_BLOCK_SIZE
-        from .plan import _from_block_mask
         mask, B, H = _from_block_mask(
             mask, seq_len=seq_len, block_size=plan_kwargs.get("block_size", DEFAULT_BLOCK_SIZE),
             batch_size=plan_kwargs.get("batch_size"), num_heads=plan_kwargs.get("num_heads"))
@@ -334,8 +333,6 @@ def plans(model, schedule, mask=None, *, seq_len: int, world_size: int, group=No
 
 def _padded_len(schedule, seq_len: int, world_size: int, layout, plan_kwargs: dict) -> int:
     """``seq_len`` if the schedule's layout (or ``layout``) takes it, else the padded length."""
-    from .layout import DEFAULT_BLOCK_SIZE
-    from .plan import padded_len
     if layout is not None:
         if getattr(layout, "seq_len", seq_len) < seq_len:
             raise ValueError(f"the given layout is for S={layout.seq_len} tokens, fewer than the "
@@ -365,7 +362,6 @@ def _balanced_layout(schedule, kind_masks, counts, *, seq_len, world_size, plan_
     does not take ``natural=`` (e.g. a composed schedule's) gets the weighted block work."""
     import inspect
 
-    from .layout import DEFAULT_BLOCK_SIZE
     bs = plan_kwargs.get("block_size", DEFAULT_BLOCK_SIZE)
     pos = torch.arange(seq_len)
     maps = [(_masks.classify(m, pos, pos, block_size=bs, B=plan_kwargs.get("batch_size"),

@@ -1,6 +1,8 @@
 """The balanced layout: least predicted step time, documents kept whole, communication pruned."""
 from __future__ import annotations
 
+import hashlib
+
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
@@ -8,6 +10,7 @@ from torch.testing import assert_close
 
 import fringe
 from fringe import layout, masks, schedules
+from fringe.layout import _balanced   # the solver's private helpers
 from fringe.ops import reference
 from fringe.testing import make_qkv, packed_docs, seeds, tolerances
 
@@ -109,7 +112,7 @@ def test_predicted_time_is_never_worse_than_contiguous_or_zigzag(P, n_docs, seed
     lay = layout.balanced(S, P, block_size=bs, natural=nat)
     t = lambda lay: float(layout.predict(nat, blocks_of(lay, bs), P, block_size=bs).max())  # noqa: E731
     zz = t(layout.zigzag(S, P, block_size=bs))
-    if layout.segments(nat) == [(0, S // bs)] and layout._Rows.of(nat_sparse(nat)).plain:
+    if layout.segments(nat) == [(0, S // bs)] and _balanced._Rows.of(nat_sparse(nat)).plain:
         # every block row's kv starts at block 0 (the first document ends inside block 0):
         # causal at block level, where balanced keeps pair work balanced (BALANCE_SLACK)
         # even where calls make contiguous predicted faster
@@ -263,16 +266,16 @@ def test_sparse_work_estimate_equals_the_dense_one(kind, P, m, order, seed):
         orders = [b for _, b in layout.candidates(bm, P)]
     else:
         orders = [blocks_of(getattr(layout, order)(S, P, block_size=bs), bs)]
-    rows = layout._Rows.of(bm)
+    rows = _balanced._Rows.of(bm)
     assert rows.first.tolist() == torch.where(nat != 0, torch.arange(nb), nb).min(1).values.tolist()
     for blocks in orders:
-        work, qr, kr = layout._approx_work(rows, blocks, P, bs)
+        work, qr, kr = _balanced._approx_work(rows, blocks, P, bs)
         want, need = dense_approx_work(nat, blocks, P, bs)
         assert torch.equal(work, want), (work, want)
         got = torch.zeros(P, P, dtype=torch.bool)
         got[qr, kr] = True
         assert torch.equal(got, need)
-        assert torch.equal(layout._ring_moves(qr, kr, P), dense_ring_moves(need, P))
+        assert torch.equal(_balanced._ring_moves(qr, kr, P), dense_ring_moves(need, P))
     segs = layout.segments(bm)
     assert segs == layout.segments(nat)
     assert segs[0][0] == 0 and segs[-1][1] == nb
@@ -353,7 +356,7 @@ def chain_pieces(blocks: torch.Tensor, P: int) -> list[tuple[int, int, int]]:
     n = blocks.numel() // P
     owner = torch.empty_like(blocks)
     owner[blocks] = torch.arange(blocks.numel()) // n
-    start, end, _ = layout._runs(owner)
+    start, end, _ = _balanced._runs(owner)
     return [(int(a), int(b), int(owner[a])) for a, b in zip(start, end)]
 
 
@@ -417,9 +420,9 @@ def test_exact_lap_search_finds_the_least_heaviest_rank(P, cap, seed):
     g = torch.Generator().manual_seed(seed)
     w = torch.rand(nb, generator=g, dtype=torch.float64)
     ids = packed(nb * 2, 1 + seed % 3 + P, seed)
-    reach = layout._reach([layout._Rows.of(sparse(masks.causal() & masks.document(ids), nb * 2, 2))])
+    reach = _balanced._reach([_balanced._Rows.of(sparse(masks.causal() & masks.document(ids), nb * 2, 2))])
     for r in (None, reach):
-        blocks = layout._laps_exact(w, P, cap, r)
+        blocks = _balanced._laps_exact(w, P, cap, r)
         want = brute_laps(w, P, cap, r)
         if blocks is None:
             assert want == float("inf")
@@ -441,3 +444,64 @@ def test_sliding_window_stays_contiguous_or_better(S, P):
     t = lambda p: float(layout.predict(nat, blocks_of(p.layout, bs), P, block_size=bs).max())  # noqa: E731
     assert t(bal) <= t(ring) * (1 + 1e-9)
     assert forward_sends(ring) <= forward_sends(bal) <= P
+
+
+def _order_digest(lay: layout.Layout) -> str:
+    """sha256 of the layout's order as little-endian int64, first 16 hex digits."""
+    return hashlib.sha256(lay.order.numpy().astype("<i8").tobytes()).hexdigest()[:16]
+
+
+#: (name, S, P, block, digest of balanced's order), computed on main before the solver moved
+#: into its own module (fringe/layout/_balanced.py): notebook 01's masks (S=2048, P=4,
+#: block 64), the six documents of fringe.schedules.balanced's doctest, packed documents
+#: past EXACT_BLOCKS (estimated calls; notebook 03's 128 documents at S=65,536), windows
+#: and causal. A change here is a change of the solver's answer, not of its module.
+PINNED = [("nb01_packed", 2048, 4, 64, "5ccf19f4f2c0424b"),
+          ("nb01_window", 2048, 4, 64, "5ccf19f4f2c0424b"),
+          ("nb01_prefix", 2048, 4, 64, "8440d9a2fbd2f0d3"),
+          ("doctest_docs", 1024, 4, 16, "2280cf4375bd6e30"),
+          ("docs128", 65536, 8, 32, "fe6341c1243597aa"),
+          ("docs128", 65536, 32, 32, "c080ee6a646e0724"),
+          ("docs16", 16384, 8, 16, "bb62ed45b6dae244"),
+          ("docs5", 32768, 16, 32, "4495a2fe7688d43d"),
+          ("window3000", 32768, 8, 32, "7c2e81a844e02bcc"),
+          ("window512", 8192, 4, 16, "d7c2866f911c21d6"),
+          ("causal", 8192, 4, 16, "76bca593929cf6fe")]
+
+
+def _pinned_mask(name: str, S: int):
+    if name.startswith("nb01_"):
+        ids = torch.repeat_interleave(torch.arange(6), torch.tensor([700, 90, 500, 300, 180, 278]))
+        return {"nb01_packed": masks.causal() & masks.document(ids),
+                "nb01_window": masks.sliding_window(256),
+                "nb01_prefix": masks.causal() | masks.prefix_lm(128)}[name]
+    if name == "doctest_docs":
+        ids = torch.repeat_interleave(torch.arange(6), torch.tensor([256, 64, 192, 128, 320, 64]))
+        return masks.causal() & masks.document(ids)
+    if name.startswith("docs"):
+        return masks.causal() & masks.document(packed_docs(S, int(name[4:]), 0))
+    if name.startswith("window"):
+        return masks.sliding_window(int(name[6:]))
+    return masks.causal()
+
+
+@pytest.mark.parametrize("name,S,P,bs,digest", PINNED)
+def test_balanced_orders_are_pinned(name, S, P, bs, digest):
+    """The balanced layout's block order for these masks is exactly what it was on main
+    before the module split (the solver moved, its answers did not)."""
+    nat = sparse(_pinned_mask(name, S), S, bs)
+    assert _order_digest(layout.balanced(S, P, block_size=bs, natural=nat)) == digest
+    if name.startswith("nb01_"):          # through fringe.plan, as the notebook plans it
+        p = fringe.plan(schedules.balanced(), _pinned_mask(name, S), seq_len=S, world_size=P,
+                        block_size=bs)
+        assert _order_digest(p.layout) == digest
+
+
+def test_balanced_orders_of_weighted_maps_and_block_work_are_pinned():
+    """Several maps with weights, and the LPT deal of block_work, as on main before the split."""
+    S, P, bs = 8192, 4, 16
+    maps = [(sparse(masks.sliding_window(512), S, bs), 3), (sparse(masks.causal(), S, bs), 1)]
+    assert _order_digest(layout.balanced(S, P, block_size=bs, natural=maps)) == "2f7fc874a155c39f"
+    work = torch.arange(64, dtype=torch.float64) % 7
+    assert _order_digest(layout.balanced(1024, 4, block_size=16, block_work=work)) == \
+        "a163828ee8412782"

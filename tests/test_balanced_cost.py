@@ -11,6 +11,7 @@ from hypothesis import given, settings, strategies as st
 
 import fringe
 from fringe import layout, masks, schedules
+from fringe.layout import _balanced   # the solver's private helpers
 from fringe.runtime import costmodel
 from fringe.testing import packed_docs, seeds
 
@@ -72,7 +73,7 @@ def test_whenever_ring_is_predicted_fastest_balanced_is_ring(P, n_docs, latency,
     t = {n: float(layout.predict(nat, b, P, block_size=bs, hardware=hw).max())
          for n, b in layout.candidates(nat, P, hardware=hw)}
     mine = float(layout.predict(nat, blocks_of(lay, bs), P, block_size=bs, hardware=hw).max())
-    plain = layout.segments(nat) == [(0, S // bs)] and layout._Rows.of(nat).plain
+    plain = layout.segments(nat) == [(0, S // bs)] and _balanced._Rows.of(nat).plain
     if plain:       # causal at block level: pair balance first (test_balanced covers it)
         assert not torch.equal(lay.order, torch.arange(S))
     elif t["contiguous"] <= min(t.values()):

@@ -146,24 +146,24 @@ def test_an_allocation_or_overflow_the_checks_missed_is_one_error_line(monkeypat
                                                                       error, said):
     """The class behind the absurd sizes: whatever a size argument makes the allocator refuse
     (or overflow) ends in one ``error:`` line naming the fix and exit 2, never a traceback."""
-    from fringe.runtime import costmodel
+    from fringe.cost import cli as cost_cli
 
     def refuse(args):
         raise error
 
-    monkeypatch.setattr(costmodel, "cli", refuse)
+    monkeypatch.setattr(cost_cli, "cli", refuse)
     assert main(["predict", "--world-size", "8", "--seq-len", "65536"]) == 2
     err = capsys.readouterr().err
     assert err.startswith(said) and err.count("\n") == 1, err
 
 
 def test_an_unrelated_runtime_error_is_not_disguised(monkeypatch):
-    from fringe.runtime import costmodel
+    from fringe.cost import cli as cost_cli
 
     def broken(args):
         raise RuntimeError("a bug")
 
-    monkeypatch.setattr(costmodel, "cli", broken)
+    monkeypatch.setattr(cost_cli, "cli", broken)
     with pytest.raises(RuntimeError, match="a bug"):
         main(["predict", "--world-size", "8", "--seq-len", "65536"])
 

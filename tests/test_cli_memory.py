@@ -38,7 +38,7 @@ def test_estimate_is_what_tile_work_allocates(sched, spec, S):
     n = p.local_len // p.block_size
     tiles = torch.as_tensor(p.tiles).numpy().reshape(-1)
     part = np.flatnonzero(tiles == int(BlockKind.PARTIAL))
-    painted = {costmodel._tile(p, int(k) // 8, int(k) % 8, n).numpy().tobytes() for k in part}
+    painted = {p.tile_blocks(int(k) // 8, int(k) % 8).numpy().tobytes() for k in part}
     assert costmodel.distinct_partial_maps(p) == len(painted) > 0
     need, how = costmodel.tile_work_bytes(p)
     assert need == costmodel.TILE_WORK_BYTES_PER_BLOCK * len(painted) * (n + 1) * n

@@ -1,5 +1,6 @@
 """The cost model reads a general ProgramTable (head slices, collectives) as columns, and
-predicts exactly what walking the same programs op by op predicts."""
+predicts exactly what walking the same programs op by op predicts (the oracle,
+fringe.testing.oracle.cost_columns); what no valid program holds is refused, never walked."""
 from __future__ import annotations
 
 import dataclasses
@@ -10,8 +11,10 @@ import torch
 
 import fringe
 from fringe import masks, schedules
+from fringe.cost import programs as cost_programs, simulate as cost_simulate
 from fringe.runtime import costmodel
 from fringe.schedules import ir
+from fringe.testing import oracle
 
 # H=16, G=4: Ulysses over 16 ranks replicates kv heads, over 2 or 4 it splits them
 SHAPE = costmodel.Shape(batch=1, heads=16, kv_heads=4, head_dim=8, dtype="bfloat16")
@@ -36,16 +39,17 @@ def _general(plan):
 
 
 def _untabled(plan):
-    """The plan with plain Program values (no table: the cost model walks their ops)."""
+    """The plan with plain Program values (no table: the cost model makes one up front)."""
     def plain(progs):
         return tuple(ir.Program(p.rank, p.steps) for p in progs)
     return dataclasses.replace(plan, forward=plain(plan.forward), backward=plain(plan.backward))
 
 
-def _walks_refused(monkeypatch):
-    def refuse(*args, **kwargs):
-        raise AssertionError("the programs were walked op by op, not read as columns")
-    monkeypatch.setattr(costmodel, "_walk_columns", refuse)
+def _walked(plan, hw, shape, monkeypatch):
+    """The prediction from the oracle's op walk instead of the table reader."""
+    with monkeypatch.context() as m:
+        m.setattr(cost_simulate, "columns", oracle.cost_columns)
+        return costmodel.simulate(dataclasses.replace(plan), hw, shape)
 
 
 def assert_same_prediction(a: costmodel.Prediction, b: costmodel.Prediction) -> None:
@@ -80,11 +84,9 @@ def test_general_tables_predict_what_the_op_walk_predicts(spec, mask, monkeypatc
         assert all(x.table is not None for x in gen.forward + gen.backward)
         assert all(x.table is None for x in walked.forward + walked.backward)
         for hw in PRESETS:
-            want = costmodel.simulate(walked, hw, SHAPE)
-            with monkeypatch.context() as m:
-                _walks_refused(m)
-                got = costmodel.simulate(gen, hw, SHAPE)
-            assert_same_prediction(got, want)
+            want = _walked(walked, hw, SHAPE, monkeypatch)
+            assert_same_prediction(costmodel.simulate(gen, hw, SHAPE), want)
+            assert_same_prediction(costmodel.simulate(walked, hw, SHAPE), want)
             checked += 1
         if "ulysses" in spec or spec == "allgather":  # they do communicate
             assert want.bytes_per_rank() > 0
@@ -92,13 +94,12 @@ def test_general_tables_predict_what_the_op_walk_predicts(spec, mask, monkeypatc
 
 
 def test_head_slices_numbered_by_sorting_give_the_same_prediction(monkeypatch):
-    # past costmodel._SLICE_LOOKUP possible slice keys the reader sorts them instead of
+    # past programs._SLICE_LOOKUP possible slice keys the reader sorts them instead of
     # marking a dense table: the same ids, the same prediction
     p = _general(fringe.plan(schedules.get("compose:zigzag+ulysses:4"), _mask("document"),
                              seq_len=S, world_size=8, block_size=8, kv="keep"))
-    want = costmodel.simulate(_untabled(p), "h100-ib", SHAPE)
-    monkeypatch.setattr(costmodel, "_SLICE_LOOKUP", 0)
-    _walks_refused(monkeypatch)
+    want = _walked(p, "h100-ib", SHAPE, monkeypatch)
+    monkeypatch.setattr(cost_programs, "_SLICE_LOOKUP", 0)
     assert_same_prediction(costmodel.simulate(p, "h100-ib", SHAPE), want)
 
 
@@ -107,11 +108,10 @@ def test_plans_whose_builders_make_general_tables_are_read_as_columns(monkeypatc
     # prediction is the walk's
     p = fringe.plan(schedules.get("compose:zigzag+ulysses:2"), masks.causal(), seq_len=S,
                     world_size=8, block_size=8)
-    want = costmodel.simulate(_untabled(p), "h100-ib", SHAPE)
+    want = _walked(p, "h100-ib", SHAPE, monkeypatch)
     src = p.forward[0].table
     if src is None:
         p = _general(p)
-    _walks_refused(monkeypatch)
     assert_same_prediction(costmodel.simulate(p, "h100-ib", SHAPE), want)
 
 
@@ -121,24 +121,33 @@ def _parts_of(plan):
     return t.world_size, comp, xfer, coll
 
 
-def test_a_general_table_with_a_column_the_reader_does_not_know_is_walked():
+def test_a_table_the_reader_cannot_read_is_refused_saying_what():
+    # no fallback: a column the reader does not know, or a value no valid program holds,
+    # raises naming it (the op walk is the tests' oracle, not a path of the cost model)
     p = fringe.plan(schedules.get("compose:zigzag+ulysses:2"), masks.causal(), seq_len=S,
                     world_size=4, block_size=8)
     P, comp, xfer, coll = _parts_of(p)
     L = p.local_len
-    _, fams, code = costmodel._family_codes()
     t = ir.ProgramTable._of_parts(P, comp, xfer, coll)
-    assert costmodel._general_columns(t, P, L, SHAPE, ir, fams, code) is not None
+    assert len(cost_programs._general_columns(t, P, L, SHAPE).comp[0]) > 0
     extra = ir.ProgramTable._of_parts(P, {**comp, "dtype": comp["q"]}, xfer, coll)
-    assert extra is not None
-    assert costmodel._general_columns(extra, P, L, SHAPE, ir, fams, code) is None
+    with pytest.raises(NotImplementedError, match="does not know the table's parts"):
+        cost_programs._general_columns(extra, P, L, SHAPE)
     odd_kind = ir.ProgramTable._of_parts(P, comp, xfer, {**coll, "kind": coll["kind"] * 0 + 7})
-    assert costmodel._general_columns(odd_kind, P, L, SHAPE, ir, fams, code) is None
+    with pytest.raises(ValueError, match=r"a collective kind code 7 \(row 0\), outside \[0, 3\)"):
+        cost_programs._general_columns(odd_kind, P, L, SHAPE)
+    far = ir.ProgramTable._of_parts(P, {**comp, "kv": comp["kv"] * 0 + P}, xfer, coll)
+    with pytest.raises(ValueError, match=f"a compute kv chunk {P} .*outside \\[0, {P}\\)"):
+        cost_programs._general_columns(far, P, L, SHAPE)
+    sliced = ir.ProgramTable._of_parts(P, {**comp, "hi": comp["hn"] * 0 + 5,
+                                           "hn": comp["hn"] * 0 + 2}, xfer, coll)
+    with pytest.raises(ValueError, match="head slice h5/2"):
+        cost_programs._general_columns(sliced, P, L, SHAPE)
 
 
 def test_a_side_outside_its_group_gets_the_walks_error():
     # a general table whose collective side names a rank outside its group: the reader does
-    # not guess, the walk raises what it always raised
+    # not guess, it raises what the op walk raises
     p = fringe.plan(schedules.ulysses(), masks.causal(), seq_len=S, world_size=4, block_size=8)
     P, comp, xfer, coll = _parts_of(p)
     assert len(coll["groups"]) >= 1 and len(coll["rank"]) > 0
@@ -151,6 +160,8 @@ def test_a_side_outside_its_group_gets_the_walks_error():
     bad = dataclasses.replace(p, forward=progs)
     with pytest.raises(ValueError, match="does not list rank"):
         costmodel.simulate(bad, "h100-ib", SHAPE)
+    with pytest.raises(ValueError, match="does not list rank"):
+        oracle.cost_columns(progs, p.local_len, SHAPE)
 
 
 def test_head_splits_the_shape_cannot_take_are_refused_on_both_paths():

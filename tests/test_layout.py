@@ -101,3 +101,20 @@ def test_balanced_deals_blocks_evenly_by_work():
     assert all(torch.equal(lay.positions(r), lay.positions(r).sort().values) for r in range(2))
     with pytest.raises(ValueError, match="block_work has 3 entries; expected S/block_size=8"):
         layout.balanced(16, 2, block_size=2, block_work=work[:3])
+
+
+def test_layout_package_docstring_runs_and_the_primitives_do_not_import_the_solver():
+    """fringe.layout is a curated facade: its docstring example runs, every name in __all__
+    is there, and the primitives module (Layout, contiguous, zigzag, ...) does not import the
+    balanced solver (the solver sits on top of the primitives, not the other way round)."""
+    import ast
+    import doctest
+    import pathlib
+
+    from fringe.layout import _layout
+    result = doctest.testmod(layout)
+    assert result.attempted >= 2 and result.failed == 0
+    assert all(hasattr(layout, name) for name in layout.__all__)
+    tree = ast.parse(pathlib.Path(_layout.__file__).read_text())
+    imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    assert not any(m and "_balanced" in m for m in imported), imported

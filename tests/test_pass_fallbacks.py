@@ -8,6 +8,7 @@ import pytest
 
 from fringe import masks, schedules
 from fringe.testing import packed_docs
+from fringe.cost import programs as cost_programs
 from fringe.plan import plan as make_plan
 from fringe.runtime import costmodel
 from fringe.schedules import passes
@@ -132,8 +133,8 @@ def test_programs_written_as_op_objects_plan_on_the_one_table(monkeypatch):
     with passes.no_fallbacks():
         passes.check(progs)
         assert _text(passes.reverse(progs)) == _text(passes.reverse(fwd))
-        want_cols = costmodel._columns(coll, 128, costmodel.Shape())
-        got = costmodel._columns(ops, 128, costmodel.Shape())
+        want_cols = cost_programs.columns(coll, 128, costmodel.Shape())
+        got = cost_programs.columns(ops, 128, costmodel.Shape())
     assert passes.fallbacks() == before
     assert len(got.comp[0]) == len(want_cols.comp[0])
 

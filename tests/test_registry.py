@@ -293,3 +293,88 @@ def test_check_mask_runs_a_per_head_mask_under_the_head_splitting_schedules():
         return (kv <= q) & ((q - kv) <= 1 + 4 * h)
     assert check_mask(per_head, world_sizes=(2, 4), block_sizes=(2,), heads=4, kv_heads=2,
                       num_heads=4, schedules=["ulysses", "compose:zigzag+ulysses:2"]) == 4
+
+
+# ---- a schedule's kind, inner size and spec are fields, never read from its name -------------
+
+COMPOSED = ["compose:ring+ulysses:4", "compose:striped:4+ulysses:2", "compose:balanced+zigzag:2",
+            "compose:allgather+striped:8:2", "compose:zigzag+balanced:2",
+            "compose:striped+allgather:2"]
+
+
+@pytest.mark.parametrize("text", SPECS + COMPOSED + [f"{e.name}:3" for e in registry.entries()
+                                                     if e.arg])
+def test_kind_inner_size_and_spec_round_trip_as_fields(text):
+    from fringe.schedules.base import COMPOSE, Spec
+    s = schedules.get(text)
+    assert isinstance(s.spec, Spec) and str(s.spec) == registry.spec(s) == text
+    again = schedules.get(str(s.spec))
+    assert (again.kind, again.inner_size, again.spec, again.name) == \
+        (s.kind, s.inner_size, s.spec, s.name)
+    if text.startswith(COMPOSE + ":"):
+        assert s.kind == COMPOSE and s.inner_size == int(text.rsplit(":", 1)[1])
+        assert str(s.spec.outer) + "+" + str(s.spec.inner) in text
+        assert schedules.collectives.inner_size_of(s) == s.inner_size
+    else:
+        assert s.kind == s.spec.name == text.split(":")[0] and s.inner_size is None
+
+
+def test_every_builtin_constructor_sets_its_kind():
+    made = {"ring": schedules.ring(), "zigzag": schedules.zigzag(), "striped": schedules.striped(8),
+            "balanced": schedules.balanced(), "allgather": schedules.allgather(3),
+            "ulysses": schedules.ulysses(),
+            "compose": schedules.compose(schedules.zigzag(), schedules.ulysses(), inner_size=2)}
+    assert {s.kind for s in made.values()} | {"user"} == set(schedules.base.KINDS)
+    for kind, s in made.items():
+        assert s.kind == kind
+    assert [k for k, s in made.items() if not s.moves_sequence] == ["ulysses", "compose"]
+    mine = schedules.Schedule("mine", layout=fringe.layout.contiguous, hops=schedules.ring_hops)
+    assert (mine.kind, mine.inner_size, mine.spec, mine.moves_sequence) == ("user", None, None, True)
+
+
+@pytest.mark.parametrize("name", ["zigzag", "striped(4)", "allgather(3)", "ulysses",
+                                  "compose(zigzag, ulysses, inner_size=2)", "compose(x)"])
+def test_a_user_schedule_named_like_a_builtin_is_not_taken_for_one(name):
+    """On main these were read from the name: registry.spec() printed 'zigzag' / 'striped:4'
+    for hand-made schedules, compose() refused a user outer named 'compose(x)', and a user
+    ring named 'ulysses' inside compose() ran as Ulysses (its own programs ignored)."""
+    from fringe.ops import reference
+    from fringe.runtime.engine import head_splits
+    from fringe.testing import make_qkv, tolerances
+    user = schedules.Schedule(name, layout=fringe.layout.contiguous, hops=schedules.ring_hops)
+    assert user.kind == "user" and user.inner_size is None and user.moves_sequence
+    with pytest.raises(ValueError, match="not built by a registered name"):
+        registry.spec(user)
+    mask = masks.causal()
+    q, k, v = make_qkv(B=1, H=4, G=2, S=32, D=4, seed=2)
+    ref, _ = reference.attention(q, k, v, mask_mod=mask)
+    for s, splits in ((schedules.compose(user, schedules.ulysses(), inner_size=2), (2,)),
+                      (schedules.compose(schedules.zigzag(), user, inner_size=2), ())):
+        assert s.kind == "compose" and s.inner_size == 2 and s.spec is None
+        p = fringe.plan(s, mask, seq_len=32, world_size=4, block_size=2)
+        assert head_splits(p) == splits          # a user inner is a sequence schedule (a double ring)
+        torch.testing.assert_close(fringe.simulate.attention(q, k, v, plan=p), ref,
+                                   **tolerances(torch.float64))
+
+
+@pytest.mark.parametrize("kw, says", [
+    (dict(kind="spiral"), "kind must be one of"), (dict(kind="compose"), "inner_size"),
+    (dict(inner_size=2), "inner_size"), (dict(kind="compose", inner_size=0), "inner_size"),
+    (dict(spec="zigzag"), "spec must be")])
+def test_schedule_fields_are_checked(kw, says):
+    with pytest.raises((ValueError, TypeError), match=says):
+        schedules.Schedule("s", layout=fringe.layout.contiguous, hops=schedules.ring_hops, **kw)
+
+
+def test_a_registered_factory_gets_its_spec_and_loses_it_when_unregistered():
+    schedules.register("fast", schedules.zigzag, description="zigzag, by another name")
+    try:
+        s = schedules.get("fast")
+        assert (s.kind, registry.spec(s), registry.canonical("fast")) == ("zigzag", "fast", "fast")
+        assert registry.spec(schedules.get("compose:fast+ulysses:2")) == "compose:fast+ulysses:2"
+    finally:
+        registry.unregister("fast")
+    with pytest.raises(ValueError, match="'fast' no longer registered"):
+        registry.spec(s)
+    with pytest.raises(TypeError, match="takes a Schedule"):
+        registry.spec("zigzag")

@@ -45,15 +45,11 @@ import torch
 
 from fringe.masks import DEFAULT_BLOCK_SIZE, BlockKind
 
+from .calls import GROUP_SLACK, plan_tile, split_cols
 from .kernels import get_kernel
 from .reference import (MaskMod, ScoreMod, check_qkv, compute_dtype, default_scale, mask_for)
 
 __all__ = ["check_qkv", "merge", "tile_backward", "tile_forward", "GROUP_SLACK"]
-
-#: A q-block row joins the current group while the group's rectangle costs at most this factor
-#: times the exact (per-row range) cost: fewer, larger sub-problems for a little masked waste.
-GROUP_SLACK = 1.25
-
 
 @dataclass(frozen=True)
 class _Group:
@@ -74,177 +70,37 @@ class _Group:
 CausalCheck = Callable[[int, int], bool]
 
 
+def _groups(blocks: torch.Tensor, pieces, *, Lq: int, Lk: int, block_size: int) -> list[_Group]:
+    """Block rectangles ``(qb0, qb1, kb0, kb1, causal)`` as :class:`_Group` values (the last
+    block clipped to the tile)."""
+    bs = block_size
+    return [_Group(a * bs, min(b * bs, Lq), c * bs, min(d * bs, Lk), blocks[a:b, c:d], causal=sq)
+            for a, b, c, d, sq in pieces]
+
+
 def _plan(blocks: torch.Tensor, *, Lq: int, Lk: int, block_size: int, fused: bool = False,
           causal_block: CausalCheck | None = None) -> list[_Group]:
-    """Split a tile's block map into dense sub-problems (kernel calls).
+    """Split a tile's block map into dense sub-problems (kernel calls): the one call planner,
+    :func:`fringe.ops.calls.plan_tile` (the cost model counts its calls), as groups.
 
-    Always: consecutive q-block rows are grouped over their non-empty kv block ranges (a row
-    joins while the group's rectangle costs at most :data:`GROUP_SLACK` times the exact cost).
-
-    With ``fused`` (kernels that like few large calls without masks, see ``fused_calls``), the
-    first of these plans that makes no more calls than the plain grouping (else the plain one):
-
-    1. *causal runs*: a diagonal run of PARTIAL blocks ``(i+t, j+t)``, ``t < n``, with FULL
-       blocks below the diagonal and EMPTY ones above inside the square, and each diagonal
-       block exactly lower-triangular, is one square ``causal`` call (the fused op skips the
-       upper half itself). ``causal_block(i, j)`` is the exact element-level check of one
-       block; without it (the cost model, which sees block maps only) the block pattern decides.
-    2. the rest is grouped by rows as above, and each group's kv range is cut where its
-       columns switch between all-FULL (a call without a mask) and mixed (a float mask only
-       over the columns that need one); all-EMPTY columns and rows are dropped;
-    3. or the same without the column cuts.
-
-    Every non-empty block is covered by exactly one sub-problem, so the results sum (dk, dv)
-    or merge (out, lse) to the unsplit ones.
+    ``fused``: kernels that like few large calls without masks (``fused_calls``) get causal
+    squares and column cuts where they make no more calls; ``causal_block(i, j)`` is the exact
+    element-level check of one diagonal block.
     """
-    bs = block_size
-    base = _row_groups(blocks, Lq=Lq, Lk=Lk, block_size=bs)
-    if not fused:
-        return base
-    # the element checks cost a mask evaluation per diagonal block: run them only when the
-    # block pattern alone already gives a plan that would be chosen (a window never does)
-    runs = _causal_runs(blocks, Lq=Lq, Lk=Lk, block_size=bs, check=None)
-    plan = _fused_plan(blocks, base, runs, Lq=Lq, Lk=Lk, block_size=bs)
-    if causal_block is None or not any(g.causal for g in plan):
-        return plan
-    if all(causal_block(i + t, j + t) for i, j, n in runs for t in range(n)):
-        return plan
-    checked = _causal_runs(blocks, Lq=Lq, Lk=Lk, block_size=bs, check=causal_block)
-    return _fused_plan(blocks, base, checked, Lq=Lq, Lk=Lk, block_size=bs)
-
-
-def _fused_plan(blocks: torch.Tensor, base: list[_Group], runs: list[tuple[int, int, int]], *,
-                Lq: int, Lk: int, block_size: int) -> list[_Group]:
-    """Steps 1-3 of :func:`_plan` for given causal ``runs``."""
-    bs = block_size
-    work = blocks.clone()
-    squares = []
-    for i, j, n in runs:
-        squares.append(_Group(i * bs, (i + n) * bs, j * bs, (j + n) * bs,
-                              blocks[i:i + n, j:j + n], causal=True))
-        work[i:i + n, j:j + n] = int(BlockKind.EMPTY)
-    rest = _row_groups(work, Lq=Lq, Lk=Lk, block_size=bs) if runs else base
-    split = [p for g in rest for p in _split_columns(g, block_size=bs, Lq=Lq, Lk=Lk)]
-    # fewer, larger calls: measured (window 512, block 64) 57 small calls cost 1.2x the 22
-    # masked ones they replace, so a split that makes more calls than the plain grouping loses
-    for plan in (squares + split, squares + rest):
-        if len(plan) <= len(base):
-            return plan
-    return base
-
-
-def _row_groups(blocks: torch.Tensor, *, Lq: int, Lk: int, block_size: int) -> list[_Group]:
-    """Group consecutive q-block rows into dense sub-problems over non-empty kv block ranges."""
-    nq, nk = blocks.shape
-    ne = blocks != int(BlockKind.EMPTY)
-    live = ne.any(dim=1).tolist()
-    lo = ne.to(torch.int8).argmax(dim=1).tolist()
-    hi = (nk - ne.flip(1).to(torch.int8).argmax(dim=1)).tolist()
-    groups: list[tuple[int, int, int, int]] = []  # (qb0, qb1, kb0, kb1) in blocks
-    cur = None
-    exact = 0
-    for i in range(nq):
-        if not live[i]:
-            if cur is not None:
-                groups.append(cur)
-            cur = None
-            continue
-        w = hi[i] - lo[i]
-        if cur is not None:
-            qb0, _, kb0, kb1 = cur
-            nlo, nhi = min(kb0, lo[i]), max(kb1, hi[i])
-            if (i + 1 - qb0) * (nhi - nlo) <= GROUP_SLACK * (exact + w):
-                cur, exact = (qb0, i + 1, nlo, nhi), exact + w
-                continue
-            groups.append(cur)
-        cur, exact = (i, i + 1, lo[i], hi[i]), w
-    if cur is not None:
-        groups.append(cur)
-    bs = block_size
-    return [_Group(qb0 * bs, min(qb1 * bs, Lq), kb0 * bs, min(kb1 * bs, Lk),
-                   blocks[qb0:qb1, kb0:kb1])
-            for qb0, qb1, kb0, kb1 in groups]
-
-
-def _causal_runs(blocks: torch.Tensor, *, Lq: int, Lk: int, block_size: int,
-                 check: CausalCheck | None) -> list[tuple[int, int, int]]:
-    """Maximal diagonal runs ``(i, j, n)`` of lower-triangular blocks (see :func:`_plan`)."""
-    nq, nk = blocks.shape
-    EMPTY, FULL, PARTIAL = int(BlockKind.EMPTY), int(BlockKind.FULL), int(BlockKind.PARTIAL)
-    nqf, nkf = min(nq, Lq // block_size), min(nk, Lk // block_size)   # full-size blocks only
-    if nqf == 0 or nkf == 0:
-        return []
-    c = blocks[:nqf, :nkf]
-    pad = torch.full((nq + 1, nk + 1), EMPTY, dtype=blocks.dtype)
-    pad[1:, :nk] = blocks
-    right_empty = pad[1:nqf + 1, 1:nkf + 1] == EMPTY          # block (i, j+1), EMPTY past edge
-    above_empty = pad[:nqf, :nkf] == EMPTY                     # block (i-1, j)
-    cand = ((c == PARTIAL) & right_empty & above_empty).nonzero().tolist()
-    if not cand:
-        return []
-    cset = {(i, j) for i, j in cand}
-    memo: dict[tuple[int, int], bool] = {}
-
-    def ok(i: int, j: int) -> bool:
-        if check is None:
-            return True
-        if (i, j) not in memo:
-            memo[(i, j)] = bool(check(i, j))
-        return memo[(i, j)]
-
-    runs, taken = [], set()
-    for i, j in cand:
-        if (i, j) in taken or not ok(i, j):
-            continue
-        n = 1
-        while ((i + n, j + n) in cset and bool((blocks[i + n, j:j + n] == FULL).all())
-               and bool((blocks[i:i + n, j + n] == EMPTY).all()) and ok(i + n, j + n)):
-            n += 1
-        taken.update((i + t, j + t) for t in range(n))
-        runs.append((i, j, n))
-    return runs
+    pieces = plan_tile(blocks.numpy(), Lq=Lq, Lk=Lk, block_size=block_size, fused=fused,
+                       causal_block=causal_block)
+    return _groups(blocks, pieces, Lq=Lq, Lk=Lk, block_size=block_size)
 
 
 def _split_columns(g: _Group, *, block_size: int, Lq: int, Lk: int) -> list[_Group]:
-    """Cut a group's kv range where its columns switch between all-FULL and mixed.
-
-    A run of live columns of one kind becomes a piece over the rows that have a non-EMPTY
-    block in it; a mixed piece with fewer rows than its parent is split again (a column may
-    have become all-FULL). Pure Python over the codes as lists: a group is at most a tile's
-    blocks, and tensor ops per column cost ~3 ms a group (window 512, block 64).
-    """
+    """Cut a group's kv range where its columns switch between all-FULL and mixed
+    (:func:`fringe.ops.calls.split_cols`); ``[g]`` when it need not be cut."""
     codes = g.codes
-    rows = codes.tolist()
-    nr, nc = len(rows), len(rows[0]) if rows else 0
-    EMPTY, FULL = int(BlockKind.EMPTY), int(BlockKind.FULL)
-    cols = list(zip(*rows))                 # column-major view of the lists
-
-    def rec(r0: int, r1: int, c0: int, c1: int, top: bool) -> list[tuple[int, int, int, int]]:
-        full_col = [all(x == FULL for x in cols[j][r0:r1]) for j in range(c0, c1)]
-        live_col = [any(x != EMPTY for x in cols[j][r0:r1]) for j in range(c0, c1)]
-        if all(full_col) or (not any(full_col) and all(live_col)):
-            return [(r0, r1, c0, c1)]
-        out, j, n = [], 0, c1 - c0
-        while j < n:
-            if not live_col[j]:
-                j += 1
-                continue
-            e = j + 1
-            while e < n and live_col[e] and full_col[e] == full_col[j]:
-                e += 1
-            live = [r for r in range(r0, r1)
-                    if any(x != EMPTY for x in rows[r][c0 + j:c0 + e])]
-            a, b = live[0], live[-1] + 1
-            if full_col[j] or (a, b) == (r0, r1):
-                out.append((a, b, c0 + j, c0 + e))
-            else:
-                out.extend(rec(a, b, c0 + j, c0 + e, False))
-            j = e
-        return out
-
-    if nr == 0 or nc == 0:
+    if codes.numel() == 0:
         return [g]
-    pieces = rec(0, nr, 0, nc, True)
+    nr, nc = codes.shape
+    pieces: list = []
+    split_cols(codes.numpy(), 0, 0, pieces)
     if pieces == [(0, nr, 0, nc)]:
         return [g]
     bs = block_size

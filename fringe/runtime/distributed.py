@@ -27,7 +27,8 @@ import os
 import torch
 import torch.distributed as dist
 
-from .engine import Runtime
+from .contract import PlanLike
+from .engine import Runtime, check_inputs
 
 #: Used when neither ``timeout_s=`` nor ``FRINGE_TIMEOUT`` is given.
 DEFAULT_TIMEOUT_S = 300.0
@@ -180,7 +181,7 @@ def register_mesh(mesh) -> None:
         _SUBGROUPS[(id(world), ranks)] = pg
 
 
-def check_mesh(mesh, plan) -> None:
+def check_mesh(mesh, plan: PlanLike) -> None:
     """A 2D mesh must have the plan's grid: shape ``(P // k, k)`` for ``compose(..., inner_size=k)``.
 
     Raises:
@@ -188,9 +189,8 @@ def check_mesh(mesh, plan) -> None:
     """
     if mesh.ndim != 2:
         return
-    from ..schedules.collectives import inner_size_of
     P = plan.world_size
-    k = inner_size_of(plan.schedule)
+    k = plan.schedule.inner_size        # set by schedules.compose, None for any other
     shape = tuple(int(x) for x in mesh.shape)
     names = mesh.mesh_dim_names
     if k is None:
@@ -378,7 +378,7 @@ class DistRuntime(Runtime):
         self.timeout_s = resolve_timeout(timeout_s)
         super().__init__([self.rank], self._transport)
 
-    def agree(self, plan, q, k, v, *, sinks=None, batch=None, problem: str = "") -> None:
+    def agree(self, plan: PlanLike | None, q, k, v, *, sinks=None, batch=None, problem: str = "") -> None:
         """All ranks agree on shapes, dtype, device, plan and inputs; raise on every rank if not.
 
         Runs on every call (one all-gather of a short int64 vector, never cached). This
@@ -401,8 +401,6 @@ class DistRuntime(Runtime):
             ValueError: some rank's inputs are invalid (the message names the rank).
             CommTimeout: a peer never joined the exchange.
         """
-        from ..plan import Plan
-        from .engine import check_inputs
         try:
             if problem:
                 raise _Found
@@ -425,11 +423,14 @@ class DistRuntime(Runtime):
         dtype = q.dtype if isinstance(q, torch.Tensor) else None
         code = _DTYPES.index(dtype) if dtype in _DTYPES else 99
         cuda = isinstance(q, torch.Tensor) and q.is_cuda
-        is_plan = isinstance(plan, Plan)
-        digests = plan.digests() if is_plan else dict.fromkeys(_PLAN_FIELDS, "")
+        # valid: check_inputs passed, so plan is a Plan (no import of the plan layer needed);
+        # where this rank's input is invalid every rank raises on the flag below before any
+        # other field is compared
+        valid = not problem
+        digests = plan.digests() if valid else dict.fromkeys(_PLAN_FIELDS, "")
         sink_desc = "none" if sinks is None else \
             f"{tuple(getattr(sinks, 'shape', ()))}/{getattr(sinks, 'dtype', type(sinks).__name__)}"
-        mine = ([plan.world_size if is_plan else -1, B, H, G, L, D, code, int(cuda), int(bool(problem))]
+        mine = ([plan.world_size if valid else -1, B, H, G, L, D, code, int(cuda), int(bool(problem))]
                 + [_h48(digests[f]) for f in _PLAN_FIELDS] + [_h48(sink_desc)]
                 + [v.shape[-1] if isinstance(v, torch.Tensor) and v.dim() == 4 else -1]
                 + [-1 if batch is None else int(batch)])

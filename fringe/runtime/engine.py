@@ -11,20 +11,21 @@ from typing import Sequence
 import torch
 
 from ..masks import reads_bh
+from ..ops import check_qkv, merge, tile_backward, tile_forward
 from ..schedules.ir import Buffer, Compute, Family, GradCompute
+from .contract import PlanLike
 from .interpreter import RankState, Transport, check_head_split, execute, head_range, kv_shape
 
 
-def check_inputs(q, k, v, *, plan, local: bool) -> None:
+def check_inputs(q, k, v, *, plan: PlanLike, local: bool) -> None:
     """Shape/dtype checks shared by the virtual and distributed entry points.
 
     Raises:
-        TypeError: ``plan`` is not a :class:`fringe.Plan`, or q/k/v are not tensors.
+        TypeError: ``plan`` is not a :class:`fringe.Plan` (has not every member of
+            :class:`~fringe.runtime.contract.PlanLike`), or q/k/v are not tensors.
         ValueError: shapes that do not fit the plan, with the fix.
     """
-    from ..ops import check_qkv
-    from ..plan import Plan
-    if not isinstance(plan, Plan):
+    if not isinstance(plan, PlanLike):
         raise TypeError(f"plan must be a fringe.Plan from fringe.plan(schedule, mask_mod, ...), "
                         f"got {type(plan).__name__}")
     plan.check_unchanged()      # every call: plan state edited in place since it was built
@@ -54,9 +55,10 @@ def acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def head_splits(plan) -> tuple[int, ...]:
-    """The ways the plan's programs split heads (``n`` of every ``h<i>/<n>`` buffer), sorted."""
-    hit = plan.__dict__.get("_head_splits")
+def head_splits(plan: PlanLike) -> tuple[int, ...]:
+    """The ways the plan's programs split heads (``n`` of every ``h<i>/<n>`` buffer), sorted
+    (derived once per plan: ``plan.cache.head_splits``, written here only)."""
+    hit = plan.cache.head_splits
     if hit is None:
         found, tables = set(), set()
         for progs in (plan.forward, plan.backward):
@@ -71,18 +73,18 @@ def head_splits(plan) -> tuple[int, ...]:
                     for b in op.reads() + op.writes():
                         if b.heads is not None:
                             found.add(b.heads[1])
-        hit = plan.__dict__["_head_splits"] = tuple(sorted(found))
+        hit = plan.cache.head_splits = tuple(sorted(found))
     return hit
 
 
-def check_heads(plan, num_heads: int, kv_heads: int) -> None:
+def check_heads(plan: PlanLike, num_heads: int, kv_heads: int) -> None:
     """Raise before any communication if the plan splits heads in a way H and G do not allow."""
     for n in head_splits(plan):
         check_head_split(n, num_heads, kv_heads,
                          what=f"schedule {plan.schedule.name!r} (heads split {n} ways)")
 
 
-def kept_names(plan, rank: int) -> list[Buffer]:
+def kept_names(plan: PlanLike, rank: int) -> list[Buffer]:
     """kv buffers rank keeps from forward to backward when ``plan.kv == "keep"``."""
     if plan.kv != "keep":
         return []
@@ -114,7 +116,6 @@ def _rank_state(program, rank: int, q, k, v, *, like, backward: bool,
     k and v are held as the parts of the rank's kv buffer (packed ``[2, B, G, L, D]``, or
     ``[1, B, G, L, D + Dv]``, only if sent), borrowed: never written.
     """
-    from ..ops import merge
     mine = {Family.Q, Family.KV, Family.OUT, Family.DOUT, Family.DQ, Family.DKV}
     protect = set(protect) | {Buffer.of(f, rank) for f in mine}
     st = RankState(rank, program, like=like, heads=(q.shape[1], k.shape[1]), device=q.device,
@@ -131,12 +132,13 @@ def _own_pieces(st: RankState, family: Family) -> list[Buffer]:
     return sorted(found, key=lambda b: (b.heads is not None, b.heads or (0, 0)))
 
 
-def _shifted(plan, offset: int):
-    """The plan's mask_mod and score_mod seeing global head ``h + offset`` (cached)."""
-    cache = plan.__dict__.setdefault("_head_shift", {})
+def _shifted(plan: PlanLike, offset: int):
+    """The plan's mask_mod and score_mod seeing global head ``h + offset`` (derived once per
+    plan and offset: ``plan.cache.head_shift``, written here only)."""
+    cache = plan.cache.head_shift
     if offset not in cache:
         mask, score = plan.mask_mod, plan.score_mod
-        if offset and mask is not None and reads_bh(mask, seq_len=plan.layout.seq_len).h:
+        if offset and mask is not None and reads_bh(mask, seq_len=plan.seq_len).h:
             base_mask = mask
 
             def mask(b, h, q_idx, kv_idx):
@@ -150,7 +152,7 @@ def _shifted(plan, offset: int):
     return cache[offset]
 
 
-def _tile_args(plan, op, device: torch.device, num_heads: int) -> dict:
+def _tile_args(plan: PlanLike, op, device: torch.device, num_heads: int) -> dict:
     i, j = op.q, op.kv
     offset = 0 if op.heads is None else op.heads[0] * (num_heads // op.heads[1])
     mask_mod, score_mod = _shifted(plan, offset)
@@ -161,7 +163,7 @@ def _tile_args(plan, op, device: torch.device, num_heads: int) -> dict:
                 cache=True)   # the plan's mask_mod is a snapshot, its maps and positions cached
 
 
-def forward(plan, ranks: Sequence[int], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+def forward(plan: PlanLike, ranks: Sequence[int], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             transport: Transport):
     """Run the forward programs of ``ranks``.
 
@@ -169,8 +171,6 @@ def forward(plan, ranks: Sequence[int], q: torch.Tensor, k: torch.Tensor, v: tor
         ``(out [R, B, H, L, Dv], lse [R, B, H, L], kept, states)`` where ``kept`` is a list of
         per-rank lists of kv buffers to save (empty unless ``plan.kv == "keep"``).
     """
-    from ..ops import merge, tile_forward
-
     acc = acc_dtype(q.dtype)
     H = q.shape[2]
     check_heads(plan, H, k.shape[2])
@@ -224,7 +224,7 @@ def forward(plan, ranks: Sequence[int], q: torch.Tensor, k: torch.Tensor, v: tor
     return _stack(out), _stack(lse), kept, states
 
 
-def backward(plan, ranks: Sequence[int], q, k, v, out, lse, dout, dlse, kept,
+def backward(plan: PlanLike, ranks: Sequence[int], q, k, v, out, lse, dout, dlse, kept,
              transport: Transport):
     """Run the backward programs of ``ranks``.
 
@@ -235,8 +235,6 @@ def backward(plan, ranks: Sequence[int], q, k, v, out, lse, dout, dlse, kept,
         gradients of ``plan.score_params`` summed over the tiles these ranks computed
         (this process's share; under torch.distributed each rank returns its own part).
     """
-    from ..ops import tile_backward
-
     acc = acc_dtype(q.dtype)
     H = q.shape[2]
     check_heads(plan, H, k.shape[2])
@@ -317,12 +315,12 @@ class Runtime:
         self.make_transport = make_transport
         self.last_states: dict = {}
 
-    def forward(self, plan, q, k, v):
+    def forward(self, plan: PlanLike, q, k, v):
         out, lse, kept, states = forward(plan, self.ranks, q, k, v, self.make_transport(q.device))
         self.last_states["forward"] = states
         return out, lse, kept
 
-    def backward(self, plan, q, k, v, out, lse, dout, dlse, kept):
+    def backward(self, plan: PlanLike, q, k, v, out, lse, dout, dlse, kept):
         dq, dk, dv, dparams, states = backward(plan, self.ranks, q, k, v, out, lse, dout, dlse,
                                                kept, self.make_transport(q.device))
         self.last_states["backward"] = states

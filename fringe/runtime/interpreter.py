@@ -39,6 +39,7 @@ from typing import Any, Callable, Protocol
 
 import torch
 
+from ..cost.hardware import check_head_split  # the head-split rule (re-exported here)
 from ..schedules.ir import Buffer, Compute, Family, GradCompute, Program, Send
 
 
@@ -137,21 +138,6 @@ def head_range(buf: Buffer, num_heads: int, kv_heads: int) -> tuple[int, int, in
         return 2, g, g + 1
     w = num_heads // n
     return _HEAD_DIM[fam], i * w, (i + 1) * w
-
-
-def check_head_split(n: int, num_heads: int, kv_heads: int, *, what: str = "") -> None:
-    """Raise a ValueError naming the fix unless H % n == 0 and (G % n == 0 or n % G == 0)."""
-    if num_heads % n == 0 and (kv_heads % n == 0 or n % kv_heads == 0):
-        return
-    who = what or f"a schedule that splits heads {n} ways"
-    if num_heads % n:
-        raise ValueError(f"{who} needs the number of query heads divisible by {n}, got H="
-                         f"{num_heads}; use H a multiple of {n}, or split heads fewer ways "
-                         f"(schedules.compose(ring-like outer, ulysses(), inner_size=k) with k "
-                         f"dividing H)")
-    raise ValueError(f"{who} needs the kv heads G={kv_heads} to split {n} ways (G % {n} == 0) "
-                     f"or to be replicated across the {n} ranks ({n} % G == 0); G={kv_heads} is "
-                     f"neither: use G dividing or divisible by {n}")
 
 
 #: Families packed from parts: kv-like ones stack (k, v) along a new dim 0 (or, when v's head

@@ -25,6 +25,61 @@ from .passes import Hop, HopTable, check, gc_paused, lower, prune
 LayoutFn = Callable[..., Layout]          # (seq_len, world_size, *, block_size) -> Layout
 HopsFn = Callable[[int], Mapping[int, Sequence[Hop]]]
 
+#: What a schedule is, a field set by the constructor that builds it (never read from its
+#: name): the built-ins' kinds, and ``"user"`` for any other schedule (the default).
+KINDS = ("ring", "zigzag", "striped", "balanced", "allgather", "ulysses", "compose", "user")
+#: Kinds that split heads or nest others; every other kind moves sequence chunks (what
+#: :func:`~fringe.schedules.compose` takes as its outer schedule, or as a double ring's inner).
+NOT_SEQUENCE = ("ulysses", "compose")
+#: The name of a :class:`Spec` of two composed schedules (``compose:OUTER+INNER:K``).
+COMPOSE = "compose"
+
+
+@dataclasses.dataclass(frozen=True)
+class Spec:
+    """How the registry builds a schedule, as a value: a registered name with its optional
+    positive-integer argument, or :data:`COMPOSE` of two specs with the group size.
+
+    ``str(spec)`` is its text (``"striped:4"``, ``"compose:zigzag+ulysses:2"``), the form
+    :func:`fringe.schedules.get` parses; the registry prints specs from these fields and never
+    parses a schedule's display name.
+
+    >>> str(Spec(COMPOSE, outer=Spec("allgather", 3), inner=Spec("ulysses"), inner_size=2))
+    'compose:allgather:3+ulysses:2'
+    """
+
+    name: str
+    arg: int | None = None
+    outer: Spec | None = None
+    inner: Spec | None = None
+    inner_size: int | None = None
+
+    def __post_init__(self) -> None:
+        composed = (self.outer, self.inner, self.inner_size)
+        if self.name == COMPOSE:
+            if not (isinstance(self.outer, Spec) and isinstance(self.inner, Spec)
+                    and _positive_int(self.inner_size)) or self.arg is not None:
+                raise ValueError(f"Spec({COMPOSE!r}) takes outer= and inner= specs and "
+                                 f"inner_size= a positive int (no arg), got {self!r}")
+        elif any(x is not None for x in composed) or not (self.arg is None or
+                                                          _positive_int(self.arg)):
+            raise ValueError(f"Spec({self.name!r}) takes an optional positive int arg= only "
+                             f"(outer=, inner=, inner_size= are for {COMPOSE!r}), got {self!r}")
+
+    def __str__(self) -> str:
+        if self.name == COMPOSE:
+            return f"{COMPOSE}:{self.outer}+{self.inner}:{self.inner_size}"
+        return self.name if self.arg is None else f"{self.name}:{self.arg}"
+
+    def names(self) -> tuple[str, ...]:
+        """The registered names it uses (a compose: its parts', outer first)."""
+        return (self.outer.names() + self.inner.names() if self.name == COMPOSE
+                else (self.name,))
+
+
+def _positive_int(n) -> bool:
+    return isinstance(n, int) and not isinstance(n, bool) and n >= 1
+
 
 def ring_hops(world_size: int) -> HopTable:
     """The ring: kv chunk j moves j → j+1 → ... (mod P), one hop per step.
@@ -53,6 +108,15 @@ class Schedule:
             map (``need``: bool numpy ``[P, P]``, or None for every tile), as the collective
             schedules are (a rank gathers only what its queries need); still checked, pruned
             and reversed like any other.
+        kind: what the schedule is, one of :data:`KINDS`; ``"user"`` (the default) for a
+            schedule of your own. fringe's constructors set the built-in kinds, and fringe
+            reads a schedule's kind only from here (a user schedule named ``"ulysses"`` or
+            ``"compose(x)"`` is still a user schedule: a sequence schedule).
+        inner_size: k, the ranks per inner group, for ``kind="compose"`` (and only then):
+            what a 2D DeviceMesh is checked against.
+        spec: the :class:`Spec` the registry builds it from (set by the built-in constructors
+            and by :func:`fringe.schedules.get` for registered names), or None: no registered
+            name builds it, and :func:`fringe.schedules.registry.spec` says so.
     """
 
     name: str
@@ -61,12 +125,33 @@ class Schedule:
     programs_fn: Callable[[int], Sequence[Program]] | None = None
     mask_aware: bool = False
     build: Callable[[int, np.ndarray | None], Sequence[Program]] | None = None
+    kind: str = "user"
+    inner_size: int | None = None
+    spec: Spec | None = None
 
     def __post_init__(self) -> None:
         given = sum(x is not None for x in (self.hops, self.programs_fn, self.build))
         if given != 1:
             raise ValueError(f"schedule {self.name!r}: give exactly one of hops=, programs_fn= "
                              f"or build=")
+        if self.kind not in KINDS:
+            raise ValueError(f"schedule {self.name!r}: kind must be one of {KINDS}, got "
+                             f"{self.kind!r} (leave it out for a schedule of your own: 'user')")
+        if (self.kind == COMPOSE) != (self.inner_size is not None) or not (
+                self.inner_size is None or _positive_int(self.inner_size)):
+            raise ValueError(f"schedule {self.name!r}: inner_size (a positive int) is given for "
+                             f"kind='compose' and only then, got kind={self.kind!r}, "
+                             f"inner_size={self.inner_size!r}; build 2D schedules with "
+                             f"schedules.compose(outer, inner, inner_size=k)")
+        if self.spec is not None and not isinstance(self.spec, Spec):
+            raise TypeError(f"schedule {self.name!r}: spec must be a fringe.schedules.base.Spec "
+                            f"or None, got {type(self.spec).__name__}")
+
+    @property
+    def moves_sequence(self) -> bool:
+        """It moves sequence chunks between ranks (every kind but ulysses and compose): what
+        :func:`~fringe.schedules.compose` takes as its outer schedule or a double ring's inner."""
+        return self.kind not in NOT_SEQUENCE
 
     def make_layout(self, seq_len: int, world_size: int, *, block_size: int,
                     block_work: torch.Tensor | None = None) -> Layout:

@@ -34,13 +34,11 @@ from __future__ import annotations
 
 import functools
 
-import weakref
-
 import numpy as np
 import torch
 
 from .. import layout as _layout
-from .base import Schedule
+from .base import COMPOSE, Schedule, Spec
 from .ir import (_FAMILY_CODE, C_, COLL_KINDS, Buffer, Collective, Compute, Family, Program,
                  ProgramTable, Recv, Send, _no_coll, steps_of)
 from .passes import _keep_hops
@@ -178,7 +176,8 @@ def allgather(pieces: int = 2) -> Schedule:
     if isinstance(pieces, bool) or not isinstance(pieces, int) or pieces < 1:
         raise ValueError(f"allgather(pieces=) must be an int >= 1, got {pieces!r}")
     return Schedule("allgather" if pieces == 2 else f"allgather({pieces})", layout=_layout.zigzag,
-                    build=functools.partial(_allgather_programs, pieces=pieces))
+                    build=functools.partial(_allgather_programs, pieces=pieces),
+                    kind="allgather", spec=Spec("allgather", None if pieces == 2 else pieces))
 
 
 # ---------------------------------------------------------------------------------------
@@ -358,8 +357,8 @@ def ulysses() -> Schedule:
     │ t2     │ A2A[0,1] out{0,1}h0/2 ⇄ out0h*/2 │ A2A[0,1] out{0,1}h1/2 ⇄ out1h*/2 │
     └────────┴──────────────────────────────────┴──────────────────────────────────┘
     """
-    return Schedule("ulysses", layout=_layout.contiguous,
-                    build=_ulysses_programs)
+    return Schedule("ulysses", layout=_layout.contiguous, build=_ulysses_programs,
+                    kind="ulysses", spec=Spec("ulysses"))
 
 
 # ---------------------------------------------------------------------------------------
@@ -563,24 +562,14 @@ def _double_programs(outer: Schedule, inner: Schedule, k: int, P: int,
     return list(ProgramTable._of_parts(P, comp, xfer, coll).programs())
 
 
-def _is_sequence_schedule(s: Schedule) -> bool:
-    return s.name != "ulysses" and not s.name.startswith("compose(")
-
-
-#: Composed schedules and their inner size (what a 2D DeviceMesh is checked against).
-_INNER_SIZES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
 def inner_size_of(schedule: Schedule) -> int | None:
-    """k of a schedule made by :func:`compose` (``None`` for any other schedule).
+    """k of a schedule made by :func:`compose` (``None`` for any other schedule): its
+    ``inner_size`` field.
 
     ``fringe.attention(..., group=mesh)`` checks a 2D DeviceMesh against it: the mesh must
     have shape ``(P // k, k)``.
     """
-    try:
-        return _INNER_SIZES.get(schedule)
-    except TypeError:
-        return None
+    return schedule.inner_size
 
 
 def compose(outer: Schedule, inner: Schedule, *, inner_size: int) -> Schedule:
@@ -654,19 +643,19 @@ def compose(outer: Schedule, inner: Schedule, *, inner_size: int) -> Schedule:
     works = ("compose(outer, inner, inner_size=k) works with outer one of ring, zigzag, striped, "
              "balanced, allgather (a schedule that moves sequence chunks between groups) and "
              "inner one of ulysses, ring, zigzag, striped, balanced, allgather")
-    if not _is_sequence_schedule(outer):
+    if not outer.moves_sequence:
         raise ValueError(f"compose: the outer schedule must move sequence chunks between groups, "
                          f"got {outer.name!r}; heads split inside a group: the inner schedule "
                          f"must be schedules.ulysses() or a sequence schedule, e.g. "
-                         f"compose({inner.name if _is_sequence_schedule(inner) else 'zigzag'}(), "
+                         f"compose({inner.name if inner.moves_sequence else 'zigzag'}(), "
                          f"ulysses(), inner_size=k). {works}")
-    if inner.name.startswith("compose("):
+    if inner.kind == COMPOSE:
         raise ValueError(f"compose: the inner schedule cannot itself be composed, got "
                          f"{inner.name!r}; {works}")
     if isinstance(inner_size, bool) or not isinstance(inner_size, int) or inner_size < 1:
         raise ValueError(f"inner_size must be an int >= 1, got {inner_size!r}")
     k = inner_size
-    heads = inner.name == "ulysses"
+    heads = inner.kind == "ulysses"
 
     def make(seq_len: int, world_size: int, *, block_size: int, block_work=None):
         if world_size % k:
@@ -702,7 +691,8 @@ def compose(outer: Schedule, inner: Schedule, *, inner_size: int) -> Schedule:
     name = f"compose({outer.name}, {inner.name}, inner_size={k})"
     build = (functools.partial(_composed_programs, outer, k) if heads else
              functools.partial(_double_programs, outer, inner, k))
-    sched = Schedule(name, layout=make, build=build,
-                     mask_aware=outer.mask_aware or inner.mask_aware)
-    _INNER_SIZES[sched] = k
-    return sched
+    parts = (outer.spec, inner.spec)
+    return Schedule(name, layout=make, build=build,
+                    mask_aware=outer.mask_aware or inner.mask_aware, kind=COMPOSE, inner_size=k,
+                    spec=None if None in parts else Spec(COMPOSE, outer=outer.spec,
+                                                         inner=inner.spec, inner_size=k))

@@ -1088,8 +1088,9 @@ class ProgramTable:
         for d in (comp, xfer):
             n = len(d["order"])
             for k in ("hi", "hn"):
-                if k not in d:
-                    d[k] = small(np.zeros(n, np.int32))
+                if k not in d:               # all heads: zeros, already small and read-only
+                    d[k] = np.zeros(n, np.int32)
+                    d[k].setflags(write=False)
         if "rorder" not in xfer:
             xfer["rorder"] = xfer["order"]
         coll = _no_coll() if coll is None else dict(coll)

@@ -23,6 +23,11 @@ which pairs it supports. Which schedules can run a given world size and head cou
 too (``names(world_size=4, heads=2, kv_heads=1)``, :func:`why_not`), so a caller need not
 learn each schedule's rules.
 
+The text is input: :func:`get` parses it into a :class:`~fringe.schedules.base.Spec` and builds
+from that; a schedule carries its spec as a field (set by the built-in constructors, and by
+:func:`get` for a registered user factory), and :func:`spec` prints that field. A schedule's
+display name is never parsed: a hand-made ``Schedule("zigzag", ...)`` has no spec.
+
 >>> from fringe import schedules
 >>> schedules.get("compose:zigzag+ulysses:2")
 Schedule(compose(zigzag, ulysses, inner_size=2))
@@ -39,7 +44,7 @@ import dataclasses
 import re
 from typing import Callable
 
-from .base import Schedule
+from .base import COMPOSE, Schedule, Spec
 from .collectives import allgather, compose, ulysses
 from .rings import balanced, ring, striped, zigzag
 
@@ -50,7 +55,6 @@ __all__ = ["Entry", "canonical", "describe", "get", "names", "register", "spec",
 Constraint = Callable[..., "str | None"]
 
 _NAME = re.compile(r"[a-z][a-z0-9_]*\Z")
-COMPOSE = "compose"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,27 +164,47 @@ def _positive(text: str, what: str, whole: str) -> int:
     return int(text)
 
 
-def _split_compose(text: str) -> tuple[str, str, int]:
-    body = text[len(COMPOSE) + 1:]
-    outer, plus, rest = body.partition("+")
-    inner, colon, k = rest.rpartition(":")
-    if not plus or not outer or not colon or not inner:
-        raise _unknown(text, f" (the 2D form is {COMPOSE}:OUTER+INNER:K, e.g. "
-                             f"{COMPOSE}:zigzag+ulysses:2)")
-    return outer, inner, _positive(k, "K (ranks per inner group)", text)
+def _parse(text: str) -> Spec:
+    """The :class:`Spec` a spec's text names (input: a command line, a config file), checked
+    against the registry.
 
-
-def _entry(text: str) -> tuple[Entry, int | None]:
+    Raises:
+        ValueError: an unknown or malformed spec, listing the valid ones.
+    """
+    if text.startswith(COMPOSE + ":"):
+        outer, plus, rest = text[len(COMPOSE) + 1:].partition("+")
+        inner, colon, k = rest.rpartition(":")
+        if not plus or not outer or not colon or not inner:
+            raise _unknown(text, f" (the 2D form is {COMPOSE}:OUTER+INNER:K, e.g. "
+                                 f"{COMPOSE}:zigzag+ulysses:2)")
+        return Spec(COMPOSE, outer=_parse(outer), inner=_parse(inner),
+                    inner_size=_positive(k, "K (ranks per inner group)", text))
     name, colon, arg = text.partition(":")
     e = _REGISTRY.get(name)
     if e is None:
         raise _unknown(text)
     if not colon:
-        return e, None
+        return Spec(name)
     if e.arg is None:
         raise ValueError(f"schedule {name!r} takes no ':' argument, got {text!r}; valid: "
                          f"{syntax()}")
-    return e, _positive(arg, e.arg, text)
+    return Spec(name, _positive(arg, e.arg, text))
+
+
+def _build(sp: Spec) -> Schedule:
+    """The schedule ``sp`` names. A registered user factory's schedule carries ``sp`` (the
+    built-in constructors set their own spec, in its one spelling: ``allgather:2`` is
+    ``allgather``)."""
+    if sp.name == COMPOSE:
+        return compose(_build(sp.outer), _build(sp.inner), inner_size=sp.inner_size)
+    e = _REGISTRY[sp.name]
+    s = e.factory() if sp.arg is None else e.factory(sp.arg)
+    if not isinstance(s, Schedule):
+        raise TypeError(f"the factory registered as {sp.name!r} returned "
+                        f"{type(s).__name__}, not a fringe.schedules.Schedule")
+    if sp.name not in _BUILTIN and s.spec != sp:
+        s = dataclasses.replace(s, spec=sp)
+    return s
 
 
 def get(name: str | Schedule) -> Schedule:
@@ -197,12 +221,7 @@ def get(name: str | Schedule) -> Schedule:
     if not isinstance(name, str):
         raise TypeError(f"a schedule is a name such as 'zigzag' or a Schedule, got "
                         f"{type(name).__name__}; valid names: {syntax()}")
-    text = name.strip()
-    if text.startswith(COMPOSE + ":"):
-        outer, inner, k = _split_compose(text)
-        return compose(get(outer), get(inner), inner_size=k)
-    e, n = _entry(text)
-    return e.factory() if n is None else e.factory(n)
+    return _build(_parse(name.strip()))
 
 
 def why_not(name: str, *, world_size: int | None = None, heads: int | None = None,
@@ -213,55 +232,47 @@ def why_not(name: str, *, world_size: int | None = None, heads: int | None = Non
     Raises:
         ValueError: an unknown or malformed spec.
     """
-    text = name.strip() if isinstance(name, str) else name
-    if not isinstance(text, str):
+    if not isinstance(name, str):
         raise TypeError(f"why_not takes a schedule name, got {type(name).__name__}")
-    if text.startswith(COMPOSE + ":"):
-        outer, inner, k = _split_compose(text)
+    return _why_not(_parse(name.strip()), world_size=world_size, heads=heads, kv_heads=kv_heads)
+
+
+def _why_not(sp: Spec, *, world_size, heads, kv_heads) -> str | None:
+    if sp.name == COMPOSE:
+        k = sp.inner_size
         if world_size is not None and world_size % k:
-            return (f"{text} puts {k} ranks in a group: world_size={world_size} is not a "
+            return (f"{sp} puts {k} ranks in a group: world_size={world_size} is not a "
                     f"multiple of {k}")
-        return (why_not(inner, world_size=k, heads=heads, kv_heads=kv_heads)
-                or why_not(outer, world_size=None if world_size is None else world_size // k,
-                           heads=heads, kv_heads=kv_heads))
-    e, _ = _entry(text)
+        return (_why_not(sp.inner, world_size=k, heads=heads, kv_heads=kv_heads)
+                or _why_not(sp.outer, world_size=None if world_size is None else world_size // k,
+                            heads=heads, kv_heads=kv_heads))
+    e = _REGISTRY[sp.name]
     if e.constraint is None:
         return None
     return e.constraint(world_size=world_size, heads=heads, kv_heads=kv_heads)
 
 
-_DISPLAY = re.compile(r"([a-z][a-z0-9_]*)\((\d+)\)\Z")
-
-
-def _top_level_split(body: str) -> list[str]:
-    parts, depth, start = [], 0, 0
-    for i, c in enumerate(body):
-        depth += (c == "(") - (c == ")")
-        if c == "," and depth == 0:
-            parts.append(body[start:i].strip())
-            start = i + 1
-    return parts + [body[start:].strip()]
-
-
-def spec(schedule: Schedule | str) -> str:
+def spec(schedule: Schedule) -> str:
     """The spec that :func:`get` turns back into this schedule: the inverse of :func:`get`
-    for registered schedules (``spec(get(s)) == canonical(s)``).
+    for registered schedules (``spec(get(s)) == canonical(s)``), printed from its
+    :attr:`~fringe.schedules.Schedule.spec` field (never read from its display name).
 
     Raises:
-        ValueError: a schedule no registered name builds (a hand-made :class:`Schedule`).
+        ValueError: a schedule no registered name builds (a hand-made :class:`Schedule`,
+            whatever its name), or one whose name was unregistered since.
+        TypeError: not a Schedule.
     """
-    display = schedule.name if isinstance(schedule, Schedule) else schedule
-    if display in _REGISTRY:
-        return display
-    m = _DISPLAY.match(display)
-    if m and m.group(1) in _REGISTRY and _REGISTRY[m.group(1)].arg:
-        return f"{m.group(1)}:{m.group(2)}"
-    if display.startswith(COMPOSE + "(") and display.endswith(")"):
-        parts = _top_level_split(display[len(COMPOSE) + 1:-1])
-        if len(parts) == 3 and parts[2].startswith("inner_size="):
-            return f"{COMPOSE}:{spec(parts[0])}+{spec(parts[1])}:{parts[2][len('inner_size='):]}"
-    raise ValueError(f"schedule {display!r} is not built by a registered name; register its "
-                     f"factory with fringe.schedules.register(name, factory, description=...)")
+    if not isinstance(schedule, Schedule):
+        raise TypeError(f"spec() takes a Schedule (schedules.get(text) for a spec's text), got "
+                        f"{type(schedule).__name__}")
+    sp = schedule.spec
+    gone = [] if sp is None else [n for n in sp.names() if n not in _REGISTRY]
+    if sp is None or gone:
+        why = f" ({', '.join(map(repr, gone))} no longer registered)" if gone else ""
+        raise ValueError(f"schedule {schedule.name!r} is not built by a registered name{why}; "
+                         f"register its factory with fringe.schedules.register(name, factory, "
+                         f"description=...) and build it with fringe.schedules.get(name)")
+    return str(sp)
 
 
 def canonical(name: str) -> str:

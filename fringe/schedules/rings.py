@@ -11,7 +11,7 @@ The grids in the docstrings below are printed by the code and checked by the tes
 from __future__ import annotations
 
 from .. import layout as _layout
-from .base import Schedule, ring_hops
+from .base import Schedule, Spec, ring_hops
 
 
 def ring() -> Schedule:
@@ -44,7 +44,8 @@ def ring() -> Schedule:
        2 F  2 F  1 p  0    .
        3 F  3 F  2 F  1 p  0
     """
-    return Schedule("ring", layout=_layout.contiguous, hops=ring_hops)
+    return Schedule("ring", layout=_layout.contiguous, hops=ring_hops, kind="ring",
+                    spec=Spec("ring"))
 
 
 def zigzag() -> Schedule:
@@ -78,7 +79,8 @@ def zigzag() -> Schedule:
        2 p  2 p  1 p  0 p  3
        3 p  3 p  2 p  1 p  0
     """
-    return Schedule("zigzag", layout=_layout.zigzag, hops=ring_hops)
+    return Schedule("zigzag", layout=_layout.zigzag, hops=ring_hops, kind="zigzag",
+                    spec=Spec("zigzag"))
 
 
 def striped(stripe: int | None = None) -> Schedule:
@@ -96,11 +98,16 @@ def striped(stripe: int | None = None) -> Schedule:
        3 p  3 p  2 p  1 p  0
     1.023
     """
+    if stripe is not None and (isinstance(stripe, bool) or not isinstance(stripe, int)
+                               or stripe < 1):
+        raise ValueError(f"striped(stripe=) must be an int >= 1 (tokens per stripe) or None "
+                         f"(the block size), got {stripe!r}")
+
     def make(seq_len: int, world_size: int, *, block_size: int):
         return _layout.striped(seq_len, world_size, stripe=stripe or block_size,
                                block_size=block_size)
     return Schedule("striped" if stripe is None else f"striped({stripe})", layout=make,
-                    hops=ring_hops)
+                    hops=ring_hops, kind="striped", spec=Spec("striped", stripe))
 
 
 def balanced() -> Schedule:
@@ -131,4 +138,5 @@ def balanced() -> Schedule:
     striped   sends 12  balance 1.11  docs 012345/012345/012345/012345
     balanced  sends  1  balance 1.23  docs 4/345/0/12
     """
-    return Schedule("balanced", layout=_layout.balanced, hops=ring_hops, mask_aware=True)
+    return Schedule("balanced", layout=_layout.balanced, hops=ring_hops, mask_aware=True,
+                    kind="balanced", spec=Spec("balanced"))

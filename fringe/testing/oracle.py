@@ -528,3 +528,224 @@ def _check_tiles(programs: Sequence[Program], need: np.ndarray) -> None:
             f"is empty but computed at {', '.join(where)}")
     raise ScheduleError(f"tile q{i}·kv{j} {what}; every non-empty tile must be computed "
                         f"exactly once (all heads at once, or each head slice of one split once)")
+
+
+# ---- the cost model's program reader, op by op ---------------------------------------------
+# The oracle of fringe.cost.programs.columns (which reads the ProgramTable's columns): the
+# same columns from a walk over every op, as the cost model read programs before the one table.
+
+import gc as _gc  # noqa: E402
+import itertools as _itertools  # noqa: E402
+import operator  # noqa: E402
+
+from ..cost.programs import (_COLL_KINDS as _COST_COLL_KINDS,  # noqa: E402
+                             FAMILIES as _COST_FAMILIES, FAMILY_CODE as _COST_FAMILY_CODE,
+                             _Cols as _CostCols, _compute_touches as _cost_compute_touches,
+                             _fam_bytes as _cost_fam_bytes, _i64 as _cost_i64)
+from ..schedules.ir import TILE_TOUCHES as _COST_TILE_TOUCHES  # noqa: E402
+
+_COST_BULK_OPS = 16       # steps of this many ops take their computes in bulk (the walk)
+
+
+def cost_columns(programs: Sequence[Program], L: int, shape) -> _CostCols:
+    """The cost model's columns of ``programs`` (one per rank, in rank order) by walking every
+    op: what :func:`fringe.cost.programs.columns` reads from their table (buffers and groups
+    may be numbered otherwise; nothing the simulation reads differs). ``shape``: a
+    :class:`fringe.cost.hardware.Shape`.
+
+    Raises:
+        ValueError: a buffer names a chunk past P, a collective does not list the rank that
+            runs it, or an op kind the cost model does not model.
+    """
+    paused = _gc.isenabled()           # the walk makes many small lists and tuples: without
+    _gc.disable()                      # a pause, collections traverse the millions of ops
+    try:
+        return _walk_cost_columns(programs, L, shape)
+    finally:
+        if paused:
+            _gc.enable()
+
+
+def _walk_cost_columns(programs: Sequence, L: int, shape) -> _CostCols:
+    P = len(programs)
+    fams, code = _COST_FAMILIES, _COST_FAMILY_CODE
+    fam_bytes = _cost_fam_bytes(L, shape)
+    base = len(fams) * P
+    sliced: dict[tuple, int] = {}                      # (family code, chunk, (i, n)) -> id
+    sliced_bytes: list[int] = []
+    splits = {1}
+    in_place = {k: rule.own_slot_in_place for k, rule in RULES.items()}
+    cache: dict = {}
+    sliced_chunks: list[int] = []
+
+    class _Ids(dict):                                  # buffer -> id, learning new buffers
+        def __missing__(self, b):
+            return of_buffer(b)[0]
+    ids_of = _Ids()
+
+    def bid(fc: int, chunk: int, heads) -> int:
+        if heads is None:
+            return fc * P + chunk
+        k = (fc, chunk, heads)
+        hit = sliced.get(k)
+        if hit is None:
+            n = heads[1]
+            splits.add(n)
+            hit = sliced[k] = base + len(sliced_bytes)
+            sliced_bytes.append(shape.buffer_bytes(fams[fc].value, L, split=n))
+            sliced_chunks.append(chunk)
+        return hit
+
+    def of_buffer(b) -> tuple[int, int, int]:
+        """(id, bytes, chunk) of a Buffer, cached."""
+        hit = cache.get(b)
+        if hit is None:
+            fc, chunk, heads = code[b.family], b.chunk, b.heads
+            if chunk >= P:
+                raise ValueError(f"buffer {b} names chunk {chunk}, but the programs are for "
+                                 f"P={P} ranks")
+            i = bid(fc, chunk, heads)
+            hit = cache[b] = (i, int(fam_bytes[fc]) if heads is None else sliced_bytes[i - base],
+                              chunk)
+            ids_of[b] = i
+        return hit
+
+    comp, send, touch, coll = [], [], [], []      # comp: computes of short steps, a row each
+    # computes of long steps, a step at a time: (rank, step, count) and the step's q, kv, grad, heads lists
+    c_at, c_q, c_kv, c_g, c_h = [], [], [], [], []
+    k_touch = []                                       # collective sides: (rank, step, bufs, side)
+    groups: dict[tuple, int] = {}
+    qget, kvget, hget = (operator.attrgetter(a) for a in ("q", "kv", "heads"))
+    for prog in programs:
+        r = prog.rank
+        for step in prog.steps:
+            t = step.index
+            ops = step.ops
+            if len(ops) < _COST_BULK_OPS:                   # a short step: op by op
+                rest = []
+                for op in ops:
+                    tp = type(op)
+                    if tp is Compute or tp is GradCompute:
+                        h = op.heads
+                        comp.append((r, t, tp is GradCompute, op.q, op.kv, *(h or (-1, 1))))
+                    else:
+                        rest.append((op, tp))
+                nc = ng = 0
+            else:
+                types = list(map(type, ops))
+                nc, ng = types.count(Compute), types.count(GradCompute)
+                rest = zip(ops, types)
+            if nc or ng:                               # computes in bulk (most ops are these)
+                comps = ops if nc + ng == len(ops) else [
+                    op for op, tp in zip(ops, types) if tp is Compute or tp is GradCompute]
+                c_at.append((r, t, len(comps)))
+                c_q.append(list(map(qget, comps)))
+                c_kv.append(list(map(kvget, comps)))
+                c_g.append(ng if not nc or not ng else
+                           [tp is GradCompute for tp in types if tp is Compute or tp is GradCompute])
+                hs = list(map(hget, comps))
+                c_h.append(None if hs.count(None) == len(hs) else hs)
+                if nc + ng == len(ops):
+                    continue
+                rest = [(op, tp) for op, tp in zip(ops, types)
+                        if tp is not Compute and tp is not GradCompute]
+            seen: dict[int, int] = {}
+            for op, tp in rest:
+                if tp is Send or tp is Recv:
+                    i, nbytes, chunk = of_buffer(op.buf)
+                    if tp is Send:
+                        send.append((r, t, op.peer, nbytes))
+                    if chunk != r:
+                        touch.append((r, t, i, tp is Recv))
+                elif tp is Collective:
+                    gid = groups.setdefault(op.group, len(groups))
+                    if r not in op.group:
+                        raise ValueError(f"rank {r}, step {t}: {op.ascii()} does not list rank "
+                                         f"{r} in its group {list(op.group)}")
+                    me = op.group.index(r) if in_place[op.kind] else None
+                    refs = [-1, -1]                   # its sides in k_touch (bytes: later)
+                    for side, (idx, bufs) in enumerate((op.sparse_sends, op.sparse_recvs)):
+                        if not bufs:                  # the occupied slots only
+                            continue
+                        refs[side] = len(k_touch)     # its own slot stays in place (RULES)
+                        k_touch.append((r, t, bufs, side, bufs[idx.index(me)] if me in idx
+                                        else None))   # (its touch, if any, is harmless)
+                    ordinal = seen.get(gid, 0)
+                    seen[gid] = ordinal + 1
+                    coll.append((r, t, gid, ordinal, _COST_COLL_KINDS[op.kind], *refs))
+                else:
+                    raise ValueError(
+                        f"the cost model does not model {type(op).__name__} ops (rank {r}, step "
+                        f"{t}: {op}); it runs compute, send, receive and collective (AG, RS, A2A) "
+                        f"ops")
+
+    def cols(rows, width):
+        flat = np.fromiter(_itertools.chain.from_iterable(rows), dtype=np.int64,
+                           count=len(rows) * width)
+        return tuple(flat.reshape(-1, width).T)
+
+    def flat(lists, n):
+        return np.fromiter(_itertools.chain.from_iterable(lists), dtype=np.int64, count=n)
+
+    tc = cols(touch, 4)
+    touch_cols = [(tc[0], tc[1], tc[2], tc[3].astype(bool))]
+    coll_cols = cols(coll, 7)
+    if k_touch:                                        # collective slots, one id lookup a slot
+        counts = _cost_i64([len(x[2]) for x in k_touch])
+        n = int(counts.sum())
+        ids = np.fromiter(map(ids_of.__getitem__, _itertools.chain.from_iterable(
+            x[2] for x in k_touch)), dtype=np.int64, count=n)
+        by_id = np.concatenate([np.repeat(fam_bytes, P), _cost_i64(sliced_bytes)])
+        chunk_by_id = np.concatenate([np.tile(np.arange(P, dtype=np.int64), len(fams)),
+                                      _cost_i64(sliced_chunks)])
+        moved = np.add.reduceat(by_id[ids], np.cumsum(counts) - counts)
+        own = [i for i, x in enumerate(k_touch) if x[4] is not None]
+        if own:
+            moved[own] -= by_id[_cost_i64([ids_of[k_touch[i][4]] for i in own])]
+        moved = np.r_[moved, 0]                        # ref -1: an empty side moves nothing
+        coll_cols = (*coll_cols[:5], moved[coll_cols[5]], moved[coll_cols[6]])
+        kr = np.repeat(_cost_i64([x[0] for x in k_touch]), counts)
+        far = chunk_by_id[ids] != kr
+        touch_cols.append((kr[far], np.repeat(_cost_i64([x[1] for x in k_touch]), counts)[far],
+                           ids[far], np.repeat(np.array([x[3] for x in k_touch], bool), counts)[far]))
+    at = np.array(c_at, dtype=np.int64).reshape(-1, 3)
+    n_c = int(at[:, 2].sum())
+    cr, ct = np.repeat(at[:, 0], at[:, 2]), np.repeat(at[:, 1], at[:, 2])
+    cq, ckv = flat(c_q, n_c), flat(c_kv, n_c)
+    off = np.cumsum(at[:, 2]) - at[:, 2]
+    cg = np.repeat(_cost_i64([min(g, 1) if isinstance(g, int) else 0 for g in c_g]), at[:, 2])
+    for o, g in zip(off.tolist(), c_g):               # steps mixing C and G (none built-in)
+        if not isinstance(g, int):
+            cg[o:o + len(g)] = g
+    chi, chn = np.full(n_c, -1, dtype=np.int64), np.ones(n_c, dtype=np.int64)
+    sliced_steps = [(o, hs) for o, hs in zip(off.tolist(), c_h) if hs is not None]
+    if sliced_steps:
+        where = np.concatenate([np.arange(o, o + len(hs)) for o, hs in sliced_steps])
+        hh = np.array([(-1, 1) if h is None else h for h in
+                       _itertools.chain.from_iterable(hs for _, hs in sliced_steps)],
+                      dtype=np.int64).reshape(-1, 2)
+        chi[where], chn[where] = hh[:, 0], hh[:, 1]
+    if comp:                                           # short steps' rows (a cell's computes
+        rows = cols(comp, 7)                           # come from one path, in op order)
+        cr, ct, cg, cq, ckv, chi, chn = (np.concatenate([x, y]) for x, y in
+                                         zip((cr, ct, cg, cq, ckv, chi, chn), rows))
+    whole = chi < 0
+    touch_cols += _cost_compute_touches(P, cr[whole], ct[whole], cg[whole], cq[whole], ckv[whole])
+    if not whole.all():                               # head slices: an id per distinct buffer
+        sl = ~whole
+        r_, t_, g_, q_, kv_, hi, hn = (x[sl] for x in (cr, ct, cg, cq, ckv, chi, chn))
+        for gval, fam_chunks in _COST_TILE_TOUCHES.items():      # the rule table's touches
+            for fam, which, start in fam_chunks:
+                ch = kv_ if which else q_
+                m = (g_ == gval) & (ch != r_)
+                if not m.any():
+                    continue
+                combo = np.stack([ch[m], hi[m], hn[m]], axis=1)
+                uniq, inv = np.unique(combo, axis=0, return_inverse=True)
+                fc = code[fam]
+                ids = _cost_i64([bid(fc, int(c), (int(i), int(n))) for c, i, n in uniq.tolist()])
+                touch_cols.append((r_[m], t_[m], ids[inv.reshape(-1)], bool(start)))
+    buf_bytes = np.concatenate([np.repeat(fam_bytes, P), _cost_i64(sliced_bytes)])
+    return _CostCols(P, (cr, ct, cg, cq, ckv, chn), cols(send, 4), touch_cols, coll_cols,
+                 [g for g, _ in sorted(groups.items(), key=lambda x: x[1])], buf_bytes,
+                 tuple(sorted(splits)))

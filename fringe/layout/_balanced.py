@@ -1,315 +1,26 @@
-"""Layouts: which global tokens each rank holds.
-
-A :class:`Layout` is a permutation of the ``S`` global positions into ``P`` equal shards
-of ``L = S / P`` tokens. Rank ``r`` holds global positions ``positions(r)`` in that order;
-``shard`` / ``unshard`` move tensors between the global and the per-rank view, and
-``positions`` is also what RoPE needs.
-
-Kinds (chunk = a contiguous run of global positions):
-
-* ``contiguous``: rank r holds ``[r*L, (r+1)*L)``.
-* ``zigzag``: the sequence is cut into 2P chunks; rank r holds chunks r and 2P-1-r,
-  which balances causal work.
-* ``striped``: round robin in stripes of ``stripe`` tokens: stripe i goes to rank i % P.
-* ``balanced``: mask-aware: the block order with the least predicted step time (kernel
-  calls, pairs and bytes per rank), keeping packed documents whole where that balances
-  (:func:`balanced`).
-
->>> zigzag(8, 2, block_size=2).positions(0).tolist()
-[0, 1, 6, 7]
->>> zigzag(8, 2, block_size=2).positions(1).tolist()
-[2, 3, 4, 5]
-"""
+"""The balanced layout: a solver that chooses the block order with the least predicted step
+time for the mask (kernel calls, pairs and bytes per rank), keeping packed documents whole
+where that balances (:func:`balanced`), and the prediction it scores candidates with
+(:func:`predict`, :func:`block_costs`, :func:`segments`, :func:`candidates`). Public names
+are re-exported by :mod:`fringe.layout`."""
 from __future__ import annotations
 
 import dataclasses
 import functools
-import hashlib
 import math
-import operator
 
 import numpy as np
 import torch
 
-from .masks import DEFAULT_BLOCK_SIZE as DEFAULT_BLOCK_SIZE  # masks does not import layout
+from ..masks import DEFAULT_BLOCK_SIZE, BlockMap
+from ._layout import Layout, _check, _granularity_error
+from ..cost import hardware as _hardware, work as _work   # the cost model's bottom layer
 
 #: How many starting offsets the "laps" candidate of :func:`balanced` tries (a search budget).
 _LAP_OFFSETS = 128  # not a block size
 
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class Layout:
-    """A permutation of ``S`` global positions into ``P`` equal shards.
-
-    Mutable state: a layout owns a copy of the ``order`` it is given (refilling the caller's
-    tensor afterwards changes nothing), and every accessor that returns tensors
-    (:meth:`positions`, :meth:`owner`, :meth:`shard`, :meth:`unshard`) returns new tensors
-    that alias nothing of the layout: edit them freely. ``order`` itself is the layout's
-    state (read it, never write it): an in-place edit is detected by its ``_version`` and
-    the next use of the layout (or of a plan over it) raises.
-
-    Args:
-        kind: display name (``"contiguous"``, ``"zigzag"``, ``"striped"``, or yours).
-        order: int64 ``[S]``; ``order[r*L:(r+1)*L]`` are the global positions of rank r.
-        world_size: P.
-    """
-
-    kind: str
-    order: torch.Tensor
-    world_size: int
-
-    def __post_init__(self) -> None:
-        S, P = self.order.numel(), self.world_size
-        if P < 1:
-            raise ValueError(f"world_size must be >= 1, got {P}")
-        if self.order.dim() != 1:
-            raise ValueError(f"layout order must be 1-D [S], got shape {tuple(self.order.shape)}")
-        if S % P:
-            raise ValueError(f"S={S} tokens cannot be split into P={P} equal shards")
-        check = torch.zeros(S, dtype=torch.bool)
-        check[self.order] = True
-        if not bool(check.all()):
-            raise ValueError(f"layout order must be a permutation of range({S})")
-        # own a copy: a layout must not alias the caller's tensor (nor hand out its own)
-        order = self.order.detach().to(torch.int64, copy=True).contiguous()
-        object.__setattr__(self, "order", order)
-        object.__setattr__(self, "_order_version", order._version)
-
-    def __getstate__(self) -> dict:
-        state = dict(self.__dict__)
-        state.pop("_order_version", None)
-        return state
-
-    def __setstate__(self, state: dict) -> None:
-        """A copied or unpickled layout records its own order's version (unpickling bumps it)."""
-        self.__dict__.update(state)
-        object.__setattr__(self, "_order_version", self.order._version)
-
-    # ---- sizes -------------------------------------------------------------------
-    @property
-    def seq_len(self) -> int:
-        """S, the global sequence length."""
-        return self.order.numel()
-
-    @property
-    def local_len(self) -> int:
-        """L = S / P, tokens per rank."""
-        return self.seq_len // self.world_size
-
-    # ---- maps --------------------------------------------------------------------
-    def positions(self, rank: int | None = None, *, group=None) -> torch.Tensor:
-        """Global positions held by ``rank`` (int64 ``[L]``), in local order.
-
-        A **copy** (L int64, cheap): derive RoPE or per-document positions from it in place
-        (``pos -= starts[ids[pos]]``) without touching the layout or any plan over it.
-
-        Args:
-            rank: the plan rank; or
-            group: the process group or ``DeviceMesh`` :func:`fringe.attention` runs on:
-                the rank is this process's coordinate in it (:meth:`rank_in`).
-        """
-        rank = self._resolve_rank(rank, group)
-        L = self.local_len
-        return self.order[rank * L:(rank + 1) * L].clone()
-
-    def owner(self) -> torch.Tensor:
-        """int64 ``[S]``: the rank that holds each global position (a new tensor)."""
-        self._check_unchanged()
-        own = torch.empty(self.seq_len, dtype=torch.int64)
-        own[self.order] = torch.arange(self.seq_len) // self.local_len
-        return own
-
-    def shard(self, x: torch.Tensor, rank: int | None = None, *, dim: int = -2,
-              group=None) -> torch.Tensor:
-        """Rank ``rank``'s tokens of a global tensor (sequence along ``dim``; a new tensor).
-
-        Which rank: the **plan rank**, the position in the CP group that
-        :func:`fringe.attention` runs this process as. For a process group it is
-        ``dist.get_rank(group)``; for a ``DeviceMesh`` it is the place of this process in
-        the mesh (row-major over a 2D mesh: ``g*k + p`` for coordinate ``(g, p)``), which is
-        **not** ``dist.get_rank()`` when the mesh orders ranks otherwise (``DeviceMesh("cuda",
-        [[3, 1], [0, 2]])``: global rank 3 is plan rank 0). Sharding by the global rank there
-        gives every rank another rank's tokens, a wrong answer with no error; pass
-        ``group=`` (the same object given to :func:`fringe.attention`) and the layout reads
-        the coordinate itself.
-
-        Args:
-            x: the global tensor, ``S`` along ``dim``.
-            rank: the plan rank (give this or ``group``).
-            dim: the sequence dimension.
-            group: a process group (``dist.group.WORLD`` for the default one) or a
-                ``DeviceMesh``; leave None when giving ``rank``.
-
-        Raises:
-            ValueError: neither or both of ``rank`` / ``group``; a rank out of range; a
-                group whose size is not the layout's ``P``; ``S`` does not match.
-        """
-        rank = self._resolve_rank(rank, group)
-        self._check_len(x, dim)
-        L = self.local_len
-        return x.index_select(dim, self.order[rank * L:(rank + 1) * L].to(x.device))
-
-    def rank_in(self, group) -> int:
-        """This process's plan rank in ``group`` (a process group, None or
-        ``dist.group.WORLD`` for the default one, or a 1D / 2D ``DeviceMesh`` in plan-rank
-        order, as :func:`fringe.attention` reads it).
-
-        Raises:
-            ValueError: torch.distributed is not initialised, this process is not in the
-                group, or the group's size is not the layout's ``P``.
-        """
-        import torch.distributed as dist
-        if not dist.is_available() or not dist.is_initialized():
-            raise ValueError("layout.shard(..., group=) reads this process's rank in the group, "
-                             "but torch.distributed is not initialised; pass rank= instead")
-        try:
-            from torch.distributed.device_mesh import DeviceMesh
-        except ImportError:              # a torch built without device meshes
-            DeviceMesh = ()
-        if isinstance(group, DeviceMesh):
-            if group.ndim not in (1, 2):
-                raise ValueError(f"a {group.ndim}D DeviceMesh of shape {tuple(group.shape)}: pass "
-                                 f"the CP sub-mesh (1D, or 2D (outer, inner) for compose), as to "
-                                 f"fringe.attention")
-            ranks = [int(r) for r in group.mesh.reshape(-1).tolist()]   # plan-rank order
-            me = dist.get_rank()
-            if me not in ranks:
-                raise ValueError(f"global rank {me} is not in the DeviceMesh {ranks}")
-            rank, size = ranks.index(me), len(ranks)
-        else:
-            rank, size = dist.get_rank(group), dist.get_world_size(group)
-            if rank < 0:
-                raise ValueError(f"global rank {dist.get_rank()} is not a member of the group")
-        if size != self.world_size:
-            raise ValueError(f"the group has {size} ranks but the layout is for P="
-                             f"{self.world_size}; pass the CP group (the one given to "
-                             f"fringe.attention)")
-        return rank
-
-    def unshard(self, shards: list[torch.Tensor] | tuple[torch.Tensor, ...], *,
-                dim: int = -2) -> torch.Tensor:
-        """Inverse of :meth:`shard`: the global tensor from all P shards in rank order."""
-        if len(shards) != self.world_size:
-            raise ValueError(f"unshard needs {self.world_size} shards (one per rank), "
-                             f"got {len(shards)}")
-        self._check_unchanged()
-        cat = torch.cat(list(shards), dim=dim)
-        self._check_len(cat, dim)
-        inverse = torch.empty_like(self.order)
-        inverse[self.order] = torch.arange(self.seq_len)
-        return cat.index_select(dim, inverse.to(cat.device))
-
-    def fingerprint(self) -> str:
-        """A short hash of the permutation, equal on every rank that built the same layout."""
-        self._check_unchanged()
-        digest = hashlib.sha1(self.order.numpy().tobytes()).hexdigest()[:12]
-        return f"{self.kind}/P{self.world_size}/S{self.seq_len}/{digest}"
-
-    def __repr__(self) -> str:
-        return f"Layout({self.kind}, S={self.seq_len}, P={self.world_size})"
-
-    # ---- checks ------------------------------------------------------------------
-    def _check_unchanged(self) -> None:
-        """Raise if ``order`` was edited in place since the layout was built."""
-        if self.order._version != self.__dict__["_order_version"]:
-            raise ValueError(f"{self!r}: its order tensor was edited in place after the layout "
-                             f"was built, so it no longer matches the plans made over it; a "
-                             f"layout is immutable: edit a copy (layout.positions(rank) and "
-                             f"layout.order.clone() are yours) and build a new layout "
-                             f"(fringe.layout.from_order) and plan with it")
-
-    def _resolve_rank(self, rank, group) -> int:
-        if group is not None:
-            if rank is not None:
-                raise ValueError("give rank= or group=, not both")
-            rank = self.rank_in(group)
-        elif rank is None:
-            raise ValueError("give the plan rank (rank=) or the CP group / DeviceMesh (group=)")
-        rank = self._check_rank(rank)
-        self._check_unchanged()
-        return rank
-
-    def _check_rank(self, rank) -> int:
-        try:
-            r = operator.index(rank)
-        except TypeError:
-            r = None
-        if r is None or isinstance(rank, bool) or not 0 <= r < self.world_size:
-            raise ValueError(f"rank must be in [0, {self.world_size}), got {rank!r}")
-        return r
-
-    def _check_len(self, x: torch.Tensor, dim: int) -> None:
-        if x.shape[dim] != self.seq_len:
-            raise ValueError(f"tensor has {x.shape[dim]} tokens along dim {dim}, but the layout "
-                             f"is for S={self.seq_len}; shape {tuple(x.shape)}")
-
-
-def _granularity_error(S: int, unit: int, what: str) -> ValueError:
-    pad = -(-S // unit) * unit if S > 0 else unit
-    return ValueError(f"S={S} is not divisible by {what}={unit}; pad the sequence to {pad} "
-                      f"tokens (or choose a smaller block size)")
-
-
-def _check(S: int, P: int) -> None:
-    if P < 1:
-        raise ValueError(f"world_size must be >= 1, got {P}")
-    if S < 1:
-        raise ValueError(f"seq_len must be >= 1, got {S}")
-
-
-def contiguous(seq_len: int, world_size: int, *, block_size: int = DEFAULT_BLOCK_SIZE) -> Layout:
-    """Rank r holds ``[r*L, (r+1)*L)``. Needs ``S % (P*block_size) == 0``."""
-    _check(seq_len, world_size)
-    if seq_len % (world_size * block_size):
-        raise _granularity_error(seq_len, world_size * block_size, f"P*block={world_size}*{block_size}")
-    return Layout("contiguous", torch.arange(seq_len), world_size)
-
-
-def zigzag(seq_len: int, world_size: int, *, block_size: int = DEFAULT_BLOCK_SIZE) -> Layout:
-    """2P chunks; rank r holds chunks r and 2P-1-r. Needs ``S % (2*P*block_size) == 0``."""
-    _check(seq_len, world_size)
-    unit = 2 * world_size * block_size
-    if seq_len % unit:
-        raise _granularity_error(seq_len, unit, f"2*P*block=2*{world_size}*{block_size}")
-    chunk = seq_len // (2 * world_size)
-    chunks = torch.arange(seq_len).view(2 * world_size, chunk)
-    order = torch.cat([torch.cat([chunks[r], chunks[2 * world_size - 1 - r]])
-                       for r in range(world_size)])
-    return Layout("zigzag", order, world_size)
-
-
-def striped(seq_len: int, world_size: int, *, stripe: int = 1,
-            block_size: int = DEFAULT_BLOCK_SIZE) -> Layout:
-    """Stripe i (``stripe`` tokens) goes to rank ``i % P``.
-
-    Needs ``S % (stripe*P) == 0`` and the local length to be a multiple of ``block_size``.
-    """
-    _check(seq_len, world_size)
-    if stripe < 1:
-        raise ValueError(f"stripe must be >= 1 token, got {stripe}")
-    unit = stripe * world_size
-    if seq_len % unit:
-        raise _granularity_error(seq_len, unit, f"stripe*P={stripe}*{world_size}")
-    if (seq_len // world_size) % block_size:
-        raise _granularity_error(seq_len, world_size * block_size, f"P*block={world_size}*{block_size}")
-    stripes = torch.arange(seq_len).view(seq_len // unit, world_size, stripe)
-    order = stripes.transpose(0, 1).reshape(-1)
-    return Layout(f"striped({stripe})" if stripe != 1 else "striped", order, world_size)
-
-
-def from_order(order: torch.Tensor, world_size: int, *, kind: str = "custom",
-               block_size: int = DEFAULT_BLOCK_SIZE) -> Layout:
-    """A user-defined layout from an explicit permutation (``order[r*L:(r+1)*L]`` → rank r)."""
-    order = torch.as_tensor(order, dtype=torch.int64)
-    _check(order.numel(), world_size)
-    if order.numel() % (world_size * block_size):
-        raise _granularity_error(order.numel(), world_size * block_size,
-                                 f"P*block={world_size}*{block_size}")
-    return Layout(kind, order, world_size)
-
-
 #: Shape the balanced layout predicts time for when none is given: the shape the ``cpu``
-#: hardware preset was calibrated with (:func:`fringe.runtime.costmodel.calibrate`'s defaults:
+#: hardware preset was calibrated with (:func:`fringe.cost.calibrate.calibrate`'s defaults:
 #: H=G=8, D=64, float32). Only the ratio of per-call to per-pair cost depends on it.
 BALANCE_SHAPE = dict(batch=1, heads=8, kv_heads=8, head_dim=64, dtype="float32")
 
@@ -377,7 +88,7 @@ def balanced(seq_len: int, world_size: int, *, block_size: int = DEFAULT_BLOCK_S
     :data:`BALANCE_SLACK` times the pair work of the best balanced one are dropped, so such
     masks are balanced even where kernel calls dominate (tiny blocks). The candidates left are
     scored by :func:`predict` (per rank: kernel calls and (q, kv) pairs of every
-    tile from :func:`fringe.runtime.costmodel.tile_work`, forward and backward, plus the
+    tile from :func:`fringe.cost.work.tile_work`, forward and backward, plus the
     bytes it sends and receives, not overlapped); among those whose slowest rank is within
     :data:`HOP_SLACK` of the fastest, the one whose kv chunks travel the fewest hops wins,
     then the fastest of those (ties: the earlier candidate in the list above). When ring's
@@ -396,7 +107,7 @@ def balanced(seq_len: int, world_size: int, *, block_size: int = DEFAULT_BLOCK_S
     densify the ``(S/block)^2`` map; a dense map is only painted for the exact call count of
     sequences of at most :data:`EXACT_BLOCKS` blocks.
 
-    The constants come from ``hardware`` (a :class:`fringe.runtime.costmodel.Hardware` or a
+    The constants come from ``hardware`` (a :class:`fringe.cost.hardware.Hardware` or a
     preset name) and are plain data, so every rank plans the same layout; values measured by
     ``costmodel.calibrate()`` differ from rank to rank and must be broadcast from rank 0
     before planning, or ranks disagree on the layout (the plan fingerprint check then fails).
@@ -413,9 +124,9 @@ def balanced(seq_len: int, world_size: int, *, block_size: int = DEFAULT_BLOCK_S
             block_size=..., sparse=True)``; :func:`fringe.plan` passes it), the dense int8
             map, or a list of ``(map, weight)`` pairs (weights > 0, e.g. layers per mask).
         hardware: cost constants (default the ``cpu`` preset): a preset name or a
-            :class:`fringe.runtime.costmodel.Hardware`; not ``"this"`` (a calibration made
+            :class:`fringe.cost.hardware.Hardware`; not ``"this"`` (a calibration made
             now differs between ranks: calibrate once, broadcast, pass the Hardware).
-        shape: a :class:`fringe.runtime.costmodel.Shape` (default :data:`BALANCE_SHAPE`).
+        shape: a :class:`fringe.cost.hardware.Shape` (default :data:`BALANCE_SHAPE`).
 
     Raises:
         ValueError: sizes that do not divide, a block map / work of the wrong size, or
@@ -480,15 +191,14 @@ def _deal_blocks(seq_len: int, world_size: int, block_size: int, block_work) -> 
 
 
 def _model(hardware, shape):
-    from .runtime import costmodel
     if isinstance(hardware, str) and hardware == "this":
         raise ValueError("hardware='this' calibrates now, and measured constants differ from "
                          "rank to rank and call to call, so ranks would plan different layouts; "
                          "run costmodel.calibrate() once (on rank 0, broadcast the Hardware to "
                          "every rank) and pass that Hardware, or use a preset such as 'cpu'")
-    hw = costmodel.get_hardware(hardware)
-    sh = costmodel.Shape(**BALANCE_SHAPE) if shape is None else shape
-    return costmodel, hw, sh
+    hw = _hardware.get_hardware(hardware)
+    sh = _hardware.Shape(**BALANCE_SHAPE) if shape is None else shape
+    return _hardware, hw, sh
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -527,8 +237,6 @@ class _Rows:
 
 def _rows_of(natural, nb: int | None) -> list[_Rows]:
     """``natural`` (a BlockMap, a dense map, or ``[(map, weight), ...]``) as per-map rows."""
-    from .masks import BlockMap
-
     def one(m, where: str):
         if isinstance(m, BlockMap):
             bm = m
@@ -596,7 +304,7 @@ def predict(natural, blocks: torch.Tensor, world_size: int, *,
     """Predicted seconds of one forward + backward per rank for a block order, float64 ``[P]``.
 
     Compute: the tiles of the ring schedule over this layout, each costed by
-    :func:`fringe.runtime.costmodel.tile_work` (calls, FULL / masked / causal pairs, as
+    :func:`fringe.cost.work.tile_work` (calls, FULL / masked / causal pairs, as
     :mod:`fringe.ops.tile` splits them; above :data:`EXACT_BLOCKS` blocks the calls are
     estimated from runs of blocks) with ``hardware``'s per-call and per-pair constants.
     Communication: kv chunk ``j`` travels the ring ``j -> j+1 -> ...`` up to the farthest
@@ -649,8 +357,6 @@ def _predict_moves(rows: list[_Rows], blocks: torch.Tensor, P: int, *, block_siz
 
 def _predict_one(rows: _Rows, blocks: torch.Tensor, P: int, *, block_size: int, hardware,
                  shape) -> tuple[torch.Tensor, float]:
-    import types
-
     cm, hw, sh = _model(hardware, shape)
     nb = rows.nb
     n = nb // P
@@ -664,10 +370,8 @@ def _predict_one(rows: _Rows, blocks: torch.Tensor, P: int, *, block_size: int, 
         tiles = torch.full((P, P), _PARTIAL, dtype=torch.int8)
         tiles[~nonempty] = _EMPTY
         tiles[full] = _FULL
-        fake = types.SimpleNamespace(      # what the cost model reads of a Plan
-            world_size=P, local_len=L, block_size=block_size, mask_mod=True, tiles=tiles,
-            blocks=bmap, tile_blocks=lambda i, j: bmap[i * n:(i + 1) * n, j * n:(j + 1) * n])
-        work = torch.as_tensor(cm.tile_work(fake)).sum(dim=1)               # [P, 4]
+        work = torch.as_tensor(_work.dense_tile_work(tiles, bmap, block_size=block_size)
+                               ).sum(dim=1)                                 # [P, 4]
         needer, chunk = torch.nonzero(nonempty, as_tuple=True)
     else:
         work, needer, chunk = _approx_work(rows, blocks, P, block_size)

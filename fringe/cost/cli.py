@@ -1,0 +1,193 @@
+"""``python -m fringe simulate`` / ``predict``: the cost model's command line, and the memory
+checks the CLI runs before it plans or simulates.
+
+The tools layer of the cost model (it plans with :func:`fringe.plan`, draws with
+:mod:`fringe.render` and reads test data from :mod:`fringe.bench`); ``fringe.__main__`` imports
+it lazily when the command runs.
+"""
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+from tabulate import tabulate
+
+from .. import masks, render
+from .._data import packed_docs
+from ..plan import plan as make_plan
+from ..schedules import registry
+from .calibrate import get_hardware
+from .hardware import Shape
+from .simulate import simulate
+from .work import _PARTIAL, TILE_WORK_BYTES_PER_BLOCK, tile_work_bytes
+
+__all__ = ["available_memory", "check_memory", "check_plan_memory", "cli", "mask_from_spec",
+           "memory_budget"]
+
+
+def mask_from_spec(spec: str, seq_len: int):
+    """``causal``, ``full``, ``document:N`` (causal within N packed documents, lengths drawn
+    with seed 0 as in ``fringe.bench``) or ``window:W`` (causal sliding window of W tokens).
+
+    Raises:
+        ValueError: for anything else, saying what is accepted.
+    """
+    kind, _, arg = spec.partition(":")
+    if kind in ("causal", "full") and not arg:
+        return masks.causal() if kind == "causal" else None
+    if kind in ("document", "window") and arg.isdigit() and int(arg) > 0:
+        n = int(arg)
+        if kind == "document":
+            if n > seq_len:
+                raise ValueError(f"--mask document:{n}: more documents than tokens (S={seq_len})")
+            return masks.causal() & masks.document(packed_docs(seq_len, n, 0))
+        return masks.sliding_window(min(n, seq_len))    # wider than S: the same mask as S
+    raise ValueError(f"--mask {spec!r} is not understood; use causal, full, document:N "
+                     f"(N packed documents, e.g. document:1000) or window:W (e.g. window:4096)")
+
+
+#: Bytes per block of the distinct PARTIAL tile maps at the peak of :func:`tile_work` (in
+#: ``_maps_work``): the maps (1), their stack with an EMPTY row per map (1) and its copy with the
+#: causal squares emptied (1), a ``!= FULL`` mask (1), two int64 cumulative sums (8 + 8) and the
+
+
+def available_memory() -> int | None:
+    """Bytes of memory available to this process now: ``MemAvailable`` of /proc/meminfo, else
+    free pages from ``os.sysconf`` (None when neither says)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+#: The default memory budget: this fraction of :func:`available_memory`.
+MEMORY_FRACTION = 0.8
+#: Bytes per token while a plan is made for the CLI: the mask's document ids (8) and the
+#: layout's block classification (measured 33-39 B/token at S = 16M, P = 8, block 4096).
+PLAN_BYTES_PER_TOKEN = 48
+#: Bytes per token a plan keeps after it is made (measured 9-10 B/token, same runs).
+KEPT_BYTES_PER_TOKEN = 10
+#: Bytes per non-EMPTY tile for the programs and their columns that :func:`simulate` builds
+#: (measured 880-960 B/tile: zigzag, causal, P = 1024 and 2048, S = 128 P).
+BYTES_PER_TILE = 1024
+
+
+def memory_budget(max_memory: int | None) -> tuple[int | None, str]:
+    """``(bytes, said)``: ``max_memory``, or 80% of :func:`available_memory` (None when that
+    cannot be read: no check)."""
+    if max_memory is not None:
+        return int(max_memory), f"--max-memory {_gib(max_memory)}"
+    avail = available_memory()
+    if avail is None:
+        return None, ""
+    return int(MEMORY_FRACTION * avail), f"{MEMORY_FRACTION:.0%} of the {_gib(avail)} available"
+
+
+def _gib(nbytes: float) -> str:
+    for unit, size in (("TiB", 2 ** 40), ("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
+        if nbytes >= size:
+            return f"{nbytes / size:.3g} {unit}"
+    return f"{int(nbytes)} B"
+
+
+def _over(need: int, how: str, budget: tuple[int | None, str], what: str, fix: str) -> None:
+    limit, said = budget
+    if limit is not None and need > limit:
+        suggest = -(-need * 5 // 4 // 2 ** 30)        # GiB, rounded up, a quarter to spare
+        raise MemoryError(
+            f"{what} would need about {_gib(need)} ({how}), over the memory budget of "
+            f"{_gib(limit)} ({said}); {fix}, or allow it with --max-memory {suggest}G")
+
+
+def check_plan_memory(seq_len: int, budget: tuple[int | None, str], *,
+                      flag: str = "--seq-len") -> None:
+    """Before planning: raise ``MemoryError`` (one line: the estimate and ``--max-memory``)
+    when making the mask and plan for ``seq_len`` tokens (given as ``flag``) would pass
+    ``budget`` (from :func:`memory_budget`)."""
+    _over(PLAN_BYTES_PER_TOKEN * int(seq_len),
+          f"{PLAN_BYTES_PER_TOKEN} bytes x {int(seq_len):,} tokens to plan", budget,
+          f"{flag} {seq_len}", f"use a smaller {flag}")
+
+
+def check_memory(plan, budget: tuple[int | None, str], *, what: str) -> None:
+    """Before :func:`simulate`: raise ``MemoryError`` (one line: the estimate and
+    ``--max-memory``) when the plan kept and the cost model's tile work (:func:`tile_work_bytes`,
+    quadratic in S/block) would pass ``budget``. Costs one pass over the block map's
+    rectangles and allocates nothing of the estimate's size; skipped when even every PARTIAL
+    tile distinct would fit."""
+    limit = budget[0]
+    if limit is None:
+        return
+    n = plan.local_len // plan.block_size
+    tiles = torch.as_tensor(plan.tiles)
+    live = int((tiles != int(masks.BlockKind.EMPTY)).sum())
+    base = KEPT_BYTES_PER_TOKEN * plan.seq_len + BYTES_PER_TILE * live
+    bound = TILE_WORK_BYTES_PER_BLOCK * int((tiles == _PARTIAL).sum()) * (n + 1) * n
+    if base + bound <= limit:
+        return
+    work, how = tile_work_bytes(plan)
+    _over(base + work, f"the cost model's tile work, {how}; {KEPT_BYTES_PER_TOKEN} bytes x "
+          f"{plan.seq_len:,} tokens of plan; {BYTES_PER_TILE} bytes x {live:,} tiles of programs",
+          budget, what, "use a smaller --seq-len or a larger --block-size or --world-size")
+
+
+def cli(args) -> int:
+    """``python -m fringe simulate``: one row per schedule, optionally the timeline as PNG."""
+    for name, value in (("--world-size", args.world_size), ("--seq-len", args.seq_len),
+                        ("--block-size", args.block_size), ("--heads", args.heads),
+                        ("--kv-heads", args.kv_heads), ("--head-dim", args.head_dim)):
+        if value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value}")
+    made = {}
+    for name in args.schedules:               # unknown names raise, listing the valid ones
+        made[name] = registry.get(name)
+        why = registry.why_not(name, world_size=args.world_size, heads=args.heads,
+                               kv_heads=args.kv_heads)
+        if why:
+            ok = registry.names(world_size=args.world_size, heads=args.heads,
+                                kv_heads=args.kv_heads)
+            raise ValueError(f"--schedules {name}: {why}; choose from {ok} or "
+                             f"compose:OUTER+ulysses:K with K dividing H={args.heads}")
+    if args.png and not args.png.lower().endswith(".png"):
+        raise ValueError(f"--png {args.png!r}: give a file name ending in .png")
+    shape = Shape(heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
+                  dtype=args.dtype)
+    hw = get_hardware(args.hardware)
+    budget = memory_budget(args.max_memory)
+    check_plan_memory(args.seq_len, budget)
+    mask = mask_from_spec(args.mask, args.seq_len)
+    rows, preds = [], []
+    for name in args.schedules:
+        t0 = time.process_time()
+        p = make_plan(made[name], mask, seq_len=args.seq_len,
+                      world_size=args.world_size, block_size=args.block_size)
+        check_memory(p, budget, what=f"predicting {name} at S={args.seq_len:,}")
+        t1 = time.process_time()
+        pred = simulate(p, hw, shape, name=name)
+        t2 = time.process_time()
+        preds.append(pred)
+        row = pred.row()
+        row.update({"plan s": t1 - t0, "simulate s": t2 - t1})
+        rows.append(row)
+    print(f"cost model · {hw.name} ({hw.source}) · P={args.world_size:,} S={args.seq_len:,} "
+          f"mask={args.mask} · B={shape.batch} H={shape.heads} G={shape.kv_heads} "
+          f"D={shape.head_dim} {shape.dtype} · one attention layer, forward + backward")
+    print(tabulate([list(r.values()) for r in rows], headers=list(rows[0]), floatfmt=".3g"))
+    print("balance: max/mean compute per rank; exposed comm: waiting / (compute + waiting); "
+          "memory: resident q, k, v, out, grads + received buffers alive at once; "
+          "plan s / simulate s: CPU seconds of this process")
+    if args.png:
+        stem = args.png[:-4]
+        for pred in preds:
+            path = args.png if len(preds) == 1 else f"{stem}.{pred.name}.png"
+            render.save_png(render.timeline_figure(pred), path)
+            print(f"wrote {path}")
+    return 0

@@ -1,0 +1,424 @@
+"""The event simulator: run a plan's programs symbolically and predict where the time goes.
+
+No tensors are made. Each tile costs what the work model says (:mod:`fringe.cost.work`),
+each transfer latency plus bytes over bandwidth, and overlap follows the interpreter's real
+order (see :mod:`fringe.runtime.interpreter`): at every step a rank *issues* its transfers
+and collectives, *computes* its tiles, then *waits* for all of them; a step ends when both its
+compute and its communication are done, a transfer cannot start before both ends have issued
+it, and a collective not before every member has (a rank's collectives of one step run one
+after the other).
+
+Communication, per step (the alpha-beta model; :meth:`Hardware.collective_s` gives sources):
+
+* point to point: ``latency + bytes / bandwidth``, where bytes is the busier end's traffic in
+  that step (a rank's sends share its link);
+* all-gather (AG) and reduce-scatter (RS), ring: ``(n - 1) * latency + bytes / bandwidth``
+  with bytes the most one member receives (AG) or sends (RS), empty contributions (``-``)
+  counting nothing: a full AG of b bytes each is the textbook ``(n - 1) * (latency + b /
+  bandwidth)``;
+* all-to-all (A2A), pairwise: ``(n - 1) * latency + max(bytes sent, bytes received) /
+  bandwidth`` of the busiest member;
+* the link: ``latency_s`` / ``bandwidth`` (NVLink on H100) when both ends, or every member of a
+  collective, sit in one node of ``node_size`` consecutive ranks (8 on the H100 presets), else
+  ``inter_latency_s`` / ``inter_bandwidth`` (InfiniBand on ``h100-ib``).
+
+A head-sliced tile (``C q3·kv5 h1/4``, Ulysses) pays its kernel calls in full and 1/k of the
+pairs and rows; a head-sliced buffer moves 1/k of the query heads (kv: the kv heads they read).
+
+The result carries the same :class:`~fringe.runtime.interpreter.StepRecord` values a measured
+run leaves behind, so the reports and figures of :mod:`fringe.render` work for both.
+
+The middle layer of the cost model: it reads the programs through
+:mod:`fringe.cost.programs` (the IR only) and the tiles through :mod:`fringe.cost.work`.
+What does not depend on the hardware (the program columns, the tile work) is derived once per
+plan and kept in the plan's cache object (``plan.cache.simulate``, an entry this module alone
+writes; never in the frozen plan's fields), so a plan simulated on several presets reads its
+programs once.
+
+>>> import fringe
+>>> from fringe import masks, schedules
+>>> from fringe.cost.simulate import simulate
+>>> p = fringe.plan(schedules.zigzag(), masks.causal(), seq_len=4096, world_size=4)
+>>> pred = simulate(p, hardware="h100-nvlink")
+>>> pred.forward_s < pred.backward_s, round(pred.balance, 2)
+(True, 1.0)
+
+Legend: B batch · H query heads · G kv heads · S sequence · L tokens per rank · D head dim ·
+P ranks.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from ..runtime.interpreter import StepRecord
+from .hardware import Hardware, Shape, check_head_split, get_hardware
+from .programs import _Cols, _i64, columns
+from .work import _costs, tile_work
+
+__all__ = ["Prediction", "simulate"]
+
+#: What the simulator derives from a plan that does not depend on the hardware, by plan:
+
+@dataclasses.dataclass
+class _Flat:
+    """One direction's programs as flat arrays, ready to run."""
+
+    steps: np.ndarray            # sorted distinct global step indices
+    active: np.ndarray           # [P, T] bool: rank has a step at that index
+    tiles: np.ndarray            # [P, T] tiles computed
+    compute: np.ndarray          # [P, T] seconds
+    sends: tuple                 # (rank, step position, peer, bytes) arrays
+    colls: tuple                 # collective sides: (rank, position, instance) + instances
+    live_peak: np.ndarray        # [P] peak bytes of other ranks' buffers alive at once
+
+
+def _flatten(cols: _Cols, fixed: np.ndarray, per_heads: np.ndarray, hw: Hardware) -> _Flat:
+    P = cols.P
+    c_rank, c_step, _, c_q, c_kv, c_split = cols.comp
+    s_rank, s_step, s_peer, s_bytes = cols.send
+    k_rank, k_step, k_gid, k_ord, k_kind, k_sent, k_recv = cols.coll
+    every = (c_step, s_step, k_step, *(u[1] for u in cols.touch))
+    present = np.zeros(1 + max((int(s.max()) for s in every if len(s)), default=-1), dtype=bool)
+    for s in every:
+        present[s] = True
+    steps = np.flatnonzero(present)
+    T = len(steps)
+    if T == len(present):                             # steps 0..T-1: positions are steps
+        def at(step):
+            return step
+    else:
+        lut = np.zeros(max(len(present), 1), dtype=np.int64)
+        lut[steps] = np.arange(T)
+
+        def at(step):
+            return lut[step]
+    s_pos = at(s_step)
+    touch = [(r, at(st), b, start) for r, st, b, start in cols.touch]
+    active = np.zeros(P * T, dtype=bool)
+    for r, pos in ((c_rank, at(c_step)), (s_rank, s_pos), (k_rank, at(k_step)),
+                   *((u[0], u[1]) for u in touch)):
+        active[r * T + pos] = True
+    active = active.reshape(P, T)
+    cell = c_rank * T + at(c_step)
+    flat_q = c_q * P + c_kv
+    if (c_split == 1).all():
+        w = (fixed + per_heads).reshape(-1)[flat_q]
+    else:
+        w = fixed.reshape(-1)[flat_q] + per_heads.reshape(-1)[flat_q] / c_split
+    compute = np.bincount(cell, weights=w, minlength=P * T).reshape(P, T)
+    tiles = np.bincount(cell, minlength=P * T).reshape(P, T)
+    sends = (s_rank, s_pos, s_peer, s_bytes)
+    colls = _instances(cols, at, hw)
+    if cols.live_peak is None:
+        cols.live_peak = _live_peak(P, T, touch, cols.buf_bytes)
+    return _Flat(steps, active, tiles, compute, sends, colls, cols.live_peak)
+
+
+def _instances(cols: _Cols, at, hw: Hardware) -> tuple:
+    """Collective sides grouped into instances (one per step, group and ordinal).
+
+    Returns ``(rank, pos, sent, recv, inst, waves, duration)``: the sides sorted by (step,
+    ordinal, instance); ``waves`` maps a step position to its ``(side start, side stop,
+    instance starts)`` runs, one per ordinal; ``duration`` per instance (see
+    :meth:`Hardware.collective_s`).
+    """
+    k_rank, k_step, k_gid, k_ord, k_kind, k_sent, k_recv = cols.coll
+    if not len(k_rank):
+        return None
+    pos = at(k_step)
+    G = len(cols.groups)
+    O = int(k_ord.max()) + 1
+    key = (pos * O + k_ord) * G + k_gid
+    order = np.argsort(key, kind="stable")
+    key, rank, pos, gid = key[order], k_rank[order], pos[order], k_gid[order]
+    kind, sent, recv, ordv = k_kind[order], k_sent[order], k_recv[order], k_ord[order]
+    head = np.r_[True, key[1:] != key[:-1]]
+    starts = np.flatnonzero(head)
+    inst = np.cumsum(head) - 1
+    sizes = _i64([len(g) for g in cols.groups])
+    ns = hw.node_size
+    intra = np.array([not ns or len({m // ns for m in g}) == 1 for g in cols.groups])
+    ikind, igid = kind[starts], gid[starts]
+    load = np.where(ikind == 0, np.maximum.reduceat(recv, starts),
+                    np.where(ikind == 1, np.maximum.reduceat(sent, starts),
+                             np.maximum(np.maximum.reduceat(recv, starts),
+                                        np.maximum.reduceat(sent, starts))))
+    dur = hw.collective_s(sizes[igid], load.astype(np.float64), intra[igid])
+    waves: dict[int, list] = {}
+    wkey = pos * O + ordv
+    wstart = np.flatnonzero(np.r_[True, wkey[1:] != wkey[:-1]])
+    wstop = np.r_[wstart[1:], len(wkey)]
+    for a, b in zip(wstart.tolist(), wstop.tolist()):
+        i0, i1 = int(inst[a]), int(inst[b - 1]) + 1
+        waves.setdefault(int(pos[a]), []).append((a, b, i0, starts[i0:i1] - a))
+    return rank, pos, sent, recv, inst, waves, dur
+
+
+def _live_peak(P: int, T: int, touch: list, size_of: np.ndarray) -> np.ndarray:
+    """Peak bytes of other ranks' buffers alive at once on each rank: a buffer lives from the
+    first step it arrives or is written there to the last step an op touches it. ``touch``:
+    groups of ``(rank, position, buffer id, start)`` (start: an array, or one bool)."""
+    peak = np.zeros(P, dtype=np.int64)
+    touch = [t for t in touch if len(t[0])]
+    if not touch or not any(bool(np.any(t[3])) for t in touch):
+        return peak
+    used = np.zeros(len(size_of), dtype=bool)
+    for t in touch:
+        used[t[2]] = True
+    ids = np.flatnonzero(used)                        # the buffers touched anywhere
+    NB = len(ids)
+    if P * NB > 1 << 26:                              # compact the keys (large sliced plans)
+        remap = np.cumsum(used) - 1
+        keys = [t[0] * NB + remap[t[2]] for t in touch]
+        uniq, inv = np.unique(np.concatenate(keys), return_inverse=True)
+        inv = inv.reshape(-1)
+        bounds = np.cumsum([0] + [len(k) for k in keys])
+        keys = [inv[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+        nk, pt = len(uniq), np.int64
+    else:                                             # int32 keys, int16 steps where they fit
+        uniq, nk = None, P * NB
+        kt = np.int32 if nk < 1 << 31 else np.int64
+        pt = np.int16 if T < (1 << 15) - 1 else np.int64
+        remap = (np.cumsum(used) - 1).astype(kt)
+        keys = []
+        for t in touch:
+            k = t[0].astype(kt)
+            k *= kt(NB)
+            k += remap[t[2]]
+            keys.append(k)
+    first = np.full(nk, T, dtype=pt)
+    last = np.full(nk, -1, dtype=pt)
+    for key, (_, pos, _, start) in zip(keys, touch):
+        pos = pos.astype(pt, copy=False)
+        if isinstance(start, np.ndarray):
+            if start.any():
+                np.minimum.at(first, key[start], pos[start])
+        elif start:
+            np.minimum.at(first, key, pos)
+        np.maximum.at(last, key, pos)
+    n_bins = P * (T + 1)
+    if uniq is None and nk <= 1 << 22:                # dense (rank, buffer): no index arrays
+        F = first.reshape(P, NB).astype(np.int64)
+        E = np.maximum(last.reshape(P, NB), first.reshape(P, NB)).astype(np.int64)
+        row = (np.arange(P, dtype=np.int64) * (T + 1))[:, None]
+        F += row
+        E += row + 1                                  # not alive: past its row, weight 0
+        sz = np.where(first.reshape(P, NB) < T, size_of[ids].astype(np.float64)[None, :], 0.0)
+        sz, F, E = sz.reshape(-1), F.reshape(-1), E.reshape(-1)
+    else:
+        at = np.flatnonzero(first < T)
+        full_key = at if uniq is None else uniq[at]
+        lr, lb = full_key // NB, ids[full_key % NB]
+        F = lr * (T + 1) + first[at].astype(np.int64)
+        E = lr * (T + 1) + np.maximum(last[at], first[at]).astype(np.int64) + 1
+        sz = size_of[lb].astype(np.float64)
+    delta = (np.bincount(F, weights=sz, minlength=n_bins)[:n_bins]
+             - np.bincount(E, weights=sz, minlength=n_bins)[:n_bins])
+    return np.cumsum(delta.reshape(P, T + 1), axis=1).max(axis=1).round().astype(np.int64)
+
+
+def _counts(index: np.ndarray, weights: np.ndarray, n: int) -> np.ndarray:
+    """``np.bincount`` with float64 weights, float64 even when empty."""
+    return np.bincount(index, weights=np.asarray(weights, dtype=np.float64),
+                       minlength=n).astype(np.float64, copy=False)
+
+
+def _run(flat: _Flat, hw: Hardware, P: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Event simulation: ``(issue, wait, sent, recv)``, each ``[P, T]``.
+
+    At each step every active rank issues its transfers and collectives at its clock,
+    computes, then waits for all of them (the interpreter's order). A point-to-point
+    transfer starts when both ends have issued it and takes latency + bytes / bandwidth of
+    the busier end's traffic in that step. A collective starts when every member has issued
+    it (and finished its earlier collectives of the step: they run one after the other) and
+    takes :meth:`Hardware.collective_s`. A step ends when its compute and all its
+    communication are done.
+    """
+    T = len(flat.steps)
+    issue = np.zeros((P, T))
+    wait = np.zeros((P, T))
+    src, spos, dst, nbytes = flat.sends
+    ks, kd = src * T + spos, dst * T + spos
+    sent = _counts(ks, nbytes, P * T)
+    recv = _counts(kd, nbytes, P * T)
+    lat, bw = hw.link(src, dst)
+    dur = lat + np.maximum(sent[ks], recv[kd]) / bw                  # the busier end's link
+    sent, recv = sent.reshape(P, T), recv.reshape(P, T)
+    order = np.argsort(spos.astype(np.int16 if T < 1 << 15 else np.int64), kind="stable")  # radix
+    src, dst, dur = src[order], dst[order], dur[order]               # by step
+    bounds = np.r_[0, np.cumsum(np.bincount(spos, minlength=T))].tolist()
+    waves = {}
+    if flat.colls is not None:
+        c_rank, c_pos, c_sent, c_recv, _, waves, c_dur = flat.colls
+        sent += _counts(c_rank * T + c_pos, c_sent, P * T).reshape(P, T)
+        recv += _counts(c_rank * T + c_pos, c_recv, P * T).reshape(P, T)
+    compute = np.ascontiguousarray(flat.compute.T)                   # [T, P]
+    issue_t, wait_t = np.zeros((T, P)), np.zeros((T, P))
+    clock = np.zeros(P)
+    for i in range(T):
+        issue_t[i] = clock
+        done = clock + compute[i]
+        a, b = bounds[i], bounds[i + 1]
+        if b > a:
+            s, d = src[a:b], dst[a:b]
+            fin = np.maximum(clock[s], clock[d])
+            fin += dur[a:b]
+            np.maximum.at(done, s, fin)               # (a rank's several transfers: the last)
+            np.maximum.at(done, d, fin)
+        if i in waves:
+            ready = clock.copy()
+            for a, b, i0, rel in waves[i]:
+                m = c_rank[a:b]
+                fin = np.maximum.reduceat(ready[m], rel) + c_dur[i0:i0 + len(rel)]
+                fin_m = np.repeat(fin, np.diff(np.r_[rel, b - a]))
+                np.maximum.at(ready, m, fin_m)
+                np.maximum.at(done, m, fin_m)
+        wait_t[i] = done - clock - compute[i]        # exactly 0 where the rank has no step
+        clock = done
+    issue, wait = issue_t.T, wait_t.T
+    return issue, wait, sent, recv
+
+
+@dataclasses.dataclass
+class Prediction:
+    """What the cost model predicts for one plan on one machine.
+
+    Attributes:
+        name: a label (the plan's schedule name).
+        hardware: the machine model used.
+        shape: the tensor shapes assumed.
+        steps: ``{"forward": [T], "backward": [T]}`` global step indices.
+        compute, wait, sent, recv, tiles: ``{"forward"/"backward": [P, T]}`` arrays
+            (seconds, seconds, bytes, bytes, count) per rank and step.
+        active: ``{...: [P, T]}`` whether the rank has that step.
+        memory: ``[P]`` predicted peak bytes per rank (resident tensors + received buffers
+            alive at once, forward or backward, whichever is larger).
+    """
+
+    name: str
+    hardware: Hardware
+    shape: Shape
+    world_size: int
+    seq_len: int
+    steps: dict
+    compute: dict
+    wait: dict
+    sent: dict
+    recv: dict
+    tiles: dict
+    active: dict
+    memory: np.ndarray
+
+    def span(self, which: str = "forward") -> float:
+        """Seconds from the first issue to the last rank's end (the step's makespan)."""
+        return float((self.compute[which] + self.wait[which]).sum(axis=1).max(initial=0.0))
+
+    @property
+    def forward_s(self) -> float:
+        return self.span("forward")
+
+    @property
+    def backward_s(self) -> float:
+        return self.span("backward")
+
+    @property
+    def step_s(self) -> float:
+        """Forward plus backward of one attention layer."""
+        return self.forward_s + self.backward_s
+
+    @property
+    def balance(self) -> float:
+        """max / mean compute seconds per rank (forward + backward)."""
+        c = self.compute["forward"].sum(1) + self.compute["backward"].sum(1)
+        return float(c.max() / c.mean()) if c.mean() > 0 else 1.0
+
+    def exposed(self, which: str | None = None) -> float:
+        """Waiting / (compute + waiting), summed over ranks (as ``RunStats`` reports it)."""
+        whichs = (which,) if which else ("forward", "backward")
+        w = sum(float(self.wait[x].sum()) for x in whichs)
+        c = sum(float(self.compute[x].sum()) for x in whichs)
+        return w / (w + c) if w + c else 0.0
+
+    def bytes_per_rank(self) -> float:
+        """Largest bytes one rank sends (forward + backward)."""
+        return float((self.sent["forward"].sum(1) + self.sent["backward"].sum(1)).max())
+
+    def records(self, which: str = "forward") -> list[StepRecord]:
+        """The prediction as the per-step records a measured run leaves (one per rank·step)."""
+        act = self.active[which]
+        out = []
+        for r, i in zip(*np.nonzero(act)):
+            out.append(StepRecord(int(r), int(self.steps[which][i]),
+                                  float(self.compute[which][r, i]), float(self.wait[which][r, i]),
+                                  int(self.tiles[which][r, i]), int(self.sent[which][r, i]),
+                                  int(self.recv[which][r, i])))
+        return out
+
+    def row(self) -> dict:
+        """One summary row (what ``python -m fringe simulate`` prints)."""
+        mem = float(self.memory.max())
+        return {"schedule": self.name, "step ms": self.step_s * 1e3,
+                "fwd ms": self.forward_s * 1e3, "bwd ms": self.backward_s * 1e3,
+                "balance": self.balance, "exposed comm": self.exposed(),
+                "sent MB/rank": self.bytes_per_rank() / 1e6, "memory MB/rank": mem / 1e6}
+
+
+def simulate(plan, hardware: str | Hardware = "cpu", shape: Shape = Shape(), *,
+             name: str | None = None) -> Prediction:
+    """Predict a plan's forward and backward on ``hardware`` for tensors of ``shape``.
+
+    Args:
+        plan: from :func:`fringe.plan`.
+        hardware: a preset name (see :data:`fringe.cost.hardware.HARDWARE`) or a
+            :class:`Hardware` (:func:`fringe.cost.calibrate.calibrate` measures this machine).
+        shape: batch, heads, kv heads, head dim and dtype of q/k/v.
+        name: label for reports (default: the schedule's name).
+
+    Returns:
+        A :class:`Prediction`; ``.records("forward")`` are :class:`StepRecord` values.
+
+    Raises:
+        ValueError: the plan splits heads in a way ``shape`` does not allow (Ulysses over
+            more ranks than heads), saying what would.
+    """
+    hw = get_hardware(hardware)
+    P, L = plan.world_size, plan.local_len
+    label = name or plan.schedule.name
+    # what does not depend on the hardware, once per plan (several presets, one plan)
+    cache = plan.cache.simulate      # {(direction, shape): program columns, "work": tile work}
+    cols = {}
+    for which, progs in (("forward", plan.forward), ("backward", plan.backward)):
+        key = (which, shape)
+        if key not in cache:
+            cache[key] = columns(progs, L, shape)
+        cols[which] = cache[key]
+    for n in sorted({k for c in cols.values() for k in c.splits} | {
+            int(k) for c in cols.values() if len(c.comp[5])
+            for k in np.flatnonzero(np.bincount(c.comp[5]))}):          # splits: small ints
+        if n > 1:
+            check_head_split(n, shape.heads, shape.kv_heads,
+                             what=f"schedule {label!r} (heads split {n} ways)")
+    if "work" not in cache:
+        cache["work"] = tile_work(plan)
+    work = cache["work"]
+    out = dict(steps={}, compute={}, wait={}, sent={}, recv={}, tiles={}, active={})
+    peak = np.zeros(P, dtype=np.int64)
+    for which, c in cols.items():
+        fixed, per_heads = _costs(work, L, hw, shape, which == "backward")
+        flat = _flatten(c, fixed, per_heads, hw)
+        _, wait, sent, recv = _run(flat, hw, P)
+        out["steps"][which] = flat.steps
+        out["compute"][which] = flat.compute
+        out["wait"][which] = wait
+        out["sent"][which] = sent
+        out["recv"][which] = recv
+        out["tiles"][which] = flat.tiles
+        out["active"][which] = flat.active
+        peak = np.maximum(peak, flat.live_peak)
+    # resident per rank: q, k, v, out (+lse), and in the backward dout, dq, dk, dv as well
+    resident = (2 * shape.buffer_bytes("q", L) + shape.buffer_bytes("kv", L)
+                + shape.buffer_bytes("out", L) + shape.buffer_bytes("dq", L)
+                + shape.buffer_bytes("dkv", L))
+    return Prediction(label, hw, shape, P, plan.seq_len, memory=peak + resident, **out)
