@@ -77,7 +77,7 @@ def _qkv(S: int, dtype=torch.float32):
 
 
 def _doc_ids(S: int) -> torch.Tensor:
-    from fringe.bench import packed_docs
+    from fringe.testing import packed_docs
     return packed_docs(S, N_DOCS, 1)
 
 

@@ -146,7 +146,7 @@ def gloo_cuda_two_ranks() -> None:
 
 
 def timings(dev: torch.device) -> None:
-    from fringe.bench import packed_docs
+    from fringe.testing import packed_docs
     rows = []
     for S in (8192, 32768):
         mask = masks.causal() & masks.document(packed_docs(S, 16, 0))
@@ -342,7 +342,7 @@ def flex(dev: torch.device, *, S_time: int = 16384) -> None:
     # timing: one whole-sequence tile, bf16, causal & 16 documents
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-    from fringe.bench import packed_docs
+    from fringe.testing import packed_docs
     from fringe.masks import classify
     S = S_time
     ids = packed_docs(S, 16, 0)

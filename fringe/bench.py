@@ -30,6 +30,7 @@ import time
 import torch
 
 from . import masks, schedules, simulate
+from ._data import packed_docs as packed_docs  # moved to a leaf every layer may read
 from .api import attention, last_run
 from .launch import Workers
 from .plan import plan as make_plan
@@ -45,15 +46,6 @@ PLAN_HEADS = (32, 8)         # H, G the planning benchmark assumes (Llama-3-8B):
 # ranks need (kv="resend") and nothing local is left to compute in its last step while the
 # final dkv comes home, so about 1/(T+1) of it is exposed by construction; it is printed
 # without a target.
-
-
-def packed_docs(S: int, n_docs: int, seed: int) -> torch.Tensor:
-    """doc ids [S] for ``n_docs`` random-length packed documents."""
-    g = torch.Generator().manual_seed(seed)
-    cuts = torch.randperm(S - 1, generator=g)[:n_docs - 1].sort().values + 1
-    ids = torch.zeros(S, dtype=torch.int64)
-    ids[cuts] = 1
-    return ids.cumsum(0)
 
 
 def _status_mb(key: str) -> float | None:

@@ -47,6 +47,7 @@ from typing import Mapping, Sequence
 import torch
 
 from . import masks as _masks
+from .masks._kinds import _UNKNOWN
 
 __all__ = ["IGNORE_INDEX", "BatchKey", "Shard", "check_batch", "doc_ids_from_cu_seqlens",
            "doc_ids_from_position_ids", "document_mask", "global_token_count", "loss_sum",
@@ -202,7 +203,7 @@ class _RowDocuments:
         rows = [_masks.document(row).rule.prepare(qt, kt) for row in self.row_doc_ids]
         E, P, F = (int(k) for k in (_masks.BlockKind.EMPTY, _masks.BlockKind.PARTIAL,
                                     _masks.BlockKind.FULL))
-        U = _masks._UNKNOWN                     # undecided: refine (nodes) or evaluate (blocks)
+        U = _UNKNOWN            # undecided: refine (nodes) or evaluate (blocks)
 
         def cells(level: int, i: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
             cs = torch.stack([r(level, i, j) for r in rows])       # [B, cells]
@@ -285,7 +286,7 @@ class _RealTokens:
         n = self.n
         E, P, F = (int(k) for k in (_masks.BlockKind.EMPTY, _masks.BlockKind.PARTIAL,
                                     _masks.BlockKind.FULL))
-        U = _masks._UNKNOWN
+        U = _UNKNOWN
 
         def cells(level: int, i: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
             full = (qt.hi[level][i] < n) & (kt.hi[level][j] < n)
@@ -357,7 +358,7 @@ def _extend_leaf(m: _masks.Mask, n: int, padded: int) -> _masks.Mask | None:
     return _clamped(m.mod, n, name=m.name, bh_invariant=m.bh_invariant)
 
 
-def _clamped(fn, n: int, *, name: str, bh_invariant: bool) -> _masks.Mask:
+def _clamped(fn, n: int, *, name: str, bh_invariant: bool | None) -> _masks.Mask:
     """``fn`` evaluated at positions clamped to ``n - 1`` (pads are removed by real_tokens, so
     any in-range value is fine): a mask_mod that indexes a length-n tensor stays in range."""
     def padded_mod(b, h, q_idx, kv_idx):
@@ -367,10 +368,9 @@ def _clamped(fn, n: int, *, name: str, bh_invariant: bool) -> _masks.Mask:
 
 
 def _extend(m, n: int, padded: int):
-    if not isinstance(m, _masks.Mask):
-        reads = any(_masks.reads_batch_head(m, seq_len=n))
-        return _clamped(m, n, name=getattr(m, "__name__", "mask_mod"),   # a probe is no proof:
-                        bh_invariant=False if reads else _masks.declared_bh_invariant(m))
+    if not isinstance(m, _masks.Mask):       # its declaration only: masks.reads_bh probes later
+        return _clamped(m, n, name=getattr(m, "__name__", "mask_mod"),
+                        bh_invariant=_masks.declared_bh_invariant(m))
     if m.op == "leaf":
         return _extend_leaf(m, n, padded)
     kids = [_extend(c, n, padded) for c in m.children]

@@ -21,6 +21,7 @@ from typing import Callable
 import torch
 
 from . import masks as _masks
+from .masks._blockmap import _paint
 from ._handle import new_handle
 from ._stats import PlanStats, _OpCounts, _op_counts  # noqa: F401 (re-exported)
 from .layout import DEFAULT_BLOCK_SIZE, Layout
@@ -239,8 +240,8 @@ class Plan:
             t = i * P + j
             a, b = int(torch.searchsorted(key, t)), int(torch.searchsorted(key, t, right=True))
             sel = order[a:b]
-            out = _masks._paint(self.block_map.rects[sel], self.block_map.codes[sel],
-                                i * n, (i + 1) * n, j * n, (j + 1) * n)
+            out = _paint(self.block_map.rects[sel], self.block_map.codes[sel],
+                         i * n, (i + 1) * n, j * n, (j + 1) * n)
         return out
 
     def tile_block_counts(self) -> torch.Tensor:
@@ -540,22 +541,6 @@ def captured_params(score_mod: Callable | None, *, seq_len: int) -> tuple[torch.
     return tuple(found.values())
 
 
-def _probe_reads_b(score_mod: Callable | None) -> bool:
-    """Whether ``score_mod`` depends on ``b`` (broadcast probe; True when it cannot tell)."""
-    if score_mod is None:
-        return False
-    idx = torch.arange(2)
-    try:
-        with torch.no_grad():
-            out = score_mod(torch.zeros(1, 1, 2, 2, dtype=torch.float64), idx.view(2, 1, 1, 1),
-                            torch.zeros(1, 1, 1, 1, dtype=torch.long), idx.view(1, 1, 2, 1),
-                            idx.view(1, 1, 1, 2))
-        shape = tuple(torch.as_tensor(out).shape)
-    except Exception:       # noqa: BLE001 - a score_mod that only works per scalar: assume it does
-        return True
-    return len(shape) == 4 and shape[0] == 2
-
-
 def _block_table_mod(bm) -> Callable:
     """A mask_mod that is a BlockMask's block tables: ``(b, h, q_idx, kv_idx)`` is allowed iff
     its block is listed (partial or full), as FlexAttention runs a BlockMask whose mask_mod
@@ -712,7 +697,7 @@ def plan(schedule: Schedule, mask_mod: Callable | None = None, *, seq_len: int,
         for t in score_params:
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"score_params must be tensors, got {type(t).__name__}")
-    reads_b, reads_h, unproven, batch_size, num_heads = classified_bh(
+    reads_b, _, _, batch_size, num_heads = classified_bh(
         mask_mod, seq_len=seq_len, batch_size=batch_size, num_heads=num_heads)
     natural = None
     if layout is not None:
@@ -760,7 +745,8 @@ def plan(schedule: Schedule, mask_mod: Callable | None = None, *, seq_len: int,
                 block_map=block_map, tiles=tiles, forward=tuple(fwd), backward=tuple(bwd), kv=kv,
                 score_mod=score_mod, scale=scale, kernel=kernel, batch_size=batch_size,
                 num_heads=num_heads, score_params=score_params,
-                reads_batch=reads_b or bool(unproven) or _probe_reads_b(score_mod))
+                reads_batch=reads_b or (score_mod is not None and
+                                        _masks.reads_bh(score_mod, seq_len=seq_len, score=True).b))
 
 
 def classified_bh(mask_mod: Callable, *, seq_len: int, batch_size: int | None,
@@ -778,38 +764,40 @@ def classified_bh(mask_mod: Callable, *, seq_len: int, batch_size: int | None,
     any communication.
 
     Returns:
-        ``(reads_b, reads_h, unproven, batch_size, num_heads)``: ``reads_*`` as
-        :func:`fringe.masks.reads_batch_head`, ``unproven`` the names of the parts that
-        cannot be proven to ignore b and h (:func:`fringe.masks.unproven_bh`), and the
-        B and H to classify for and record (None: any).
+        ``(reads_b, reads_h, unproven, batch_size, num_heads)``: ``reads_*`` and ``unproven``
+        (the names of the parts that cannot be proven to ignore b and h, which count as
+        reading both) as :func:`fringe.masks.reads_bh` answers, and the B and H to classify
+        for and record (None: any).
 
     Raises:
-        ValueError: the mask reads b or h and the count is not given; it is declared
-            ``bh_invariant=True`` but is seen reading one; or it cannot be proven to
-            ignore them and neither count is given (naming both remedies).
+        ValueError: the mask is seen reading b or h and the count is not given; it (or a
+            part of it) is declared ``bh_invariant=True`` but is seen reading one; or it
+            cannot be proven to ignore them and neither count is given (naming both
+            remedies).
     """
-    reads_b, reads_h = _masks.reads_batch_head(mask_mod, seq_len=seq_len)
+    r = _masks.reads_bh(mask_mod, seq_len=seq_len, witness=True)
     name = getattr(mask_mod, "__name__", "mask_mod")
-    for reads, given, arg, idx in ((reads_b, batch_size, "batch_size", "b"),
-                                   (reads_h, num_heads, "num_heads", "h")):
-        if reads and given is None:
+    for seen, reads, given, arg, idx in ((r.seen_b, r.b, batch_size, "batch_size", "b"),
+                                         (r.seen_h, r.h, num_heads, "num_heads", "h")):
+        if seen and given is None:
             raise ValueError(f"{name} reads the {idx} index (its output varies with {idx}), so "
                              f"its empty/full blocks depend on {idx}; pass {arg}= to "
                              f"fringe.plan so every {idx} is classified")
-        if reads and _masks.declared_bh_invariant(mask_mod) is True:
+        if seen and not reads:                  # only a declaration answers "no" to a witness
             raise ValueError(f"{name} is declared bh_invariant but reads the {idx} index; "
                              f"wrap it with masks.as_mask(fn, bh_invariant=False)")
-    unproven = _masks.unproven_bh(mask_mod, seq_len=seq_len)
+    unproven = r.unproven
     if unproven:
         if batch_size is None and num_heads is None:
             parts = ", ".join(unproven)
             raise ValueError(
-                f"{name}: {parts} is evaluated per scalar index (torch.vmap, as FlexAttention "
-                f"does: it is not elementwise on broadcast index tensors), and a probe cannot "
-                f"prove such a mask ignores b and h (it may read them only for values the probe "
-                f"never tried, e.g. heads >= 4). Either pass num_heads= and batch_size= to "
-                f"fringe.plan (every b and h is then classified, and calls must use that B "
-                f"and H), or, if it ignores b and h, declare it: "
+                f"{name}: {parts} cannot be proven to ignore b and h: it is evaluated per "
+                f"scalar index (torch.vmap, as FlexAttention does: it is not elementwise on "
+                f"broadcast index tensors) or fails when called on broadcast b and h, and a "
+                f"probe proves nothing about values it did not try (a mask may read h only for "
+                f"heads >= 4). Either pass num_heads= and batch_size= to fringe.plan (every b "
+                f"and h is then classified, and calls must use that B and H), or, if it "
+                f"ignores b and h, declare it: "
                 f"fringe.masks.as_mask(fn, bh_invariant=True)")
         batch_size, num_heads = batch_size or 1, num_heads or 1
-    return reads_b, reads_h, unproven, batch_size, num_heads
+    return r.b, r.h, unproven, batch_size, num_heads

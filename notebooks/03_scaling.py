@@ -31,7 +31,7 @@ from tabulate import tabulate
 
 import fringe
 from fringe import masks, render, schedules
-from fringe.bench import packed_docs
+from fringe.testing import packed_docs
 from fringe.runtime import costmodel
 
 for hw in costmodel.HARDWARE.values():

@@ -26,7 +26,7 @@ from matplotlib.figure import Figure
 
 import fringe
 from fringe import masks, schedules
-from fringe.bench import packed_docs
+from fringe.testing import packed_docs
 from fringe.runtime import costmodel
 
 shape = costmodel.Shape()

@@ -9,10 +9,10 @@ from hypothesis import given, settings, strategies as st
 from torch.testing import assert_close
 
 import fringe
-from fringe import bench, layout, masks, schedules
+from fringe import layout, masks, schedules
 from fringe.layout import _balanced   # the solver's private helpers
 from fringe.ops import reference
-from fringe.testing import make_qkv, seeds, tolerances
+from fringe.testing import make_qkv, packed_docs, seeds, tolerances
 
 EXACT = tolerances(torch.float64)
 
@@ -301,7 +301,7 @@ def test_sixteen_documents_at_p4_send_little_and_stay_balanced(S, seed):
     zigzag sends 10 here, and contiguous (3 hops, ratio 0.32) is unbalanced (up to 1.57x).
     """
     P, bs = 4, 128
-    ids = bench.packed_docs(S, 16, seed)
+    ids = packed_docs(S, 16, seed)
     mask = masks.causal() & masks.document(ids)
     plans = {n: fringe.plan(schedules.get(n), mask, seq_len=S, world_size=P, block_size=bs)
              for n in ("balanced", "zigzag", "ring")}
@@ -363,7 +363,7 @@ def chain_pieces(blocks: torch.Tensor, P: int) -> list[tuple[int, int, int]]:
 @pytest.mark.parametrize("S,P,seed", [(4096, 4, 0), (8192, 4, 1), (4096, 2, 3), (3072, 3, 2)])
 def test_chain_needs_kv_only_from_the_previous_rank(S, P, seed):
     bs = 128
-    mask = masks.causal() & masks.document(bench.packed_docs(S, 16, seed))
+    mask = masks.causal() & masks.document(packed_docs(S, 16, seed))
     nat = sparse(mask, S, bs)
     cands = dict(layout.candidates(nat, P))
     assert "chain" in cands
@@ -479,7 +479,7 @@ def _pinned_mask(name: str, S: int):
         ids = torch.repeat_interleave(torch.arange(6), torch.tensor([256, 64, 192, 128, 320, 64]))
         return masks.causal() & masks.document(ids)
     if name.startswith("docs"):
-        return masks.causal() & masks.document(bench.packed_docs(S, int(name[4:]), 0))
+        return masks.causal() & masks.document(packed_docs(S, int(name[4:]), 0))
     if name.startswith("window"):
         return masks.sliding_window(int(name[6:]))
     return masks.causal()

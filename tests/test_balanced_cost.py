@@ -10,10 +10,10 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 import fringe
-from fringe import bench, layout, masks, schedules
+from fringe import layout, masks, schedules
 from fringe.layout import _balanced   # the solver's private helpers
 from fringe.runtime import costmodel
-from fringe.testing import seeds
+from fringe.testing import packed_docs, seeds
 
 
 def sparse(mask, S: int, bs: int) -> masks.BlockMap:
@@ -25,7 +25,7 @@ def blocks_of(lay: layout.Layout, bs: int) -> torch.Tensor:
 
 
 def doc_mask(S: int, n_docs: int, seed: int):
-    return masks.causal() & masks.document(bench.packed_docs(S, n_docs, seed))
+    return masks.causal() & masks.document(packed_docs(S, n_docs, seed))
 
 
 def program_text(p) -> list[str]:

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import fringe
-from fringe.bench import packed_docs
+from fringe.testing import packed_docs
 from fringe import masks as M
 from fringe import schedules
 from fringe.masks import BlockKind, BlockMap
@@ -200,7 +200,7 @@ def test_dense_refuses_above_the_limit_and_names_the_ways_out():
 
 def test_plain_callables_warn_once_above_the_dense_budget(monkeypatch):
     monkeypatch.setattr(M, "WARN_DENSE_PAIRS", 1000)
-    monkeypatch.setattr(M, "_WARNED_DENSE", set())
+    monkeypatch.setattr(M._classify, "_WARNED_DENSE", set())
 
     def lookup(b, h, q_idx, kv_idx):
         return (q_idx * 7 + kv_idx) % 5 != 0

@@ -15,8 +15,10 @@ import torch
 import fringe
 from fringe import masks as M
 from fringe import schedules
-from fringe.bench import packed_docs
+from fringe.testing import packed_docs
 from fringe.masks import BlockKind
+from fringe.masks._mask import _leaf
+from fringe.masks._rules import _Band, _Blocks
 
 
 def oracle(mask, q_pos, kv_pos, bs):
@@ -34,7 +36,7 @@ def strictly_causal() -> M.Mask:
     """``q_idx > kv_idx``: a band without offset 0, so not reflexive."""
     def strict_mod(b, h, q_idx, kv_idx):
         return q_idx > kv_idx
-    return M._leaf(strict_mod, "strictly_causal", M._Band(1, None))
+    return _leaf(strict_mod, "strictly_causal", _Band(1, None))
 
 
 def random_reflexive(S: int, rng: random.Random, ids: torch.Tensor, depth: int = 2) -> M.Mask:
@@ -121,8 +123,8 @@ def test_block_summaries_agree_with_and_without_the_sort():
     for bs in (1, 2, 5, 8):
         base = torch.randperm(40 * bs, generator=g).view(-1, bs).sort(dim=1).values
         pos = torch.cat([base[:20], torch.arange(20 * bs).view(-1, bs) * 3]).reshape(-1)
-        a = M._Blocks.of(pos, bs)                       # rows increasing: no sort
-        b = M._Blocks.of(pos.view(-1, bs).flip(1).reshape(-1), bs)     # rows decreasing
+        a = _Blocks.of(pos, bs)                         # rows increasing: no sort
+        b = _Blocks.of(pos.view(-1, bs).flip(1).reshape(-1), bs)       # rows decreasing
         for x, y in ((a.lo, b.lo), (a.hi, b.hi), (a.stride, b.stride)):
             assert torch.equal(x, y)
         assert bool((a.stride[20:] == (3 if bs > 1 else 1)).all())

@@ -144,7 +144,7 @@ def test_a_causal_diagonal_tile_is_one_is_causal_call():
 def test_distinct_maps_from_rects_equal_the_sorted_and_dense_ways(name, mask_kind, monkeypatch):
     m = masks.causal()
     if mask_kind == "document":
-        from fringe.bench import packed_docs
+        from fringe.testing import packed_docs
         m = m & masks.document(packed_docs(4096, 9, 0))
     p = fringe.plan(schedules.get(name), m, seq_len=4096, world_size=8, block_size=32)
     want = costmodel.tile_work(p)
@@ -170,7 +170,7 @@ def test_rectangles_hashed_in_chunks_give_every_tile_its_own_map(name, collide, 
     # the hashing and the membership check run a chunk of rectangles at a time; with chunks
     # of 7 they end inside tiles and rows, and every tile must still get exactly its own map
     # and the work of the whole-array way (with every hash alike: the sorted fallback)
-    from fringe.bench import packed_docs
+    from fringe.testing import packed_docs
     m = masks.causal() & masks.document(packed_docs(4096, 9, 0))
     p = fringe.plan(schedules.get(name), m, seq_len=4096, world_size=8, block_size=32)
     want = costmodel.tile_work(p)
@@ -193,7 +193,7 @@ def test_the_op_walk_in_bulk_equals_the_walk_op_by_op_and_the_table_reader(spec,
     # the oracle's walk takes long steps' computes in bulk, short ones op by op: every step
     # either way must predict the same numbers as the table reader, bit for bit (compute sums
     # keep each step's op order)
-    from fringe.bench import packed_docs
+    from fringe.testing import packed_docs
     m = masks.causal() & masks.document(packed_docs(256, 5, 0))
     p = fringe.plan(schedules.get(spec), m, seq_len=256, world_size=8, block_size=4)
     preds = [costmodel.simulate(dataclasses.replace(p), "h100-ib", SHAPE)]

@@ -151,10 +151,11 @@ def test_hop_space_resend_takes_the_chain_and_the_tree_route_to_one_answer(seed)
 
 
 def test_a_1024_rank_document_allgather_plan_reverses_and_checks():
-    from fringe import bench, masks
+    from fringe import masks
+    from fringe.testing import packed_docs
     from fringe.plan import BlockKind, plan
     S, P = 1 << 17, 1024
-    ids = bench.packed_docs(S, 100, 0)
+    ids = packed_docs(S, 100, 0)
     p = plan(schedules.allgather(), masks.causal() & masks.document(ids), seq_len=S,
              world_size=P, block_size=64)
     need = p.tiles != BlockKind.EMPTY

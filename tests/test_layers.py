@@ -26,7 +26,7 @@ ROOT = pathlib.Path(fringe.__file__).resolve().parent
 #: ``*`` is that module only. The most specific pattern wins (an exact name over any ``*``, a longer
 #: ``*`` over a shorter one).
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("masks", ("fringe.masks.*",)),
+    ("masks", ("fringe.masks.*", "fringe._data")),       # _data: test data any layer may read
     # pure tile math, and the one tile-call planner the cost model's work model asks too
     ("ops", ("fringe.ops.*",)),
     # the cost package's bottom: plain data and the tile work model; its __init__ must stay as low

@@ -75,7 +75,11 @@ def test_reductions_give_flexattentions_answer(which):
         assert torch.equal(M.evaluate(tree, q_pos, kv_pos, B=2, H=3), flex(tree, q_pos, kv_pos, 2, 3))
         assert torch.equal(M.classify(tree, order, order, block_size=4),
                            block_reduce(flex(tree, order, order)[0, 0], 4))
-        assert M.reads_batch_head(mod, seq_len=24) == (False, False)
+        # per scalar index: a probe cannot prove it ignores b / h, so it reads both; the probe
+        # saw it read neither (a witness would be named)
+        assert M.reads_batch_head(mod, seq_len=24) == (True, True)
+        r = M.reads_bh(mod, seq_len=24, witness=True)
+        assert (r.seen_b, r.seen_h, r.unproven) == (False, False, (mod.__name__,))
 
 
 def test_vmap_fallback_warns_once_with_reason_and_cost():
@@ -147,8 +151,11 @@ def test_reads_batch_head_uses_the_same_decision():
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        # a 2-entry head table: the 3-head probe fails, a 2-head one decides
-        assert M.reads_batch_head(per_head_all, seq_len=16) == (False, True)
+        # a 2-entry head table: the 3-head probe fails, a 2-head one sees it read h; per
+        # scalar index, so unproven: it reads both
+        r = M.reads_bh(per_head_all, seq_len=16, witness=True)
+        assert (r.b, r.h, r.seen_b, r.seen_h) == (True, True, False, True)
+        assert M.reads_batch_head(per_head_all, seq_len=16) == (True, True)
         q = torch.arange(16)
         assert torch.equal(M.evaluate(per_head_all, q, q, H=2), flex(per_head_all, q, q, 1, 2))
         with pytest.raises(MaskError, match=r"fails when called per scalar index.*IndexError"):
@@ -161,7 +168,7 @@ def test_a_verdict_on_made_up_positions_is_not_kept():
     def far_any(b, h, q_idx, kv_idx):            # its reduction shows only where |q - kv| = 5
         return ((q_idx - kv_idx).abs() == 5).any() | (q_idx >= kv_idx)
 
-    assert M.reads_batch_head(far_any) == (False, False)    # probes positions 0, 1 only
+    assert M.reads_batch_head(far_any) == (True, True)    # positions 0, 1 only: undecided
     q = torch.arange(16)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -176,7 +183,8 @@ def test_check_mask_catches_a_broadcast_meaning_and_passes_once_fringe_vmaps(mon
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         # fringe as it was: every mod broadcast. The FlexAttention oracle must catch it.
-        monkeypatch.setattr(M, "_decide", lambda *a, **k: "broadcast")
+        for module in (M._eval, M._bh):
+            monkeypatch.setattr(module, "_decide", lambda *a, **k: "broadcast")
         with pytest.raises(AssertionError, match=r"schedule=zigzag P=2 block_size=2.*(classified|differs)"):
             check_mask(all_causal_cm, **kw)
         monkeypatch.undo()

@@ -370,5 +370,15 @@ def test_error_bad_inputs():
 
 def test_module_docstring_example_runs():
     import doctest
+    import importlib
+    import pkgutil
     result = doctest.testmod(M, extraglobs=dict(torch=torch))
     assert result.attempted >= 3 and result.failed == 0
+    # the private modules' examples (BlockMap's) run with the package's public names
+    attempted = 0
+    for info in pkgutil.iter_modules(M.__path__):
+        mod = importlib.import_module(f"{M.__name__}.{info.name}")
+        r = doctest.testmod(mod, extraglobs=dict(vars(M), torch=torch))
+        assert r.failed == 0, info.name
+        attempted += r.attempted
+    assert attempted >= 8

@@ -54,10 +54,45 @@ def test_masks_does_not_import_layout():
     import pathlib
 
     import fringe.masks
-    tree = ast.parse(pathlib.Path(fringe.masks.__file__).read_text())
-    imported = {node.module for node in ast.walk(tree)
-                if isinstance(node, ast.ImportFrom) and node.module}
-    assert not any(m == "layout" or m.endswith(".layout") for m in imported), imported
+    files = sorted(pathlib.Path(fringe.masks.__file__).parent.glob("*.py"))
+    assert len(files) > 1                           # a package of private modules
+    for path in files:
+        tree = ast.parse(path.read_text())
+        imported = {node.module for node in ast.walk(tree)
+                    if isinstance(node, ast.ImportFrom) and node.module}
+        assert not any(m == "layout" or m.endswith(".layout") for m in imported), (path, imported)
+
+
+def test_masks_modules_import_one_way():
+    """Inside fringe.masks the private modules import one way (no cycle) and never the
+    package back; no function-local import of fringe's own modules."""
+    import ast
+    import pathlib
+
+    import fringe.masks
+    root = pathlib.Path(fringe.masks.__file__).parent
+    edges: dict[str, set[str]] = {}
+    for path in (p for p in root.glob("_*.py") if p.name != "__init__.py"):
+        tree = ast.parse(path.read_text())
+        top = {id(node) for node in tree.body}
+        edges[path.stem] = set()
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.ImportFrom) or not node.level:
+                continue
+            assert node.module, f"{path.name} imports the masks package back"
+            assert id(node) in top, f"{path.name}: function-local import of .{node.module}"
+            assert node.level == 1, f"{path.name} imports above fringe.masks: {node.module}"
+            edges[path.stem].add(node.module)
+    done: set[str] = set()
+
+    def visit(mod: str, stack: tuple[str, ...]) -> None:
+        assert mod not in stack, f"import cycle: {' -> '.join(stack + (mod,))}"
+        if mod not in done:
+            for dep in edges[mod]:
+                visit(dep, stack + (mod,))
+            done.add(mod)
+    for mod in edges:
+        visit(mod, ())
 
 
 def test_no_import_cycle_inside_ops():

@@ -101,7 +101,7 @@ else:
     raise SystemExit("the blocker did not block")
 
 from fringe import masks, schedules
-from fringe.bench import packed_docs
+from fringe.testing import packed_docs
 from fringe.cost import programs as cost_programs
 from fringe.plan import plan as make_plan
 from fringe.runtime import costmodel

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from fringe import masks, schedules
-from fringe.bench import packed_docs
+from fringe.testing import packed_docs
 from fringe.plan import _classify_layout, _cut_at_tiles, plan as make_plan
 
 P, S, BLOCK = 16, 4096, 16

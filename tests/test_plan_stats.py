@@ -7,7 +7,7 @@ import torch
 
 import fringe
 from fringe import masks, schedules
-from fringe.bench import packed_docs
+from fringe.testing import packed_docs
 from fringe.plan import PlanStats, _op_counts
 from fringe.runtime.costmodel import Shape
 from fringe.runtime.virtual import VirtualRuntime

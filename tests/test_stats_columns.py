@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from fringe import masks, schedules
-from fringe.bench import packed_docs
+from fringe.testing import packed_docs
 from fringe.plan import _op_counts
 from fringe.schedules import passes
 from fringe.testing import oracle, user_schedules

@@ -14,7 +14,7 @@ import torch
 from tabulate import tabulate
 
 from .. import masks, render
-from ..bench import packed_docs
+from .._data import packed_docs
 from ..plan import plan as make_plan
 from ..schedules import registry
 from .calibrate import get_hardware

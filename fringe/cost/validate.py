@@ -14,7 +14,7 @@ import torch
 from .. import masks as _masks
 from .. import schedules as _schedules
 from ..api import attention, last_run
-from ..bench import packed_docs
+from .._data import packed_docs
 from ..launch import Workers
 from ..plan import plan as make_plan
 from .calibrate import get_hardware

@@ -16,7 +16,7 @@ from typing import Callable
 
 import torch
 
-from fringe.masks import evaluate
+from fringe.masks import evaluate, reads_bh
 
 ScoreMod = Callable[..., torch.Tensor]
 MaskMod = Callable[..., torch.Tensor]
@@ -126,11 +126,12 @@ def mask_for(mask_mod: MaskMod | None, q_pos: torch.Tensor, kv_pos: torch.Tensor
              B: int, H: int) -> torch.Tensor | None:
     """Evaluate ``mask_mod`` on global positions: bool ``[B or 1, H or 1, Lq, Lk]`` or None.
 
-    A mask with ``bh_invariant = True`` is evaluated once (``[1, 1, Lq, Lk]``).
+    A mask declared or proven not to read ``b`` / ``h`` (:func:`fringe.masks.reads_bh`) is
+    evaluated once (``[1, 1, Lq, Lk]``).
     """
     if mask_mod is None:
         return None
-    if getattr(mask_mod, "bh_invariant", False):
+    if reads_bh(mask_mod, q_pos=q_pos, kv_pos=kv_pos).invariant:
         return evaluate(mask_mod, q_pos, kv_pos)
     return evaluate(mask_mod, q_pos, kv_pos, B=B, H=H)
 

@@ -10,6 +10,7 @@ from typing import Sequence
 
 import torch
 
+from ..masks import reads_bh
 from ..ops import check_qkv, merge, tile_backward, tile_forward
 from ..schedules.ir import Buffer, Compute, Family, GradCompute
 from .contract import PlanLike
@@ -137,7 +138,7 @@ def _shifted(plan: PlanLike, offset: int):
     cache = plan.cache.head_shift
     if offset not in cache:
         mask, score = plan.mask_mod, plan.score_mod
-        if offset and mask is not None and not getattr(mask, "bh_invariant", False):
+        if offset and mask is not None and reads_bh(mask, seq_len=plan.seq_len).h:
             base_mask = mask
 
             def mask(b, h, q_idx, kv_idx):

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["CHECK_MASK_SCHEDULES", "check_mask", "make_qkv", "mask_family", "probe_adjoint",
-           "seeds", "tiny_llama", "tolerances", "warm_up_cpu_math"]
+from .._data import packed_docs
+
+__all__ = ["CHECK_MASK_SCHEDULES", "check_mask", "make_qkv", "mask_family", "packed_docs",
+           "probe_adjoint", "seeds", "tiny_llama", "tolerances", "warm_up_cpu_math"]
 
 #: The schedules :func:`check_mask` tries by default, as registry names: every registered
 #: schedule (``fringe.schedules.names()``, read when check_mask runs) and this 2D one.
