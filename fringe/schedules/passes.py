@@ -1173,10 +1173,10 @@ def _slots_matched(g: _Gen, inst_g, sent, got, b, sme, sinst) -> bool:
     """Whether every contribution a collective side sends (slots ``sent``: not its own) is
     received by the member it names, as the same buffer ``b``, and nothing else is received
     (``got``), without sorting: each send looks up the one receive slot that must match it
-    in a dense ``[side, member index]`` table (``inst_g``: each instance's group). Needs what :func:`_collectives_ok` established
-    first: every member issues each instance once, and slots increase by (side, direction,
-    index). False past :data:`MATCH_CELLS` cells too: the caller then compares sorted keys
-    (which also name a fault)."""
+    in a dense ``[side, member index]`` table (``inst_g``: each instance's group). Needs
+    what :func:`_collectives_ok` established first: every member issues each instance once,
+    and slots increase by (side, direction, index). False past :data:`MATCH_CELLS` cells
+    too: the caller then compares sorted keys (which also name a fault)."""
     n_side, n_idx = len(g.kr), int(g.glen.max())
     if n_side * n_idx > MATCH_CELLS or int(sent.sum()) != int(got.sum()):
         return False
