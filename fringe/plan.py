@@ -28,6 +28,7 @@ from .layout import DEFAULT_BLOCK_SIZE, Layout
 from .runtime.contract import PlanCache, PlanLike as PlanLike   # the runtime's view of a plan
 from .schedules import KVPolicy, Program, Schedule, check, reverse
 from .schedules.ir import ProgramTable
+from .schedules.passes import shared_columns
 
 BlockKind = _masks.BlockKind
 
@@ -737,10 +738,11 @@ def plan(schedule: Schedule, mask_mod: Callable | None = None, *, seq_len: int,
                                  natural=natural)
     tiles = _tile_kinds(block_map, world_size)
     need = tiles != BlockKind.EMPTY
-    fwd = schedule.programs(world_size, need)
-    check(fwd, need=need)
-    bwd = reverse(fwd, kv=kv)
-    check(bwd, need=need, backward=True, kv=kv)
+    with shared_columns():          # the passes derive each table's columns once
+        fwd = schedule.programs(world_size, need)
+        check(fwd, need=need)
+        bwd = reverse(fwd, kv=kv)
+        check(bwd, need=need, backward=True, kv=kv)
     return Plan(schedule=schedule, mask_mod=mask_mod, layout=lay, block_size=block_size,
                 block_map=block_map, tiles=tiles, forward=tuple(fwd), backward=tuple(bwd), kv=kv,
                 score_mod=score_mod, scale=scale, kernel=kernel, batch_size=batch_size,

@@ -177,3 +177,88 @@ def test_past_the_plane_limit_the_checks_sort_and_the_rules_decide(monkeypatch):
     bad = ProgramTable.of(_edit(progs, 3, _compute_too_early))
     with pytest.raises(ScheduleError, match="not on rank"):
         passes._general_ok(bad, need, False, "resend")
+
+
+def test_shared_columns_derive_a_table_once_and_change_no_result():
+    """Inside ``shared_columns()`` (what fringe.plan runs its passes in) a table's general
+    columns are derived once, read-only, and dropped on exit; the passes answer the same."""
+    need, progs = _plan_programs()
+    tab = ProgramTable.of(progs)
+
+    def run():
+        return (format_programs(passes._general_prune(tab, need & ~np.eye(8, dtype=bool))),
+                format_programs(passes._general_reverse(tab, "resend")),
+                format_programs(passes._general_reverse(tab, "keep")),
+                passes._general_ok(tab, need, False, "resend"))
+    alone = run()
+    with passes.shared_columns():
+        a, b = passes._Gen(tab), passes._Gen(tab)
+        assert a.inst is b.inst and a.cq is b.cq
+        assert passes._Gen(tab, lenient=True).inst is not a.inst     # keyed on lenient too
+        with pytest.raises(ValueError, match="read-only"):
+            a.me[0] = 1
+        with passes.shared_columns():          # nests
+            assert passes._Gen(tab).sidx is a.sidx
+        assert passes._Gen(tab).sidx is a.sidx
+        shared = run()
+    assert passes._Gen(tab).sidx is not a.sidx
+    assert shared == alone
+
+
+@pytest.mark.parametrize("x", [[], [5], [3, 3, 3], [7, -2, 7, 0, -2], [2 ** 40, 7, 2 ** 40, 9]])
+def test_unique_by_marks_or_by_sort_is_numpys(x):
+    x = np.array(x, dtype=np.int64)
+    got, inv = passes._unique(x)
+    want, want_inv = np.unique(x, return_inverse=True)
+    assert got.tolist() == want.tolist() and inv.tolist() == want_inv.ravel().tolist()
+
+
+def _verdict(tab):
+    try:
+        return passes._general_ok(tab, None, False, "resend")
+    except ScheduleError as e:
+        return str(e)
+
+
+@pytest.mark.parametrize("spec,P", [("allgather:3", 6), ("compose:zigzag+ulysses:2", 8),
+                                    ("two-level(2)", 8)])
+def test_dense_slot_matching_agrees_with_sorted_keys(spec, P, monkeypatch):
+    """check matches a collective's sends with receives through a dense [side, member]
+    table (``_slots_matched``) up to MATCH_CELLS, by sorted keys past it (and to name a
+    fault): the same verdict both ways on valid tables and on tables with one slot's buffer
+    changed or one slot dropped."""
+    need = np.tri(P, dtype=bool)
+    from fringe.testing.user_schedules import two_level_allgather_columns
+    sched = two_level_allgather_columns(2) if spec == "two-level(2)" else schedules.get(spec)
+    tab = ProgramTable.of(sched.programs(P, need))
+    comp, xfer, coll = tab._parts
+    n = len(coll["slot_side"])
+    assert n
+    rng = np.random.default_rng(P)
+    cases = [coll]
+    for i in rng.choice(n, size=min(n, 12), replace=False).tolist():
+        bumped = {k: np.array(v) if k != "groups" else v for k, v in coll.items()}
+        bumped["slot_chunk"][i] = (bumped["slot_chunk"][i] + 1) % P
+        dropped = {k: np.delete(v, i) if k.startswith("slot_") else v for k, v in coll.items()}
+        cases += [bumped, dropped]
+    verdicts = []
+    for c in cases:
+        dense = _verdict(ProgramTable._of_parts(P, dict(comp), dict(xfer), dict(c)))
+        with monkeypatch.context() as m:
+            m.setattr(passes, "MATCH_CELLS", 0)
+            assert _verdict(ProgramTable._of_parts(P, dict(comp), dict(xfer), dict(c))) == dense
+        verdicts.append(dense)
+    assert verdicts[0] is True and any(v is not True for v in verdicts)
+    assert any("sends" in v and "receives" in v for v in verdicts if v is not True)
+
+
+@pytest.mark.parametrize("n_keys", [3, 4000])           # by search / by a dense table
+def test_lookup_by_search_or_by_a_dense_table(n_keys):
+    rng = np.random.default_rng(n_keys)
+    table = np.unique(rng.integers(-5, 300, 120)).astype(np.int64)
+    values = rng.integers(0, 100, len(table))
+    keys = rng.integers(-20, 320, n_keys).astype(np.int64)
+    got, hit = passes._lookup(keys, table, values, -7)
+    want = dict(zip(table.tolist(), values.tolist()))
+    assert got.tolist() == [want.get(k, -7) for k in keys.tolist()]
+    assert hit.tolist() == [k in want for k in keys.tolist()]

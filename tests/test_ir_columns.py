@@ -94,3 +94,32 @@ def test_a_mask_aware_builder_plans_the_same_programs():
                     world_size=P, block_size=4)
     b = fringe.plan(two_level_allgather(g), mask, seq_len=S, world_size=P, block_size=4)
     assert list(a.forward) == list(b.forward) and list(a.backward) == list(b.backward)
+
+
+def test_collective_contributions_in_any_order_give_the_same_sides():
+    """Contributions (with their own chunks and head slices) may come in any order: each
+    side's slots are those of the op written by hand, in member order."""
+    from fringe.schedules.ir import Buffer, Collective, Program, ProgramTable, Step
+    group, pairs = (3, 0, 2), [(1, 0), (2, 1), (0, 2), (0, 1), (1, 1), (2, 0)]
+    rng = np.random.default_rng(0)
+    pairs = [pairs[i] for i in rng.permutation(len(pairs))]
+    si, di = np.array(pairs).T
+    chunk, hi = (si + 2 * di) % 4, (2 * si + di) % 3
+    b = ProgramBuilder(4)
+    b.collective("A2A", step=0, group=group, src=si, dst=di, family="q", chunk=chunk,
+                 heads=(hi, 3))
+    bufs = {(s, d): Buffer.of("q", int(c), (int(h), 3)) for s, d, c, h in zip(si, di, chunk, hi)}
+    want = []
+    for r in range(4):
+        if r not in group:
+            want.append(Program(r, ()))
+            continue
+        m = group.index(r)
+        sends = sorted((d, bufs[m, d]) for s, d in bufs if s == m)
+        recvs = sorted((s, bufs[s, m]) for s, d in bufs if d == m)
+        op = Collective.sparse("A2A", group, tuple(zip(*sends)) or ((), ()),
+                               tuple(zip(*recvs)) or ((), ()))
+        want.append(Program(r, (Step(0, (op,)),)))
+    got = b.programs()
+    assert got == want
+    assert ProgramTable.of(want).digest() == got[0].table.digest()

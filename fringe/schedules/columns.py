@@ -16,6 +16,7 @@ r0:
 """
 from __future__ import annotations
 
+import functools
 from typing import Sequence
 
 import numpy as np
@@ -41,6 +42,36 @@ def _heads(heads, n: int) -> tuple[np.ndarray, np.ndarray]:
     return hi, hn
 
 
+def _slot_order(si: np.ndarray, di: np.ndarray, n: int) -> tuple[np.ndarray, ...]:
+    """A collective's slots in the table's (side, direction, index) order, from its
+    contributions ``(si[k], di[k])`` (distinct, in (sender, receiver) order; n members):
+    ``(who, dirs, side, idx)``, each slot's contribution, direction (0: on the sender's
+    side, indexed by the receiver; 1: on the receiver's, indexed by the sender), side
+    (member) and index."""
+    m = len(si)
+    r = np.argsort(di.astype(np.uint16) if n <= 1 << 16 else di, kind="stable")
+    who = np.concatenate([np.arange(m), r])     # two runs, each in (side, index) order
+    side = np.concatenate([si, di[r]])
+    dirs = np.repeat(np.array([0, 1], np.int64), m)
+    merge = np.argsort(side * 2 + dirs, kind="stable")
+    who, side, dirs = who[merge], side[merge], dirs[merge]
+    return who, dirs, side, np.where(dirs == 0, di[who], si[who])
+
+
+@functools.lru_cache(maxsize=64)
+def _all_pairs(n: int, own: bool) -> tuple[np.ndarray, ...]:
+    """:func:`_slot_order` of an n-member all-gather from every member to every member
+    (itself too if ``own``), and the sender of each slot (read-only: shared by calls)."""
+    w = np.ones((n, n), dtype=bool)
+    np.fill_diagonal(w, own)
+    si, di = np.nonzero(w)
+    who, dirs, side, idx = _slot_order(si, di, n)
+    out = (dirs, side, idx, si[who])
+    for x in out:
+        x.setflags(write=False)
+    return out
+
+
 class ProgramBuilder:
     """Every rank's forward programs, added as columns.
 
@@ -58,8 +89,9 @@ class ProgramBuilder:
         self.world_size = world_size
         self._comp: list = []
         self._xfer: list = []
-        self._sides: list = []
+        self._sides: list = []          # (members, step, order, kind, group index) per call
         self._slots: list = []
+        self._n_sides = 0
         self._groups: dict = {}
         self._calls = 0
 
@@ -94,6 +126,12 @@ class ProgramBuilder:
         o = np.full(len(t), self._order())
         self._xfer.append((t, s, d, np.full(len(t), _family(family)), c, o, hi, hn, o))
 
+    def _group(self, group: Sequence[int]) -> tuple[int, ...]:
+        group = tuple(map(int, group))
+        if len(set(group)) != len(group) or min(group) < 0 or max(group) >= self.world_size:
+            raise ValueError(f"group must be distinct ranks in [0, {self.world_size}), got {group}")
+        return group
+
     def collective(self, kind: str, *, step: int, group: Sequence[int], src, dst,
                    family: str = "kv", chunk, heads=None) -> None:
         """One collective over ``group`` at ``step``: member index ``src[i]`` contributes
@@ -102,43 +140,56 @@ class ProgramBuilder:
         member with no contribution has an empty side."""
         if kind not in COLL_KINDS:
             raise ValueError(f"kind must be one of {COLL_KINDS}, got {kind!r}")
-        group = tuple(int(m) for m in group)
-        if len(set(group)) != len(group) or min(group) < 0 or max(group) >= self.world_size:
-            raise ValueError(f"group must be distinct ranks in [0, {self.world_size}), got {group}")
-        si, di, c = np.broadcast_arrays(*(np.asarray(x, dtype=np.int64) for x in (src, dst, chunk)))
+        group = self._group(group)
+        si, di, c = (np.asarray(x, dtype=np.int64) for x in (src, dst, chunk))
+        if not si.shape == di.shape == c.shape:
+            si, di, c = np.broadcast_arrays(si, di, c)
         si, di, c = si.ravel(), di.ravel(), c.ravel()
         n = len(group)
         if len(si) and (min(int(si.min()), int(di.min())) < 0 or max(int(si.max()), int(di.max())) >= n):
             raise ValueError(f"collective: member indices must lie in [0, {n})")
         self._ranks(c, what="collective")
-        key = np.sort(si * n + di)
-        if (key[1:] == key[:-1]).any():
-            raise ValueError("collective: one contribution per (sender, receiver) pair")
         hi, hn = _heads(heads, len(si))
+        key = si * n + di                   # (sender, receiver) pairs in order, each once
+        if len(key) > 1 and not (key[1:] > key[:-1]).all():
+            o = np.argsort(key, kind="stable")
+            if (key[o[1:]] == key[o[:-1]]).any():
+                raise ValueError("collective: one contribution per (sender, receiver) pair")
+            si, di, c, hi, hn = si[o], di[o], c[o], hi[o], hn[o]
+        who, dirs, side, idx = _slot_order(si, di, n)
+        self._add(kind, step, group, dirs, side, idx, _family(family), c[who], hi[who], hn[who])
+
+    def _add(self, kind: str, step: int, group: tuple[int, ...], dirs, side, idx, fam: int,
+             c, hi, hn) -> None:
+        """A valid collective's sides, and its slots in (side, direction, index) order
+        (:func:`_slot_order`; ``side``: the member)."""
         g = self._groups.setdefault(group, len(self._groups))
-        first = sum(len(x[0]) for x in self._sides)
-        o = self._order()
-        self._sides.append((np.array(group, np.int64), np.full(n, step, np.int64),
-                            np.full(n, o), np.full(n, COLL_KINDS.index(kind)), np.full(n, g)))
-        f = np.full(len(si), _family(family))
-        # slots: on the sender's side (dir 0, index of the receiver), on the receiver's (dir 1)
-        self._slots.append((first + si, np.zeros(len(si), np.int64), di, f, c, hi, hn))
-        self._slots.append((first + di, np.ones(len(si), np.int64), si, f, c, hi, hn))
+        first, self._n_sides = self._n_sides, self._n_sides + len(group)
+        self._sides.append((np.array(group, np.int64), step, self._order(),
+                            COLL_KINDS.index(kind), g))
+        self._slots.append((side + first, dirs, idx, np.full(len(side), fam), c, hi, hn))
 
     def allgather(self, *, step: int, group: Sequence[int], family: str = "kv", chunk,
                   want=None, own: bool = True) -> None:
         """An all-gather: member i contributes ``family`` + ``chunk[i]`` to every member j
         with ``want[i, j]`` (default: all); ``own=False`` leaves own slots empty."""
+        group = self._group(group)
         n = len(group)
         c = np.broadcast_to(np.asarray(chunk, dtype=np.int64), (n,))
-        w = np.ones((n, n), dtype=bool) if want is None else np.asarray(want, dtype=bool)
-        if w.shape != (n, n):
-            raise ValueError(f"want must be bool [{n}, {n}], got shape {w.shape}")
-        w = w.copy()
-        np.fill_diagonal(w, own)
-        si, di = np.nonzero(w)
-        self.collective("AG", step=step, group=group, src=si, dst=di, family=family,
-                        chunk=c[si])
+        self._ranks(c, what="collective")
+        if want is None:
+            dirs, side, idx, sender = _all_pairs(n, bool(own))
+        else:
+            w = np.asarray(want, dtype=bool)
+            if w.shape != (n, n):
+                raise ValueError(f"want must be bool [{n}, {n}], got shape {w.shape}")
+            w = w.copy()
+            np.fill_diagonal(w, own)
+            si, di = np.nonzero(w)
+            who, dirs, side, idx = _slot_order(si, di, n)
+            sender = si[who]
+        zero = np.zeros(len(side), np.int64)
+        self._add("AG", step, group, dirs, side, idx, _family(family), c[sender], zero, zero)
 
     def table(self) -> ProgramTable:
         """The general :class:`ProgramTable` of everything added."""
@@ -148,17 +199,13 @@ class ProgramBuilder:
                 enumerate(("rank", "step", "kind", "q", "kv", "order", "hi", "hn"))}
         xfer = {name: cat(self._xfer, k) for k, name in
                 enumerate(("step", "src", "dst", "fam", "chunk", "order", "hi", "hn", "rorder"))}
-        coll = {name: cat(self._sides, k) for k, name in
-                enumerate(("rank", "step", "order", "kind", "group"))}
-        slots = {name: cat(self._slots, k) for k, name in
-                 enumerate(("slot_side", "slot_dir", "slot_idx", "slot_fam", "slot_chunk",
-                            "slot_hi", "slot_hn"))}
-        if len(slots["slot_side"]):
-            width = 1 + max(len(g) for g in self._groups)
-            o = np.argsort((slots["slot_side"] * 2 + slots["slot_dir"]) * width
-                           + slots["slot_idx"], kind="stable")
-            slots = {k: v[o] for k, v in slots.items()}
-        coll.update(slots)
+        n = [len(x[0]) for x in self._sides]
+        coll = {"rank": cat(self._sides, 0)}
+        coll.update({name: np.repeat(np.array([x[k] for x in self._sides], np.int64), n)
+                     for k, name in enumerate(("step", "order", "kind", "group"), 1)})
+        coll.update({name: cat(self._slots, k) for k, name in      # each call's sides follow
+                     enumerate(("slot_side", "slot_dir", "slot_idx", "slot_fam",   # the last's
+                                "slot_chunk", "slot_hi", "slot_hn"))})
         coll["groups"] = tuple(self._groups)
         return ProgramTable._of_parts(self.world_size, comp, xfer, coll)
 

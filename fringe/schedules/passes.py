@@ -94,6 +94,14 @@ def _runs(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return x[starts], starts
 
 
+def _spans(lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    """The indices ``lo[0]..hi[0]-1, lo[1]..hi[1]-1, ...`` as one array."""
+    n = hi - lo
+    if not len(n):
+        return np.zeros(0, np.int64)
+    return np.repeat(lo - np.cumsum(n) + n, n) + np.arange(int(n.sum()))
+
+
 def _uniq(x: np.ndarray) -> np.ndarray:
     """Sorted unique values (by sorting: numpy's hashing unique is slower on these keys)."""
     return _runs(np.sort(x))[0]
@@ -674,6 +682,25 @@ def _no_xfer():
 PLANE_CELLS = 1 << 27
 
 
+_GENS: list = [None]     # inside shared_columns(): {(id(table), lenient): (table, fields)}
+
+
+@contextlib.contextmanager
+def shared_columns():
+    """Inside, the passes derive a table's general columns (:class:`_Gen`) once and share
+    them: a plan's check, prune and reverse read the same tables, some twice. A table's
+    columns are read-only, so what is derived from them stays true; it is dropped on exit
+    (the int64 copies are larger than the table). Nests."""
+    if _GENS[0] is not None:
+        yield
+        return
+    _GENS[0] = {}
+    try:
+        yield
+    finally:
+        _GENS[0] = None
+
+
 class _Gen:
     """A general table's parts as int64 columns, with the derived codes the passes share:
     ``hs`` a head slice code (0: all heads, else ``hn*(hn-1)/2 + hi + 1``), ``HS`` one more
@@ -688,6 +715,10 @@ class _Gen:
     """
 
     def __init__(self, tab: ProgramTable, *, lenient: bool = False) -> None:
+        cache, key = _GENS[0], (id(tab), lenient)
+        if cache is not None and key in cache:          # shared_columns()
+            self.__dict__.update(cache[key][1])
+            return
         P = self.P = tab.world_size
         comp, xfer, coll = tab._parts
         i64 = lambda d, ks: [np.asarray(d[k], dtype=np.int64) for k in ks]  # noqa: E731
@@ -705,9 +736,9 @@ class _Gen:
         self.glen = np.array([len(g) for g in self.groups] or [0], dtype=np.int64)
         self._valid(tab, lenient)
         self.ok = True                       # an invalid table raised in _valid
-        self.chs, self.xhs, self.shs = (self.hs(h, n) for h, n in
-                                        ((self.chi, self.chn), (self.xhi, self.xhn),
-                                         (self.shi, self.shn)))
+        self.chs, self.xhs, self.shs = (self.hs(h, n) if n.any() else np.zeros(len(n), np.int64)
+                                        for h, n in ((self.chi, self.chn), (self.xhi, self.xhn),
+                                                     (self.shi, self.shn)))
         self.HS = 1 + max([int(x.max()) for x in (self.chs, self.xhs, self.shs) if len(x)] or [0])
         canon: dict = {}                     # one index per distinct group
         ids = [canon.setdefault(g, n) for n, g in enumerate(self.groups)]
@@ -726,6 +757,11 @@ class _Gen:
         ordinal[o] = np.arange(n) - start
         self.ordinal = ordinal
         self.inst_keys, self.inst = _unique(_row_keys(self.kt, self.kg, ordinal))
+        if cache is not None:
+            for x in self.__dict__.values():
+                if isinstance(x, np.ndarray):
+                    x.setflags(write=False)     # shared: no pass may write them
+            cache[key] = (tab, dict(self.__dict__))
 
     @staticmethod
     def hs(hi: np.ndarray, hn: np.ndarray) -> np.ndarray:
@@ -849,8 +885,15 @@ class _Gen:
 
 
 def _unique(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Sorted distinct values of int array ``x`` and each entry's index among them (a sort:
-    numpy's hashed ``unique`` measured 1 s on a million keys)."""
+    """Sorted distinct values of int array ``x`` and each entry's index among them: by
+    marking the values that occur when they span at most a few times ``len(x)`` (no sort),
+    else by a sort (numpy's hashed ``unique`` measured 1 s on a million keys)."""
+    lo, hi = (int(x.min()), int(x.max())) if len(x) else (0, 0)
+    if hi - lo <= 4 * len(x):
+        used = np.zeros(hi - lo + 1, dtype=bool)
+        at = x - lo
+        used[at] = True
+        return np.flatnonzero(used) + lo, (np.cumsum(used) - 1)[at]
     o = np.argsort(x, kind="stable")
     xs = x[o]
     new = np.ones(len(xs), dtype=bool)
@@ -879,6 +922,14 @@ def _lookup(keys: np.ndarray, table_keys: np.ndarray, values: np.ndarray, defaul
     """``values`` at ``keys`` in sorted ``table_keys`` (``default`` where absent), hit mask."""
     if not len(table_keys):
         return np.full(len(keys), default, dtype=np.int64), np.zeros(len(keys), dtype=bool)
+    lo, span = int(table_keys[0]), int(table_keys[-1]) - int(table_keys[0]) + 1
+    if span <= len(keys) // 4:              # a dense table over the keys' span: no search
+        where = np.full(span, -1, dtype=np.int64)
+        where[table_keys - lo] = np.arange(len(table_keys))
+        at = keys - lo
+        at = where[np.where((at >= 0) & (at < span), at, 0)]
+        hit = (at >= 0) & (table_keys[at] == keys)
+        return np.where(hit, values[at], default), hit
     at = np.minimum(np.searchsorted(table_keys, keys), len(table_keys) - 1)
     hit = table_keys[at] == keys
     return np.where(hit, values[at], default), hit
@@ -1053,6 +1104,9 @@ def _collectives_ok(tab: ProgramTable, g: _Gen) -> None:
     # aside (they move nothing)
     sent = ~own & (g.sdir == 0)
     got = ~own & (g.sdir == 1)
+    if not (bad_count.any() or bad_kind.any()) and _slots_matched(
+            g, inst_g, sent, got, b, sme, sinst):
+        return                              # else the sorted keys below name the fault
     ns = int(sent.sum())
     keys = _row_keys(np.concatenate([sinst[sent], sinst[got]]),
                      np.concatenate([sme[sent], g.sidx[got]]),
@@ -1109,6 +1163,30 @@ def _collectives_ok(tab: ProgramTable, g: _Gen) -> None:
     a, bb = group[a_i], group[b_i]
     _fail(tab, a, t, f"'{op_a}' sends {given or 'nothing'} to rank {bb}, but rank {bb}'s side "
                      f"'{op_b}' receives {taken or 'nothing'} from rank {a}")
+
+
+#: The largest dense (collective side, member) table :func:`_slots_matched` allocates.
+MATCH_CELLS = 1 << 24
+
+
+def _slots_matched(g: _Gen, inst_g, sent, got, b, sme, sinst) -> bool:
+    """Whether every contribution a collective side sends (slots ``sent``: not its own) is
+    received by the member it names, as the same buffer ``b``, and nothing else is received
+    (``got``), without sorting: each send looks up the one receive slot that must match it
+    in a dense ``[side, member index]`` table (``inst_g``: each instance's group). Needs
+    what :func:`_collectives_ok` established first: every member issues each instance once,
+    and slots increase by (side, direction, index). False past :data:`MATCH_CELLS` cells
+    too: the caller then compares sorted keys (which also name a fault)."""
+    n_side, n_idx = len(g.kr), int(g.glen.max())
+    if n_side * n_idx > MATCH_CELLS or int(sent.sum()) != int(got.sum()):
+        return False
+    off = np.concatenate([[0], np.cumsum(g.glen[inst_g])])       # instance -> its sides
+    side_at = np.empty(n_side, dtype=np.int64)                    # (instance, member) -> side
+    side_at[off[g.inst] + g.me] = np.arange(n_side)
+    recv = np.full(n_side * n_idx, -1, dtype=np.int64)            # [side, sender] -> buffer
+    recv[g.ss[got] * n_idx + g.sidx[got]] = b[got]
+    peer = side_at[off[sinst[sent]] + g.sidx[sent]]
+    return bool((recv[peer * n_idx + sme[sent]] == b[sent]).all())
 
 
 def _presence_ok(tab: ProgramTable, g: _Gen, backward: bool, kv: str) -> None:
@@ -1202,7 +1280,11 @@ def _by_family(entries) -> dict:
         if isinstance(f, (int, np.integer)):
             out[int(f)].append((k, None, r, ch, hs, t))
             continue
-        for fv in np.flatnonzero(np.bincount(f, minlength=_F)).tolist():
+        fvs = np.flatnonzero(np.bincount(f, minlength=_F)).tolist()
+        if len(fvs) == 1:                   # one family: the columns as they are
+            out[fvs[0]].append((k, None, r, ch, hs, t))
+            continue
+        for fv in fvs:
             sel = np.flatnonzero(f == fv)
             out[fv].append((k, sel, r[sel], ch[sel], hs[sel], t[sel]))
     return out
@@ -1524,21 +1606,18 @@ def _general_reverse(tab: ProgramTable, kv: str, pad: int = 0) -> list[Program]:
     by_inst = np.argsort(g.inst, kind="stable")
     inst_bounds = np.searchsorted(g.inst[by_inst], np.arange(n_inst + 1))
     emitted = sorted(when, key=lambda i: (int(inst_t[i]), g.groups[int(inst_g[i])], int(inst_ord[i])))
-    re_sides, re_slots = [], []
-    for n, i in enumerate(emitted):
-        u = when[i]
-        for side in by_inst[inst_bounds[i]:inst_bounds[i + 1]].tolist():
-            new = n_next + len(re_sides)
-            re_sides.append((int(g.kr[side]), u, base + n, int(g.kk[side]), int(g.kg[side])))
-            lo, hi = side_bounds[side], side_bounds[side + 1]
-            re_slots.append(np.stack([np.full(hi - lo, new), g.sdir[lo:hi], g.sidx[lo:hi],
-                                      g.sf[lo:hi], g.sc[lo:hi], g.shi[lo:hi], g.shn[lo:hi]]))
-    if re_sides:
-        a = np.array(re_sides, dtype=np.int64)
-        sides.append(dict(zip(("rank", "step", "order", "kind", "group"), a.T)))
-        b_ = np.concatenate(re_slots, axis=1)
-        slots.append(dict(zip(("slot_side", "slot_dir", "slot_idx", "slot_fam", "slot_chunk",
-                               "slot_hi", "slot_hn"), b_)))
+    if emitted:                             # each emitted instance's sides, then their slots
+        em = np.array(emitted, dtype=np.int64)
+        u_of = np.array([when[i] for i in emitted], dtype=np.int64)
+        n_of = np.repeat(np.arange(len(em)), inst_bounds[em + 1] - inst_bounds[em])
+        side = by_inst[_spans(inst_bounds[em], inst_bounds[em + 1])]
+        sides.append(dict(rank=g.kr[side], step=u_of[n_of], order=base + n_of, kind=g.kk[side],
+                          group=g.kg[side]))
+        at = _spans(side_bounds[side], side_bounds[side + 1])
+        new = np.repeat(n_next + np.arange(len(side)), side_bounds[side + 1] - side_bounds[side])
+        slots.append(dict(slot_side=new, slot_dir=g.sdir[at], slot_idx=g.sidx[at],
+                          slot_fam=g.sf[at], slot_chunk=g.sc[at], slot_hi=g.shi[at],
+                          slot_hn=g.shn[at]))
     # re-sends of inputs the backward reads again, along the reversed routes
     fams = [Q, KV] if kv == "resend" else [Q]
     reads = _remote_reads(g, brought_k)
@@ -1715,13 +1794,17 @@ def _general_prune(tab: ProgramTable, ok: np.ndarray) -> list[Program]:
     keep_c = ok[g.cq, g.ckv]
     c_reads = [(f, sd) for f, sd, w in TILE_TOUCH_CODES[C_] if not w]
     fams = [f for f, _ in c_reads]
-    hop = np.isin(g.xf, fams)
-    slot = np.isin(g.sf, fams)
+    moved = np.zeros(_F, dtype=bool)       # a table of family codes (np.isin sorts or hashes)
+    moved[fams] = True
+    hop, slot = moved[g.xf], moved[g.sf]
+    nh, ns = int(hop.sum()), int(slot.sum())
+    hop, slot = (slice(None) if m.all() else m for m in (hop, slot))     # views: no copies
     keep_x = np.ones(len(g.xf), dtype=bool)
     keep_s = np.ones(len(g.sf), dtype=bool)
-    if hop.any() or slot.any():
+    if nh or ns:
         side = g.ss[slot]                    # a slot moves its buffer between its side's rank
-        peer = g.pos_rank(g.kg[side], g.sidx[slot])     # and the member of its index
+        at_idx = g.pos_rank(g.kg[g.ss], g.sidx)         # and the member of its index
+        peer = at_idx[slot]
         mine = g.kr[side]
         sends = g.sdir[slot] == 0
         hb = np.concatenate([g.bkey(g.xf[hop], g.xc[hop], g.xhs[hop]),
@@ -1745,12 +1828,11 @@ def _general_prune(tab: ProgramTable, ok: np.ndarray) -> list[Program]:
             n_m = len(at_dst)
             kept = _keep_moves(cid[:n_m], cid[n_m:], m_t, _member(at_dst, _uniq(u_key)),
                                len(space))
-        nh = int(hop.sum())
         keep_x[hop] = kept[:nh]
         keep_s[slot] = kept[nh:]
     keep_k = np.ones(len(g.kr), dtype=bool)
     if not keep_s.all():                    # instances left moving nothing go on every member
-        moving = keep_s & (g.pos_rank(g.kg[g.ss], g.sidx) != g.kr[g.ss])
+        moving = keep_s & (at_idx != g.kr[g.ss])
         alive = np.zeros(len(g.inst_keys), dtype=bool)
         alive[g.inst[g.ss[moving]]] = True
         keep_k = alive[g.inst]
