@@ -14,7 +14,9 @@ import numpy as np
 import torch
 
 from .masks import BlockKind
-from .schedules.ir import C_, Family, ProgramTable
+from .cost.hardware import check_head_split
+from .schedules.ir import C_, OWN_SLOT_IN_PLACE, Family, ProgramTable
+from .schedules.passes import _table
 
 if TYPE_CHECKING:
     from .plan import Plan
@@ -58,7 +60,6 @@ class PlanStats:
         Raises:
             ValueError: the plan splits heads n ways and H, G cannot be split so.
         """
-        from .runtime.interpreter import check_head_split
         P = plan.world_size
         fwd = _op_counts(plan.forward, P)
         bwd = _op_counts(plan.backward, P, steps=False, computes=False)
@@ -178,7 +179,6 @@ def _op_counts(programs, P: int, *, steps: bool = True, computes: bool = True) -
     ops instead: the oracle of the tests.
     ``steps=False``: leave ``steps`` zero (the backward's are not reported);
     ``computes=False``: list no compute."""
-    from .schedules.passes import _table
     return _general_counts(_table(programs), P, steps=steps, computes=computes)
 
 
@@ -191,7 +191,6 @@ def _general_counts(table: ProgramTable, P: int, *, steps: bool = True,
     rule keeps the own slot in place (``OWN_SLOT_IN_PLACE``) the slot at the side's own
     member index. Keys are ``(family, hn or 1)`` of every transfer and slot (an own slot's
     too, as the walk lists it at count zero)."""
-    from .schedules.ir import OWN_SLOT_IN_PLACE
     comp, xfer, coll = table._parts
     i64 = functools.partial(np.asarray, dtype=np.int64)
     F = len(_WHOLE)

@@ -25,6 +25,8 @@ from .masks._blockmap import _paint
 from ._handle import new_handle
 from ._stats import PlanStats, _OpCounts, _op_counts  # noqa: F401 (re-exported)
 from .layout import DEFAULT_BLOCK_SIZE, Layout
+from .ops import get_kernel
+from .ops.reference import apply_score_mod
 from .runtime.contract import PlanCache, PlanLike as PlanLike   # the runtime's view of a plan
 from .schedules import KVPolicy, Program, Schedule, check, reverse
 from .schedules.ir import ProgramTable
@@ -521,7 +523,6 @@ def captured_params(score_mod: Callable | None, *, seq_len: int) -> tuple[torch.
     """
     if score_mod is None:
         return ()
-    from .ops.reference import apply_score_mod
     nq, nk = min(5, seq_len), min(7, seq_len)
     s = torch.zeros(1, 1, nq, nk, dtype=torch.float64)     # b = h = 0: valid for any B, H
     with torch.enable_grad():
@@ -673,7 +674,6 @@ def plan(schedule: Schedule, mask_mod: Callable | None = None, *, seq_len: int,
             raise ValueError(f"scale must be a finite number (or None for 1/sqrt(D)), got {scale!r}")
         scale = float(scale)
     if kernel is not None:
-        from .ops import get_kernel
         get_kernel(kernel)                  # unknown names raise here, not at the first tile
     from torch.nn.attention.flex_attention import BlockMask
     if isinstance(mask_mod, BlockMask):

@@ -7,7 +7,17 @@ from __future__ import annotations
 
 import torch
 
+from .. import masks
+from .. import masks as _masks
+from .. import plan as _plan
+from .. import schedules as _schedules
+from .. import simulate
 from .._data import packed_docs
+from ..ops import reference
+from ..plan import classified_bh
+from ..runtime import RankState, VirtualMesh, execute
+from ..schedules import GradCompute, registry
+from ..schedules.ir import Family, buffer_name
 
 __all__ = ["CHECK_MASK_SCHEDULES", "check_mask", "make_qkv", "mask_family", "packed_docs",
            "probe_adjoint", "seeds", "tiny_llama", "tolerances", "warm_up_cpu_math"]
@@ -94,7 +104,6 @@ def mask_family(kind: str, S: int):
     ``window`` / ``sliding_window`` (S // 3); ``lambda`` (a plain callable, classified densely);
     ``per_head`` (a callable that reads ``h``: plan it with ``num_heads=``).
     """
-    from .. import masks
     if kind == "causal":
         return masks.causal()
     if kind == "document":
@@ -170,14 +179,6 @@ def check_mask(mask_mod, *, seq_len: int | None = None, world_sizes=(1, 2, 3, 4)
     """
     import math
 
-    from .. import masks as _masks
-    from .. import plan as _plan
-    from .. import schedules as _schedules
-    from .. import simulate
-    from ..ops import reference
-    from ..schedules import registry
-
-    from ..plan import classified_bh
 
     default = schedules is None
     if seq_len is None:
@@ -291,9 +292,6 @@ def probe_adjoint(p, *, seed: int):
         ``(<A x, y>, <x, A^T y>, kv seen by each forward tile, kv seen by each backward
         tile, x, dkv buffers left on a rank that does not own them)``.
     """
-    from ..runtime import RankState, VirtualMesh, execute
-    from ..schedules import GradCompute
-    from ..schedules.ir import Family, buffer_name
 
     P, L = p.world_size, 3
     g = torch.Generator().manual_seed(seed)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from .. import layout as _layout
 from ..schedules.base import Schedule
+from ..schedules.columns import ProgramBuilder
 from ..schedules.ir import Buffer, Collective, Compute, Program, Recv, Send, Step
 
 #: own-slot conventions: ``"same"`` (the buffer on both sides), ``"none"`` (empty), and
@@ -100,7 +101,6 @@ def two_level_allgather_columns(group_size: int, *, mask_aware: bool = False) ->
     whole: fringe's ``prune`` thins them)."""
     import numpy as np
 
-    from ..schedules.columns import ProgramBuilder
     g = group_size
 
     def programs(P: int, need=None) -> list[Program]:
