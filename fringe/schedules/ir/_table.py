@@ -169,6 +169,11 @@ class ProgramTable:
     b = property(lambda self: self._rows()[4])
     c = property(lambda self: self._rows()[5])
 
+    def __reduce__(self):
+        """Pickle the parts: the loaded table is built as any other (read-only columns, its
+        programs views of it); checks that passed, and the derived views, are not carried."""
+        return (_table_of_parts, (self.world_size, self._parts))
+
     def __len__(self) -> int:
         comp, xfer, coll = self._parts
         return len(comp["rank"]) + 2 * len(xfer["src"]) + len(coll["rank"])
@@ -381,6 +386,11 @@ def _unmatched(programs, sends: dict, recvs: dict):
                     raise ScheduleError(f"rank {r}, step {t}: '{op}' has no matching {missing} "
                                         f"on rank {peer} in the same step\n{marked(prog, t)}")
     raise AssertionError("unreachable: sends and receives differ but no op says so")
+
+
+def _table_of_parts(world_size: int, parts) -> ProgramTable:
+    """Unpickle a :class:`ProgramTable` (its parts)."""
+    return ProgramTable._of_parts(world_size, *parts)
 
 
 def _no_coll() -> dict:
