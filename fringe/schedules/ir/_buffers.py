@@ -159,11 +159,8 @@ def _buf(family: Family, chunk: int) -> Buffer:
 
 
 _BY_CHUNK: dict[Family, list[Buffer]] = {f: [] for f in Family}
-
-
 _PREFIX = {f: f.value for f in Family}
-
-
+#: Family codes: a table's family columns index ``_FAMILIES``.
 _FAMILIES = tuple(Family)
 _FAMILY_CODE = {f: n for n, f in enumerate(_FAMILIES)}
 
