@@ -1,0 +1,432 @@
+"""The columnar program table, *the* IR: every rank's program as read-only int columns."""
+from __future__ import annotations
+
+from typing import Sequence
+
+from ._buffers import _FAMILIES, _FAMILY_CODE, _FIELDS, Buffer, _buf
+from ._ops import Collective, Compute, GradCompute, Recv, Send
+from ._program import Program, Step, marked
+from ._rules import C_, COLL_KINDS, G_, R_, S_
+
+
+_KINDS = (Compute, GradCompute, Send, Recv)
+
+
+class ScheduleError(ValueError):
+    """A program violates the IR's rules; the message names the rank and step."""
+
+
+class ProgramTable:
+    """Every rank's program as typed, read-only integer columns: *the* IR.
+
+    One form, built by every schedule (the ring family's lowering, the collectives,
+    ``compose``, :class:`~fringe.schedules.columns.ProgramBuilder`) and by :meth:`of` from
+    op objects (hand-written, ``programs_fn=``, ``build=``, parsed text). Three parts
+    (:meth:`_of_parts`), each a dict of equal-length int columns:
+
+    * ``comp``: one row per compute: ``rank, step, kind`` (0 ``C``, 1 ``G``), ``q, kv``,
+      ``hi, hn`` (head slice ``hi`` of ``hn``; ``hn == 0``: all heads) and ``order``;
+    * ``xfer``: one row per point-to-point transfer, its send and its receive together:
+      ``step, src, dst, fam, chunk, hi, hn`` (family codes index ``tuple(Family)``),
+      ``order`` (the send's place on ``src``) and ``rorder`` (the receive's on ``dst``);
+    * ``coll``: one row per member side of a collective (``rank, step, order, kind, group``:
+      kind a code of :data:`COLL_KINDS`, group an index into ``coll["groups"]``, a tuple of
+      rank tuples) and one row per occupied slot (``slot_side``: its side's row,
+      ``slot_dir``: 0 send, 1 receive, ``slot_idx``: the member index, ``slot_fam,
+      slot_chunk, slot_hi, slot_hn``: the buffer), slots sorted by (side, dir, idx).
+
+    Within a rank's step ops go by ``order`` (computes first on ties, then sends, then
+    receives, then collectives). The arrays are the table's own read-only memory, so a check
+    that passed on a table stays true. :class:`Program` values cut from it (:meth:`programs`)
+    are *views*: they build their op objects only when looked at. Rows (one per op: ``rank,
+    step, kind, a, b, c``) are a view too, for tables of whole-heads computes and transfers
+    (:attr:`chain`); ``ProgramTable(P, rank, step, kind, a, b, c)`` builds the table of such
+    rows.
+
+    Room for what comes next: a transfer row may grow a block-range reference (a ragged
+    range table beside ``xfer``: only the blocks the receiver's tiles read) and a route row
+    (one buffer forwarded along consecutive hops from step a to step b) without a new form:
+    each is another column of ``xfer`` that the passes read where they read ``xfer``.
+    """
+
+    def __init__(self, world_size: int, rank, step, kind, a, b, c) -> None:
+        import numpy as np
+        cols = [np.array(x, dtype=np.int64, order="C", copy=True).reshape(-1)
+                for x in (rank, step, kind, a, b, c)]
+        if len({len(x) for x in cols}) != 1:
+            raise ValueError(f"ProgramTable columns must have one length, got {[len(x) for x in cols]}")
+        rank, step, kind, a, b, c = cols
+        dr, ds = np.diff(rank), np.diff(step)
+        if len(rank) and (rank.min() < 0 or rank.max() >= world_size
+                          or (dr < 0).any() or ((dr == 0) & (ds < 0)).any()):
+            raise ValueError(f"ProgramTable rows must be sorted by rank (each in [0, {world_size})), "
+                             f"then by step")
+        if len(kind) and (kind.min() < C_ or kind.max() > R_):
+            raise ValueError(f"ProgramTable rows hold kinds 0-3 (C, G, S, R), got kind "
+                             f"{int(kind[(kind < C_) | (kind > R_)][0])}")
+        order = np.arange(len(rank))
+        comp = kind <= G_
+        is_s, is_r = kind == S_, kind == R_
+        # a send is (step, src, dst, fam, chunk) on src; its receive the same on dst
+        skey = np.stack([step[is_s], rank[is_s], c[is_s], a[is_s], b[is_s]])
+        rkey = np.stack([step[is_r], c[is_r], rank[is_r], a[is_r], b[is_r]])
+        so, ro = np.lexsort(skey[::-1]), np.lexsort(rkey[::-1])
+        if skey.shape != rkey.shape or not np.array_equal(skey[:, so], rkey[:, ro]):
+            raise ValueError("ProgramTable rows: a send without its receive in the same step "
+                             "(or a receive without its send); ProgramTable.of(programs) names it")
+        xs = np.flatnonzero(is_s)[so]
+        xr = np.flatnonzero(is_r)[ro]
+        P = world_size
+        t = ProgramTable._of_parts(
+            P, dict(rank=rank[comp], step=step[comp], kind=kind[comp], q=a[comp], kv=b[comp],
+                    order=order[comp]),
+            dict(step=step[xs], src=rank[xs], dst=c[xs], fam=a[xs], chunk=b[xs], order=xs,
+                 rorder=xr))
+        self.__dict__.update(t.__dict__)
+        self._programs = tuple(Program._from_table(self, r) for r in range(P))
+
+    def _init(self, world_size: int, parts) -> None:
+        self.world_size = world_size
+        self._parts = parts
+        self._cols = None                # the row view, derived on first use (chain tables)
+        self._gindex = None              # each rank's rows and sides' slots
+        self._passed: set = set()        # check() flags whose structural checks passed
+        comp, xfer, coll = parts
+        #: Whether the table holds whole-heads computes and transfers only (no head slice, no
+        #: collective): what the row view and the ring chain's shortcuts of the passes take.
+        self.chain = bool(not len(coll["rank"]) and not comp["hn"].any() and not xfer["hn"].any())
+        self._programs = tuple(Program._from_table(self, r) for r in range(world_size))
+
+    @classmethod
+    def _of_parts(cls, world_size: int, comp: dict, xfer: dict,
+                  coll: dict | None = None) -> ProgramTable:
+        """The table of parts ``comp``, ``xfer`` and ``coll`` (the class docstring's
+        columns). ``hi, hn`` may be left out (all heads), ``rorder`` too (the send's order),
+        and ``coll`` (no collectives)."""
+        import numpy as np
+
+        def small(x):                    # int32 where it fits: half the memory at P=1024
+            x = np.asarray(x)
+            fits = not len(x) or (int(x.min()) >= -2 ** 31 and int(x.max()) < 2 ** 31)
+            x = np.array(x, dtype=np.int32 if fits else np.int64, order="C", copy=True)
+            x.setflags(write=False)      # its own read-only memory: nothing can refill it, so
+            return x                     # a check that passed on the table stays true
+        self = object.__new__(cls)
+        comp = {k: small(v) for k, v in comp.items()}
+        same = "rorder" not in xfer or xfer["rorder"] is xfer["order"]
+        xfer = {k: small(v) for k, v in xfer.items() if k != "rorder" or not same}
+        for d in (comp, xfer):
+            n = len(d["order"])
+            for k in ("hi", "hn"):
+                if k not in d:               # all heads: zeros, already small and read-only
+                    d[k] = np.zeros(n, np.int32)
+                    d[k].setflags(write=False)
+        if "rorder" not in xfer:
+            xfer["rorder"] = xfer["order"]
+        coll = _no_coll() if coll is None else dict(coll)
+        groups = tuple(tuple(int(m) for m in g) for g in coll.pop("groups"))
+        coll = {k: small(v) for k, v in coll.items()}
+        coll["groups"] = groups
+        self._init(world_size, (comp, xfer, coll))
+        return self
+
+    # ---- the row view (chain tables) -----------------------------------------------------
+    def _rows(self):
+        if self._cols is None:
+            if not self.chain:
+                raise TypeError("rows (rank, step, kind, a, b, c) are a view of tables of "
+                                "whole-heads computes and transfers; this one holds head "
+                                "slices or collectives: read its parts or its programs")
+            import numpy as np
+            comp, xfer, _ = self._parts
+            rank, step, kind, a, b, c, order = self._part_rows(comp, xfer)
+            o = _lex_order([rank, step, order])
+            self._cols = [np.ascontiguousarray(x[o], dtype=np.int64)
+                          for x in (rank, step, kind, a, b, c)]
+            for x in self._cols:
+                x.setflags(write=False)
+        return self._cols
+
+    @staticmethod
+    def _part_rows(comp, xfer):
+        """Rows (rank, step, kind, a, b, c, order) of a chain table's computes, sends and
+        receives."""
+        import numpy as np
+        cat = np.concatenate
+        n_c, n_x = len(comp["rank"]), len(xfer["src"])
+        return (cat([comp["rank"], xfer["src"], xfer["dst"]]),
+                cat([comp["step"], xfer["step"], xfer["step"]]),
+                cat([comp["kind"], np.full(n_x, S_), np.full(n_x, R_)]),
+                cat([comp["q"], xfer["fam"], xfer["fam"]]),
+                cat([comp["kv"], xfer["chunk"], xfer["chunk"]]),
+                cat([np.full(n_c, -1), xfer["dst"], xfer["src"]]),
+                cat([comp["order"], xfer["order"], xfer["rorder"]]))
+
+    rank = property(lambda self: self._rows()[0])
+    step = property(lambda self: self._rows()[1])
+    kind = property(lambda self: self._rows()[2])
+    a = property(lambda self: self._rows()[3])
+    b = property(lambda self: self._rows()[4])
+    c = property(lambda self: self._rows()[5])
+
+    def __reduce__(self):
+        """Pickle the parts: the loaded table is built as any other (read-only columns, its
+        programs views of it); checks that passed, and the derived views, are not carried."""
+        return (_table_of_parts, (self.world_size, self._parts))
+
+    def __len__(self) -> int:
+        comp, xfer, coll = self._parts
+        return len(comp["rank"]) + 2 * len(xfer["src"]) + len(coll["rank"])
+
+    def head_splits(self) -> set[int]:
+        """The ways the table's buffers split heads (``n`` of every ``h<i>/<n>``)."""
+        import numpy as np
+        comp, xfer, coll = self._parts
+        found = set()
+        for x in (comp["hn"], xfer["hn"], coll["slot_hn"]):
+            if len(x) and x.any():
+                found.update(int(n) for n in np.unique(x) if n)
+        return found
+
+    def programs(self) -> tuple[Program, ...]:
+        """One (lazily built) program per rank."""
+        return self._programs
+
+    def digest(self) -> str:
+        """A hash of the programs: equal for equal programs however they were built (any
+        builder's order keys, op objects turned into a table, pickled), without building
+        any op.
+
+        It hashes canonical columns: one row per op in program order (``rank, step, kind,
+        a, b, c`` as the row view; a collective side is kind ``4 + its code`` with ``a`` its
+        group's index in order of first use and ``b, c`` its send and receive slot counts),
+        then head slices and collective slots only when there are any.
+        ``ProgramTable.of(plan.forward).digest()`` is what a plan fingerprint hashes at
+        P=1024 instead of the programs' text (millions of ops).
+        """
+        import hashlib
+        import numpy as np
+        h = hashlib.sha1(f"programs/{self.world_size}/".encode())
+        comp, xfer, coll = self._parts
+        i64 = lambda x: np.asarray(x, dtype=np.int64)     # noqa: E731
+        nc, nx, nk = len(comp["rank"]), len(xfer["src"]), len(coll["rank"])
+        cat = np.concatenate
+        slot_side = i64(coll["slot_side"])
+        n_send = np.bincount(slot_side[i64(coll["slot_dir"]) == 0], minlength=nk)[:nk]
+        n_recv = np.bincount(slot_side[i64(coll["slot_dir"]) == 1], minlength=nk)[:nk]
+        rank = cat([comp["rank"], xfer["src"], xfer["dst"], coll["rank"]])
+        step = cat([comp["step"], xfer["step"], xfer["step"], coll["step"]])
+        order = cat([comp["order"], xfer["order"], xfer["rorder"], coll["order"]])
+        tie = np.repeat(np.arange(4, dtype=np.int8), [nc, nx, nx, nk])
+        o = _lex_order([rank, step, order, tie])        # stable: the programs' op order
+        kind = cat([i64(comp["kind"]), np.full(nx, S_), np.full(nx, R_), 4 + i64(coll["kind"])])
+        a = cat([i64(comp["q"]), i64(xfer["fam"]), i64(xfer["fam"]), i64(coll["group"])])
+        b = cat([i64(comp["kv"]), i64(xfer["chunk"]), i64(xfer["chunk"]), n_send])
+        c = cat([np.full(nc, -1), i64(xfer["dst"]), i64(xfer["src"]), n_recv])
+        if nk:                                           # groups by first use, not by index
+            sides = o[o >= 2 * nx + nc] - (2 * nx + nc)  # collective sides in program order
+            g = a[2 * nx + nc:]
+            first = {}
+            for x in g[sides].tolist():
+                first.setdefault(x, len(first))
+            a[2 * nx + nc:] = [first[x] for x in g.tolist()]
+        for col in (rank, step, kind, a, b, c):
+            h.update(np.ascontiguousarray(i64(col)[o]).tobytes())
+        if comp["hn"].any() or xfer["hn"].any():
+            hi = cat([i64(comp["hi"]), i64(xfer["hi"]), i64(xfer["hi"]), np.zeros(nk, np.int64)])
+            hn = cat([i64(comp["hn"]), i64(xfer["hn"]), i64(xfer["hn"]), np.zeros(nk, np.int64)])
+            h.update(b"heads")
+            h.update(np.ascontiguousarray(hi[o]).tobytes())
+            h.update(np.ascontiguousarray(hn[o]).tobytes())
+        if nk:
+            groups = coll["groups"]
+            h.update(b"collectives")
+            h.update(repr([groups[x] for x in sorted(first, key=first.get)]).encode())
+            so = np.lexsort((i64(coll["slot_idx"]), i64(coll["slot_dir"]),
+                             np.argsort(sides)[slot_side]))   # slots by side's program position
+            for k in ("slot_dir", "slot_idx", "slot_fam", "slot_chunk", "slot_hi", "slot_hn"):
+                h.update(np.ascontiguousarray(i64(coll[k])[so]).tobytes())
+        return h.hexdigest()
+
+    def _general_index(self):
+        """Per part, the rows of each rank: (order, bounds) for computes, sends, receives,
+        collective sides; and each side's slot bounds."""
+        import numpy as np
+        if self._gindex is None:
+            comp, xfer, coll = self._parts
+            ix = []
+            for col in (comp["rank"], xfer["src"], xfer["dst"], coll["rank"]):
+                o = np.argsort(col, kind="stable")
+                ix.append((o, np.searchsorted(col[o], np.arange(self.world_size + 1))))
+            sb = np.searchsorted(coll["slot_side"], np.arange(len(coll["rank"]) + 1))
+            self._gindex = (ix, sb)
+        return self._gindex
+
+    def _steps_of(self, rank: int) -> tuple[Step, ...]:
+        """Rank ``rank``'s steps as op objects (the view)."""
+        comp, xfer, coll = self._parts
+        ix, sb = self._general_index()
+        ci, si, ri, ki = (o[b[rank]:b[rank + 1]] for o, b in ix)
+        rows = []        # (step, order, tie, op)
+        for t, o, k, q, kv, hi, hn in zip(*(comp[c][ci].tolist() for c in
+                                            ("step", "order", "kind", "q", "kv", "hi", "hn"))):
+            rows.append((t, o, 0, _KINDS[k](q, kv, (hi, hn) if hn else None)))
+        for tie, sel, cls, peer, oc in ((1, si, Send, "dst", "order"), (2, ri, Recv, "src", "rorder")):
+            for t, o, f, ch, hi, hn, p in zip(*(xfer[c][sel].tolist() for c in
+                                                ("step", oc, "fam", "chunk", "hi", "hn", peer))):
+                rows.append((t, o, tie, cls(buffer_of(f, ch, hi, hn), p)))
+        groups = coll["groups"]
+        sd, sx, sf, sc, sh, sn = (coll[c] for c in ("slot_dir", "slot_idx", "slot_fam",
+                                                    "slot_chunk", "slot_hi", "slot_hn"))
+        for side in ki.tolist():
+            lo, hi_ = int(sb[side]), int(sb[side + 1])
+            d = sd[lo:hi_].tolist()
+            split = d.count(0)
+            idx = sx[lo:hi_].tolist()
+            bufs = [buffer_of(*x) for x in zip(sf[lo:hi_].tolist(), sc[lo:hi_].tolist(),
+                                               sh[lo:hi_].tolist(), sn[lo:hi_].tolist())]
+            op = Collective.sparse(COLL_KINDS[int(coll["kind"][side])],
+                                   groups[int(coll["group"][side])],
+                                   (idx[:split], bufs[:split]), (idx[split:], bufs[split:]))
+            rows.append((int(coll["step"][side]), int(coll["order"][side]), 3, op))
+        rows.sort(key=lambda x: x[:3])
+        steps, i, n = [], 0, len(rows)
+        while i < n:
+            t = rows[i][0]
+            j = i
+            while j < n and rows[j][0] == t:
+                j += 1
+            steps.append(Step(t, tuple(x[3] for x in rows[i:j])))
+            i = j
+        return tuple(steps)
+
+    @classmethod
+    def of(cls, programs: Sequence[Program]) -> ProgramTable:
+        """The table of any programs, one per rank in rank order (the table itself when they
+        were cut from one): its :meth:`programs` equal them op for op.
+
+        Raises :class:`ScheduleError` naming the rank and step (``<-- ERROR HERE``) when a
+        transfer names an invalid peer, or a send and its receive are not in the same step.
+        """
+        import numpy as np
+        src = programs[0].table if len(programs) else None
+        if src is not None and src.world_size == len(programs) and all(
+                p.table is src and p.rank == r for r, p in enumerate(programs)):
+            return src
+        P = len(programs)
+        comp: list = []
+        sends: dict = {}
+        recvs: dict = {}
+        sides: list = []
+        slots: list = []
+        groups: dict = {}
+        for prog in programs:
+            r = prog.rank
+            for step in prog.steps:
+                t = step.index
+                for o, op in enumerate(step.ops):
+                    tp = type(op)
+                    if tp is Compute or tp is GradCompute:
+                        hi, hn = op.heads or (0, 0)
+                        comp.append((r, t, C_ if tp is Compute else G_, op.q, op.kv, o, hi, hn))
+                    elif tp is Send or tp is Recv:
+                        if not 0 <= op.peer < P or op.peer == r:
+                            raise ScheduleError(f"rank {r}, step {t}: {op} names an invalid peer "
+                                                f"(world size {P})\n{marked(prog, t)}")
+                        src_, dst = (r, op.peer) if tp is Send else (op.peer, r)
+                        key = (t, src_, dst, op.buf)
+                        (sends if tp is Send else recvs).setdefault(key, []).append(o)
+                    elif tp is Collective:
+                        g = groups.setdefault(op.group, len(groups))
+                        side = len(sides)
+                        sides.append((r, t, o, COLL_KINDS.index(op.kind), g))
+                        for d, (idx, bufs) in enumerate((op.sparse_sends, op.sparse_recvs)):
+                            for i, b in zip(idx, bufs):
+                                fam, ch, h = _FIELDS[b]
+                                slots.append((side, d, i, _FAMILY_CODE[fam], ch, *(h or (0, 0))))
+                    else:
+                        raise TypeError(f"rank {r}, step {t}: {op!r} is not an op of the IR")
+        if len(sends) != len(recvs) or any(len(v) != len(recvs.get(k, ())) for k, v in sends.items()):
+            _unmatched(programs, sends, recvs)
+        xfer = []
+        for key, os_ in sends.items():
+            fam, ch, h = _FIELDS[key[3]]
+            for a, b in zip(os_, recvs[key]):
+                xfer.append((key[0], key[1], key[2], _FAMILY_CODE[fam], ch, a, *(h or (0, 0)), b))
+
+        def cols(rows, names):
+            arr = np.array(rows, dtype=np.int64).reshape(-1, len(names))
+            return {n: arr[:, i] for i, n in enumerate(names)}
+        c = cols(comp, ("rank", "step", "kind", "q", "kv", "order", "hi", "hn"))
+        x = cols(xfer, ("step", "src", "dst", "fam", "chunk", "order", "hi", "hn", "rorder"))
+        k = cols(sides, ("rank", "step", "order", "kind", "group"))
+        k.update(cols(slots, ("slot_side", "slot_dir", "slot_idx", "slot_fam", "slot_chunk",
+                              "slot_hi", "slot_hn")))
+        k["groups"] = tuple(groups)
+        return cls._of_parts(P, c, x, k)
+
+
+def _unmatched(programs, sends: dict, recvs: dict):
+    """Raise the :class:`ScheduleError` of the first transfer (in program order) whose
+    sends and receives differ in number."""
+    for prog in programs:
+        r = prog.rank
+        for step in prog.steps:
+            t = step.index
+            for op in step.ops:
+                if type(op) is Send:
+                    key, mine, other, peer, missing = ((t, r, op.peer, op.buf), sends, recvs,
+                                                       op.peer, "receive")
+                elif type(op) is Recv:
+                    key, mine, other, peer, missing = ((t, op.peer, r, op.buf), recvs, sends,
+                                                       op.peer, "send")
+                else:
+                    continue
+                if len(other.get(key, ())) != len(mine[key]):
+                    raise ScheduleError(f"rank {r}, step {t}: '{op}' has no matching {missing} "
+                                        f"on rank {peer} in the same step\n{marked(prog, t)}")
+    raise AssertionError("unreachable: sends and receives differ but no op says so")
+
+
+def _table_of_parts(world_size: int, parts) -> ProgramTable:
+    """Unpickle a :class:`ProgramTable` (its parts)."""
+    return ProgramTable._of_parts(world_size, *parts)
+
+
+def _no_coll() -> dict:
+    import numpy as np
+    z = np.zeros(0, np.int64)
+    return dict(rank=z, step=z, order=z, kind=z, group=z, slot_side=z, slot_dir=z, slot_idx=z,
+                slot_fam=z, slot_chunk=z, slot_hi=z, slot_hn=z, groups=())
+
+
+_BUFFER_OF: dict = {}
+
+
+def buffer_of(fam: int, chunk: int, hi: int, hn: int) -> Buffer:
+    """The interned buffer of a table's columns (family code, chunk, head slice hi of hn;
+    ``hn == 0``: all heads)."""
+    if not hn:
+        return _buf(_FAMILIES[fam], chunk)
+    key = (fam, chunk, hi, hn)
+    b = _BUFFER_OF.get(key)
+    if b is None:
+        b = _BUFFER_OF[key] = Buffer.of(_FAMILIES[fam], chunk, (hi, hn))
+    return b
+
+
+def _lex_order(cols):
+    """A stable sort of rows by the columns ``cols`` (most significant first): one argsort of
+    a combined key where it fits in int64, else a lexsort."""
+    import numpy as np
+    n = len(cols[0])
+    if not n:
+        return np.zeros(0, np.int64)
+    lo = [int(x.min()) for x in cols]
+    span = [int(x.max()) - m + 1 for x, m in zip(cols, lo)]
+    if np.prod([float(w) for w in span]) >= 2.0 ** 62:
+        return np.lexsort([np.asarray(x) for x in cols[::-1]])
+    key = np.asarray(cols[0], dtype=np.int64) - lo[0]
+    for x, m, w in zip(cols[1:], lo[1:], span[1:]):
+        key = key * w + (np.asarray(x, dtype=np.int64) - m)
+    return np.argsort(key, kind="stable")
