@@ -39,7 +39,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("plan", ("fringe.plan.*", "fringe._handle", "fringe._stats")),
     ("autograd", ("fringe.autograd", "fringe._attention_op")),
     ("api", ("fringe.api", "fringe.simulate")),
-    ("integrations", ("fringe.hf", "fringe.titan", "fringe.train", "fringe.packing")),
+    ("integrations", ("fringe.hf", "fringe.titan", "fringe.train", "fringe.packing.*")),
     ("render", ("fringe.render",)),
     # CLI and tools; fringe.testing is tools that production never imports; the cost model's
     # calibration/validation runs spawn ranks (launch) and measure (bench)

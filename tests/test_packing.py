@@ -251,3 +251,28 @@ def test_padding_boundaries_and_labels():
     assert [c.tolist() for c in one["cu_seqlens"]] == [[0, S, Sp]] * B and "labels" not in one
     with pytest.raises(ValueError, match="multiple must be"):
         packing.pad_batch(ids, multiple=0)
+
+
+# ---- the package ---------------------------------------------------------------------------
+
+
+def test_package_docstring_examples_run():
+    """The examples in fringe.packing's docstring run against the names the package re-exports
+    from its private modules."""
+    import doctest
+    result = doctest.testmod(packing, extraglobs=dict(torch=torch))
+    assert result.attempted >= 3 and result.failed == 0
+
+
+def test_package_reexports_each_name_from_the_module_that_defines_it():
+    """``fringe.packing`` is a facade: every public name (and ``_and_documents``, which
+    fringe.hf reads) is the object its private module defines, not a second copy."""
+    import importlib
+    for name in [*packing.__all__, "_and_documents"]:
+        obj = getattr(packing, name)
+        if name == "IGNORE_INDEX":
+            assert obj == importlib.import_module("fringe.packing._common").IGNORE_INDEX == -100
+            continue
+        home = importlib.import_module(obj.__module__)
+        assert obj.__module__.startswith("fringe.packing._"), (name, obj.__module__)
+        assert getattr(home, name) is obj, name
