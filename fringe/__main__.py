@@ -269,6 +269,8 @@ def _show(args) -> int:
                                                        window=min(args.window, args.seq_len)),
                   seq_len=args.seq_len, world_size=args.world_size, block_size=args.block_size)
     print(render.table(p))
+    if p.choice is not None:                 # --schedule auto: what it compared and why
+        print(p.explain())
     if args.backward:
         print(render.table(p, backward=True))
     print(p.stats().table())

@@ -20,7 +20,7 @@ from typing import Callable
 
 import torch
 
-from . import masks as _masks
+from . import _auto, masks as _masks
 from .masks._blockmap import _paint
 from ._handle import new_handle
 from ._stats import PlanStats, _OpCounts, _op_counts  # noqa: F401 (re-exported)
@@ -29,6 +29,7 @@ from .ops import get_kernel
 from .ops.reference import apply_score_mod
 from .runtime.contract import PlanCache, PlanLike as PlanLike   # the runtime's view of a plan
 from .schedules import KVPolicy, Program, Schedule, check, reverse
+from .schedules.base import AUTO
 from .schedules.ir import ProgramTable
 from .schedules.passes import shared_columns
 
@@ -326,6 +327,31 @@ class Plan:
         return PlanStats.of(self, batch=batch, heads=heads, kv_heads=kv_heads,
                             head_dim=head_dim, v_head_dim=v_head_dim, dtype=dtype)
 
+    @property
+    def choice(self) -> "_auto.Choice | None":
+        """What ``schedules.auto()`` compared and chose, for a plan :func:`plan` resolved from
+        it (a frozen :class:`fringe._auto.Choice`); None for any other plan. Kept in
+        :attr:`cache`: a copy or a pickle of the plan does not carry it."""
+        return self.cache.auto
+
+    def explain(self) -> str:
+        """For a plan of ``schedules.auto()``: the candidates with their predicted step time,
+        forward bytes and balance, which won and why, and where the constants come from
+        (``print(plan.explain())``).
+
+        Raises:
+            ValueError: the plan was not made from ``schedules.auto()`` (or is a copy of one,
+                which keeps no choice).
+        """
+        if self.cache.auto is None:
+            raise ValueError(f"{self!r} was not chosen by schedules.auto(), so there is no "
+                             f"choice to explain (a copy or pickle of an auto plan keeps none "
+                             f"either): plan with fringe.plan(schedules.auto(), ...) and call "
+                             f"explain() on that plan")
+        mask = getattr(self.mask_mod, "__name__", "mask")
+        return self.cache.auto.table(f"{mask} · S={self.seq_len} P={self.world_size} "
+                                     f"block={self.block_size}")
+
     def __repr__(self) -> str:
         return (f"Plan({self.schedule.name}, mask={getattr(self.mask_mod, '__name__', 'mask')}, "
                 f"S={self.seq_len}, P={self.world_size}, block={self.block_size})")
@@ -613,7 +639,9 @@ def plan(schedule: Schedule, mask_mod: Callable | None = None, *, seq_len: int,
     """Lower ``schedule`` for ``mask_mod`` on ``seq_len`` tokens over ``world_size`` ranks.
 
     Args:
-        schedule: e.g. ``schedules.zigzag()``.
+        schedule: e.g. ``schedules.zigzag()``; ``schedules.auto()`` plans the candidates that
+            run, predicts each with the cost model and returns the plan of the fastest (the
+            same plan as ``plan(<winner>, ...)``; :meth:`Plan.explain` says why).
         mask_mod: FlexAttention-style ``mask_mod(b, h, q_idx, kv_idx)`` on global
             positions; ``None`` means full attention. The plan keeps a snapshot
             (:func:`fringe.masks.snapshot`): refilling a tensor the mask captured (next
@@ -675,6 +703,19 @@ def plan(schedule: Schedule, mask_mod: Callable | None = None, *, seq_len: int,
         scale = float(scale)
     if kernel is not None:
         get_kernel(kernel)                  # unknown names raise here, not at the first tile
+    if schedule.kind == AUTO:               # choose with the cost model: fringe/_auto.py
+        if layout is not None:
+            raise ValueError("schedules.auto() chooses the schedule and its layout; it does "
+                             "not plan over a given layout= (the candidates would differ only "
+                             "in name). Plan the schedule you want over that layout instead, "
+                             "e.g. the one another plan's .schedule holds")
+
+        def plan_one(s: Schedule) -> Plan:
+            return plan(s, mask_mod, seq_len=seq_len, world_size=world_size,
+                        block_size=block_size, score_mod=score_mod, scale=scale, kv=kv,
+                        kernel=kernel, batch_size=batch_size, num_heads=num_heads,
+                        score_params=score_params, tp_size=tp_size)
+        return _auto.resolve(schedule, plan_one, world_size=world_size, num_heads=num_heads)
     from torch.nn.attention.flex_attention import BlockMask
     if isinstance(mask_mod, BlockMask):
         mask_mod, batch_size, num_heads = _from_block_mask(

@@ -36,7 +36,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("schedules", ("fringe.schedules.*",)),
     ("runtime", ("fringe.runtime.*",)),
     ("cost", ("fringe.cost.*",)),                       # the simulator: reads the IR only
-    ("plan", ("fringe.plan.*", "fringe._handle", "fringe._stats")),
+    ("plan", ("fringe.plan.*", "fringe._handle", "fringe._stats", "fringe._auto")),
     ("autograd", ("fringe.autograd", "fringe._attention_op")),
     ("api", ("fringe.api", "fringe.simulate")),
     ("integrations", ("fringe.hf", "fringe.titan", "fringe.train", "fringe.packing.*")),

@@ -18,7 +18,8 @@ def test_every_builtin_is_registered_once_with_a_description():
     for e in registry.entries():
         assert e.description and "\n" not in e.description
         assert isinstance(schedules.get(e.name), schedules.Schedule)
-    assert registry.describe().count("\n") == len(schedules.names())   # one line each + compose
+    # one line each (auto too: it is registered, not listed by names()) + compose
+    assert registry.describe().count("\n") == len(registry.entries()) == len(schedules.names()) + 1
 
 
 @pytest.mark.parametrize("spec", SPECS)
@@ -323,11 +324,12 @@ def test_every_builtin_constructor_sets_its_kind():
     made = {"ring": schedules.ring(), "zigzag": schedules.zigzag(), "striped": schedules.striped(8),
             "balanced": schedules.balanced(), "allgather": schedules.allgather(3),
             "ulysses": schedules.ulysses(),
-            "compose": schedules.compose(schedules.zigzag(), schedules.ulysses(), inner_size=2)}
+            "compose": schedules.compose(schedules.zigzag(), schedules.ulysses(), inner_size=2),
+            "auto": schedules.auto()}
     assert {s.kind for s in made.values()} | {"user"} == set(schedules.base.KINDS)
     for kind, s in made.items():
         assert s.kind == kind
-    assert [k for k, s in made.items() if not s.moves_sequence] == ["ulysses", "compose"]
+    assert [k for k, s in made.items() if not s.moves_sequence] == ["ulysses", "compose", "auto"]
     mine = schedules.Schedule("mine", layout=fringe.layout.contiguous, hops=schedules.ring_hops)
     assert (mine.kind, mine.inner_size, mine.spec, mine.moves_sequence) == ("user", None, None, True)
 

@@ -16,7 +16,8 @@ from tabulate import tabulate
 from .. import masks, render
 from .._data import packed_docs
 from ..plan import plan as make_plan
-from ..schedules import registry
+from ..schedules import auto as auto_schedule, registry
+from ..schedules.base import AUTO
 from .calibrate import get_hardware
 from .hardware import Shape
 from .simulate import simulate
@@ -161,6 +162,9 @@ def cli(args) -> int:
     shape = Shape(heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
                   dtype=args.dtype)
     hw = get_hardware(args.hardware)
+    for name, s in made.items():             # auto chooses on this command's machine and shape
+        if s.kind == AUTO:
+            made[name] = auto_schedule(hardware=hw, shape=shape)
     budget = memory_budget(args.max_memory)
     check_plan_memory(args.seq_len, budget)
     mask = mask_from_spec(args.mask, args.seq_len)

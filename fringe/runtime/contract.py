@@ -50,6 +50,9 @@ class PlanCache:
         simulate: what the cost model's ``simulate`` derives from the plan independent of the
             hardware (program columns per direction and shape, tile work), so that several
             presets price one plan once. Writer: the cost model's ``simulate``.
+        auto: for a plan :func:`fringe.plan` resolved from ``schedules.auto()``, the choice
+            it made (``fringe._auto.Choice``: the candidates, their predictions, why the
+            winner won); None for any other plan, and for a copy. Writer: ``fringe._auto``.
     """
 
     guarded: list | None = None
@@ -60,6 +63,7 @@ class PlanCache:
     head_splits: tuple[int, ...] | None = None
     head_shift: dict = dataclasses.field(default_factory=dict)
     simulate: dict = dataclasses.field(default_factory=dict)
+    auto: object | None = None
 
 
 class _Structural(type(Protocol)):

@@ -26,13 +26,19 @@ LayoutFn = Callable[..., Layout]          # (seq_len, world_size, *, block_size)
 HopsFn = Callable[[int], Mapping[int, Sequence[Hop]]]
 
 #: What a schedule is, a field set by the constructor that builds it (never read from its
-#: name): the built-ins' kinds, and ``"user"`` for any other schedule (the default).
-KINDS = ("ring", "zigzag", "striped", "balanced", "allgather", "ulysses", "compose", "user")
-#: Kinds that split heads or nest others; every other kind moves sequence chunks (what
-#: :func:`~fringe.schedules.compose` takes as its outer schedule, or as a double ring's inner).
-NOT_SEQUENCE = ("ulysses", "compose")
+#: name): the built-ins' kinds, ``"auto"`` for the marker :func:`fringe.plan` resolves to one of
+#: them (:func:`~fringe.schedules.auto`), and ``"user"`` for any other schedule (the default).
+KINDS = ("ring", "zigzag", "striped", "balanced", "allgather", "ulysses", "compose", "auto",
+         "user")
+#: Kinds that split heads, nest others or choose one; every other kind moves sequence chunks
+#: (what :func:`~fringe.schedules.compose` takes as its outer schedule, or as a double ring's
+#: inner).
+NOT_SEQUENCE = ("ulysses", "compose", "auto")
 #: The name of a :class:`Spec` of two composed schedules (``compose:OUTER+INNER:K``).
 COMPOSE = "compose"
+#: The kind (and registered name) of :func:`~fringe.schedules.auto`: a marker, not a schedule
+#: that runs; :func:`fringe.plan` resolves it.
+AUTO = "auto"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,7 +155,7 @@ class Schedule:
 
     @property
     def moves_sequence(self) -> bool:
-        """It moves sequence chunks between ranks (every kind but ulysses and compose): what
+        """It moves sequence chunks between ranks (every kind but ulysses, compose and auto): what
         :func:`~fringe.schedules.compose` takes as its outer schedule or a double ring's inner."""
         return self.kind not in NOT_SEQUENCE
 

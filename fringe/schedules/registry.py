@@ -14,6 +14,9 @@ spec                               schedule
 ``compose:OUTER+INNER:K``          ``compose(get(OUTER), get(INNER), inner_size=K)``, e.g.
                                    ``compose:zigzag+ulysses:2`` (2D: Ulysses inside groups of
                                    2 ranks, a zigzag ring across the groups)
+``auto``                           :func:`~fringe.schedules.auto`: :func:`fringe.plan` plans
+                                   the candidates above and keeps the one the cost model
+                                   predicts fastest (``cpu`` preset)
 =================================  ==========================================================
 
 ``name:N`` passes one positive integer to a schedule that takes one (its ``arg``). In
@@ -36,7 +39,9 @@ Schedule(compose(zigzag, ulysses, inner_size=2))
 >>> names(world_size=3, heads=2, kv_heads=1)        # ulysses needs H % P == 0
 ['ring', 'zigzag', 'striped', 'balanced', 'allgather']
 
-Users add their own with :func:`register`; the CLIs then accept them too.
+Users add their own with :func:`register`; the CLIs then accept them too. :func:`names` lists
+the schedules that run, not ``auto``, which chooses among them (``get("auto")`` builds it;
+:func:`describe` and :func:`syntax` list it).
 """
 from __future__ import annotations
 
@@ -44,7 +49,8 @@ import dataclasses
 import re
 from typing import Callable
 
-from .base import COMPOSE, Schedule, Spec
+from .auto import auto
+from .base import AUTO, COMPOSE, Schedule, Spec
 from .collectives import allgather, compose, ulysses
 from .rings import balanced, ring, striped, zigzag
 
@@ -131,10 +137,11 @@ def entries() -> list[Entry]:
 
 def names(*, world_size: int | None = None, heads: int | None = None,
           kv_heads: int | None = None) -> list[str]:
-    """Registered names (not the ``compose:`` forms), those that can run with the given
-    world size and head counts when any is given."""
-    return [n for n in _REGISTRY
-            if why_not(n, world_size=world_size, heads=heads, kv_heads=kv_heads) is None]
+    """Registered names of schedules that run (not the ``compose:`` forms, nor ``auto``, which
+    chooses among them), those that can run with the given world size and head counts when
+    any is given."""
+    return [n for n in _REGISTRY if n != AUTO
+            and why_not(n, world_size=world_size, heads=heads, kv_heads=kv_heads) is None]
 
 
 def syntax() -> str:
@@ -308,7 +315,9 @@ for _e in (
                                       "(default 2), over the zigzag layout", arg="pieces"),
         Entry("ulysses", ulysses, "all-to-all to head-sharded, full-sequence attention "
                                   "(needs H % P == 0 and G % P == 0 or P % G == 0)",
-              constraint=_ulysses_constraint)):
+              constraint=_ulysses_constraint),
+        Entry(AUTO, auto, "fringe.plan plans the candidates that run and keeps the one the "
+                          "cost model predicts fastest (cpu preset; plan.explain() says why)")):
     _REGISTRY[_e.name] = _e
     _BUILTIN.add(_e.name)
 del _e

@@ -1,0 +1,321 @@
+"""How :func:`fringe.plan` resolves ``schedules.auto()``: plan every candidate that runs,
+predict each with the cost model, keep the fastest, and record why.
+
+The plan layer (it asks the cost model, which sits below it); :func:`fringe.plan` calls
+:func:`resolve` with a function that plans one schedule for the call at hand, so this module
+never imports the plan (``tests/test_layers.py`` holds the order).
+
+The rule, in one place:
+
+* **candidates** (:func:`candidates`), in one fixed order: ring, zigzag, striped, balanced,
+  allgather, ulysses, then ``compose:OUTER+INNER:K`` for OUTER in (zigzag, ring), INNER in
+  (ulysses, zigzag), K in (2, 4, 8) with K < P and P % K == 0 (K = P would be the inner
+  schedule alone). A candidate that cannot run is listed with the reason and never planned:
+  the registry's rule (:func:`~fringe.schedules.registry.why_not`: world size, group size,
+  head divisibility for the shape's H and G). That is the cheap bound, applied before any
+  planning: no compose form below P = 4, no Ulysses split the heads do not allow. Nothing
+  else is pruned: at P=8, S=8192 the whole search (14 candidates) plans and simulates in
+  ~0.2 s on one core, inside the cost target (``tests/test_auto.py`` measures it).
+* **prediction**: each candidate is planned exactly as the call asked (mask, S, P, block size,
+  kv policy, kernel, ...) and simulated on the hardware with the shape
+  (:func:`fringe.cost.simulate.simulate`); a candidate whose layout refuses the sizes (zigzag
+  needs S % (2 P block) == 0) is listed with the planner's message.
+* **pick**: the least predicted step time (forward + backward); predictions within a relative
+  :data:`TIE` of the least are ties, broken by the candidate's name (its spec), so that every
+  rank picks the same one from the same constants.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import TYPE_CHECKING, Callable
+
+from tabulate import tabulate
+
+from .cost.hardware import HARDWARE, Hardware, Shape, get_hardware
+from .cost.simulate import simulate
+from .schedules import registry
+from .schedules.auto import Auto
+from .schedules.base import AUTO, COMPOSE, Schedule
+
+if TYPE_CHECKING:                       # annotations only: the plan layer imports this module
+    from .plan import Plan
+
+__all__ = ["CALIBRATION_SHAPES", "Candidate", "Choice", "TIE", "candidates", "resolve"]
+
+#: Relative difference of predicted step times below which two candidates tie (broken by name).
+TIE = 1e-9
+#: The single schedules auto compares, in the order it visits them.
+SINGLE = ("ring", "zigzag", "striped", "balanced", "allgather", "ulysses")
+#: The 2D forms: ``compose:OUTER+INNER:K`` for each outer, inner and K (< P, dividing P).
+COMPOSE_OUTERS = ("zigzag", "ring")
+COMPOSE_INNERS = ("ulysses", "zigzag")
+GROUP_SIZES = (2, 4, 8)
+#: The shape each preset's constants were measured or quoted for (``cpu``: what
+#: :func:`fringe.cost.calibrate.calibrate` times by default; the H100 presets: FlashAttention-3's
+#: head dim 128 in bfloat16, on the Llama-3-like default :class:`Shape`).
+CALIBRATION_SHAPES = {"cpu": Shape(heads=8, kv_heads=8, head_dim=64, dtype="float32"),
+                      "h100-nvlink": Shape(), "h100-ib": Shape()}
+#: For a :class:`Hardware` of the caller's own (e.g. from ``calibrate()``): calibrate's default.
+OWN_SHAPE = CALIBRATION_SHAPES["cpu"]
+#: Presets whose constants were measured on the machine they describe; the others are datasheet
+#: and paper numbers never checked on a GPU.
+MEASURED = ("cpu",)
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """One row of the search.
+
+    Attributes:
+        name: the candidate's spec (``"zigzag"``, ``"compose:zigzag+ulysses:2"``), or its
+            display name for a schedule no registered name builds.
+        step_s: predicted seconds of forward + backward; None when it was not planned.
+        forward_s / backward_s: the two halves.
+        forward_bytes: the most bytes one rank sends in the forward.
+        balance: max / mean compute per rank.
+        excluded: why it was not planned, or None.
+    """
+
+    name: str
+    step_s: float | None = None
+    forward_s: float | None = None
+    backward_s: float | None = None
+    forward_bytes: float | None = None
+    balance: float | None = None
+    excluded: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    """What ``schedules.auto()`` compared and chose (``plan.choice``; :meth:`table` is what
+    :meth:`fringe.Plan.explain` prints).
+
+    Attributes:
+        winner: the chosen candidate's name.
+        candidates: every candidate, in the order visited.
+        hardware: the constants used.
+        shape: the shape predicted for, and ``shape_from``: where it came from.
+        source: where the constants come from, in words.
+        why: why the winner won, in words.
+        reused: for ``auto(reuse=plan)``: the schedule planned again (the table is then the
+            earlier search's, or empty if that plan has none); None after a search.
+        search_s: wall seconds the search took (planning and simulating every candidate).
+    """
+
+    winner: str
+    candidates: tuple[Candidate, ...]
+    hardware: Hardware
+    shape: Shape
+    shape_from: str
+    source: str
+    why: str
+    reused: str | None = None
+    search_s: float = 0.0
+
+    def ranked(self) -> list[Candidate]:
+        """The candidates planned, fastest first (ties by name), then those excluded."""
+        ran = sorted((c for c in self.candidates if c.step_s is not None),
+                     key=lambda c: (c.step_s, c.name))
+        return ran + [c for c in self.candidates if c.step_s is None]
+
+    def table(self, title: str = "") -> str:
+        """The candidates with their predictions, the winner and why, and the constants."""
+        rows, left = [], []
+        won = next((c for c in self.candidates if c.name == self.winner), None)
+        for c in self.ranked():
+            if c.step_s is None:
+                left.append(f"  {c.name}: {c.excluded}")
+                continue
+            if c is won:
+                note = "chosen"
+            else:
+                slower = c.step_s / won.step_s - 1 if won is not None else float("nan")
+                note = f"+{slower:.1%}" + (" (tie)" if c.step_s <= won.step_s * (1 + TIE)
+                                           else "")
+            rows.append([c.name, f"{c.step_s * 1e3:.4g}", f"{c.forward_s * 1e3:.4g}",
+                         f"{c.backward_s * 1e3:.4g}", f"{c.forward_bytes / 1e6:.4g}",
+                         f"{c.balance:.3f}", note])
+        sh = self.shape
+        lines = [f"schedules.auto() chose {self.winner}" + (f" · {title}" if title else "")]
+        if self.reused is not None:
+            lines.append(f"reused the choice of an earlier plan ({self.reused}): planned it "
+                         f"again with no search" + ("; the table is that search's" if rows
+                                                    else "; that plan kept no table"))
+        if rows:
+            lines.append(tabulate(rows, headers=["candidate", "step ms", "fwd ms", "bwd ms",
+                                                 "fwd MB/rank", "balance", "vs chosen"],
+                                  disable_numparse=True))
+        if left:
+            lines.append("not planned (cannot run here):")
+            lines.extend(left)
+        lines.append(f"why: {self.why}")
+        lines.append(f"constants: {self.source}")
+        lines.append(f"shape: B={sh.batch} H={sh.heads} G={sh.kv_heads} D={sh.head_dim} "
+                     f"{sh.dtype} ({self.shape_from})")
+        if self.reused is None:
+            n = sum(c.step_s is not None for c in self.candidates)
+            lines.append(f"search: {n} planned and simulated, {len(self.candidates) - n} "
+                         f"excluded, {self.search_s:.2f} s; step: forward + backward of one "
+                         f"attention layer; fwd MB/rank: the most one rank sends forward; "
+                         f"balance: max/mean compute per rank")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.table()
+
+
+def source_of(hw: Hardware) -> str:
+    """Where ``hw``'s constants come from, in words."""
+    if HARDWARE.get(hw.name) is hw:
+        if hw.name in MEASURED:
+            return f"preset {hw.name!r} calibrated on {hw.source}"
+        return (f"preset {hw.name!r}: {hw.source}; GPU presets never checked on a GPU "
+                f"(datasheet and paper numbers)")
+    return f"Hardware {hw.name!r} given by the caller: {hw.source}"
+
+
+def _shape(marker: Auto, hw: Hardware, num_heads: int | None) -> tuple[Shape, str]:
+    if marker.shape is not None:
+        if not isinstance(marker.shape, Shape):
+            raise TypeError(f"schedules.auto(shape=) takes a fringe.cost.hardware.Shape or None, "
+                            f"got {type(marker.shape).__name__}")
+        if num_heads is not None and marker.shape.heads != num_heads:
+            raise ValueError(f"schedules.auto(shape=...) has H={marker.shape.heads} but "
+                             f"fringe.plan(num_heads={num_heads}): give the same H to both (or "
+                             f"leave shape= out to predict for H=G={num_heads})")
+        return marker.shape, "given: auto(shape=)"
+    preset = HARDWARE.get(hw.name) is hw
+    base = CALIBRATION_SHAPES.get(hw.name, OWN_SHAPE) if preset else OWN_SHAPE
+    what = (f"the calibration shape of preset {hw.name!r}" if preset
+            else "the default shape of calibrate()")
+    if num_heads is None:
+        return base, what
+    return (dataclasses.replace(base, heads=num_heads, kv_heads=num_heads),
+            f"{what}, H=G={num_heads} from fringe.plan(num_heads=); pass auto(shape=) for GQA")
+
+
+def candidates(world_size: int, *, heads: int | None = None, kv_heads: int | None = None,
+               given: tuple | None = None) -> list[tuple[str, Schedule | None, str | None]]:
+    """``(name, schedule, None)`` for each candidate that can run, ``(name, None, reason)`` for
+    each that cannot, in the order auto visits them (see the module docstring).
+
+    ``given``: spec strings or schedules instead of the default list (checked by the same
+    rule; a schedule no registered name builds is taken as it is).
+    """
+    if given is None:
+        names = list(SINGLE) + [f"{COMPOSE}:{o}+{i}:{k}" for o in COMPOSE_OUTERS
+                                for i in COMPOSE_INNERS for k in GROUP_SIZES
+                                if k < world_size and world_size % k == 0]
+    else:
+        names = list(given)
+    out = []
+    for item in names:
+        if isinstance(item, Schedule):
+            if item.spec is None:            # a schedule of the caller's own: no rule to ask
+                out.append((item.name, item, None))
+                continue
+            item = registry.spec(item)
+        name = registry.canonical(item)      # unknown or malformed specs raise, listing valid
+        sched = registry.get(name)
+        if sched.kind == AUTO:
+            raise ValueError("schedules.auto(candidates=) cannot list auto itself")
+        why = registry.why_not(name, world_size=world_size, heads=heads, kv_heads=kv_heads)
+        out.append((name, None, why) if why else (name, sched, None))
+    return out
+
+
+def resolve(marker: Auto, plan_one: Callable[[Schedule], "Plan"], *, world_size: int,
+            num_heads: int | None) -> "Plan":
+    """The plan :func:`fringe.plan` returns for ``marker`` (see the module docstring), with
+    the :class:`Choice` in ``plan.cache.auto``.
+
+    Args:
+        marker: ``schedules.auto(...)``.
+        plan_one: plans one schedule exactly as the caller's :func:`fringe.plan` call asked.
+        world_size, num_heads: P, and H when the call gave it.
+
+    Raises:
+        ValueError: no candidate can be planned (the first one's reason), or a bad option.
+    """
+    if marker.reuse is not None:
+        prev = marker.reuse
+        p = plan_one(prev.schedule)
+        old = getattr(getattr(prev, "cache", None), "auto", None)
+        name = old.winner if old is not None else _name(prev.schedule)
+        if old is not None:
+            choice = dataclasses.replace(old, reused=name)
+        else:
+            hw = get_hardware("cpu")
+            choice = Choice(name, (), hw, CALIBRATION_SHAPES["cpu"], "unknown: no search",
+                            "unknown: the earlier plan keeps no choice (it was not made by "
+                            "schedules.auto(), or it is a copy)",
+                            "auto(reuse=plan) plans plan.schedule again, with no search",
+                            reused=name)
+        p.cache.auto = choice
+        return p
+    t0 = time.perf_counter()
+    hw = get_hardware(marker.hardware)
+    shape, shape_from = _shape(marker, hw, num_heads)
+    rows: list[Candidate] = []
+    plans: dict[str, Plan] = {}
+    failed: list[tuple[str, ValueError]] = []
+    for name, sched, why in candidates(world_size, heads=shape.heads, kv_heads=shape.kv_heads,
+                                       given=marker.candidates):
+        if why is not None:
+            rows.append(Candidate(name, excluded=why))
+            continue
+        try:
+            p = plan_one(sched)
+        except ValueError as e:              # the planner refuses these sizes: say so
+            failed.append((name, e))
+            rows.append(Candidate(name, excluded=_one_line(e)))
+            continue
+        pred = simulate(p, hw, shape, name=name)
+        rows.append(Candidate(name, step_s=pred.step_s, forward_s=pred.forward_s,
+                              backward_s=pred.backward_s,
+                              forward_bytes=float(pred.sent["forward"].sum(1).max(initial=0)),
+                              balance=pred.balance))
+        plans[name] = p                      # kept only while it can still win
+        best = min(c.step_s for c in rows if c.step_s is not None)
+        step = {c.name: c.step_s for c in rows}
+        plans = {n: q for n, q in plans.items() if step[n] <= best * (1 + TIE)}
+    ran = [c for c in rows if c.step_s is not None]
+    if not ran:
+        if failed:
+            name, e = failed[0]
+            raise ValueError(f"schedules.auto(): no candidate could be planned; the first, "
+                             f"{name}, says: {e}") from e
+        raise ValueError(f"schedules.auto(): no candidate can run at P={world_size} with "
+                         f"H={shape.heads}, G={shape.kv_heads}: "
+                         + "; ".join(f"{c.name}: {c.excluded}" for c in rows))
+    best = min(c.step_s for c in ran)
+    tied = sorted(c.name for c in ran if c.step_s <= best * (1 + TIE))
+    winner = tied[0]
+    choice = Choice(winner, tuple(rows), hw, shape, shape_from, source_of(hw),
+                    _why(winner, tied, ran), search_s=time.perf_counter() - t0)
+    p = plans[winner]
+    p.cache.auto = choice
+    return p
+
+
+def _why(winner: str, tied: list[str], ran: list[Candidate]) -> str:
+    by = {c.name: c for c in ran}
+    w = by[winner]
+    if len(tied) > 1:
+        return (f"least predicted step time, {w.step_s * 1e3:.4g} ms, tied within a relative "
+                f"{TIE:g} with {', '.join(tied[1:])}; ties go to the first by name")
+    rest = sorted((c for c in ran if c.name != winner), key=lambda c: (c.step_s, c.name))
+    if not rest:
+        return f"the only candidate that can run ({w.step_s * 1e3:.4g} ms predicted)"
+    r = rest[0]
+    return (f"least predicted step time, {w.step_s * 1e3:.4g} ms, {1 - w.step_s / r.step_s:.1%} "
+            f"below the runner-up {r.name} ({r.step_s * 1e3:.4g} ms)")
+
+
+def _name(s: Schedule) -> str:
+    return registry.spec(s) if s.spec is not None else s.name
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split())
