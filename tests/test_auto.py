@@ -1,0 +1,230 @@
+"""schedules.auto(): fringe.plan chooses the schedule with the cost model, deterministically,
+among the candidates that can run, and says why (plan.explain())."""
+from __future__ import annotations
+
+import copy
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import fringe
+from fringe import _auto, masks, render, schedules
+from fringe.cost.hardware import Shape
+from fringe.ops import reference
+from fringe.schedules import registry
+from fringe.testing import make_qkv, tolerances
+
+PLAN_MODULE = sys.modules["fringe.plan"]      # the module (fringe.plan is the function)
+S, P, BS = 1024, 4, 32
+DOCS = torch.repeat_interleave(torch.arange(5), torch.tensor([320, 64, 256, 192, 192]))
+MASKS = {"causal": masks.causal(), "documents": masks.causal() & masks.document(DOCS)}
+
+
+def _planned(choice) -> list[str]:
+    return [c.name for c in choice.candidates if c.step_s is not None]
+
+
+def test_module_docstring_runs():
+    import doctest
+    result = doctest.testmod(sys.modules["fringe.schedules.auto"], extraglobs=dict(fringe=fringe, masks=masks, schedules=schedules,
+                                                            render=render))
+    assert result.attempted >= 4 and result.failed == 0
+
+
+@pytest.mark.parametrize("mask", sorted(MASKS))
+def test_the_pick_is_the_argmin_of_what_explain_lists(mask):
+    p = fringe.plan(schedules.auto(hardware="h100-ib"), MASKS[mask], seq_len=S, world_size=P,
+                    block_size=BS)
+    choice = p.choice
+    ran = [c for c in choice.candidates if c.step_s is not None]
+    best = min(c.step_s for c in ran)
+    assert choice.winner == min(c.name for c in ran if c.step_s <= best * (1 + _auto.TIE))
+    # the plan is the winner's: the same plan fringe.plan(<winner>) makes
+    again = fringe.plan(schedules.get(choice.winner), MASKS[mask], seq_len=S, world_size=P,
+                        block_size=BS)
+    assert p.fingerprint() == again.fingerprint() and p.schedule.name == again.schedule.name
+    # what explain() prints: every planned candidate once, fastest first, the winner on top
+    text = p.explain()
+    lines = text.splitlines()
+    sep = next(i for i, line in enumerate(lines) if line.startswith("---"))
+    rows = [line.split() for line in lines[sep + 1:sep + 1 + len(ran)]]
+    assert sorted(r[0] for r in rows) == sorted(_planned(choice))
+    assert rows[0][0] == choice.winner and rows[0][-1] == "chosen"
+    printed = [float(r[1]) for r in rows]
+    assert printed == sorted(printed) and printed[0] == min(printed)
+    assert f"{min(c.step_s for c in ran) * 1e3:.4g}" == rows[0][1]
+    assert "GPU presets never checked on a GPU" in text and "why: least predicted" in text
+
+
+def test_ties_within_1e_9_go_to_the_first_name():
+    # documents that never cross a rank: ring, balanced, zigzag, allgather, ... predict alike
+    ids = torch.repeat_interleave(torch.arange(8), S // 8)
+    p = fringe.plan(schedules.auto(hardware="h100-ib"), masks.causal() & masks.document(ids),
+                    seq_len=S, world_size=P, block_size=BS)
+    tied = [c.name for c in p.choice.candidates if c.step_s is not None
+            and c.step_s <= min(x.step_s for x in p.choice.candidates if x.step_s) * (1 + 1e-9)]
+    assert len(tied) > 1 and p.choice.winner == min(tied)
+    assert "ties go to the first by name" in p.explain()
+
+
+_CHILD = """
+import torch, fringe
+from fringe import masks, schedules
+ids = torch.repeat_interleave(torch.arange(5), torch.tensor([320, 64, 256, 192, 192]))
+for m in (masks.causal(), masks.causal() & masks.document(ids)):
+    p = fringe.plan(schedules.auto(), m, seq_len=1024, world_size=4, block_size=32)
+    print(p.choice.winner, p.fingerprint())
+    for c in p.choice.candidates:
+        print(c.name, repr(c.step_s), repr(c.forward_bytes), repr(c.balance), c.excluded)
+"""
+
+
+def test_deterministic_across_processes_and_hash_seeds():
+    outs = []
+    for seed in ("1", "12345"):
+        env = dict(os.environ, PYTHONHASHSEED=seed, OMP_NUM_THREADS="1")
+        r = subprocess.run([sys.executable, "-c", _CHILD], env=env, capture_output=True,
+                           text=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+        outs.append(r.stdout)
+    assert outs[0] == outs[1] and outs[0].count("\n") > 10
+    # and this process chooses the same, with the same plan
+    p = fringe.plan(schedules.auto(), MASKS["causal"], seq_len=S, world_size=P, block_size=BS)
+    assert outs[0].splitlines()[0] == f"{p.choice.winner} {p.fingerprint()}"
+
+
+def test_only_candidates_that_can_run_are_planned(monkeypatch):
+    simulated = []
+    real = _auto.simulate
+    monkeypatch.setattr(_auto, "simulate", lambda p, *a, **k: simulated.append(k["name"]) or
+                        real(p, *a, **k))
+    # H=6 at P=4: ulysses cannot split 6 heads 4 ways; compose with K=2 can; K=4 is P (absent)
+    p = fringe.plan(schedules.auto(), MASKS["causal"], seq_len=S, world_size=P, block_size=BS,
+                    num_heads=6)
+    ran = ["ring", "zigzag", "striped", "balanced", "allgather", "compose:zigzag+ulysses:2",
+           "compose:zigzag+zigzag:2", "compose:ring+ulysses:2", "compose:ring+zigzag:2"]
+    assert _planned(p.choice) == simulated == ran
+    excluded = {c.name: c.excluded for c in p.choice.candidates if c.step_s is None}
+    assert list(excluded) == ["ulysses"] and "H % 4 == 0, got H=6" in excluded["ulysses"]
+    assert p.choice.shape.heads == 6 and "H=G=6" in p.choice.shape_from
+    assert p.num_heads == 6
+    # P=2: no compose form (K must be below P); H=8 of the cpu preset's shape: ulysses runs
+    p2 = fringe.plan(schedules.auto(), MASKS["causal"], seq_len=S, world_size=2, block_size=BS)
+    assert _planned(p2.choice) == list(_auto.SINGLE)
+    # a size the zigzag layout refuses is listed with the planner's reason, never planned
+    p3 = fringe.plan(schedules.auto(candidates=["ring", "zigzag"]), MASKS["causal"],
+                     seq_len=192, world_size=2, block_size=32)
+    assert p3.choice.winner == "ring" and "pad the sequence" in dict(
+        (c.name, c.excluded) for c in p3.choice.candidates)["zigzag"]
+
+
+def test_reuse_plans_exactly_one_schedule_and_no_search(monkeypatch):
+    first = fringe.plan(schedules.auto(), MASKS["documents"], seq_len=S, world_size=P,
+                        block_size=BS)
+    planned, simulated = [], []
+    real_plan, real_sim = PLAN_MODULE.plan, _auto.simulate
+
+    def counting_plan(schedule, *args, **kwargs):
+        planned.append(registry.spec(schedule))
+        return real_plan(schedule, *args, **kwargs)
+    monkeypatch.setattr(PLAN_MODULE, "plan", counting_plan)
+    monkeypatch.setattr(_auto, "simulate", lambda *a, **k: simulated.append(1) or real_sim(*a, **k))
+    ids = DOCS.roll(64)                                  # the next batch: other documents
+    m = masks.causal() & masks.document(ids)
+    p = real_plan(schedules.auto(reuse=first), m, seq_len=S, world_size=P, block_size=BS)
+    assert planned == [first.choice.winner] and simulated == []
+    assert p.schedule.name == first.schedule.name and p.choice.reused == first.choice.winner
+    assert p.fingerprint() == real_plan(first.schedule, m, seq_len=S, world_size=P,
+                                        block_size=BS).fingerprint()
+    assert "reused the choice of an earlier plan" in p.explain()
+    planned.clear()                                      # a full search plans every candidate
+    full = real_plan(schedules.auto(), m, seq_len=S, world_size=P, block_size=BS)
+    assert planned == _planned(full.choice) and len(planned) == 10
+
+
+@pytest.mark.parametrize("mask", ["causal", "documents"])
+def test_the_auto_plan_computes_dense_attention_exactly(mask):
+    m = masks.causal() if mask == "causal" else masks.causal() & masks.document(DOCS[::4])
+    p = fringe.plan(schedules.auto(), m, seq_len=256, world_size=P, block_size=8, num_heads=4)
+    assert p.choice is not None
+    q, k, v = make_qkv(B=1, H=4, G=2, S=256, D=8, seed=7)
+    out = fringe.simulate.attention(q, k, v, plan=p)
+    ref, _ = reference.attention(q, k, v, mask_mod=m)
+    torch.testing.assert_close(out, ref, **tolerances(torch.float64))
+
+
+def test_auto_through_the_registry():
+    s = schedules.get("auto")
+    assert s.kind == "auto" and not s.moves_sequence and registry.spec(s) == "auto"
+    assert registry.canonical(" auto ") == "auto"
+    assert "auto" not in schedules.names()          # names() lists what runs
+    assert "auto" in registry.syntax() and "\nauto " in registry.describe()
+    with pytest.raises(ValueError, match="not built by a registered name"):
+        registry.spec(schedules.auto(hardware="h100-ib"))   # options a spec cannot spell
+    with pytest.raises(ValueError, match="takes no ':' argument"):
+        schedules.get("auto:2")
+
+
+def test_cli_show_and_predict_take_auto(capsys):
+    from fringe.__main__ import main, parser
+    assert parser().parse_args(["show", "--schedule", "auto"]).schedule == "auto"
+    assert main(["show", "--schedule", "auto", "--world-size", "4", "--seq-len", "256",
+                 "--block-size", "16"]) == 0
+    out = capsys.readouterr().out
+    assert "schedules.auto() chose" in out and "preset 'cpu' calibrated on" in out
+    assert main(["show", "--help"]) == 0 and "\n  auto " in capsys.readouterr().out
+    argv = ["predict", "--world-size", "4", "--seq-len", "1024", "--block-size", "64",
+            "--heads", "4", "--kv-heads", "4", "--mask", "causal", "--hardware", "h100-ib",
+            "--schedules", "auto", "zigzag"]
+    assert main(argv) == 0
+    rows = {line.split()[0]: line.split()[1] for line in capsys.readouterr().out.splitlines()
+            if line.split() and line.split()[0] in ("auto", "zigzag")}
+    # auto chose on the command's hardware and shape: its row is the winner's prediction
+    p = fringe.plan(schedules.auto(hardware="h100-ib", shape=Shape(heads=4, kv_heads=4)),
+                    masks.causal(), seq_len=1024, world_size=4, block_size=64)
+    assert float(rows["auto"]) == pytest.approx(
+        min(c.step_s for c in p.choice.candidates if c.step_s) * 1e3, rel=1e-2)
+
+
+def test_options_and_refusals():
+    with pytest.raises(ValueError, match="'this' calibrates the machine each rank runs on"):
+        schedules.auto(hardware="this")
+    with pytest.raises(ValueError, match="non-empty list"):
+        schedules.auto(candidates=[])
+    with pytest.raises(ValueError, match="other than auto"):
+        schedules.auto(candidates=["zigzag", "auto"])
+    with pytest.raises(ValueError, match="give reuse= alone"):
+        schedules.auto(reuse=fringe.plan(schedules.ring(), None, seq_len=64, world_size=2,
+                                                   block_size=8),
+                       hardware="h100-ib")
+    with pytest.raises(ValueError, match="takes a plan"):
+        schedules.auto(reuse=schedules.zigzag())
+    marker = schedules.auto()
+    with pytest.raises(ValueError, match="marker that fringe.plan resolves"):
+        marker.programs(2)
+    with pytest.raises(ValueError, match="must move sequence chunks"):
+        schedules.compose(marker, schedules.ulysses(), inner_size=2)
+    base = fringe.plan(schedules.ring(), masks.causal(), seq_len=64, world_size=2, block_size=8)
+    with pytest.raises(ValueError, match="does not plan over a given layout"):
+        fringe.plan(marker, masks.causal(), seq_len=64, world_size=2, layout=base.layout)
+    with pytest.raises(ValueError, match="was not chosen by schedules.auto"):
+        base.explain()
+    with pytest.raises(ValueError, match="H=8 but fringe.plan\\(num_heads=4\\)"):
+        fringe.plan(schedules.auto(shape=Shape(heads=8, kv_heads=8)), masks.causal(),
+                    seq_len=64, world_size=2, block_size=8, num_heads=4)
+    with pytest.raises(ValueError, match="no candidate could be planned; the first, ring"):
+        fringe.plan(schedules.auto(), masks.causal(), seq_len=100, world_size=2, block_size=32)
+    p = fringe.plan(schedules.auto(), masks.causal(), seq_len=64, world_size=2, block_size=8)
+    assert base.choice is None and copy.deepcopy(p).choice is None     # kept in plan.cache
+
+
+def test_candidates_may_be_given_and_a_hand_made_schedule_competes():
+    from fringe import layout
+    mine = schedules.Schedule("mine", layout=layout.contiguous, hops=schedules.ring_hops)
+    p = fringe.plan(schedules.auto(candidates=[mine, "zigzag", schedules.striped(4)]),
+                    MASKS["causal"], seq_len=S, world_size=P, block_size=BS)
+    assert [c.name for c in p.choice.candidates] == ["mine", "zigzag", "striped:4"]
+    assert p.choice.winner == "zigzag"       # ring-like "mine" is unbalanced on causal
