@@ -150,9 +150,10 @@ class Choice:
             lines.append("not planned (cannot run here):")
             lines.extend(left)
         lines.append(f"why: {self.why}")
-        lines.append(f"constants: {self.source}")
-        lines.append(f"shape: B={sh.batch} H={sh.heads} G={sh.kv_heads} D={sh.head_dim} "
-                     f"{sh.dtype} ({self.shape_from})")
+        if not (self.reused is not None and not self.candidates):    # no search to describe
+            lines.append(f"constants: {self.source}")
+            lines.append(f"shape: B={sh.batch} H={sh.heads} G={sh.kv_heads} D={sh.head_dim} "
+                         f"{sh.dtype} ({self.shape_from})")
         if self.reused is None:
             n = sum(c.step_s is not None for c in self.candidates)
             lines.append(f"search: {n} planned and simulated, {len(self.candidates) - n} "
@@ -246,12 +247,11 @@ def resolve(marker: Auto, plan_one: Callable[[Schedule], "Plan"], *, world_size:
         if old is not None:
             choice = dataclasses.replace(old, reused=name)
         else:
-            hw = get_hardware("cpu")
-            choice = Choice(name, (), hw, CALIBRATION_SHAPES["cpu"], "unknown: no search",
-                            "unknown: the earlier plan keeps no choice (it was not made by "
-                            "schedules.auto(), or it is a copy)",
-                            "auto(reuse=plan) plans plan.schedule again, with no search",
-                            reused=name)
+            choice = Choice(name, (), get_hardware("cpu"), CALIBRATION_SHAPES["cpu"],
+                            shape_from="none: no search", source="none: no search",
+                            why="auto(reuse=plan) plans plan.schedule again; the earlier plan "
+                                "keeps no choice (it was not made by schedules.auto(), or it is "
+                                "a copy)", reused=name)
         p.cache.auto = choice
         return p
     t0 = time.perf_counter()

@@ -29,8 +29,9 @@ def _planned(choice) -> list[str]:
 
 def test_module_docstring_runs():
     import doctest
-    result = doctest.testmod(sys.modules["fringe.schedules.auto"], extraglobs=dict(fringe=fringe, masks=masks, schedules=schedules,
-                                                            render=render))
+    module = sys.modules["fringe.schedules.auto"]       # schedules.auto is the function
+    result = doctest.testmod(module, extraglobs=dict(fringe=fringe, masks=masks,
+                                                     schedules=schedules, render=render))
     assert result.attempted >= 4 and result.failed == 0
 
 
