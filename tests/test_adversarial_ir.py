@@ -195,3 +195,50 @@ def test_disjoint_head_slices_still_reverse_and_run_exactly():
     # a whole buffer overlaps every slice; other buffers (keys) never interfere
     assert _overlapping_heads(np.array([0, 0, 1]), np.array([2, 0, 1]), np.array([0, 1, 0]),
                               np.array([0, 2, 2])).tolist() == [True, False, False]
+
+
+def test_compose_with_an_inner_collective_whose_own_slots_hold_the_buffer():
+    """Defect found (fixed): compose lowered an inner all-gather's own slot (the buffer on
+    both sides, the ``own="same"`` convention) to a send to itself, so compose(zigzag,
+    two_level_allgather(2, own="same")) failed with "names an invalid peer". Own-slot
+    conventions now give the same programs, and the run is exact."""
+    from fringe import schedules
+    from fringe.testing.user_schedules import two_level_allgather
+    P, S = 8, 64
+    plans = {own: fringe.plan(schedules.compose(schedules.zigzag(), two_level_allgather(2, own=own),
+                                                inner_size=4),
+                              masks.causal(), seq_len=S, world_size=P, block_size=2)
+             for own in ("same", "none")}
+    assert format_programs(plans["same"].forward) == format_programs(plans["none"].forward)
+    assert format_programs(plans["same"].backward) == format_programs(plans["none"].backward)
+    _assert_dense(plans["same"], masks.causal(), S)
+
+
+def test_compose_refuses_an_inner_of_kind_ulysses_with_programs_of_its_own():
+    """Defect found (fixed): compose read the inner's ``kind`` and built the built-in head
+    split, silently ignoring the programs of a schedule made by
+    ``dataclasses.replace(ulysses(), build=mine)`` (the kind field was copied along)."""
+    from fringe import schedules
+    calls = []
+    u = schedules.ulysses()
+    mine = dataclasses.replace(u, name="mine", build=lambda P, need: calls.append(P) or u.build(P, need))
+    with pytest.raises(ValueError, match="kind='ulysses' but programs or a layout of its own"):
+        schedules.compose(schedules.zigzag(), mine, inner_size=2)
+    schedules.compose(schedules.zigzag(), u, inner_size=2)      # the built-in still composes
+    assert calls == []
+
+
+@pytest.mark.parametrize("name", ["ring", "ulysses", "compose(zigzag, ulysses, inner_size=2)"])
+def test_a_user_schedule_named_like_a_built_in_runs_its_own_programs(name):
+    """Names are display only: a user schedule named like a built-in plans and runs its own
+    programs, and the registry does not claim to build it."""
+    from fringe.schedules import registry
+    from fringe.testing.user_schedules import two_level_allgather
+    s = dataclasses.replace(two_level_allgather(2), name=name)
+    plan = fringe.plan(s, masks.causal(), seq_len=32, world_size=4, block_size=BLOCK)
+    want = fringe.plan(two_level_allgather(2), masks.causal(), seq_len=32, world_size=4,
+                       block_size=BLOCK)
+    assert format_programs(plan.forward) == format_programs(want.forward)
+    _assert_dense(plan, masks.causal(), 32)
+    with pytest.raises(ValueError, match="not built by a registered name"):
+        registry.spec(s)
