@@ -301,6 +301,40 @@ def _arrive_once(tab: ProgramTable, g: _Gen, brought: np.ndarray) -> None:
         f"twice): drop the second arrival\n{marked(tab.programs()[rank], step)}")
 
 
+def _merge_once(tab: ProgramTable, g: _Gen) -> None:
+    """A rank sends its partial output of a chunk (``out``, point to point or as a
+    collective's contribution) at most once, and not whole and as an overlapping slice: the
+    receiver merges every copy it gets, so a second send would count the same partial twice
+    (a wrong ``out``, no error). Raises naming the first second send (by rank, then step)."""
+    P, OUT = g.P, _FAMILY_CODE[_OUT]
+    x = g.xf == OUT
+    k = (g.sf == OUT) & (g.sdir == 0) & (g.sidx != g.me[g.ss])     # contributions to others
+    if not x.any() and not k.any():
+        return
+    r = np.concatenate([g.xs[x], g.kr[g.ss[k]]])
+    t = np.concatenate([g.xt[x], g.kt[g.ss[k]]])
+    c = np.concatenate([g.xc[x], g.sc[k]])
+    hi = np.concatenate([g.xhi[x], g.shi[k]])
+    hn = np.concatenate([g.xhn[x], g.shn[k]])
+    hs = np.concatenate([g.xhs[x], g.shs[k]])
+    key = (r * P + c) * g.HS + hs
+    o = np.lexsort((t, key))
+    again = np.zeros(len(key), dtype=bool)
+    again[o[1:]] = key[o[1:]] == key[o[:-1]]
+    again |= _overlapping_heads(r * P + c, t, hi, hn)
+    if not again.any():
+        return
+    i = min(np.flatnonzero(again).tolist(), key=lambda i: (int(r[i]), int(t[i])))
+    rank, step = int(r[i]), int(t[i])
+    buf = Buffer.of(Family.OUT, int(c[i]), None if hn[i] == 0 else (int(hi[i]), int(hn[i])))
+    first = int(t[(r == r[i]) & (c == c[i])].min())
+    raise ScheduleError(
+        f"rank {rank}, step {step}: rank {rank} sends {buf} again (it first sent heads of it at "
+        f"step {first}); a rank sends its partial output of a chunk once, after its last "
+        f"compute into it (the receiver merges every copy, so a second send counts the same "
+        f"partial twice): drop the second send\n{marked(tab.programs()[rank], step)}")
+
+
 def _overlapping_heads(whole: np.ndarray, t: np.ndarray, hi: np.ndarray,
                        hn: np.ndarray) -> np.ndarray:
     """Which arrivals bring heads of a buffer that another arrival of the same buffer at the
@@ -428,6 +462,7 @@ def _general_reverse(tab: ProgramTable, kv: str, pad: int = 0) -> list[Program]:
     bk = g.rkey(srank[brought_sel], g.sf[brought_sel], g.sc[brought_sel], g.shs[brought_sel])
     b_inst = g.inst[g.ss[brought_sel]]
     _arrive_once(tab, g, brought_sel)
+    _merge_once(tab, g)
     ob = np.argsort(bk, kind="stable")
     brought_k, brought_i = bk[ob], b_inst[ob]
     n_inst = len(g.inst_keys)
