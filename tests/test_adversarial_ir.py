@@ -137,6 +137,19 @@ def test_pickled_tables_and_programs_digest_alike():
         loaded._parts[0]["q"][0] = 1
 
 
+def test_a_checked_table_cannot_have_a_column_swapped():
+    """Found (fixed): the arrays were read-only but the part dicts were not, so
+    ``tab._parts[0]["kv"] = other`` changed a table that ``check`` had already passed (it
+    remembers passing per table). The parts are read-only mappings now."""
+    progs = _ring_with_gap(2)
+    tab = ProgramTable.of(progs)
+    check(tab.programs(), need=torch.ones(2, 2, dtype=torch.bool))
+    with pytest.raises(TypeError):
+        tab._parts[0]["kv"] = np.zeros(len(tab._parts[0]["kv"]), np.int32)
+    with pytest.raises(TypeError):
+        del tab._parts[1]["chunk"]
+
+
 def _overlapping_heads(P: int) -> list[Program]:
     """kv0 reaches rank 1 twice with overlapping heads: its h0/2 slice (forwarded on to rank
     2, which computes with it) and then whole (rank 1 computes with it)."""
