@@ -344,3 +344,23 @@ def test_shared_columns_never_serve_a_dead_tables_columns():
             with pytest.raises(ScheduleError, match="needs kv1"):
                 check(other.programs())
             del other
+
+
+def test_the_ring_chain_shortcuts_equal_the_general_passes_on_edge_shapes():
+    """Steps with gaps and a late start, a rank with no ops, empty programs, P=1: the chain
+    shortcuts (``_reverse_parts``, ``_parts_ok``) give what the general passes give."""
+    from fringe.schedules.passes import _check, _reverse
+    idle = [Program(0, (Step(0, (Compute(0, 0), Send(_kv(0), 1))),)),
+            Program(1, (Step(0, (Compute(1, 1), Recv(_kv(0), 0))), Step(1, (Compute(1, 0),)))),
+            Program(2, ())]
+    cases = [_ring_with_gap(2), _ring_with_gap(3), _ring_with_gap(5, 4, 9), idle,
+             [Program(0, ()), Program(1, ())], [Program(0, (Step(0, (Compute(0, 0),)),))]]
+    for progs in cases:
+        tab = ProgramTable.of(progs)
+        assert tab.chain
+        for kv in ("resend", "keep"):
+            fast = _reverse._reverse_parts(tab, kv)
+            assert fast is not None
+            assert format_programs(fast) == format_programs(_reverse._general_reverse(tab, kv))
+        assert _check._parts_ok(tab, None, False, "resend") is True
+        _check._general_ok(tab, None, False, "resend")
