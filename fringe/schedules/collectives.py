@@ -406,6 +406,8 @@ def _inner_template(programs: list[Program], steps: int) -> tuple[np.ndarray, ..
                                                    (op.sparse_recvs, recvs, False)):
                         for x, buf in zip(idx, bufs):
                             peer = op.group[x]
+                            if peer == p:        # its own slot (the buffer, or none): no hop
+                                continue
                             hop = (s, p, peer) if mine else (s, peer, p)
                             out.setdefault(hop + (chunk(buf),), []).append(at)
                             at += 1
@@ -656,6 +658,12 @@ def compose(outer: Schedule, inner: Schedule, *, inner_size: int) -> Schedule:
         raise ValueError(f"inner_size must be an int >= 1, got {inner_size!r}")
     k = inner_size
     heads = inner.kind == "ulysses"
+    if heads and (inner.build is not _ulysses_programs or inner.layout is not _layout.contiguous):
+        raise ValueError(f"compose: the inner schedule {inner.name!r} has kind='ulysses' but "
+                         f"programs or a layout of its own, which compose would not run (it "
+                         f"builds the 2D head split itself); give it kind='user' "
+                         f"(dataclasses.replace(s, kind='user', spec=None)), or use "
+                         f"schedules.ulysses()")
 
     def make(seq_len: int, world_size: int, *, block_size: int, block_work=None):
         if world_size % k:

@@ -12,6 +12,21 @@ from ._rules import C_, COLL_KINDS, G_, R_, S_
 _KINDS = (Compute, GradCompute, Send, Recv)
 
 
+class _Columns(dict):
+    """A part of a :class:`ProgramTable`: a dict of read-only columns that cannot itself be
+    changed (a swapped column would change a table that :func:`check` already passed)."""
+
+    def _read_only(self, *args, **kwargs):
+        raise TypeError("a ProgramTable's columns are read-only; build a new table "
+                        "(ProgramTable.of(programs) or a ProgramBuilder)")
+
+    __setitem__ = __delitem__ = pop = popitem = clear = update = setdefault = _read_only
+    __ior__ = _read_only
+
+    def __reduce__(self):               # pickled as a plain dict; a table wraps it again
+        return (dict, (dict(self),))
+
+
 class ScheduleError(ValueError):
     """A program violates the IR's rules; the message names the rank and step."""
 
@@ -87,7 +102,8 @@ class ProgramTable:
 
     def _init(self, world_size: int, parts) -> None:
         self.world_size = world_size
-        self._parts = parts
+        # read-only mappings of read-only arrays: no column can be swapped after a check
+        self._parts = tuple(_Columns(d) for d in parts)
         self._cols = None                # the row view, derived on first use (chain tables)
         self._gindex = None              # each rank's rows and sides' slots
         self._passed: set = set()        # check() flags whose structural checks passed
@@ -173,6 +189,11 @@ class ProgramTable:
         """Pickle the parts: the loaded table is built as any other (read-only columns, its
         programs views of it); checks that passed, and the derived views, are not carried."""
         return (_table_of_parts, (self.world_size, self._parts))
+
+    def __setstate__(self, state: dict) -> None:
+        """A table pickled by its ``__dict__`` (as the one-module IR did): read-only parts."""
+        self.__dict__.update(state)
+        self._parts = tuple(_Columns(d) for d in self._parts)
 
     def __len__(self) -> int:
         comp, xfer, coll = self._parts

@@ -3,6 +3,7 @@ shortcut :func:`_reverse_parts` first, else :func:`_general_reverse`), with the 
 the inputs the backward reads again (:func:`_resend_parts`)."""
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import numpy as np
@@ -277,15 +278,20 @@ def _arrive_once(tab: ProgramTable, g: _Gen, brought: np.ndarray) -> None:
         dup = np.zeros(len(key), dtype=bool)
         dup[o[1:]] = key[o[1:]] == key[o[:-1]]
         again |= dup
-    if not again.any():
+    hi_a = np.concatenate([g.xhi[h], g.shi[brought]])
+    hn_a = np.concatenate([g.xhn[h], g.shn[brought]])
+    overlap = _overlapping_heads(r * (_F * P) + f * P + c, t, hi_a, hn_a) & ~again
+    if not (again | overlap).any():
         return
-    i = min(np.flatnonzero(again).tolist(), key=lambda i: (int(r[i]), int(t[i])))
-    hi = np.concatenate([g.xhi[h], g.shi[brought]])[i]
-    hn = np.concatenate([g.xhn[h], g.shn[brought]])[i]
+    i = min(np.flatnonzero(again | overlap).tolist(), key=lambda i: (int(r[i]), int(t[i])))
+    hi, hn = hi_a[i], hn_a[i]
     buf = Buffer.of(_FAMILIES[int(f[i])], int(c[i]), None if hn == 0 else (int(hi), int(hn)))
     rank, step = int(r[i]), int(t[i])
     if c[i] == r[i]:
         what = f"{buf} arrives at rank {rank}, which owns it"
+    elif overlap[i]:
+        what = (f"{buf} arrives at rank {rank}, which also receives heads of it that overlap "
+                f"these (a whole {buf.parent} and a slice of it, or slices of two splits)")
     else:
         first = int(t[(key == key[i]) & ~again].min(initial=step))
         what = f"{buf} arrives at rank {rank} again (it arrived at step {first})"
@@ -293,6 +299,91 @@ def _arrive_once(tab: ProgramTable, g: _Gen, brought: np.ndarray) -> None:
         f"rank {rank}, step {step}: {what}; a rank receives each input at most once (reverse "
         f"returns the gradient along every route a buffer came by, so it would return it "
         f"twice): drop the second arrival\n{marked(tab.programs()[rank], step)}")
+
+
+def _merge_once(tab: ProgramTable, g: _Gen) -> None:
+    """A rank sends its partial output of a chunk (``out``, point to point or as a
+    collective's contribution) at most once, and not whole and as an overlapping slice: the
+    receiver merges every copy it gets, so a second send would count the same partial twice
+    (a wrong ``out``, no error). Raises naming the first second send (by rank, then step)."""
+    P, OUT = g.P, _FAMILY_CODE[_OUT]
+    x = g.xf == OUT
+    k = (g.sf == OUT) & (g.sdir == 0) & (g.sidx != g.me[g.ss])     # contributions to others
+    if not x.any() and not k.any():
+        return
+    r = np.concatenate([g.xs[x], g.kr[g.ss[k]]])
+    c = np.concatenate([g.xc[x], g.sc[k]])
+    if P * P <= _columns.PLANE_CELLS and np.bincount(r * P + c).max() < 2:
+        return                              # each rank sends each chunk's out once at most
+    t = np.concatenate([g.xt[x], g.kt[g.ss[k]]])
+    hi = np.concatenate([g.xhi[x], g.shi[k]])
+    hn = np.concatenate([g.xhn[x], g.shn[k]])
+    hs = np.concatenate([g.xhs[x], g.shs[k]])
+    key = (r * P + c) * g.HS + hs
+    o = np.lexsort((t, key))
+    again = np.zeros(len(key), dtype=bool)
+    again[o[1:]] = key[o[1:]] == key[o[:-1]]
+    again |= _overlapping_heads(r * P + c, t, hi, hn)
+    if not again.any():
+        return
+    i = min(np.flatnonzero(again).tolist(), key=lambda i: (int(r[i]), int(t[i])))
+    rank, step = int(r[i]), int(t[i])
+    buf = Buffer.of(Family.OUT, int(c[i]), None if hn[i] == 0 else (int(hi[i]), int(hn[i])))
+    first = int(t[(r == r[i]) & (c == c[i])].min())
+    raise ScheduleError(
+        f"rank {rank}, step {step}: rank {rank} sends {buf} again (it first sent heads of it at "
+        f"step {first}); a rank sends its partial output of a chunk once, after its last "
+        f"compute into it (the receiver merges every copy, so a second send counts the same "
+        f"partial twice): drop the second send\n{marked(tab.programs()[rank], step)}")
+
+
+def _overlapping_heads(whole: np.ndarray, t: np.ndarray, hi: np.ndarray,
+                       hn: np.ndarray) -> np.ndarray:
+    """Which arrivals bring heads of a buffer that another arrival of the same buffer at the
+    same rank (``whole``: one key per rank and whole buffer) also brings, with a different
+    head slice (a whole buffer and a slice of it, ``h0/2`` and ``h1/4``): of each overlapping
+    pair, the later one (by step ``t``). Equal slices are :func:`_arrive_once`'s plain
+    "arrives twice"; they are not marked here."""
+    out = np.zeros(len(whole), dtype=bool)
+    if not len(whole) or not hn.any():
+        return out
+    if int(whole.max()) < _columns.PLANE_CELLS and np.bincount(whole).max() < 2:
+        return out                          # every buffer arrives once (the common case)
+    keys, gid, counts = np.unique(whole, return_inverse=True, return_counts=True)
+    sliced = np.zeros(len(keys), dtype=bool)
+    sliced[gid[hn != 0]] = True
+    sel = np.flatnonzero(sliced[gid] & (counts[gid] > 1))
+    if not len(sel):
+        return out
+    D = 1                                   # heads as integer intervals of [0, D)
+    for n in np.unique(hn[sel]).tolist():
+        D = math.lcm(D, int(n)) if n else D
+    n_g = int(gid[sel].max()) + 1
+    if n_g * (D + 1) >= 2 ** 62:
+        raise NotImplementedError(f"reverse cannot compare head slices of {sorted(set(hn[sel].tolist()))} "
+                                  f"splits (their common multiple {D} is too large); split "
+                                  f"heads the same way for each buffer")
+    w = np.where(hn[sel] == 0, D, D // np.maximum(hn[sel], 1))
+    lo = np.where(hn[sel] == 0, 0, hi[sel] * w)
+    hi_ = lo + w
+    gg = gid[sel]
+    o = np.lexsort((-hi_, lo, gg))          # by buffer, then interval start (longest first)
+    gs, ls, hs_ = gg[o], lo[o], hi_[o]
+    reach = np.maximum.accumulate(gs * (D + 1) + hs_)    # the furthest end so far, per buffer
+    hit = np.zeros(len(o), dtype=bool)
+    hit[1:] = (gs[1:] == gs[:-1]) & (gs[1:] * (D + 1) + ls[1:] < reach[:-1])
+    same = np.zeros(len(o), dtype=bool)     # equal slices: arrives twice, named elsewhere
+    same[1:] = (gs[1:] == gs[:-1]) & (ls[1:] == ls[:-1]) & (hs_[1:] == hs_[:-1])
+    bad = np.unique(gs[hit & ~same])
+    if not len(bad):
+        return out
+    # in each buffer with an overlap, mark the latest arrival (by step)
+    rows = sel[np.isin(gg, bad)]
+    o2 = np.lexsort((t[rows], gid[rows]))
+    last = np.ones(len(rows), dtype=bool)
+    last[:-1] = gid[rows][o2][1:] != gid[rows][o2][:-1]
+    out[rows[o2][last]] = True
+    return out
 
 
 def _late(tab: ProgramTable, hop: int, arrival: int) -> None:
@@ -375,6 +466,7 @@ def _general_reverse(tab: ProgramTable, kv: str, pad: int = 0) -> list[Program]:
     bk = g.rkey(srank[brought_sel], g.sf[brought_sel], g.sc[brought_sel], g.shs[brought_sel])
     b_inst = g.inst[g.ss[brought_sel]]
     _arrive_once(tab, g, brought_sel)
+    _merge_once(tab, g)
     ob = np.argsort(bk, kind="stable")
     brought_k, brought_i = bk[ob], b_inst[ob]
     n_inst = len(g.inst_keys)

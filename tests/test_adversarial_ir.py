@@ -1,0 +1,366 @@
+"""Adversarial probes of the one-IR / layers changes: ways a user could get a wrong number, a
+hang or a silent fallback. Each probe compares the column passes with the op-by-op oracle
+(``fringe.testing.oracle``) and/or runs the plan on the virtual mesh against dense attention
+in float64. A probe that found a defect keeps its repro (fixed, or ``xfail(strict=True)``
+with the defect named)."""
+from __future__ import annotations
+
+import dataclasses
+import pickle
+
+import numpy as np
+import pytest
+import torch
+from torch.testing import assert_close
+
+import fringe
+from fringe import layout as _layout
+from fringe import masks
+from fringe.ops import reference
+from fringe.schedules import (Compute, Program, Recv, Schedule, ScheduleError, Send, Step, check,
+                              passes)
+from fringe.schedules.ir import Buffer, ProgramTable, format_programs
+from fringe.testing import make_qkv, oracle, tolerances
+
+BLOCK = 4
+H0, H1 = (0, 2), (1, 2)
+
+
+def _kv(chunk: int, heads=None) -> Buffer:
+    return Buffer.of("kv", chunk, heads)
+
+
+def _run(plan, mask, S: int, *, H: int = 2, G: int = 1, seed: int = 0):
+    """(got, want): out, dq, dk, dv of the plan on the virtual mesh and of dense attention."""
+    q, k, v = make_qkv(B=1, H=H, G=G, S=S, D=4, seed=seed)
+    dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(seed + 1),
+                       dtype=torch.float64)
+    res = []
+    for f in (lambda a, b, c: fringe.simulate.attention(a, b, c, plan=plan),
+              lambda a, b, c: reference.attention(a, b, c, mask_mod=mask)[0]):
+        qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+        out = f(qg, kg, vg)
+        res.append([out.detach(), *torch.autograd.grad(out, (qg, kg, vg), dout)])
+    return res
+
+
+def _assert_dense(plan, mask, S: int, **kw) -> None:
+    got, want = _run(plan, mask, S, **kw)
+    for what, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+        assert_close(a, b, **tolerances(torch.float64), msg=lambda s: f"{what}: {s}")
+
+
+def _same_as_oracle(progs, need) -> None:
+    """prune, check and reverse (both kv policies) of the passes equal the oracle's (or both
+    raise)."""
+    def outcome(fn):
+        try:
+            return "ok", fn()
+        except (ScheduleError, NotImplementedError) as e:
+            return type(e).__name__, str(e).splitlines()[0]
+    calls = {"prune": lambda m: format_programs(m.prune(progs, need)),
+             "check": lambda m: m.check(progs, need=need),
+             "reverse resend": lambda m: format_programs(m.reverse(progs, kv="resend")),
+             "reverse keep": lambda m: format_programs(m.reverse(progs, kv="keep"))}
+    for what, call in calls.items():
+        assert outcome(lambda: call(passes)) == outcome(lambda: call(oracle)), what
+
+
+def _ring_with_gap(P: int, t0: int = 1, t1: int = 3) -> list[Program]:
+    """A hand-written one-hop ring whose steps start late and leave a gap."""
+    return [Program(r, (Step(t0, (Compute(r, r), Send(_kv(r), (r + 1) % P),
+                                  Recv(_kv((r - 1) % P), (r - 1) % P))),
+                        Step(t1, (Compute(r, (r - 1) % P),)))) for r in range(P)]
+
+
+def test_edge_shaped_programs_equal_the_oracle():
+    """Empty programs, P=1, a rank with no ops, steps with gaps: the chain shortcuts and the
+    general passes agree with the op rules."""
+    _same_as_oracle([Program(0, ()), Program(1, ())], torch.zeros(2, 2, dtype=torch.bool))
+    _same_as_oracle([Program(0, (Step(0, (Compute(0, 0),)),))], torch.ones(1, 1, dtype=torch.bool))
+    _same_as_oracle(_ring_with_gap(2), torch.ones(2, 2, dtype=torch.bool))
+    _same_as_oracle(_ring_with_gap(3), torch.tensor([[1, 0, 1], [1, 1, 0], [0, 1, 1]]).bool())
+    idle = [Program(0, (Step(0, (Compute(0, 0), Send(_kv(0), 1))),)),
+            Program(1, (Step(0, (Compute(1, 1), Recv(_kv(0), 0))), Step(1, (Compute(1, 0),)))),
+            Program(2, ())]
+    _same_as_oracle(idle, torch.tensor([[1, 0, 0], [1, 1, 0], [0, 0, 0]]).bool())
+
+
+@pytest.mark.parametrize("kv", ["resend", "keep"])
+def test_steps_with_gaps_run_exactly(kv):
+    P, S = 2, 2 * BLOCK * 2
+    plan = fringe.plan(Schedule("gap", layout=_layout.contiguous, programs_fn=_ring_with_gap),
+                       masks.full(), seq_len=S, world_size=P, block_size=BLOCK, kv=kv)
+    _assert_dense(plan, masks.full(), S)
+
+
+def test_send_order_differs_from_receive_order_runs_exactly():
+    """A receive written before its send on one rank (``rorder`` != ``order``): the table
+    keeps each side's order, digests differently, and runs exactly (transports pair point to
+    point messages in the canonical (peer, buffer) order, not program order)."""
+    def progs(P, swap=True):
+        out = []
+        for r in range(P):
+            s, rv = Send(_kv(r), (r + 1) % P), Recv(_kv((r - 1) % P), (r - 1) % P)
+            comm = (rv, s) if swap and r % 2 == 0 else (s, rv)
+            out.append(Program(r, (Step(0, (Compute(r, r), *comm)),
+                                   Step(1, (Compute(r, (r - 1) % P),)))))
+        return out
+    swapped, plain = ProgramTable.of(progs(2)), ProgramTable.of(progs(2, swap=False))
+    assert format_programs(swapped.programs()) == format_programs(progs(2))
+    assert swapped.digest() != plain.digest()
+    S = 2 * BLOCK * 2
+    plan = fringe.plan(Schedule("swap", layout=_layout.contiguous, programs_fn=progs),
+                       masks.full(), seq_len=S, world_size=2, block_size=BLOCK)
+    _assert_dense(plan, masks.full(), S)
+
+
+def test_duplicate_transfers_of_one_buffer_in_one_step_are_named():
+    def dup(P):
+        return [Program(r, (Step(0, (Compute(r, r), Send(_kv(r), 1 - r), Send(_kv(r), 1 - r),
+                                     Recv(_kv(1 - r), 1 - r), Recv(_kv(1 - r), 1 - r))),
+                            Step(1, (Compute(r, 1 - r),)))) for r in range(P)]
+    with pytest.raises(ScheduleError, match="arrives at rank 0 again"):
+        fringe.plan(Schedule("dup", layout=_layout.contiguous, programs_fn=dup), masks.full(),
+                    seq_len=16, world_size=2, block_size=BLOCK)
+
+
+def test_pickled_tables_and_programs_digest_alike():
+    progs = _ring_with_gap(3)
+    tab = ProgramTable.of(progs)
+    loaded = pickle.loads(pickle.dumps(tab))
+    assert loaded.digest() == tab.digest()
+    assert format_programs(loaded.programs()) == format_programs(progs)
+    views = pickle.loads(pickle.dumps(tab.programs()))      # views pickle as op objects
+    assert ProgramTable.of(views).digest() == tab.digest()
+    with pytest.raises(ValueError):                           # still read-only after loading
+        loaded._parts[0]["q"][0] = 1
+
+
+def test_a_checked_table_cannot_have_a_column_swapped():
+    """Found (fixed): the arrays were read-only but the part dicts were not, so
+    ``tab._parts[0]["kv"] = other`` changed a table that ``check`` had already passed (it
+    remembers passing per table). The parts are read-only mappings now."""
+    progs = _ring_with_gap(2)
+    tab = ProgramTable.of(progs)
+    check(tab.programs(), need=torch.ones(2, 2, dtype=torch.bool))
+    with pytest.raises(TypeError):
+        tab._parts[0]["kv"] = np.zeros(len(tab._parts[0]["kv"]), np.int32)
+    with pytest.raises(TypeError):
+        del tab._parts[1]["chunk"]
+
+
+def _overlapping_heads(P: int) -> list[Program]:
+    """kv0 reaches rank 1 twice with overlapping heads: its h0/2 slice (forwarded on to rank
+    2, which computes with it) and then whole (rank 1 computes with it)."""
+    kv = _kv
+    return [Program(0, (Step(0, (Compute(0, 0), Send(kv(0, H0), 1), Send(kv(0, H1), 2),
+                                 Recv(kv(1), 1), Recv(kv(2), 2))),
+                        Step(1, (Send(kv(0), 1), Compute(0, 1), Compute(0, 2))))),
+            Program(1, (Step(0, (Compute(1, 1), Recv(kv(0, H0), 0), Send(kv(1), 0), Send(kv(1), 2),
+                                 Recv(kv(2), 2))),
+                        Step(1, (Send(kv(0, H0), 2), Recv(kv(0), 0), Compute(1, 2))),
+                        Step(2, (Compute(1, 0),)))),
+            Program(2, (Step(0, (Compute(2, 2), Recv(kv(0, H1), 0), Recv(kv(1), 1), Send(kv(2), 0),
+                                 Send(kv(2), 1))),
+                        Step(1, (Recv(kv(0, H0), 1), Compute(2, 1), Compute(2, 0, H1))),
+                        Step(2, (Compute(2, 0, H0),))))]
+
+
+@pytest.mark.parametrize("kv", ["resend", "keep"])
+def test_an_input_arriving_whole_and_as_an_overlapping_slice_is_named(kv):
+    """Defect found (fixed): reverse returned the gradient of the overlapping heads along
+    both routes (dkv0 whole and dkv0h0/2 from rank 1), so dk/dv were wrong by O(1) with no
+    error; ``check`` accepted the derived backward. It is now named like any second
+    arrival."""
+    P = 3
+    check(_overlapping_heads(P), need=torch.ones(P, P, dtype=torch.bool))   # a valid forward
+    with pytest.raises(ScheduleError, match="rank 1, step 1: kv0 arrives at rank 1, which also "
+                                            "receives heads of it that overlap"):
+        passes.reverse(_overlapping_heads(P), kv=kv)
+    with pytest.raises(ScheduleError, match="overlap"):
+        fringe.plan(Schedule("overlap", layout=_layout.contiguous,
+                             programs_fn=_overlapping_heads), masks.full(), seq_len=P * 8,
+                    world_size=P, block_size=BLOCK, kv=kv)
+
+
+def test_disjoint_head_slices_still_reverse_and_run_exactly():
+    """h0/2 and h1/2 of one buffer do not overlap: no false alarm, and the run is exact; the
+    overlap rule itself tells slices of two splits apart exactly."""
+    def progs(P):
+        return [Program(0, (Step(0, (Compute(0, 0), Send(_kv(0, H0), 1))),
+                            Step(1, (Send(_kv(0, H1), 1),)))),
+                Program(1, (Step(0, (Compute(1, 1), Recv(_kv(0, H0), 0))),
+                            Step(1, (Compute(1, 0, H0), Recv(_kv(0, H1), 0))),
+                            Step(2, (Compute(1, 0, H1),))))]
+    for kv in ("resend", "keep"):
+        passes.reverse(progs(2), kv=kv)
+    S = 2 * 8
+    plan = fringe.plan(Schedule("split", layout=_layout.contiguous, programs_fn=progs),
+                       masks.causal(), seq_len=S, world_size=2, block_size=BLOCK)
+    _assert_dense(plan, masks.causal(), S, H=2, G=2)
+    from fringe.schedules.passes._reverse import _overlapping_heads
+    # one buffer at one rank: h0/2, h2/4, h3/4 (disjoint); h1/4 then overlaps h0/2 (later step)
+    whole, t = np.zeros(4, np.int64), np.array([0, 1, 2, 3])
+    hi, hn = np.array([0, 2, 3, 1]), np.array([2, 4, 4, 4])
+    assert _overlapping_heads(whole[:3], t[:3], hi[:3], hn[:3]).tolist() == [False] * 3
+    assert _overlapping_heads(whole, t, hi, hn).tolist() == [False, False, False, True]
+    # a whole buffer overlaps every slice; other buffers (keys) never interfere
+    assert _overlapping_heads(np.array([0, 0, 1]), np.array([2, 0, 1]), np.array([0, 1, 0]),
+                              np.array([0, 2, 2])).tolist() == [True, False, False]
+
+
+def test_compose_with_an_inner_collective_whose_own_slots_hold_the_buffer():
+    """Defect found (fixed): compose lowered an inner all-gather's own slot (the buffer on
+    both sides, the ``own="same"`` convention) to a send to itself, so compose(zigzag,
+    two_level_allgather(2, own="same")) failed with "names an invalid peer". Own-slot
+    conventions now give the same programs, and the run is exact."""
+    from fringe import schedules
+    from fringe.testing.user_schedules import two_level_allgather
+    P, S = 8, 64
+    plans = {own: fringe.plan(schedules.compose(schedules.zigzag(), two_level_allgather(2, own=own),
+                                                inner_size=4),
+                              masks.causal(), seq_len=S, world_size=P, block_size=2)
+             for own in ("same", "none")}
+    assert format_programs(plans["same"].forward) == format_programs(plans["none"].forward)
+    assert format_programs(plans["same"].backward) == format_programs(plans["none"].backward)
+    _assert_dense(plans["same"], masks.causal(), S)
+
+
+def test_compose_refuses_an_inner_of_kind_ulysses_with_programs_of_its_own():
+    """Defect found (fixed): compose read the inner's ``kind`` and built the built-in head
+    split, silently ignoring the programs of a schedule made by
+    ``dataclasses.replace(ulysses(), build=mine)`` (the kind field was copied along)."""
+    from fringe import schedules
+    calls = []
+    u = schedules.ulysses()
+    mine = dataclasses.replace(u, name="mine", build=lambda P, need: calls.append(P) or u.build(P, need))
+    with pytest.raises(ValueError, match="kind='ulysses' but programs or a layout of its own"):
+        schedules.compose(schedules.zigzag(), mine, inner_size=2)
+    schedules.compose(schedules.zigzag(), u, inner_size=2)      # the built-in still composes
+    assert calls == []
+
+
+@pytest.mark.parametrize("name", ["ring", "ulysses", "compose(zigzag, ulysses, inner_size=2)"])
+def test_a_user_schedule_named_like_a_built_in_runs_its_own_programs(name):
+    """Names are display only: a user schedule named like a built-in plans and runs its own
+    programs, and the registry does not claim to build it."""
+    from fringe.schedules import registry
+    from fringe.testing.user_schedules import two_level_allgather
+    s = dataclasses.replace(two_level_allgather(2), name=name)
+    plan = fringe.plan(s, masks.causal(), seq_len=32, world_size=4, block_size=BLOCK)
+    want = fringe.plan(two_level_allgather(2), masks.causal(), seq_len=32, world_size=4,
+                       block_size=BLOCK)
+    assert format_programs(plan.forward) == format_programs(want.forward)
+    _assert_dense(plan, masks.causal(), 32)
+    with pytest.raises(ValueError, match="not built by a registered name"):
+        registry.spec(s)
+
+
+_Q1, _OUT1 = Buffer.of("q", 1), Buffer.of("out", 1)
+
+
+def _move_q(P: int, *, again: str = "") -> list[Program]:
+    """Rank 0 computes tile q1·kv0 on q1 brought from rank 1 and sends the partial out1 home;
+    ``again``: "same" sends it twice in one step, "later" once more a step later."""
+    r0 = [Step(0, (Compute(0, 0), Recv(_Q1, 1))), Step(1, (Compute(1, 0),)),
+          Step(2, (Send(_OUT1, 1),) * (2 if again == "same" else 1))]
+    r1 = [Step(0, (Compute(1, 1), Send(_Q1, 0))),
+          Step(2, (Recv(_OUT1, 0),) * (2 if again == "same" else 1))]
+    if again == "later":
+        r0.append(Step(3, (Send(_OUT1, 1),)))
+        r1.append(Step(3, (Recv(_OUT1, 0),)))
+    return [Program(0, tuple(r0)), Program(1, tuple(r1))]
+
+
+@pytest.mark.parametrize("kv", ["resend", "keep"])
+def test_moving_q_and_partial_out_home_runs_exactly(kv):
+    plan = fringe.plan(Schedule("move_q", layout=_layout.contiguous, programs_fn=_move_q),
+                       masks.causal(), seq_len=16, world_size=2, block_size=BLOCK, kv=kv)
+    _assert_dense(plan, masks.causal(), 16)
+    assert format_programs(passes.reverse(_move_q(2), kv=kv)) == \
+        format_programs(oracle.reverse(_move_q(2), kv=kv))
+
+
+@pytest.mark.parametrize("again", ["same", "later"])
+def test_a_partial_out_sent_home_twice_is_named(again):
+    """Defect found (fixed): a partial out sent twice (a step later) was merged twice by its
+    owner, so out and every gradient were wrong by O(0.1) with no error (twice in one step
+    failed only mid-run, in the interpreter). reverse now names the second send."""
+    def progs(P):
+        return _move_q(P, again=again)
+    check(progs(2))                               # the forward rules do not see it
+    with pytest.raises(ScheduleError, match=r"rank 0, step \d: rank 0 sends out1 again"):
+        fringe.plan(Schedule("twice", layout=_layout.contiguous, programs_fn=progs),
+                    masks.causal(), seq_len=16, world_size=2, block_size=BLOCK)
+
+
+def test_a_mask_whose_bh_probe_raises_is_taken_to_read_b_and_h():
+    """A mask_mod that fails on the probe's h = 1 (it indexes a one-head table) cannot be
+    decided: it reads b and h, so plan asks for num_heads instead of classifying it for head
+    0 only; given H=1 it runs exactly."""
+    win = torch.tensor([3])
+
+    def per_head_window(b, h, q, kv):
+        return (q >= kv) & (q - kv < win[h])
+    assert masks.reads_bh(per_head_window, seq_len=16).h
+    with pytest.raises(ValueError, match="num_heads"):
+        fringe.plan(fringe.schedules.get("ring"), per_head_window, seq_len=16, world_size=2,
+                    block_size=BLOCK)
+    plan = fringe.plan(fringe.schedules.get("ring"), per_head_window, seq_len=16, world_size=2,
+                       block_size=BLOCK, num_heads=1, batch_size=1)
+    _assert_dense(plan, per_head_window, 16, H=1, G=1)
+
+
+@pytest.mark.xfail(strict=True, reason="defect, not fixed: dataclasses.replace(plan, mask_mod=m) "
+                   "keeps the old mask's tiles, programs and block map (Plan.__post_init__ does "
+                   "not check them against the mask), so it runs the new mask on the old "
+                   "classification: wrong numbers, no error")
+def test_replacing_a_plans_mask_is_refused_or_exact():
+    S = 16
+    plan = fringe.plan(fringe.schedules.get("ring"), masks.causal(), seq_len=S, world_size=2,
+                       block_size=BLOCK)
+    try:
+        swapped = dataclasses.replace(plan, mask_mod=masks.full())
+    except (ValueError, TypeError):
+        return                                   # refused: fine
+    _assert_dense(swapped, masks.full(), S)
+
+
+def test_shared_columns_never_serve_a_dead_tables_columns():
+    """``shared_columns`` caches by ``id(table)`` while it is open; it keeps each table alive,
+    so a new table can never reuse a cached id: a bad table made after a good one (whose
+    programs were dropped) is still named."""
+    import gc
+    good = _ring_with_gap(2)
+    bad = [Program(0, (Step(0, (Compute(0, 0), Compute(0, 1))),)), Program(1, ())]
+    with passes.shared_columns():
+        for _ in range(3):
+            tab = ProgramTable.of([Program(p.rank, p.steps) for p in good])
+            check(tab.programs(), need=torch.ones(2, 2, dtype=torch.bool))
+            del tab
+            gc.collect()
+            other = ProgramTable.of([Program(p.rank, p.steps) for p in bad])
+            with pytest.raises(ScheduleError, match="needs kv1"):
+                check(other.programs())
+            del other
+
+
+def test_the_ring_chain_shortcuts_equal_the_general_passes_on_edge_shapes():
+    """Steps with gaps and a late start, a rank with no ops, empty programs, P=1: the chain
+    shortcuts (``_reverse_parts``, ``_parts_ok``) give what the general passes give."""
+    from fringe.schedules.passes import _check, _reverse
+    idle = [Program(0, (Step(0, (Compute(0, 0), Send(_kv(0), 1))),)),
+            Program(1, (Step(0, (Compute(1, 1), Recv(_kv(0), 0))), Step(1, (Compute(1, 0),)))),
+            Program(2, ())]
+    cases = [_ring_with_gap(2), _ring_with_gap(3), _ring_with_gap(5, 4, 9), idle,
+             [Program(0, ()), Program(1, ())], [Program(0, (Step(0, (Compute(0, 0),)),))]]
+    for progs in cases:
+        tab = ProgramTable.of(progs)
+        assert tab.chain
+        for kv in ("resend", "keep"):
+            fast = _reverse._reverse_parts(tab, kv)
+            assert fast is not None
+            assert format_programs(fast) == format_programs(_reverse._general_reverse(tab, kv))
+        assert _check._parts_ok(tab, None, False, "resend") is True
+        _check._general_ok(tab, None, False, "resend")
