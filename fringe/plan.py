@@ -111,6 +111,10 @@ class Plan:
     handle: torch.Tensor = dataclasses.field(init=False, repr=False, compare=False)
     cache: PlanCache = dataclasses.field(default_factory=PlanCache, init=False, repr=False,
                                          compare=False)
+    #: True for a plan :func:`plan` built (kept by copies and pickles); False for one made by
+    #: ``Plan(...)`` or ``dataclasses.replace(plan, ...)``, whose tiles, block map and programs
+    #: were derived from other fields than it holds: :meth:`check_unchanged` refuses to run it
+    made_by_plan: bool = dataclasses.field(default=False, init=False, repr=False, compare=False)
 
     def __setstate__(self, state: dict) -> None:
         """A copied or unpickled plan gets a handle and an empty cache of its own (handles are
@@ -122,6 +126,7 @@ class Plan:
         object.__setattr__(self, "handle", new_handle(self))
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "made_by_plan", _MAKING[0] > 0)
         self._guard()
         object.__setattr__(self, "handle", new_handle(self))
 
@@ -148,8 +153,17 @@ class Plan:
         and tile maps. Cheap (one ``_version`` read per tensor); runs on every call.
 
         Raises:
-            ValueError: naming the edited tensor and the fix.
+            ValueError: naming the edited tensor and the fix; or the plan was not built by
+                :func:`plan` (``dataclasses.replace(plan, mask_mod=...)`` keeps the old mask's
+                tiles and programs: a wrong answer, not an error, if it ran).
         """
+        if not self.made_by_plan:
+            raise ValueError(
+                f"{self!r} was not built by fringe.plan (it was made with Plan(...) or "
+                f"dataclasses.replace), so its tiles, block map and programs were derived from "
+                f"other fields than it holds (a replaced mask_mod, kv, layout or programs would "
+                f"run on the old classification: a wrong answer, not an error); call "
+                f"fringe.plan(schedule, mask_mod, ...) with what you changed")
         for what, t, v in self._guard():
             if t._version != v:
                 raise ValueError(
@@ -471,6 +485,7 @@ def _size(name: str, val, low: int = 1) -> int:
 
 #: The fields a plan makes for this process only (copies and pickles make their own).
 _LOCAL_FIELDS = ("handle", "cache")
+_MAKING = [0]           # > 0 while plan() builds its Plan (Plan.made_by_plan)
 
 
 def _covered(plan: Plan) -> list[tuple[str, torch.Tensor]]:
@@ -784,12 +799,17 @@ def plan(schedule: Schedule, mask_mod: Callable | None = None, *, seq_len: int,
         check(fwd, need=need)
         bwd = reverse(fwd, kv=kv)
         check(bwd, need=need, backward=True, kv=kv)
-    return Plan(schedule=schedule, mask_mod=mask_mod, layout=lay, block_size=block_size,
-                block_map=block_map, tiles=tiles, forward=tuple(fwd), backward=tuple(bwd), kv=kv,
-                score_mod=score_mod, scale=scale, kernel=kernel, batch_size=batch_size,
-                num_heads=num_heads, score_params=score_params,
-                reads_batch=reads_b or (score_mod is not None and
-                                        _masks.reads_bh(score_mod, seq_len=seq_len, score=True).b))
+    reads_batch = reads_b or (score_mod is not None and
+                              _masks.reads_bh(score_mod, seq_len=seq_len, score=True).b)
+    _MAKING[0] += 1
+    try:
+        return Plan(schedule=schedule, mask_mod=mask_mod, layout=lay, block_size=block_size,
+                    block_map=block_map, tiles=tiles, forward=tuple(fwd), backward=tuple(bwd),
+                    kv=kv, score_mod=score_mod, scale=scale, kernel=kernel,
+                    batch_size=batch_size, num_heads=num_heads, score_params=score_params,
+                    reads_batch=reads_batch)
+    finally:
+        _MAKING[0] -= 1
 
 
 def classified_bh(mask_mod: Callable, *, seq_len: int, batch_size: int | None,
