@@ -28,18 +28,16 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 from tabulate import tabulate
 
 from .cost.hardware import HARDWARE, Hardware, Shape, get_hardware
 from .cost.simulate import simulate
+from .runtime.contract import PlanLike
 from .schedules import registry
 from .schedules.auto import Auto
 from .schedules.base import AUTO, COMPOSE, Schedule
-
-if TYPE_CHECKING:                       # annotations only: the plan layer imports this module
-    from .plan import Plan
 
 __all__ = ["CALIBRATION_SHAPES", "Candidate", "Choice", "TIE", "candidates", "resolve"]
 
@@ -226,8 +224,8 @@ def candidates(world_size: int, *, heads: int | None = None, kv_heads: int | Non
     return out
 
 
-def resolve(marker: Auto, plan_one: Callable[[Schedule], "Plan"], *, world_size: int,
-            num_heads: int | None) -> "Plan":
+def resolve(marker: Auto, plan_one: Callable[[Schedule], PlanLike], *, world_size: int,
+            num_heads: int | None) -> PlanLike:
     """The plan :func:`fringe.plan` returns for ``marker`` (see the module docstring), with
     the :class:`Choice` in ``plan.cache.auto``.
 
@@ -258,7 +256,7 @@ def resolve(marker: Auto, plan_one: Callable[[Schedule], "Plan"], *, world_size:
     hw = get_hardware(marker.hardware)
     shape, shape_from = _shape(marker, hw, num_heads)
     rows: list[Candidate] = []
-    plans: dict[str, Plan] = {}
+    plans: dict[str, PlanLike] = {}
     failed: list[tuple[str, ValueError]] = []
     for name, sched, why in candidates(world_size, heads=shape.heads, kv_heads=shape.kv_heads,
                                        given=marker.candidates):

@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -16,10 +15,8 @@ import torch
 from .masks import BlockKind
 from .cost.hardware import check_head_split
 from .schedules.ir import C_, OWN_SLOT_IN_PLACE, Family, ProgramTable
+from .runtime.contract import PlanLike
 from .schedules.passes import _table
-
-if TYPE_CHECKING:
-    from .plan import Plan
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,7 +50,7 @@ class PlanStats:
     balance: float
 
     @classmethod
-    def of(cls, plan: Plan, *, batch, heads=None, kv_heads=None, head_dim, dtype,
+    def of(cls, plan: PlanLike, *, batch, heads=None, kv_heads=None, head_dim, dtype,
            v_head_dim=None) -> PlanStats:
         """The stats of ``plan`` for these shapes (``heads``, ``kv_heads``: as :meth:`Plan.stats`).
 

@@ -79,8 +79,8 @@ def auto(*, hardware: Any = "cpu", shape: Any = None,
         hardware: a preset name or a :class:`fringe.cost.hardware.Hardware` (the same on
             every rank). ``"this"`` is refused: see the module docstring.
         shape: the :class:`fringe.cost.hardware.Shape` to predict for; None: the preset's
-            calibration shape (``cpu``: H=G=8, D=64, float32; the GPU presets: H=32, G=8,
-            D=128, bfloat16), with H = G = ``num_heads`` when :func:`fringe.plan` is given
+            calibration shape (``cpu``: H=G=8, D=64, float32; the GPU presets: the
+            defaults of ``Shape()``), with H = G = ``num_heads`` when :func:`fringe.plan` is given
             ``num_heads=`` (pass ``shape=`` for GQA). The shape's H and G decide which head
             splits are candidates: give ``num_heads=`` (or ``shape=``) so that auto never
             picks a Ulysses split your model's heads cannot make.
