@@ -829,3 +829,22 @@ def op_counts(programs, P: int, *, computes: bool = True) -> _OpCounts:
 
 
 _FAMILY_ORDER = {f: n for n, f in enumerate(Family)}
+
+
+def assert_same_counts(a: _OpCounts, b: _OpCounts, *, steps: bool = True) -> None:
+    """Assert two :class:`~fringe._stats._OpCounts` equal field by field (computes in any
+    order); ``steps=False`` leaves the step counts out. Sent / received / step counts must be
+    int64 when ``steps`` is compared."""
+    order = [np.lexsort(c.computes[::-1]) for c in (a, b)]
+    for x, y in zip(a.computes, b.computes):
+        assert np.array_equal(x[order[0]], y[order[1]])
+    assert (a.splits is None) == (b.splits is None)
+    if a.splits is not None:
+        assert np.array_equal(a.splits[order[0]], b.splits[order[1]])
+    assert a.keys == b.keys
+    if not steps:
+        for x, y in ((a.sent, b.sent), (a.recv, b.recv)):
+            assert np.array_equal(x, y)
+        return
+    for x, y in ((a.sent, b.sent), (a.recv, b.recv), (a.steps, b.steps)):
+        assert x.dtype == y.dtype == np.int64 and np.array_equal(x, y)
