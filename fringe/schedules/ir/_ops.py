@@ -136,16 +136,87 @@ class GradCompute(_Tile):
         return _TILE_OF[_G_ADJ](self.q, self.kv, self.heads)
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class Send(_Op):
-    """Send buffer ``buf`` to rank ``peer``."""
+def _check_blocks(op, blocks):
+    """``blocks`` as the canonical tuple of half-open block ranges: sorted, disjoint,
+    adjacent ones merged (None: the whole chunk)."""
+    if blocks is None:
+        return None
+    try:
+        pairs = sorted((int(lo), int(hi)) for lo, hi in blocks)
+    except (TypeError, ValueError):
+        raise ValueError(f"{type(op).__name__}: blocks must be None (the whole chunk) or "
+                         f"(lo, hi) block ranges, got {blocks!r}") from None
+    out: list = []
+    for lo, hi in pairs:
+        if not 0 <= lo < hi:
+            raise ValueError(f"{type(op).__name__}: a block range (lo, hi) needs 0 <= lo < hi, "
+                             f"got {(lo, hi)} in {blocks!r}")
+        if out and lo <= out[-1][1]:
+            if lo < out[-1][1]:
+                raise ValueError(f"{type(op).__name__}: block ranges {blocks!r} overlap; "
+                                 f"give each block once")
+            out[-1] = (out[-1][0], hi)
+        else:
+            out.append((lo, hi))
+    if not out:
+        raise ValueError(f"{type(op).__name__}: a transfer of no block moves nothing; drop "
+                         f"the transfer instead of giving blocks=()")
+    return tuple(out)
 
-    buf: Buffer
-    peer: int
+
+def blocks_text(blocks) -> str:
+    """``[0:5]``, ``[0:2,4:6]``: the text of a transfer's block ranges ('' for the whole
+    chunk)."""
+    return "" if blocks is None else "[" + ",".join(f"{lo}:{hi}" for lo, hi in blocks) + "]"
+
+
+def _parse_blocks(text: str):
+    """``"kv3[0:2,4:6]" -> ("kv3", ((0, 2), (4, 6)))``; no brackets: the whole chunk."""
+    name, sep, rest = text.partition("[")
+    if not sep:
+        return text, None
+    if not rest.endswith("]"):
+        raise ValueError(f"cannot parse buffer {text!r}; block ranges are written "
+                         f"'kv3[0:5]' or 'kv3[0:2,4:6]'")
+    try:
+        pairs = [tuple(int(x) for x in part.split(":")) for part in rest[:-1].split(",")]
+    except ValueError:
+        pairs = [()]
+    if any(len(p) != 2 for p in pairs):
+        raise ValueError(f"cannot parse buffer {text!r}; block ranges are written "
+                         f"'kv3[0:5]' or 'kv3[0:2,4:6]' (lo:hi, half-open, in blocks)")
+    return name, pairs
+
+
+class _Transfer(_Op):
+    """What ``Send`` and ``Recv`` share: the buffer, the peer and the optional block ranges.
+
+    ``blocks``: None moves the whole chunk; else a tuple of half-open ``(lo, hi)`` ranges of
+    the chunk's blocks (``plan.block_size`` tokens each, local to the chunk), the only part
+    that moves: the receiver holds the rest as zeros, which no tile it computes reads (the
+    narrowing pass gives a transfer the blocks its receiver, and every rank it forwards the
+    buffer to, attend). The adjoint carries the same ranges (the gradient of those blocks).
+    """
+
+    __slots__ = ()
 
     def __post_init__(self) -> None:
         if type(self.buf) is not Buffer:
             object.__setattr__(self, "buf", Buffer(self.buf))
+        if self.blocks is not None:
+            object.__setattr__(self, "blocks", _check_blocks(self, self.blocks))
+
+    def _adjoint(self, letter: str):
+        return _TRANSFER_OF[letter](self.buf.cotangent, self.peer, self.blocks)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Send(_Transfer):
+    """Send buffer ``buf`` to rank ``peer`` (only its block ranges ``blocks``, if given)."""
+
+    buf: Buffer
+    peer: int
+    blocks: tuple[tuple[int, int], ...] | None = None
 
     def reads(self) -> tuple[Buffer, ...]:
         return (self.buf,) if _S_READS else ()
@@ -155,25 +226,23 @@ class Send(_Op):
 
     def adjoint(self) -> Recv:
         """The cotangent comes back: ``S kv5→r2`` becomes ``R dkv5←r2`` (accumulating)."""
-        return _TRANSFER_OF[_S_ADJ](self.buf.cotangent, self.peer)
+        return self._adjoint(_S_ADJ)
 
     def __str__(self) -> str:
-        return f"S {self.buf}→r{self.peer}"
+        return f"S {self.buf}{blocks_text(self.blocks)}→r{self.peer}"
 
     def ascii(self) -> str:
-        return f"S {self.buf}->r{self.peer}"
+        return f"S {self.buf}{blocks_text(self.blocks)}->r{self.peer}"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class Recv(_Op):
-    """Receive buffer ``buf`` from rank ``peer`` (gradient buffers accumulate)."""
+class Recv(_Transfer):
+    """Receive buffer ``buf`` from rank ``peer`` (gradient buffers accumulate); only its
+    block ranges ``blocks``, if given."""
 
     buf: Buffer
     peer: int
-
-    def __post_init__(self) -> None:
-        if type(self.buf) is not Buffer:
-            object.__setattr__(self, "buf", Buffer(self.buf))
+    blocks: tuple[tuple[int, int], ...] | None = None
 
     def reads(self) -> tuple[Buffer, ...]:
         return (self.buf,) if _R_READS else ()
@@ -183,13 +252,15 @@ class Recv(_Op):
 
     def adjoint(self) -> Send:
         """The cotangent goes back: ``R kv5←r0`` becomes ``S dkv5→r0``."""
-        return _TRANSFER_OF[_R_ADJ](self.buf.cotangent, self.peer)
+        return self._adjoint(_R_ADJ)
 
     def __str__(self) -> str:
-        return f"R {self.buf}←r{self.peer}"
+        return f"R {self.buf}{blocks_text(self.blocks)}←r{self.peer}"
 
     def ascii(self) -> str:
-        return f"R {self.buf}<-r{self.peer}"
+        return f"R {self.buf}{blocks_text(self.blocks)}<-r{self.peer}"
+
+
 #: The side of a collective each rule word names (its distinct occupied slots).
 _SLOT_SIDE = {"sends": "_sb", "recvs": "_rb"}
 
@@ -510,7 +581,7 @@ def parse_op(text: str) -> Op:
     m = _OP.match(text)
     if not m:
         raise ValueError(f"cannot parse op {text!r}; expected e.g. 'C q3.kv5', 'C q3.kv5 h1/4', "
-                         f"'G q3.kv5', 'S kv5->r2', 'R kv5<-r0', 'AG[0,1] kv0,- > -,kv1' (or the "
+                         f"'G q3.kv5', 'S kv5->r2', 'S kv5[0:3]->r2', 'R kv5<-r0', 'AG[0,1] kv0,- > -,kv1' (or the "
                          f"pretty forms with ·, →, ←, ⇄)")
     if m.group(1):
         cls = Compute if m.group(1) == "C" else GradCompute
@@ -519,4 +590,5 @@ def parse_op(text: str) -> Op:
     kind, buf, arrow, peer = m.group(6), m.group(7), m.group(8), int(m.group(9))
     if _ARROW[arrow] != kind:
         raise ValueError(f"op {text!r}: a send uses '->' (or '→'), a receive '<-' (or '←')")
-    return (Send if kind == "S" else Recv)(buf, peer)
+    buf, blocks = _parse_blocks(buf)
+    return (Send if kind == "S" else Recv)(buf, peer, blocks)

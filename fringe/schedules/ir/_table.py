@@ -43,7 +43,10 @@ class ProgramTable:
       ``hi, hn`` (head slice ``hi`` of ``hn``; ``hn == 0``: all heads) and ``order``;
     * ``xfer``: one row per point-to-point transfer, its send and its receive together:
       ``step, src, dst, fam, chunk, hi, hn`` (family codes index ``tuple(Family)``),
-      ``order`` (the send's place on ``src``) and ``rorder`` (the receive's on ``dst``);
+      ``order`` (the send's place on ``src``), ``rorder`` (the receive's on ``dst``) and
+      ``rng``: -1 moves the whole chunk, else an index into ``xfer["ranges"]``, a tuple of
+      block-range sets (each a tuple of half-open ``(lo, hi)`` block ranges of the chunk:
+      the op's ``blocks``);
     * ``coll``: one row per member side of a collective (``rank, step, order, kind, group``:
       kind a code of :data:`COLL_KINDS`, group an index into ``coll["groups"]``, a tuple of
       rank tuples) and one row per occupied slot (``slot_side``: its side's row,
@@ -58,10 +61,9 @@ class ProgramTable:
     (:attr:`chain`); ``ProgramTable(P, rank, step, kind, a, b, c)`` builds the table of such
     rows.
 
-    Room for what comes next: a transfer row may grow a block-range reference (a ragged
-    range table beside ``xfer``: only the blocks the receiver's tiles read) and a route row
-    (one buffer forwarded along consecutive hops from step a to step b) without a new form:
-    each is another column of ``xfer`` that the passes read where they read ``xfer``.
+    Room for what comes next: a route row (one buffer forwarded along consecutive hops from
+    step a to step b) is another column of ``xfer`` that the passes read where they read
+    ``xfer``, as ``rng`` is.
     """
 
     def __init__(self, world_size: int, rank, step, kind, a, b, c) -> None:
@@ -108,9 +110,12 @@ class ProgramTable:
         self._gindex = None              # each rank's rows and sides' slots
         self._passed: set = set()        # check() flags whose structural checks passed
         comp, xfer, coll = parts
+        #: Whether some transfer moves block ranges of its chunk (``rng >= 0``).
+        self.ranged = bool(len(xfer["ranges"]))
         #: Whether the table holds whole-heads computes and transfers only (no head slice, no
         #: collective): what the row view and the ring chain's shortcuts of the passes take.
-        self.chain = bool(not len(coll["rank"]) and not comp["hn"].any() and not xfer["hn"].any())
+        self.chain = bool(not len(coll["rank"]) and not comp["hn"].any() and not xfer["hn"].any()
+                          and not self.ranged)
         self._programs = tuple(Program._from_table(self, r) for r in range(world_size))
 
     @classmethod
@@ -130,7 +135,20 @@ class ProgramTable:
         self = object.__new__(cls)
         comp = {k: small(v) for k, v in comp.items()}
         same = "rorder" not in xfer or xfer["rorder"] is xfer["order"]
-        xfer = {k: small(v) for k, v in xfer.items() if k != "rorder" or not same}
+        ranges = tuple(xfer.get("ranges", ()))
+        xfer = {k: small(v) for k, v in xfer.items()
+                if (k != "rorder" or not same) and k != "ranges"}
+        if "rng" in xfer and not ranges and len(xfer["rng"]) and int(xfer["rng"].max()) >= 0:
+            raise ValueError("ProgramTable: xfer['rng'] names block-range sets but "
+                             "xfer['ranges'] holds none")
+        if "rng" not in xfer or not ranges:
+            xfer["rng"] = np.full(len(xfer["order"]), -1, np.int32)
+            xfer["rng"].setflags(write=False)
+            ranges = ()
+        elif len(xfer["rng"]) and int(xfer["rng"].max()) >= len(ranges):
+            raise ValueError(f"ProgramTable: xfer['rng'] indexes {len(ranges)} range sets, got "
+                             f"{int(xfer['rng'].max())}")
+        xfer["ranges"] = ranges
         for d in (comp, xfer):
             n = len(d["order"])
             for k in ("hi", "hn"):
@@ -259,6 +277,18 @@ class ProgramTable:
             h.update(b"heads")
             h.update(np.ascontiguousarray(hi[o]).tobytes())
             h.update(np.ascontiguousarray(hn[o]).tobytes())
+        if self.ranged:                      # range sets by content, in order of first use
+            rng = np.concatenate([np.full(nc, -1, np.int64), i64(xfer["rng"]), i64(xfer["rng"]),
+                                  np.full(nk, -1, np.int64)])[o]
+            seen: dict = {}
+            for x in rng[rng >= 0].tolist():
+                seen.setdefault(x, len(seen))
+            remap = np.full(len(xfer["ranges"]) + 1, -1, np.int64)
+            for x, n in seen.items():
+                remap[x] = n
+            h.update(b"ranges")
+            h.update(np.ascontiguousarray(remap[rng]).tobytes())
+            h.update(repr([xfer["ranges"][x] for x in seen]).encode())
         if nk:
             groups = coll["groups"]
             h.update(b"collectives")
@@ -292,10 +322,13 @@ class ProgramTable:
         for t, o, k, q, kv, hi, hn in zip(*(comp[c][ci].tolist() for c in
                                             ("step", "order", "kind", "q", "kv", "hi", "hn"))):
             rows.append((t, o, 0, _KINDS[k](q, kv, (hi, hn) if hn else None)))
+        ranges = xfer["ranges"]
         for tie, sel, cls, peer, oc in ((1, si, Send, "dst", "order"), (2, ri, Recv, "src", "rorder")):
-            for t, o, f, ch, hi, hn, p in zip(*(xfer[c][sel].tolist() for c in
-                                                ("step", oc, "fam", "chunk", "hi", "hn", peer))):
-                rows.append((t, o, tie, cls(buffer_of(f, ch, hi, hn), p)))
+            for t, o, f, ch, hi, hn, p, g in zip(*(xfer[c][sel].tolist() for c in
+                                                   ("step", oc, "fam", "chunk", "hi", "hn", peer,
+                                                    "rng"))):
+                rows.append((t, o, tie, cls(buffer_of(f, ch, hi, hn), p,
+                                            None if g < 0 else ranges[g])))
         groups = coll["groups"]
         sd, sx, sf, sc, sh, sn = (coll[c] for c in ("slot_dir", "slot_idx", "slot_fam",
                                                     "slot_chunk", "slot_hi", "slot_hn"))
@@ -355,7 +388,7 @@ class ProgramTable:
                             raise ScheduleError(f"rank {r}, step {t}: {op} names an invalid peer "
                                                 f"(world size {P})\n{marked(prog, t)}")
                         src_, dst = (r, op.peer) if tp is Send else (op.peer, r)
-                        key = (t, src_, dst, op.buf)
+                        key = (t, src_, dst, op.buf, op.blocks)
                         (sends if tp is Send else recvs).setdefault(key, []).append(o)
                     elif tp is Collective:
                         g = groups.setdefault(op.group, len(groups))
@@ -370,16 +403,21 @@ class ProgramTable:
         if len(sends) != len(recvs) or any(len(v) != len(recvs.get(k, ())) for k, v in sends.items()):
             _unmatched(programs, sends, recvs)
         xfer = []
+        range_ids: dict = {}
         for key, os_ in sends.items():
             fam, ch, h = _FIELDS[key[3]]
+            g = -1 if key[4] is None else range_ids.setdefault(key[4], len(range_ids))
             for a, b in zip(os_, recvs[key]):
-                xfer.append((key[0], key[1], key[2], _FAMILY_CODE[fam], ch, a, *(h or (0, 0)), b))
+                xfer.append((key[0], key[1], key[2], _FAMILY_CODE[fam], ch, a, *(h or (0, 0)), b,
+                             g))
 
         def cols(rows, names):
             arr = np.array(rows, dtype=np.int64).reshape(-1, len(names))
             return {n: arr[:, i] for i, n in enumerate(names)}
         c = cols(comp, ("rank", "step", "kind", "q", "kv", "order", "hi", "hn"))
-        x = cols(xfer, ("step", "src", "dst", "fam", "chunk", "order", "hi", "hn", "rorder"))
+        x = cols(xfer, ("step", "src", "dst", "fam", "chunk", "order", "hi", "hn", "rorder",
+                        "rng"))
+        x["ranges"] = tuple(range_ids)
         k = cols(sides, ("rank", "step", "order", "kind", "group"))
         k.update(cols(slots, ("slot_side", "slot_dir", "slot_idx", "slot_fam", "slot_chunk",
                               "slot_hi", "slot_hn")))
@@ -396,11 +434,11 @@ def _unmatched(programs, sends: dict, recvs: dict):
             t = step.index
             for op in step.ops:
                 if type(op) is Send:
-                    key, mine, other, peer, missing = ((t, r, op.peer, op.buf), sends, recvs,
-                                                       op.peer, "receive")
+                    key, mine, other, peer, missing = ((t, r, op.peer, op.buf, op.blocks), sends,
+                                                       recvs, op.peer, "receive")
                 elif type(op) is Recv:
-                    key, mine, other, peer, missing = ((t, op.peer, r, op.buf), recvs, sends,
-                                                       op.peer, "send")
+                    key, mine, other, peer, missing = ((t, op.peer, r, op.buf, op.blocks), recvs,
+                                                       sends, op.peer, "send")
                 else:
                     continue
                 if len(other.get(key, ())) != len(mine[key]):

@@ -125,5 +125,10 @@ def _general_prune(tab: ProgramTable, ok: np.ndarray) -> list[Program]:
                     v[keep_s]) for k, v in coll.items() if k != "groups"}
         coll["groups"] = groups
     return list(ProgramTable._of_parts(P, {k: v[keep_c] for k, v in comp.items()},
-                                       {k: v[keep_x] for k, v in xfer.items()},
+                                       _take_rows(xfer, keep_x),
                                        coll).programs())
+
+
+def _take_rows(xfer: dict, keep: np.ndarray) -> dict:
+    """The transfer part's rows ``keep`` (its range sets stay: ``rng`` indexes them)."""
+    return {k: (v if k == "ranges" else v[keep]) for k, v in xfer.items()}
