@@ -55,9 +55,33 @@ def calibrate(*, heads: int = 8, head_dim: int = 64, dtype: torch.dtype = torch.
     with ``comm``, round trips of a tiny and a 4 MB tensor between two spawned gloo ranks
     (a few seconds: process start-up).
 
+    The result is this process's measurement: :func:`fringe.schedules.auto` refuses it, since
+    ranks that measure for themselves can choose different schedules. :func:`shared` measures
+    once and gives every rank the same constants.
+
     Returns:
         A :class:`Hardware` named ``"this"`` whose source says what was measured.
     """
+    fields = _kernels(heads=heads, head_dim=head_dim, dtype=dtype, threads=threads,
+                      repeats=repeats)
+    lat, bw = _CPU["latency_s"], _CPU["bandwidth"]
+    if comm:
+        res = run(_gloo_probe, world_size=2, timeout_s=60)
+        lat, bw = max(r[0] for r in res), min(r[1] for r in res)
+    src = _source(heads=heads, head_dim=head_dim, dtype=dtype, threads=threads,
+                  comm="gloo round trips between 2 spawned ranks" if comm
+                  else "gloo from the cpu preset")
+    return Hardware("this", src, latency_s=lat, bandwidth=bw, memory_bytes=None, **fields)
+
+
+def _source(*, heads, head_dim, dtype, threads, comm: str) -> str:
+    return (f"calibrated here: fused CPU SDPA through fringe.ops, {threads} thread(s), "
+            f"{str(dtype).replace('torch.', '')}, H={heads} D={head_dim}; {comm}")
+
+
+def _kernels(*, heads: int, head_dim: int, dtype: torch.dtype, threads: int,
+             repeats: int) -> dict:
+    """The kernel fields of :class:`Hardware`, measured here (see :func:`calibrate`)."""
     # one thread: this thread's CPU time is the kernel's time even on a machine other
     # processes share (wall-clock would count their time slices too)
     cpu = time.thread_time if threads == 1 else time.perf_counter
@@ -104,25 +128,18 @@ def calibrate(*, heads: int = 8, head_dim: int = 64, dtype: torch.dtype = torch.
             pairs = max(mpairs + cpairs, 1.0)
             factors.append((max((fm - calls * f_call - full * f_unit) / (pairs * f_unit), 0.05),
                             max((bm - calls * b_call - full * b_unit) / (pairs * b_unit), 0.05)))
-        (causal, bwd_causal), (masked, bwd_masked) = factors
+        (f_causal, b_causal), (f_masked, b_masked) = factors
         o = torch.randn(1, H, big, D, generator=g)
         lse_ = torch.randn(1, H, big, generator=g)
         row = _best(lambda: merge(o, lse_, o, lse_), repeats, cpu) / (H * big * D)
         per = H * D
         fields = dict(fwd_flops=FWD_FLOPS_PER_PAIR * per / f_unit,
                       bwd_flops=BWD_FLOPS_PER_PAIR * per / b_unit, call_s=f_call,
-                      bwd_call_s=b_call, masked=float(masked), bwd_masked=float(bwd_masked),
-                      causal=float(causal), bwd_causal=float(bwd_causal), row_s=row)
+                      bwd_call_s=b_call, masked=float(f_masked), bwd_masked=float(b_masked),
+                      causal=float(f_causal), bwd_causal=float(b_causal), row_s=row)
     finally:
         torch.set_num_threads(old)
-    lat, bw = _CPU["latency_s"], _CPU["bandwidth"]
-    if comm:
-        res = run(_gloo_probe, world_size=2, timeout_s=60)
-        lat, bw = max(r[0] for r in res), min(r[1] for r in res)
-    src = (f"calibrated here: fused CPU SDPA through fringe.ops, {threads} thread(s), "
-           f"{str(dtype).replace('torch.', '')}, H={H} D={D}; "
-           f"{'gloo round trips between 2 spawned ranks' if comm else 'gloo from the cpu preset'}")
-    return Hardware("this", src, latency_s=lat, bandwidth=bw, memory_bytes=None, **fields)
+    return fields
 
 
 def _gloo_probe(rank: int, world_size: int, size: int = 1 << 20, reps: int = 5):
