@@ -48,7 +48,7 @@ import numpy as np
 
 from tabulate import tabulate
 
-from .cost.hardware import HARDWARE, Hardware, Shape, get_hardware
+from .cost.hardware import HARDWARE, PER_RANK, SHARED, Hardware, Shape, get_hardware
 from .cost.simulate import simulate
 from .runtime.contract import PlanLike
 from .schedules import registry
@@ -76,10 +76,6 @@ OWN_SHAPE = CALIBRATION_SHAPES["cpu"]
 #: Presets whose constants were measured on the machine they describe; the others are datasheet
 #: and paper numbers never checked on a GPU.
 MEASURED = ("cpu",)
-#: The name of a Hardware measured for this process alone (``calibrate()``): refused.
-PER_RANK = "this"
-#: The name of a Hardware measured once and shared by every rank (``calibrate.shared()``).
-SHARED = "shared"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -35,13 +35,11 @@ from ..launch import run
 from ..masks import BlockKind, causal
 from ..ops import merge, tile_backward, tile_forward
 from . import hardware as _hardware
-from .hardware import _CPU, BWD_FLOPS_PER_PAIR, FWD_FLOPS_PER_PAIR, Hardware
+from .hardware import _CPU, BWD_FLOPS_PER_PAIR, FWD_FLOPS_PER_PAIR, PER_RANK, SHARED, Hardware
 from .work import _maps_work
 
-__all__ = ["SHARED", "calibrate", "get_hardware", "load", "save", "shared"]
+__all__ = ["FORMAT", "SHARED", "calibrate", "get_hardware", "load", "save", "shared"]
 
-#: The name of the :class:`Hardware` :func:`shared` returns (measured once, the same on every rank).
-SHARED = "shared"
 #: The ``format`` field of a calibration file (:func:`save`).
 FORMAT = "fringe.cost.Hardware/1"
 
@@ -87,7 +85,7 @@ def calibrate(*, heads: int = 8, head_dim: int = 64, dtype: torch.dtype = torch.
     Returns:
         A :class:`Hardware` named ``"this"`` whose source says what was measured.
     """
-    return _measure(name="this", prefix="calibrated here", comm=comm, pair=None, heads=heads,
+    return _measure(name=PER_RANK, prefix="calibrated here", comm=comm, pair=None, heads=heads,
                     head_dim=head_dim, dtype=dtype, threads=threads, repeats=repeats)
 
 
