@@ -12,7 +12,7 @@ import torch
 import fringe
 from fringe import masks, schedules
 from fringe.cost import calibrate
-from fringe.cost.hardware import Hardware, get_hardware
+from fringe.cost.hardware import Hardware
 from fringe.launch import run
 
 S, P, BS = 1024, 4, 32
@@ -31,10 +31,14 @@ def _pick(hw: Hardware) -> tuple:
     return p.choice.winner, p.fingerprint(), tuple((c.name, c.step_s) for c in p.choice.candidates)
 
 
-def worker_shared(rank: int, world_size: int, path: str, bad: str) -> dict:
+def worker_shared(rank: int, world_size: int, path: str, sub_path: str, bad: str) -> dict:
+    import torch.distributed as dist
     torch.set_num_threads(1)
     measured = calibrate.shared(path=path, **QUICK)            # rank 0 measures, saves, sends
     loaded = calibrate.shared(path=path, **QUICK)              # rank 0 loads the file, sends
+    # a group without global rank 0: its first member (global rank 1) measures and sends
+    sub = dist.new_group([1, 2])
+    in_sub = calibrate.shared(group=sub, path=sub_path, **QUICK) if rank in (1, 2) else None
     if rank == 0:                                              # a file only rank 0 sees, broken
         with open(bad, "w") as f:
             f.write("{not json")
@@ -44,20 +48,27 @@ def worker_shared(rank: int, world_size: int, path: str, bad: str) -> dict:
     except ValueError as e:
         error = str(e)
     return dict(measured=_bits(measured), loaded=_bits(loaded), hw=measured,
-                pick=_pick(measured), error=error)
+                sub=None if in_sub is None else _bits(in_sub), pick=_pick(measured), error=error)
 
 
-def test_two_ranks_share_bit_identical_constants_and_pick_the_same(tmp_path):
-    path, bad = str(tmp_path / "calib.json"), str(tmp_path / "rank0_only.json")
-    res = run(worker_shared, path, bad, world_size=2, timeout_s=180)
-    a, b = res
-    assert a["measured"] == b["measured"] and a["loaded"] == b["loaded"] == a["measured"]
-    hw = a["hw"]
-    assert hw.name == calibrate.SHARED and "rank 0 of 2" in hw.source
+def test_ranks_share_bit_identical_constants_and_pick_the_same(tmp_path):
+    path, sub_path = str(tmp_path / "calib.json"), str(tmp_path / "sub.json")
+    bad = str(tmp_path / "rank0_only.json")
+    res = run(worker_shared, path, sub_path, bad, world_size=3, timeout_s=180)
+    first = res[0]
+    for r in res:
+        assert r["measured"] == first["measured"] and r["loaded"] == first["measured"]
+        assert r["pick"] == first["pick"]                       # winner, plan, every prediction
+    hw = first["hw"]
+    assert hw.name == calibrate.SHARED and "rank 0 of 3" in hw.source
     assert "over the process group" in hw.source               # transport measured on the group
-    assert a["pick"] == b["pick"]                               # winner, plan and every prediction
     # the file rank 0 saved holds the same constants: a later run that loads it picks the same
-    assert _bits(calibrate.load(path)) == a["measured"] and _pick(calibrate.load(path)) == a["pick"]
+    assert _bits(calibrate.load(path)) == first["measured"]
+    assert _pick(calibrate.load(path)) == first["pick"]
+    # the subgroup's two members agree with each other and with the file its rank 0 wrote
+    assert res[0]["sub"] is None and res[1]["sub"] == res[2]["sub"] == _bits(
+        calibrate.load(sub_path)) != first["measured"]
+    assert "rank 0 of 2" in calibrate.load(sub_path).source
     # rank 0 could not read its file: every rank raises rank 0's reason, none waits for it
     for r in res:
         assert "rank 0 could not calibrate" in r["error"] and "is not JSON" in r["error"]
@@ -81,8 +92,8 @@ def test_one_process_saves_and_every_later_call_loads(tmp_path, monkeypatch):
 
 
 def test_per_rank_calibration_is_refused_naming_the_fix(tmp_path):
-    own = dataclasses.replace(get_hardware("cpu"), name="this",
-                              source="calibrated here: ...")   # what calibrate() returns
+    own = calibrate.calibrate(comm=False, **QUICK)              # this process, for itself
+    assert own.name == "this"
     with pytest.raises(ValueError, match=r"for this process alone.*calibrate\.shared\("):
         fringe.plan(schedules.auto(hardware=own), masks.causal(), seq_len=S, world_size=P,
                     block_size=BS)
