@@ -364,7 +364,7 @@ def plans(model, schedule, mask=None, *, seq_len: int, world_size: int, group=No
             out.append(p)
         return out
 
-    if schedule.kind == AUTO:       # one schedule for every kind, by the layer-weighted sum
+    if getattr(schedule, "kind", None) == AUTO:     # one schedule for every kind, weighted
         if layout is not None:
             raise ValueError("schedules.auto() chooses the schedule and its layout; it does not "
                              "plan over a given layout=. Leave layout= out, or plan the schedule "
@@ -402,8 +402,8 @@ def _padded_len(schedule, seq_len: int, world_size: int, layout, plan_kwargs: di
             isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in sizes):
         return seq_len                                  # fringe.plan names the bad argument
     if seq_len % (world_size * bs) == 0 and (seq_len // world_size) % tp == 0:
-        if schedule.kind == AUTO:   # whole blocks per rank: candidates whose layouts refuse it
-            return seq_len          # are listed with the planner's reason (e.g. zigzag's 2P)
+        if getattr(schedule, "kind", None) == AUTO:
+            return seq_len      # candidates whose layouts refuse it are listed with the reason
         try:
             work = torch.ones(seq_len // bs) if getattr(schedule, "mask_aware", False) else None
             schedule.make_layout(seq_len, world_size, block_size=bs, block_work=work)

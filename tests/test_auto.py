@@ -341,3 +341,12 @@ def test_hf_plans_take_auto_one_schedule_for_every_layer_kind(monkeypatch):
     with pytest.raises(ValueError, match="fringe.hf.plans: schedules.auto\\(\\) chooses the "
                                          "schedule and its layout"):
         fringe.hf.plans(model, schedules.auto(), mask, layout=fixed.layout, **args)
+    # a length every rank holds whole blocks of is kept (zigzag's 2P chunks refuse 48 and are
+    # listed so); one that is not whole blocks is padded as for any schedule
+    two = schedules.auto(candidates=["ring", "zigzag"])
+    kept = fringe.hf.plans(model, two, None, seq_len=48, world_size=2, block_size=8)
+    assert kept.real_len is None and kept.choice.winner == "ring"
+    assert "pad the sequence" in dict((c.name, c.excluded) for c in kept.choice.candidates)[
+        "zigzag"]
+    padded = fringe.hf.plans(model, two, None, seq_len=40, world_size=2, block_size=8)
+    assert (padded.real_len, padded.layout.seq_len) == (40, 64)
