@@ -17,10 +17,12 @@ import fringe.schedules.passes as passes
 from fringe.schedules import format_programs, get
 
 #: Bottom to top: each module imports only those before it.
-ORDER = ["_keys", "_locate", "_columns", "_check", "_prune", "_lower", "_reverse"]
+ORDER = ["_keys", "_locate", "_columns", "_blocks", "_check", "_prune", "_lower", "_reverse",
+         "_narrow"]
 
 #: What fringe/ and tests/ import from ``fringe.schedules.passes`` (or read as ``passes.<name>``).
-IMPORTED = ["Hop", "HopTable", "KV_MODES", "ScheduleError", "check", "gc_paused", "lower", "prune",
+IMPORTED = ["BlockNeed", "covered", "narrow",
+            "Hop", "HopTable", "KV_MODES", "ScheduleError", "check", "gc_paused", "lower", "prune",
             "reverse", "shared_columns", "_Gen", "_general_ok", "_general_prune", "_general_reverse",
             "_keep_hops", "_lookup", "_need_array", "_resend_parts", "_reverse_parts", "_row_keys",
             "_table", "_tile_touches", "_unique", "DENSE_CELLS", "MATCH_CELLS", "MEMBER_CELLS",

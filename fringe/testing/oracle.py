@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from ..schedules.ir import (RULES, Buffer, Collective, Compute, Family, GradCompute, Op,
-                            Program, Recv, Send, _BUFS_OF, _FIELDS, _buf, marked,
+                            Program, blocks_text, Recv, Send, _BUFS_OF, _FIELDS, _buf, marked,
                             program_from_ops, steps_of)
 from ..plan import _OpCounts
 from ..schedules.passes import Hop, KV_MODES, ScheduleError, _need_array
@@ -46,17 +46,17 @@ def check(programs: Sequence[Program], *, need: torch.Tensor | None = None,
             t = step.index
             for op in step.ops:
                 if isinstance(op, Send):
-                    key = (t, r, op.peer, op.buf, True)
+                    key = (t, r, op.peer, op.buf, op.blocks, True)
                 elif isinstance(op, Recv):
-                    key = (t, op.peer, r, op.buf, False)
+                    key = (t, op.peer, r, op.buf, op.blocks, False)
                 else:
                     continue
                 if not 0 <= op.peer < P or op.peer == r:
                     _fail(programs, r, t, f"{op} names an invalid peer (world size {P})")
                 posted[key] += 1
-    for (t, src, dst, buf, is_send), n in posted.items():
-        if posted.get((t, src, dst, buf, not is_send), 0) != n:
-            who, op = (src, Send(buf, dst)) if is_send else (dst, Recv(buf, src))
+    for (t, src, dst, buf, blocks, is_send), n in posted.items():
+        if posted.get((t, src, dst, buf, blocks, not is_send), 0) != n:
+            who, op = (src, Send(buf, dst, blocks)) if is_send else (dst, Recv(buf, src, blocks))
             peer = dst if is_send else src
             missing = "receive" if is_send else "send"
             _fail(programs, who, t, f"'{op}' has no matching {missing} on rank {peer} in the "
@@ -462,22 +462,29 @@ def _check_collectives(programs: Sequence[Program]) -> None:
             sent, got = set(), set()
             for i, op in enumerate(ops):          # slots by zip (in C); own slots dropped
                 (si, sb), (ri, rb) = op.sparse_sends, op.sparse_recvs
-                sent.update(zip(itertools.repeat(i), si, sb))
-                got.update(zip(ri, itertools.repeat(i), rb))
-                own = _slot(si, sb, i)
-                if own is not None:
-                    sent.discard((i, i, own))
-                own = _slot(ri, rb, i)
-                if own is not None:
-                    got.discard((i, i, own))
+                sk, rk = op.send_blocks, op.recv_blocks     # a slot's blocks move with it
+                sent.update(zip(itertools.repeat(i), si, sb, sk))
+                got.update(zip(ri, itertools.repeat(i), rb, rk))
+                at = _slot(si, tuple(range(len(si))), i)
+                if at is not None:
+                    sent.discard((i, i, sb[at], sk[at]))
+                at = _slot(ri, tuple(range(len(ri))), i)
+                if at is not None:
+                    got.discard((i, i, rb[at], rk[at]))
             if sent != got:
-                a_i, b_i = min((a_i, b_i) for a_i, b_i, _ in sent ^ got)
+                a_i, b_i = min((a_i, b_i) for a_i, b_i, _, _ in sent ^ got)
                 a, b = group[a_i], group[b_i]
-                given = _slot(*ops[a_i].sparse_sends, b_i)
-                taken = _slot(*ops[b_i].sparse_recvs, a_i)
+                given = _slot_text(ops[a_i].sparse_sends, ops[a_i].send_blocks, b_i)
+                taken = _slot_text(ops[b_i].sparse_recvs, ops[b_i].recv_blocks, a_i)
                 _fail(programs, a, t, f"'{ops[a_i]}' sends {given or 'nothing'} to rank {b}, but "
                                       f"rank {b}'s side '{ops[b_i]}' receives {taken or 'nothing'} "
                                       f"from rank {a}")
+
+
+def _slot_text(sparse, blocks, k: int) -> str | None:
+    """Slot ``k`` of a collective side as text, with its block ranges (None: empty)."""
+    at = _slot(sparse[0], tuple(range(len(sparse[0]))), k)
+    return None if at is None else f"{sparse[1][at]}{blocks_text(blocks[at])}"
 
 
 def _slot(idx: tuple[int, ...], bufs: tuple[Buffer, ...], k: int) -> Buffer | None:

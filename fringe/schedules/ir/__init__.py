@@ -81,7 +81,8 @@ from ._buffers import (_BUFS_OF as _BUFS_OF, _FAMILY_CODE as _FAMILY_CODE, _FIEL
                        split_name as split_name)
 from ._ops import (Collective as Collective, Comm as Comm, Compute as Compute,
                    GradCompute as GradCompute, Op as Op, Recv as Recv, Send as Send,
-                   _collective as _collective, parse_op as parse_op)
+                   _collective as _collective, blocks_text as blocks_text,
+                   parse_op as parse_op)
 from ._program import (Program as Program, Step as Step, format_programs as format_programs,
                        marked as marked, parse_programs as parse_programs,
                        program_from_ops as program_from_ops, steps_of as steps_of)

@@ -82,7 +82,11 @@ def _merged(tile, lo, hi, n_tiles: int, n: int):
     new = np.ones(len(tile), dtype=bool)
     new[1:] = (tile[1:] != tile[:-1]) | (lo[1:] > run_hi[:-1])
     first = np.flatnonzero(new)
-    last = np.append(first[1:], len(tile)) - 1
+    last = np.append(first[1:], len(tile)).astype(np.int64) - 1
+    if not len(tile):                       # an empty mask: no tile reads a block
+        z = np.zeros(0, dtype=np.int64)
+        return np.zeros(n_tiles, np.int64), np.zeros(n_tiles, np.int64), z, z, \
+            np.zeros(n_tiles, dtype=bool)
     m_tile, m_lo, m_hi = tile[first], lo[first], run_hi[last]
     start = np.searchsorted(m_tile, np.arange(n_tiles))
     stop = np.searchsorted(m_tile, np.arange(n_tiles), side="right")

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from ..ir import (C_, COLL_KINDS as ir_kinds, G_, OWN_SLOT_IN_PLACE, Buffer, Family, Program,
-                  ProgramTable, ScheduleError, buffer_of)
+                  ProgramTable, ScheduleError, blocks_text, buffer_of)
 from . import _columns
 from ._blocks import BlockNeed, covered
 from ._columns import _F, _FAMILY_CODE, _Gen, _need_array, _table, _tile_touches, gc_paused
@@ -142,14 +142,15 @@ def _parts_ok(tab: ProgramTable, need: np.ndarray | None, backward: bool, kv: st
     return True
 
 
-def _slot_buffer(tab: ProgramTable, side: int, direction: int, idx: int) -> Buffer | None:
-    """The buffer of a collective side's slot (None: empty)."""
+def _slot_buffer(tab: ProgramTable, side: int, direction: int, idx: int) -> str | None:
+    """A collective side's slot as text: its buffer and block ranges (None: empty)."""
     coll = tab._parts[2]
     lo, hi = np.searchsorted(coll["slot_side"], [side, side + 1])
     for s in range(int(lo), int(hi)):
         if int(coll["slot_dir"][s]) == direction and int(coll["slot_idx"][s]) == idx:
-            return buffer_of(*(int(coll[k][s]) for k in ("slot_fam", "slot_chunk", "slot_hi",
-                                                          "slot_hn")))
+            g = int(coll["slot_rng"][s])
+            return (f"{buffer_of(*(int(coll[k][s]) for k in ('slot_fam', 'slot_chunk', 'slot_hi', 'slot_hn')))}"
+                    f"{blocks_text(None if g < 0 else coll['ranges'][g])}")
     return None
 
 
