@@ -355,6 +355,13 @@ class RankState:
             d.copy_(x)
 
     def _spans(self, b: Buffer, blocks) -> tuple[tuple[int, int], ...]:
+        """``(start, length)`` token spans of a transfer's block ranges (see
+        :func:`token_spans`).
+
+        Raises:
+            RuntimeError: this state has no ``block_size``, or ``b``'s family never moves in
+                ranges (:func:`fringe.runtime.engine.check_ranges` refuses such a plan first).
+        """
         if self.block_size is None:
             raise RuntimeError(f"rank {self.rank}: a transfer of {b}{list(blocks)} carries block "
                                f"ranges, but this RankState has no block_size; give it "
@@ -365,16 +372,23 @@ class RankState:
                                f"is inconsistent; fringe.runtime.engine.check_ranges finds it)")
         return token_spans(blocks, self.block_size)
 
+    def _wire_shape(self, b: Buffer, spans) -> tuple[tuple, torch.dtype]:
+        """Shape and dtype of what a transfer of ``b`` moves: the whole buffer, or (``spans``
+        not None) its spans' tokens along L."""
+        shape, dtype = self.shape_of(b)
+        if spans is not None:
+            d = token_dim(b.family)
+            shape = shape[:d] + (sum(n for _, n in spans),) + shape[d + 1:]
+        return shape, dtype
+
     def outgoing(self, name: str, blocks=None) -> torch.Tensor:
         """The tensor to send: a buffer held as parts is packed into a temporary; with
-        ``blocks`` (block ranges of the chunk) only their tokens, packed into one new
-        range-sized tensor straight from the (views of the) parts."""
+        ``blocks`` (block ranges of the chunk) only their tokens, copied part by part from
+        (views of) the parts into one new range-sized tensor."""
         b = Buffer(name)
         if blocks is not None:
             spans = self._spans(b, blocks)
-            shape, dtype = self.shape_of(b)
-            d = token_dim(b.family)
-            shape = shape[:d] + (sum(n for _, n in spans),) + shape[d + 1:]
+            shape, dtype = self._wire_shape(b, spans)
             t = torch.empty(shape, dtype=dtype, device=self.device)
             _gather_spans(split_parts(b.family, t, self.kv_split), self.get_parts(b), spans)
             return t
@@ -384,12 +398,9 @@ class RankState:
         return self.get(name).contiguous()
 
     def incoming(self, name: str, blocks=None) -> torch.Tensor:
-        """A receive buffer (from the pool): whole-size, or sized to ``blocks``' tokens."""
-        shape, dtype = self.shape_of(name)
-        if blocks is not None:
-            d = token_dim(Buffer(name).family)
-            n = sum(n for _, n in self._spans(Buffer(name), blocks))
-            shape = shape[:d] + (n,) + shape[d + 1:]
+        """A receive buffer from the pool: whole-size, or sized to ``blocks``' tokens."""
+        b = Buffer(name)
+        shape, dtype = self._wire_shape(b, None if blocks is None else self._spans(b, blocks))
         return self.pool.get_shape(shape, dtype, self.device)
 
     def _home(self, b: Buffer) -> None:
