@@ -131,9 +131,9 @@ def _range_summary(tab: ProgramTable) -> tuple[tuple[int, int] | None, int | Non
     hit = _RANGE_SUMMARIES.get(tab)
     if hit is None:
         widest = wrong = None
-        if tab.ranged:
-            _, xfer, _ = tab._parts
-            rng = np.asarray(xfer["rng"], dtype=np.int64)
+        _, xfer, _ = tab._parts
+        rng = np.asarray(xfer["rng"], dtype=np.int64)
+        if tab.ranged and (rng >= 0).any():     # (a pruned table may keep unused range sets)
             his = np.array([rs[-1][1] for rs in xfer["ranges"]] + [0], dtype=np.int64)
             reach = np.where(rng >= 0, his[rng], -1)   # rng -1 reads the trailing 0: masked
             row = int(reach.argmax())
