@@ -58,8 +58,9 @@ class PlanStats:
             ValueError: the plan splits heads n ways and H, G cannot be split so.
         """
         P = plan.world_size
-        fwd = _op_counts(plan.forward, P)
-        bwd = _op_counts(plan.backward, P, steps=False, computes=False)
+        n = plan.local_len // plan.block_size        # counts in blocks: ranged hops move some
+        fwd = _op_counts(plan.forward, P, n=n)
+        bwd = _op_counts(plan.backward, P, steps=False, computes=False, n=n)
         splits = {n for _, n in fwd.keys + bwd.keys}
         if fwd.splits is not None:
             splits.update(np.unique(fwd.splits).tolist())
@@ -70,7 +71,7 @@ class PlanStats:
             check_head_split(n, heads, kv_heads, what=f"stats of schedule {plan.schedule.name!r} "
                                                      f"(heads split {n} ways)")
         v_head_dim = head_dim if v_head_dim is None else v_head_dim
-        shape = dict(B=batch, H=heads, G=kv_heads, D=head_dim, Dv=v_head_dim, L=plan.local_len,
+        shape = dict(B=batch, H=heads, G=kv_heads, D=head_dim, Dv=v_head_dim, L=plan.block_size,
                      item=torch.empty((), dtype=dtype).element_size(),
                      acc=8 if dtype == torch.float64 else 4)
         bs2 = plan.block_size ** 2
@@ -131,7 +132,8 @@ def _buffer_bytes(family: Family, split: int = 1, *, B: int, H: int, G: int, D: 
 
 
 def _prices(keys, counts: np.ndarray, **shape) -> np.ndarray:
-    """int64 ``[K]``: bytes of one transfer of each ``(family, split)`` key."""
+    """int64 ``[K]``: bytes of one transfer of each ``(family, split)`` key (of ``L`` tokens:
+    one block, where the counts are blocks)."""
     out = np.zeros(len(keys), dtype=np.int64)
     for k, (fam, n) in enumerate(keys):
         b = _buffer_bytes(fam, n, **shape)
@@ -153,7 +155,9 @@ class _OpCounts:
     ``h<i>/<n>`` (1: all heads), or None when none is sliced. ``keys``: the ``(Family,
     split)`` of each column of ``sent`` / ``recv``, int64 ``[P, len(keys)]``: buffers each
     rank sends / receives, by ``Send`` / ``Recv`` or in a collective's slots (its own slot
-    excluded). ``steps``: int64 ``[P]``, steps in each rank's program.
+    excluded), counted in blocks when the counts were taken with ``n`` (blocks per chunk: a
+    whole buffer counts n, a ranged transfer its blocks). ``steps``: int64 ``[P]``, steps in
+    each rank's program.
     """
 
     computes: tuple
@@ -169,17 +173,23 @@ class _OpCounts:
 _WHOLE = tuple((f, 1) for f in Family)
 
 
-def _op_counts(programs, P: int, *, steps: bool = True, computes: bool = True) -> _OpCounts:
+def _op_counts(programs, P: int, *, steps: bool = True, computes: bool = True,
+               n: int | None = None) -> _OpCounts:
     """:class:`_OpCounts` of ``programs`` from their :class:`ProgramTable` columns (no op
     is built: millions at P=1024), whatever form they are in (:func:`_general_counts`; op
     programs become their table first). :func:`fringe.testing.oracle.op_counts` walks the
     ops instead: the oracle of the tests.
     ``steps=False``: leave ``steps`` zero (the backward's are not reported);
-    ``computes=False``: list no compute."""
-    return _general_counts(_table(programs), P, steps=steps, computes=computes)
+    ``computes=False``: list no compute; ``n``: count transfers in blocks, ``n`` to a chunk
+    (needed where transfers move block ranges).
+
+    Raises:
+        ValueError: the programs move block ranges and ``n`` is not given.
+    """
+    return _general_counts(_table(programs), P, steps=steps, computes=computes, n=n)
 
 
-def _general_counts(table: ProgramTable, P: int, *, steps: bool = True,
+def _general_counts(table: ProgramTable, P: int, *, steps: bool = True, n: int | None = None,
                     computes: bool = True) -> _OpCounts:
     """:class:`_OpCounts` of a general table (head slices, collectives) from its parts, what
     :func:`fringe.testing.oracle.op_counts` gives for its programs: computes (kind ``C_``) with their head
@@ -227,12 +237,25 @@ def _general_counts(table: ProgramTable, P: int, *, steps: bool = True,
     K = len(keys)
     src, dst = i64(xfer["src"]), i64(xfer["dst"])
     keep = ~own
+    if table.ranged and n is None:
+        raise ValueError("the programs move block ranges: count them in blocks (n=blocks per "
+                         "chunk, plan.local_len // plan.block_size)")
+    w = None
+    if n is not None:                               # blocks each transfer moves
+        blocks = np.array([sum(hi - lo for lo, hi in rs) for rs in xfer["ranges"]] + [n],
+                          dtype=np.int64)
+        w = blocks[i64(xfer["rng"])]                # -1: the whole chunk, n blocks
     out = []
     for x_rank, d in ((src, 0), (dst, 1)):
         sel = keep & (s_dir == d)
         r = np.concatenate([x_rank, s_rank[sel]])
         k = np.concatenate([col[x_key], col[k_key[sel]]])
-        out.append(np.bincount(r * K + k, minlength=P * K).reshape(P, K).astype(np.int64))
+        if w is None:
+            c = np.bincount(r * K + k, minlength=P * K)
+        else:
+            ws = np.concatenate([w, np.full(int(sel.sum()), n, dtype=np.int64)])
+            c = np.rint(np.bincount(r * K + k, weights=ws, minlength=P * K))
+        out.append(c.reshape(P, K).astype(np.int64))
     pairs = ((i64(comp["rank"]), i64(comp["step"])), (src, i64(xfer["step"])),
              (dst, i64(xfer["step"])), (i64(coll["rank"]), i64(coll["step"])))
     return _OpCounts(found, splits, keys, *out,

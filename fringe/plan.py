@@ -31,7 +31,7 @@ from .runtime.contract import PlanCache, PlanLike as PlanLike   # the runtime's 
 from .schedules import KVPolicy, Program, Schedule, check, reverse
 from .schedules.base import AUTO
 from .schedules.ir import ProgramTable
-from .schedules.passes import shared_columns
+from .schedules.passes import BlockNeed, narrow, shared_columns
 
 BlockKind = _masks.BlockKind
 
@@ -106,6 +106,8 @@ class Plan:
     num_heads: int | None = None
     score_params: tuple = ()
     reads_batch: bool = False
+    #: whether :func:`plan` gave hops block ranges (``ranges=``; the programs say what moves)
+    ranges: bool = True
     #: a 0-d int64 tensor naming this plan to fringe's custom op (:mod:`fringe._handle`), so
     #: ``torch.compile`` guards on tensor metadata, not on the plan: no recompile per batch
     handle: torch.Tensor = dataclasses.field(init=False, repr=False, compare=False)
@@ -650,7 +652,8 @@ def plan(schedule: Schedule, mask_mod: Callable | None = None, *, seq_len: int,
          kv: KVPolicy | str = KVPolicy.RESEND,
          kernel: str | None = None, batch_size: int | None = None,
          num_heads: int | None = None, layout: Layout | None = None,
-         score_params: tuple[torch.Tensor, ...] | None = None, tp_size: int = 1) -> Plan:
+         score_params: tuple[torch.Tensor, ...] | None = None, tp_size: int = 1,
+         ranges: bool = True) -> Plan:
     """Lower ``schedule`` for ``mask_mod`` on ``seq_len`` tokens over ``world_size`` ranks.
 
     Args:
@@ -694,6 +697,12 @@ def plan(schedule: Schedule, mask_mod: Callable | None = None, *, seq_len: int,
         tp_size: tensor-parallel degree when sequence parallelism splits each rank's L
             tokens again by it (Megatron-style): L must then be divisible by it too.
             :func:`padded_len` gives the length to pad a batch to.
+        ranges: ``True`` (default): every point-to-point hop of kv (or q) carries only the
+            blocks that its receiver, and the ranks it forwards the buffer to, attend
+            (:func:`fringe.schedules.passes.narrow`; ``S kv3[0:5]->r2`` in the programs'
+            text), and the backward's dkv and kv re-sends the same blocks. ``False`` moves
+            whole chunks (for A/B runs and debugging). Collectives move whole chunks either
+            way.
 
     Raises:
         ValueError / TypeError: with the fix, for arguments that do not fit.
@@ -729,7 +738,7 @@ def plan(schedule: Schedule, mask_mod: Callable | None = None, *, seq_len: int,
             return plan(s, mask_mod, seq_len=seq_len, world_size=world_size,
                         block_size=block_size, score_mod=score_mod, scale=scale, kv=kv,
                         kernel=kernel, batch_size=batch_size, num_heads=num_heads,
-                        score_params=score_params, tp_size=tp_size)
+                        score_params=score_params, tp_size=tp_size, ranges=ranges)
         return _auto.resolve(schedule, plan_one, world_size=world_size, num_heads=num_heads)
     from torch.nn.attention.flex_attention import BlockMask
     if isinstance(mask_mod, BlockMask):
@@ -796,9 +805,12 @@ def plan(schedule: Schedule, mask_mod: Callable | None = None, *, seq_len: int,
     need = tiles != BlockKind.EMPTY
     with shared_columns():          # the passes derive each table's columns once
         fwd = schedule.programs(world_size, need)
-        check(fwd, need=need)
+        blocks = BlockNeed(world_size, lay.local_len // block_size, block_map.rects.numpy())
+        if ranges:
+            fwd = narrow(fwd, blocks)
+        check(fwd, need=need, blocks=blocks)
         bwd = reverse(fwd, kv=kv)
-        check(bwd, need=need, backward=True, kv=kv)
+        check(bwd, need=need, backward=True, kv=kv, blocks=blocks)
     reads_batch = reads_b or (score_mod is not None and
                               _masks.reads_bh(score_mod, seq_len=seq_len, score=True).b)
     _MAKING[0] += 1
@@ -807,7 +819,7 @@ def plan(schedule: Schedule, mask_mod: Callable | None = None, *, seq_len: int,
                     block_map=block_map, tiles=tiles, forward=tuple(fwd), backward=tuple(bwd),
                     kv=kv, score_mod=score_mod, scale=scale, kernel=kernel,
                     batch_size=batch_size, num_heads=num_heads, score_params=score_params,
-                    reads_batch=reads_batch)
+                    reads_batch=reads_batch, ranges=bool(ranges))
     finally:
         _MAKING[0] -= 1
 

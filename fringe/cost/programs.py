@@ -70,9 +70,10 @@ def _fam_bytes(L: int, shape: Shape) -> np.ndarray:
     return _i64([shape.buffer_bytes(f.value, L) for f in FAMILIES])
 
 
-def columns(programs: Sequence, L: int, shape: Shape) -> _Cols:
+def columns(programs: Sequence, L: int, shape: Shape, block_size: int | None = None) -> _Cols:
     """Programs (one per rank, in rank order) as :class:`_Cols`, from their
-    :class:`~fringe.schedules.ir.ProgramTable`.
+    :class:`~fringe.schedules.ir.ProgramTable`. A transfer that moves block ranges is priced
+    at its blocks' bytes (``block_size`` tokens a block: needed for such programs).
 
     Raises:
         ValueError: for programs no valid schedule makes (see :func:`_general_columns`).
@@ -80,7 +81,7 @@ def columns(programs: Sequence, L: int, shape: Shape) -> _Cols:
             partner).
     """
     t = ir.ProgramTable.of(list(programs))
-    return _general_columns(t, len(programs), L, shape)
+    return _general_columns(t, len(programs), L, shape, block_size)
 
 
 def _compute_touches(P, rank, step, grad, q, kv):
@@ -106,9 +107,23 @@ def _compute_touches(P, rank, step, grad, q, kv):
 #: :func:`_general_columns` reads: computes, transfers, collective sides and their slots.
 _GENERAL_PARTS = (
     frozenset({"rank", "step", "kind", "q", "kv", "order", "hi", "hn"}),
-    frozenset({"step", "src", "dst", "fam", "chunk", "order", "hi", "hn", "rorder"}),
+    frozenset({"step", "src", "dst", "fam", "chunk", "order", "hi", "hn", "rorder", "rng",
+               "ranges"}),
     frozenset({"rank", "step", "order", "kind", "group", "slot_side", "slot_dir", "slot_idx",
                "slot_fam", "slot_chunk", "slot_hi", "slot_hn", "groups"}))
+
+
+def _ranged_bytes(whole: np.ndarray, xfer: dict, L: int, block_size: int | None) -> np.ndarray:
+    """Bytes of each transfer: the whole buffer's, or, for one that moves block ranges,
+    its blocks' share (the families that move ranges hold L tokens, bytes linear in L)."""
+    if not len(xfer["ranges"]):
+        return whole
+    if block_size is None:
+        raise ValueError("the programs move block ranges: give the block size "
+                         "(plan.block_size) to price them")
+    tokens = _i64([sum(hi - lo for lo, hi in rs) * block_size for rs in xfer["ranges"]] + [L])
+    t = tokens[xfer["rng"]]                       # -1: the whole chunk, L tokens
+    return whole // L * t
 
 
 def _within(x: np.ndarray, lo: int, hi: int) -> bool:
@@ -167,7 +182,7 @@ def _heads_in_range(what: str, hi: np.ndarray, hn: np.ndarray) -> None:
                          f"{int(hn[i])} (row {i}); a head slice is hi/n with 0 <= i < n")
 
 
-def _general_columns(t, P: int, L: int, shape: Shape) -> _Cols:
+def _general_columns(t, P: int, L: int, shape: Shape, block_size: int | None = None) -> _Cols:
     """Columns of a :class:`~fringe.schedules.ir.ProgramTable` (computes, head slices and
     collectives) from its parts, with numpy: what the op-by-op oracle
     (:func:`fringe.testing.oracle.cost_columns`) gives for its programs (buffers and groups
@@ -187,7 +202,7 @@ def _general_columns(t, P: int, L: int, shape: Shape) -> _Cols:
             f"the cost model's program reader does not know the table's parts "
             f"{[sorted(d) for d in parts]}; it reads {known}: teach "
             f"fringe/cost/programs.py:_general_columns the new columns")
-    comp, xfer, coll = ({k: (v if k == "groups" else _i64(v)) for k, v in d.items()}
+    comp, xfer, coll = ({k: (v if k in ("groups", "ranges") else _i64(v)) for k, v in d.items()}
                         for d in parts)
     nf = len(FAMILIES)
     unknown = [k for k in ir.COLL_KINDS if k not in _COLL_KINDS]
@@ -303,7 +318,7 @@ def _general_columns(t, P: int, L: int, shape: Shape) -> _Cols:
 
     xs, src, dst, xc = (xfer[k] for k in ("step", "src", "dst", "chunk"))
     x_id = ids(x_sl, x_key, xfer["fam"], xc)
-    sends = (src, xs, dst, buf_bytes[x_id])
+    sends = (src, xs, dst, _ranged_bytes(buf_bytes[x_id], xfer, L, block_size))
     for rank, start in ((src, False), (dst, True)):     # a transfer touches a buffer another
         m = xc != rank                                  # rank owns
         touch.append((rank[m], xs[m], x_id[m], start))

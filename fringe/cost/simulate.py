@@ -392,7 +392,7 @@ def simulate(plan, hardware: str | Hardware = "cpu", shape: Shape = Shape(), *,
     for which, progs in (("forward", plan.forward), ("backward", plan.backward)):
         key = (which, shape)
         if key not in cache:
-            cache[key] = columns(progs, L, shape)
+            cache[key] = columns(progs, L, shape, plan.block_size)
         cols[which] = cache[key]
     for n in sorted({k for c in cols.values() for k in c.splits} | {
             int(k) for c in cols.values() if len(c.comp[5])

@@ -225,7 +225,7 @@ def _reverse_ops(programs: Sequence[Program], kv: str, T: int) -> list[Program]:
     ops: list[dict[int, list[Op]]] = [collections.defaultdict(list) for _ in range(P)]
     # (rank, buffer) -> the last forward step a compute reads it (steps increase in a program)
     reads_at: dict[tuple[int, Buffer], int] = {}
-    in_hop: dict[tuple[int, Buffer], Hop] = {}
+    in_hop: dict[tuple[int, Buffer], Hop] = _Arrivals()
     out_hops: dict[tuple[int, Buffer], list[Hop]] = collections.defaultdict(list)
     by_collective: set[tuple[int, Buffer]] = set()     # inputs a collective brought to a rank
     collectives: dict[tuple, dict[int, Collective]] = collections.defaultdict(dict)
@@ -248,6 +248,15 @@ def _reverse_ops(programs: Sequence[Program], kv: str, T: int) -> list[Program]:
     _rematerialise(T, ops, reads_at, in_hop, out_hops, skip=by_collective,
                    families=_INPUTS if kv == "resend" else frozenset({Family.Q}))
     return [program_from_ops(r, ops[r]) for r in range(P)]
+
+
+class _Arrivals(dict):
+    """``(rank, buffer) -> the Hop that brought it``, and in ``blocks`` the block ranges that
+    hop carried (None: the whole chunk)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks: dict = {}
 
 
 def _grad_compute(q: int, kv: int, heads, _new=object.__new__, _set=object.__setattr__,
@@ -279,6 +288,7 @@ def _reverse_op(prog, r, t, op, T, ops, dst, reads_at, in_hop, out_hops, by_coll
             out_hops[(r, op.buf)].append(Hop(t, r, op.peer))
         elif fam in _INPUTS:
             in_hop[(r, op.buf)] = Hop(t, op.peer, r)
+            in_hop.blocks[(r, op.buf)] = op.blocks
     elif isinstance(op, Collective):
         if not (_OUTS.isdisjoint(op.reads()) and _OUTS.isdisjoint(op.writes())):
             ops[r][T - t].append(op.transposed())
@@ -341,8 +351,12 @@ def _rematerialise(T, ops, reads_at, in_hop, out_hops, *, skip=frozenset(),
     No recursion: a rank's first need depends only on its upstream neighbour's, and the
     upstream rank received the buffer earlier, so ranks are visited in forward arrival order.
     ``skip``: (rank, buffer) pairs a re-issued collective delivers; ``families``: the
-    buffer families to re-send.
+    buffer families to re-send. A re-send carries the block ranges of the forward hop that
+    brought the buffer to its receiver; a rank relays a buffer up only where the hop into it
+    carried the same ranges as the hop into the rank above (ranges narrow along a route), else
+    the owner sends it.
     """
+    blocks = getattr(in_hop, "blocks", {})
     holders: dict[Buffer, set[int]] = collections.defaultdict(set)
     # in program order (buffers that sort alike, head slices of one chunk, keep it)
     for (r, b) in itertools.filterfalse(skip.__contains__, itertools.chain(reads_at, in_hop)):
@@ -369,7 +383,8 @@ def _rematerialise(T, ops, reads_at, in_hop, out_hops, *, skip=frozenset(),
             last = reads_at.get((r, b))
             times = [] if last is None else [T - last]
             hop = in_hop.get((r, b))
-            if hop is not None and hop.src != owner and supplier(hop.src) == r:
+            if hop is not None and hop.src != owner and supplier(hop.src) == r and \
+                    blocks.get((r, b)) == blocks.get((hop.src, b)):
                 if need_at.get(hop.src) is not None:
                     times.append(T - hop.step - 1)      # r sends b up at that step
             need_at[r] = min(times) if times else None
@@ -378,18 +393,19 @@ def _rematerialise(T, ops, reads_at, in_hop, out_hops, *, skip=frozenset(),
             if e is None:
                 continue
             d = supplier(r)
-            if d is not None:
+            mine = blocks.get((r, b))
+            if d is not None and blocks.get((d, b)) == mine:
                 t_s = last_out[r].step
                 if T - t_s <= e and need_at.get(d) is not None:
                     u = T - t_s - 1
-                    ops[d][u].append(Send(b, r))
-                    ops[r][u].append(Recv(b, d))
+                    ops[d][u].append(Send(b, r, mine))
+                    ops[r][u].append(Recv(b, d, mine))
                     continue
             if e - 1 < 0:
                 raise _TooEarly(1 - e, f"rank {r} needs {b} at backward step {e}; there is "
                                        f"no earlier step to fetch it in")
-            ops[owner][e - 1].append(Send(b, r))
-            ops[r][e - 1].append(Recv(b, owner))
+            ops[owner][e - 1].append(Send(b, r, mine))
+            ops[r][e - 1].append(Recv(b, owner, mine))
 
 
 def _fail(programs: Sequence[Program], rank: int, step: int, what: str):
@@ -551,7 +567,8 @@ from ..schedules.ir import TILE_TOUCHES as _COST_TILE_TOUCHES  # noqa: E402
 _COST_BULK_OPS = 16       # steps of this many ops take their computes in bulk (the walk)
 
 
-def cost_columns(programs: Sequence[Program], L: int, shape) -> _CostCols:
+def cost_columns(programs: Sequence[Program], L: int, shape,
+                 block_size: int | None = None) -> _CostCols:
     """The cost model's columns of ``programs`` (one per rank, in rank order) by walking every
     op: what :func:`fringe.cost.programs.columns` reads from their table (buffers and groups
     may be numbered otherwise; nothing the simulation reads differs). ``shape``: a
@@ -564,13 +581,13 @@ def cost_columns(programs: Sequence[Program], L: int, shape) -> _CostCols:
     paused = _gc.isenabled()           # the walk makes many small lists and tuples: without
     _gc.disable()                      # a pause, collections traverse the millions of ops
     try:
-        return _walk_cost_columns(programs, L, shape)
+        return _walk_cost_columns(programs, L, shape, block_size)
     finally:
         if paused:
             _gc.enable()
 
 
-def _walk_cost_columns(programs: Sequence, L: int, shape) -> _CostCols:
+def _walk_cost_columns(programs: Sequence, L: int, shape, block_size=None) -> _CostCols:
     P = len(programs)
     fams, code = _COST_FAMILIES, _COST_FAMILY_CODE
     fam_bytes = _cost_fam_bytes(L, shape)
@@ -658,6 +675,9 @@ def _walk_cost_columns(programs: Sequence, L: int, shape) -> _CostCols:
                 if tp is Send or tp is Recv:
                     i, nbytes, chunk = of_buffer(op.buf)
                     if tp is Send:
+                        if op.blocks is not None:      # its blocks' share of the buffer
+                            nbytes = nbytes // L * block_size * sum(
+                                hi - lo for lo, hi in op.blocks)
                         send.append((r, t, op.peer, nbytes))
                     if chunk != r:
                         touch.append((r, t, i, tp is Recv))
@@ -773,8 +793,9 @@ class _KeyOf(dict):
         return key
 
 
-def op_counts(programs, P: int, *, computes: bool = True) -> _OpCounts:
-    """The plan stats' op counts (:func:`fringe.plan._op_counts`) by walking every op.
+def op_counts(programs, P: int, *, computes: bool = True, n: int | None = None) -> _OpCounts:
+    """The plan stats' op counts (:func:`fringe.plan._op_counts`) by walking every op (with
+    ``n``: in blocks, a whole buffer ``n``, a ranged transfer its blocks).
 
     A step's ops are read as they are held (no per-op tuple or buffer is built); a
     collective's slots are counted from its sparse side, in C (``Counter.update``)."""
@@ -797,18 +818,22 @@ def op_counts(programs, P: int, *, computes: bool = True) -> _OpCounts:
                         q.append(op.q)
                         kv.append(op.kv)
                         split.append(op.heads)
-                elif t is Send:
-                    s_r[keyof[op.buf]] += 1
-                elif t is Recv:
-                    r_r[keyof[op.buf]] += 1
+                elif t is Send or t is Recv:
+                    k = 1 if n is None else (n if op.blocks is None else
+                                             sum(hi - lo for lo, hi in op.blocks))
+                    (s_r if t is Send else r_r)[keyof[op.buf]] += k
                 elif t is Collective:
                     me = op.member_index(prog.rank) if in_place[op.kind] else None
                     for (idx, bufs), got in ((op.sparse_sends, s_r), (op.sparse_recvs, r_r)):
-                        got.update(map(keyof.__getitem__, bufs))
+                        if n is None:
+                            got.update(map(keyof.__getitem__, bufs))
+                        else:
+                            for b in bufs:
+                                got[keyof[b]] += n
                         if me is not None:            # its own slot stays in place
                             at = bisect_left(idx, me)
                             if at < len(idx) and idx[at] == me:
-                                got[keyof[bufs[at]]] -= 1
+                                got[keyof[bufs[at]]] -= 1 if n is None else n
         per_rank.append(len(q) - n0)
     keys = tuple(sorted({k for c in (*sent, *recv) for k in c},
                         key=lambda k: (_FAMILY_ORDER[k[0]], k[1])))

@@ -88,6 +88,7 @@ from ._program import (Program as Program, Step as Step, format_programs as form
 from ._rules import (ADJOINT_CODE as ADJOINT_CODE, C_ as C_, COLL_KINDS as COLL_KINDS,
                      COLLECTIVE_ADJOINT as COLLECTIVE_ADJOINT, G_ as G_, KV_SIDE as KV_SIDE,
                      OWN_SLOT_IN_PLACE as OWN_SLOT_IN_PLACE, Q_SIDE as Q_SIDE, R_ as R_,
+                     RANGED_FAMILIES as RANGED_FAMILIES,
                      RULES as RULES, S_ as S_, TILE_TOUCH_CODES as TILE_TOUCH_CODES,
                      TILE_TOUCHES as TILE_TOUCHES, OpRule as OpRule)
 from ._table import (ProgramTable as ProgramTable, ScheduleError as ScheduleError,

@@ -80,3 +80,9 @@ ADJOINT_CODE = tuple(_KIND_CODE[RULES[k].adjoint] for k in sorted(_KIND_CODE, ke
 COLL_KINDS = ("AG", "RS", "A2A")
 #: Whether a collective's own slot stays in place (:data:`RULES`), by its kind code.
 OWN_SLOT_IN_PLACE = tuple(RULES[k].own_slot_in_place for k in COLL_KINDS)
+
+#: Families a transfer may move in block ranges (``Send(..., blocks=)``): what a tile reads
+#: block by block (q, kv: :data:`RULES` ``"C"``'s reads) and their cotangents (dq, dkv). A
+#: partial output merges by its lse, whole.
+RANGED_FAMILIES = (tuple(f for f, _ in RULES["C"].reads)
+                   + tuple(f.cotangent for f, _ in RULES["C"].reads))

@@ -19,10 +19,13 @@ Modules (private, each importing only those above it; this package re-exports th
 * ``_columns`` — family codes, tile touches, a table's general columns (``_Gen``,
   :func:`shared_columns`), :func:`gc_paused`, the dense-array limits ``DENSE_CELLS``,
   ``PLANE_CELLS``, ``MEMBER_CELLS``;
+* ``_blocks`` — :class:`BlockNeed` (which blocks of each tile the mask reads) and
+  :func:`covered` (the rules of transfers that move block ranges);
 * ``_check`` — :func:`check` (and ``MATCH_CELLS``);
 * ``_prune`` — :func:`prune` and the keep-a-move rule it shares with :func:`lower`;
 * ``_lower`` — :class:`Hop`, :class:`HopTable`, :func:`lower`;
-* ``_reverse`` — :func:`reverse` and :data:`KV_MODES`.
+* ``_reverse`` — :func:`reverse` and :data:`KV_MODES`;
+* ``_narrow`` — :func:`narrow`: the block ranges of each hop of q and kv.
 
 The dense-array limits are settings: assigning one here (``passes.PLANE_CELLS = 0``, a
 test's monkeypatch) assigns it in the module that owns it, which every pass reads at call
@@ -35,6 +38,7 @@ import types
 
 from ..ir import ScheduleError as ScheduleError
 from . import _check, _columns
+from ._blocks import BlockNeed as BlockNeed, covered as covered
 from ._check import MATCH_CELLS as MATCH_CELLS, _general_ok as _general_ok, check as check
 from ._columns import (DENSE_CELLS as DENSE_CELLS, MEMBER_CELLS as MEMBER_CELLS,
                        PLANE_CELLS as PLANE_CELLS, _Gen as _Gen, _need_array as _need_array,
@@ -46,9 +50,10 @@ from ._prune import _general_prune as _general_prune, _keep_hops as _keep_hops, 
 from ._reverse import (KV_MODES as KV_MODES, _general_reverse as _general_reverse,
                        _resend_parts as _resend_parts, _reverse_parts as _reverse_parts,
                        reverse as reverse)
+from ._narrow import narrow as narrow
 
-__all__ = ["Hop", "HopTable", "KV_MODES", "ScheduleError", "check", "gc_paused", "lower", "prune",
-           "reverse", "shared_columns"]
+__all__ = ["BlockNeed", "Hop", "HopTable", "KV_MODES", "ScheduleError", "check", "covered",
+           "gc_paused", "lower", "narrow", "prune", "reverse", "shared_columns"]
 
 
 class _Package(types.ModuleType):

@@ -14,6 +14,7 @@ import torch
 from ..ir import (C_, COLL_KINDS as ir_kinds, G_, OWN_SLOT_IN_PLACE, Buffer, Family, Program,
                   ProgramTable, ScheduleError, buffer_of)
 from . import _columns
+from ._blocks import BlockNeed, covered
 from ._columns import _F, _FAMILY_CODE, _Gen, _need_array, _table, _tile_touches, gc_paused
 from ._keys import _assign_min, _lookup, _member, _min_by_key, _row_keys, _runs, _uniq, _unique
 from ._locate import _fail, _first_in_order, _located, _where_cols
@@ -21,7 +22,7 @@ from ._locate import _fail, _first_in_order, _located, _where_cols
 
 @gc_paused()
 def check(programs: Sequence[Program], *, need: torch.Tensor | None = None,
-          backward: bool = False, kv: str = "resend") -> None:
+          backward: bool = False, kv: str = "resend", blocks: BlockNeed | None = None) -> None:
     """Structural checks, raising :class:`ScheduleError` with the rank and step.
 
     * programs are for ranks 0..P-1 in order; peers are valid and never the rank itself;
@@ -33,7 +34,11 @@ def check(programs: Sequence[Program], *, need: torch.Tensor | None = None,
       (q, kv; and out, dout, dq, dkv in the backward), written or received at an earlier
       step, or, in the backward with ``kv="keep"``, kept from the forward;
     * with ``need``: every non-empty (q, kv) tile is computed exactly once across ranks
-      and no empty tile is computed.
+      and no empty tile is computed;
+    * with ``blocks`` (a :class:`BlockNeed`), for transfers that move block ranges: the
+      ranges lie in the chunk, a compute reads only blocks the ranged transfers brought, and
+      a rank forwards only blocks it holds (:func:`covered`). Programs that move ranges are
+      checked only with ``blocks`` given in full: without it a block left out is not seen.
 
     It runs on the columns of the programs' one table and names the first fault: of the
     first rule broken, in the order above, the first in program order (lowest rank, then
@@ -55,6 +60,8 @@ def check(programs: Sequence[Program], *, need: torch.Tensor | None = None,
     if flags in tab._passed:                     # its (read-only) columns passed these before:
         if arr is not None:                      # the tiles are what is new
             _table_tiles_ok(tab, arr)
+        if blocks is not None:                   # and the blocks
+            covered(programs, blocks, backward=backward)
         return
     fast = _parts_ok(tab, arr, backward, kv) if tab.chain else None   # the chain's shortcut
     if fast is not True:
@@ -63,6 +70,8 @@ def check(programs: Sequence[Program], *, need: torch.Tensor | None = None,
             raise RuntimeError("internal error: the ring chain's check rejected programs that "
                                "the general check accepts; please report it with the programs")
     tab._passed.add(flags)
+    if blocks is not None:
+        covered(programs, blocks, backward=backward)
 
 
 def _owned(backward: bool) -> list[int]:

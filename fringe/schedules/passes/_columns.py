@@ -14,8 +14,8 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from ..ir import (C_, COLL_KINDS as ir_kinds, G_, RULES, TILE_TOUCH_CODES, Family, Program,
-                  ProgramTable, ScheduleError)
+from ..ir import (C_, COLL_KINDS as ir_kinds, G_, RANGED_FAMILIES, RULES, TILE_TOUCH_CODES,
+                  Family, Program, ProgramTable, ScheduleError)
 from ._keys import _lookup, _outside, _row_keys, _uniq, _unique
 from ._locate import _fail, _first_in_order, _located
 
@@ -127,6 +127,8 @@ class _Gen:
         (self.xt, self.xs, self.xd, self.xf, self.xc, self.xo, self.xro,
          self.xhi, self.xhn) = i64(xfer, ("step", "src", "dst", "fam", "chunk", "order", "rorder",
                                           "hi", "hn"))
+        self.xrng = np.asarray(xfer["rng"], dtype=np.int64)
+        self.ranges = xfer["ranges"]                     # the block-range sets rng indexes
         (self.kr, self.kt, self.ko, self.kk, self.kg) = i64(coll, ("rank", "step", "order",
                                                                    "kind", "group"))
         (self.ss, self.sdir, self.sidx, self.sf, self.sc, self.shi,
@@ -197,6 +199,23 @@ class _Gen:
                 bound = {1 << 40: "2**40", 1 << 31: "2**31"}.get(hi, hi)
                 raise ScheduleError(f"ProgramTable {part} row {i}: {what.format(int(col[i]))} "
                                     f"is outside [{lo}, {bound})")
+        bad = _outside(self.xrng, -1, len(self.ranges))
+        if bad is not None:
+            i = int(np.flatnonzero(bad)[0])
+            raise ScheduleError(f"ProgramTable transfer row {i}: range set {int(self.xrng[i])} "
+                                f"is outside [-1, {len(self.ranges)}) (-1: the whole chunk)")
+        ranged = self.xrng >= 0
+        if ranged.any():
+            ok = np.zeros(_F, dtype=bool)
+            ok[[_FAMILY_CODE[f] for f in RANGED_FAMILIES]] = True
+            bad = ranged & ~ok[np.clip(self.xf, 0, _F - 1)]
+            if bad.any():
+                i = int(np.flatnonzero(bad)[0])
+                raise ScheduleError(
+                    f"ProgramTable transfer row {i}: a {_FAMILIES[int(self.xf[i])].value} "
+                    f"buffer moves block ranges; only "
+                    f"{', '.join(f.value for f in RANGED_FAMILIES)} may (a partial output "
+                    f"merges whole): move it whole")
         for part, hi, hn in (("compute", self.chi, self.chn), ("transfer", self.xhi, self.xhn),
                              ("collective slot", self.shi, self.shn)):
             if len(hn) and (int(hn.max()) != 0 or int(hi.min()) != 0 or int(hi.max()) != 0):

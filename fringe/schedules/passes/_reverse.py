@@ -112,13 +112,19 @@ class _Late(Exception):
         self.hop, self.arrival = hop, arrival
 
 
-def _resend_parts(P, T, cr, ct, ckv, xt, xs, xd, xc, xorder, after, owner=None):
+def _resend_parts(P, T, cr, ct, ckv, xt, xs, xd, xc, xorder, after, owner=None, xrng=None):
     """The backward's kv re-send on the hops themselves: the kv re-sends of the backward as
     transfers (orders from ``after`` on, in (chunk, rank) order: after every adjoint op).
 
     With ``owner`` (int array), ``ckv`` and ``xc`` are buffer ids ``[0, len(owner))`` instead
     of kv chunks, ``owner[id]`` the rank that owns the buffer's data; the rows' ``chunk`` is
     then the buffer id, and orders go by (id, rank).
+
+    With ``xrng`` (the hops' range-set ids, -1 whole), a re-send carries the ranges of the
+    hop that brought the buffer to its receiver in the forward, and a rank relays a buffer
+    up only where the hop into it carried the same ranges as the hop into the rank above
+    (ranges narrow along a route, so a rank further down holds fewer blocks than the one
+    above needs): else the owner sends it (the rows' ``rng``).
 
     The caller has made sure that a rank receives a buffer at most once and never its own.
     Every rank that reads a buffer it does not own received it by that one hop, so the work
@@ -175,6 +181,8 @@ def _resend_parts(P, T, cr, ct, ckv, xt, xs, xd, xc, xorder, after, owner=None):
     up = hop_of[out_key]                            # per hop: the hop that brought it to src
     # the receiver relays b up: its upstream's latest hop of b went to it, so it re-sends b
     relay_up = (up >= 0) & (sup_d[out_key] == xd)
+    if xrng is not None:                            # and holds what its upstream reads
+        relay_up &= xrng[np.maximum(up, 0)] == xrng
     late = relay_up & (xt[np.maximum(up, 0)] >= xt)
     if late.any():
         i = int(np.flatnonzero(late)[0])
@@ -201,13 +209,18 @@ def _resend_parts(P, T, cr, ct, ckv, xt, xs, xd, xc, xorder, after, owner=None):
     c_ = xc[emit]
     dh = hop_of[ix(c_ * P + np.maximum(d, 0))]      # the hop that took b on from this rank
     relay = (d >= 0) & (T - sup_t[key] <= e) & (dh >= 0) & defined[np.maximum(dh, 0)]
+    if xrng is not None:                            # the rank below holds what this one reads
+        relay &= xrng[np.maximum(dh, 0)] == xrng[emit]
     fetch = ~relay
     if (fetch & (e - 1 < 0)).any():
         raise _Pad(int((1 - e[fetch]).max()))
     frm = np.where(relay, d, own[c_])
     u = np.where(relay, T - sup_t[key] - 1, e - 1)
-    return dict(step=u, src=frm, dst=xd[emit], fam=np.full(len(emit), _FAMILY_CODE[Family.KV]),
+    rows = dict(step=u, src=frm, dst=xd[emit], fam=np.full(len(emit), _FAMILY_CODE[Family.KV]),
                 chunk=c_, order=after + key)        # (buffer, rank) order, as the op rules emit
+    if xrng is not None:
+        rows["rng"] = xrng[emit]
+    return rows
 
 
 def _no_xfer():
@@ -426,12 +439,12 @@ def _general_reverse(tab: ProgramTable, kv: str, pad: int = 0) -> list[Program]:
     bcomp = dict(rank=g.cr, step=T - g.ct, kind=np.full(len(g.cr), ADJOINT_CODE[C_]), q=g.cq, kv=g.ckv,
                  order=2 * g.co, hi=g.chi, hn=g.chn)
     xs = [dict(step=T - g.xt, src=g.xd, dst=g.xs, fam=cot[g.xf], chunk=g.xc, order=2 * g.xro,
-               rorder=2 * g.xo, hi=g.xhi, hn=g.xhn)]
+               rorder=2 * g.xo, hi=g.xhi, hn=g.xhn, rng=g.xrng)]    # the adjoint: same blocks
     o_ = g.xf == OUT                        # the merged (out, lse) goes with its cotangent
     if o_.any():
         xs.append(dict(step=T - g.xt[o_], src=g.xd[o_], dst=g.xs[o_], fam=g.xf[o_],
                        chunk=g.xc[o_], order=2 * g.xro[o_] + 1, rorder=2 * g.xo[o_] + 1,
-                       hi=g.xhi[o_], hn=g.xhn[o_]))
+                       hi=g.xhi[o_], hn=g.xhn[o_], rng=g.xrng[o_]))
     adj = np.array([ir_kinds.index(COLLECTIVE_ADJOINT[k]) for k in ir_kinds])
     n_side = len(g.kr)
     sides = [dict(rank=g.kr, step=T - g.kt, order=2 * g.ko, kind=adj[g.kk], group=g.kg)]
@@ -528,6 +541,7 @@ def _general_reverse(tab: ProgramTable, kv: str, pad: int = 0) -> list[Program]:
         _late(tab, e.hop, e.arrival)
     xs.append(extra)
     bxfer = {k: np.concatenate([x[k] for x in xs]) for k in xs[0]}
+    bxfer["ranges"] = g.ranges
     bcoll = {k: np.concatenate([x[k] for x in sides]) for k in sides[0]}
     sl = {k: np.concatenate([x[k] for x in slots]) for k in slots[0]}
     n_idx = int(g.glen.max()) + 1
@@ -653,16 +667,17 @@ def _general_resend(g: _Gen, T: int, fams: list, reads: tuple, after: int) -> di
     owner[bid] = uchunk
     try:
         rows = _resend_parts(P, T, rr, rt, r_bid, xt, xs, xd, x_bid, g.xo[isin], after,
-                             owner=owner)
+                             owner=owner, xrng=g.xrng[isin])
     except _Late as e:                      # hops numbered as the table's transfers
         row = np.flatnonzero(isin)
         raise _Late(int(row[e.hop]), int(row[e.arrival])) from None
     b = ub[emit_order][rows["chunk"]]         # the buffer code of each row's id
     hi, hn = _slices(b % g.HS)
     return dict(step=rows["step"], src=rows["src"], dst=rows["dst"], fam=b // g.HS // P,
-                chunk=b // g.HS % P, order=rows["order"], rorder=rows["order"], hi=hi, hn=hn)
+                chunk=b // g.HS % P, order=rows["order"], rorder=rows["order"], hi=hi, hn=hn,
+                rng=rows.get("rng", np.full(len(rows["step"]), -1, np.int64)))
 
 
 def _no_xfer_general():
     z = np.zeros(0, np.int64)
-    return dict(step=z, src=z, dst=z, fam=z, chunk=z, order=z, rorder=z, hi=z, hn=z)
+    return dict(step=z, src=z, dst=z, fam=z, chunk=z, order=z, rorder=z, hi=z, hn=z, rng=z)

@@ -1,0 +1,185 @@
+"""Block-level need: which blocks of each tile the mask reads (:class:`BlockNeed`), and
+:func:`covered`, the rules a table whose transfers move block ranges must keep."""
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from ..ir import C_, G_, KV_SIDE, Q_SIDE, TILE_TOUCH_CODES, Program, ProgramTable, ScheduleError, marked
+from ._columns import _Gen, _table
+from ._keys import _lookup, _unique
+
+
+class BlockNeed:
+    """Which blocks of each tile the mask reads, per side (the mask's block map, by tile).
+
+    For tile (q chunk ``i``, kv chunk ``j``) of ``n`` blocks a side: side
+    :data:`~fringe.schedules.ir.KV_SIDE` holds the blocks of chunk j that some query block of
+    chunk i attends (a column of the tile with a non-empty block), side ``Q_SIDE`` the blocks
+    of chunk i that attend some block of j (a row). Stored as merged block intervals per
+    non-empty tile; :meth:`bits` paints packed bit rows for the tiles asked.
+
+    Args:
+        P: chunks (ranks).
+        n: blocks per chunk (``L / block_size``).
+        rects: int ``[N, 4]`` non-empty block rectangles ``[r0, r1) x [c0, c1)`` in layout
+            order, none crossing a tile boundary (``plan.block_map.rects``).
+    """
+
+    def __init__(self, P: int, n: int, rects) -> None:
+        r = np.asarray(rects, dtype=np.int64).reshape(-1, 4)
+        self.P, self.n = int(P), int(n)
+        self.nbytes = (self.n + 7) // 8
+        ti, tj = r[:, 0] // n, r[:, 2] // n
+        if len(r) and ((r[:, 1] - 1) // n != ti).any() or len(r) and ((r[:, 3] - 1) // n != tj).any():
+            raise ValueError("BlockNeed: a rectangle crosses a tile boundary (cut the block map "
+                             "at multiples of n blocks first)")
+        key = ti * P + tj
+        self.keys = np.unique(key)
+        tile = np.searchsorted(self.keys, key)
+        self._iv = {}
+        for side, lo, hi in ((KV_SIDE, r[:, 2] - tj * n, r[:, 3] - tj * n),
+                             (Q_SIDE, r[:, 0] - ti * n, r[:, 1] - ti * n)):
+            self._iv[side] = _merged(tile, lo, hi, len(self.keys), n)
+        self._ones = np.packbits(np.ones(self.n, dtype=bool))
+
+    def whole(self) -> np.ndarray:
+        """A packed row of every block."""
+        return self._ones.copy()
+
+    def bits(self, q, kv, side: int) -> np.ndarray:
+        """uint8 ``[len(q), nbytes]``: packed bits (``np.packbits`` order) of the blocks of
+        tiles ``(q[m], kv[m])`` read on ``side``; zeros for empty tiles."""
+        q, kv = np.asarray(q, dtype=np.int64), np.asarray(kv, dtype=np.int64)
+        out = np.zeros((len(q), self.nbytes), dtype=np.uint8)
+        if not len(q) or not len(self.keys):
+            return out
+        t, hit = _lookup(q * self.P + kv, self.keys, np.arange(len(self.keys)), -1)
+        start, stop, lo, hi, full = self._iv[side]
+        rows = np.flatnonzero(hit & ~full[np.maximum(t, 0)])
+        out[hit & full[np.maximum(t, 0)]] = self._ones
+        if len(rows):
+            tt = t[rows]
+            cnt = stop[tt] - start[tt]
+            which = np.repeat(np.arange(len(rows)), cnt)
+            iv = np.repeat(start[tt], cnt) + (np.arange(int(cnt.sum())) -
+                                              np.repeat(np.cumsum(cnt) - cnt, cnt))
+            diff = np.zeros((len(rows), self.n + 1), dtype=np.int32)
+            np.add.at(diff, (which, lo[iv]), 1)
+            np.add.at(diff, (which, hi[iv]), -1)
+            out[rows] = np.packbits(np.cumsum(diff[:, :self.n], axis=1) > 0, axis=1)
+        return out
+
+
+def _merged(tile, lo, hi, n_tiles: int, n: int):
+    """Intervals ``[lo, hi)`` per tile merged into disjoint sorted ones: ``(start, stop)``
+    (each tile's span in the arrays), ``lo, hi``, and whether a tile's cover every block."""
+    o = np.lexsort((lo, tile))
+    tile, lo, hi = tile[o], lo[o], hi[o]
+    big = np.int64(n + 1)
+    run_hi = np.maximum.accumulate(tile * big + hi) - tile * big     # within the tile: keys rise
+    new = np.ones(len(tile), dtype=bool)
+    new[1:] = (tile[1:] != tile[:-1]) | (lo[1:] > run_hi[:-1])
+    first = np.flatnonzero(new)
+    last = np.append(first[1:], len(tile)) - 1
+    m_tile, m_lo, m_hi = tile[first], lo[first], run_hi[last]
+    start = np.searchsorted(m_tile, np.arange(n_tiles))
+    stop = np.searchsorted(m_tile, np.arange(n_tiles), side="right")
+    cover = np.zeros(n_tiles, dtype=np.int64)
+    np.add.at(cover, m_tile, m_hi - m_lo)
+    return start, stop, m_lo, m_hi, cover == n
+
+
+def _inputs() -> np.ndarray:
+    """Family codes of what computes read (q, kv)."""
+    return np.array(sorted({f for f, _, w in TILE_TOUCH_CODES[C_] if not w}), dtype=np.int64)
+
+
+def _bits_of(ranges, n: int) -> np.ndarray:
+    """The packed bit rows of range sets (``None``: every block)."""
+    out = np.zeros((len(ranges), n), dtype=bool)
+    for i, rs in enumerate(ranges):
+        for lo, hi in rs:
+            out[i, lo:hi] = True
+    return np.packbits(out, axis=1)
+
+
+def covered(programs: Sequence[Program], need: BlockNeed, *, backward: bool = False) -> None:
+    """The block-range rules of a table whose transfers move ranges (nothing to check else):
+
+    * every range lies inside the chunk (``[0, n)`` blocks);
+    * every compute on a rank that received the buffer it reads by ranged hops reads only
+      blocks those hops brought (a block left out would be read as zeros: a wrong number);
+    * a rank forwards only blocks it holds (it owns the buffer, or they arrived).
+
+    In the backward the same holds for the input buffers the gradient computes read again;
+    the gradients follow the forward's ranges by rule (:func:`reverse`).
+
+    Raises:
+        ScheduleError: naming the rank and step of the first fault.
+    """
+    tab = _table(programs)
+    if not tab.ranged:
+        return
+    g = _Gen(tab)
+    P, n = g.P, need.n
+    top = max((hi for rs in g.ranges for _, hi in rs), default=0)
+    if top > n:
+        i = int(np.flatnonzero([max(hi for _, hi in rs) > n for rs in g.ranges])[0])
+        row = int(np.flatnonzero(g.xrng == i)[0])
+        _fault(tab, int(g.xs[row]), int(g.xt[row]),
+               f"a transfer moves blocks up to {top} of a chunk of {n} blocks "
+               f"(L / block_size); block ranges lie in [0, {n})")
+    hop = np.flatnonzero(np.isin(g.xf, _inputs()))
+    held_bits = np.concatenate([_bits_of(g.ranges, n), need.whole()[None]])   # -1: whole
+    hb = g.bkey(g.xf[hop], g.xc[hop], g.xhs[hop])
+    got_key = hb * P + g.xd[hop]
+    space, ids = _unique(got_key)
+    held = np.zeros((len(space), need.nbytes), dtype=np.uint8)
+    np.bitwise_or.at(held, ids, held_bits[g.xrng[hop]])
+    # collectives bring whole buffers
+    recv = (g.sdir == 1) & np.isin(g.sf, _inputs())
+    if recv.any():
+        k, hit = _lookup(g.bkey(g.sf[recv], g.sc[recv], g.shs[recv]) * P + g.kr[g.ss[recv]],
+                         space, np.arange(len(space)), -1)
+        held[k[hit]] = need.whole()
+    tiles = np.isin(g.ck, [C_, G_]) if backward else g.ck == C_
+    for fam, side, w in TILE_TOUCH_CODES[C_]:
+        if w:
+            continue
+        chunk = (g.cq, g.ckv)[side]
+        rows = np.flatnonzero(tiles & (chunk != g.cr))
+        k, hit = _lookup(g.bkey(fam, chunk[rows], g.chs[rows]) * P + g.cr[rows], space,
+                         np.arange(len(space)), -1)
+        rows, k = rows[hit], k[hit]
+        reads = need.bits(g.cq[rows], g.ckv[rows], side)
+        bad = (reads & ~held[k]).any(axis=1)
+        if bad.any():
+            i = rows[np.flatnonzero(bad)]
+            j = int(i[np.lexsort((g.ct[i], g.cr[i]))[0]])
+            _fault(tab, int(g.cr[j]), int(g.ct[j]),
+                   f"'{_tile_text(g, j)}' reads blocks of its "
+                   f"{'q' if side == Q_SIDE else 'kv'} buffer that the ranged transfers to "
+                   f"rank {int(g.cr[j])} do not bring (they would be read as zeros)")
+    fwd = hop[g.xs[hop] != g.xc[hop]]                  # forwarded by a rank that does not own it
+    if len(fwd):
+        k, hit = _lookup(g.bkey(g.xf[fwd], g.xc[fwd], g.xhs[fwd]) * P + g.xs[fwd], space,
+                         np.arange(len(space)), -1)
+        moved = held_bits[g.xrng[fwd]]
+        bad = hit & (moved & ~held[np.maximum(k, 0)]).any(axis=1)
+        if bad.any():
+            i = fwd[np.flatnonzero(bad)]
+            j = int(i[np.lexsort((g.xt[i], g.xs[i]))[0]])
+            _fault(tab, int(g.xs[j]), int(g.xt[j]),
+                   "a transfer forwards blocks of a buffer that did not arrive at this rank")
+
+
+def _tile_text(g, j: int) -> str:
+    letter = "C" if g.ck[j] == C_ else "G"
+    h = "" if not g.chn[j] else f" h{int(g.chi[j])}/{int(g.chn[j])}"
+    return f"{letter} q{int(g.cq[j])}·kv{int(g.ckv[j])}{h}"
+
+
+def _fault(tab: ProgramTable, rank: int, step: int, what: str):
+    raise ScheduleError(f"rank {rank}, step {step}: {what}\n{marked(tab.programs()[rank], step)}")
