@@ -4,11 +4,14 @@ ranges (gradients); the step records count the real bytes.
 
 Hand-written ranged programs on packed documents (a ring whose kv hops carry only the blocks
 the rest of their route attends, with its head-sliced variant, and a program that moves q and
-brings dq back in ranges): float64 against the dense reference, forward and backward, both kv
-policies, GQA and MLA (Dv != D); the backward both as fringe.plan derives it and with every kv /
-dkv / q / dq transfer ranged by hand; the recorded bytes equal the ranges' bytes; a range past
-the chunk, or ranges on out, fail before any communication; gloo equals the virtual mesh bit for
-bit on a ranged plan.
+gets dq back in ranges) and the built-in schedules as fringe.plan ranges them (compose's
+head-sliced hops included): float64 against the dense reference, forward and backward (dkv,
+dq and kv re-sends ranged by fringe.plan's reverse), both kv policies, GQA and MLA (Dv != D);
+every step record's bytes equal its transfers' (ranges counted in tokens) and are fewer than
+whole chunks', and the results are bit for bit those of whole chunks (``ranges=False``). The
+interpreter's rules one rank at a time (packing from parts, zero fill of a reused pool
+buffer, accumulation); ranges that do not fit are refused; gloo equals the virtual mesh bit
+for bit on a ranged plan.
 """
 from __future__ import annotations
 
@@ -22,12 +25,11 @@ from fringe import masks
 from fringe.launch import Workers
 from fringe.ops import reference
 from fringe.runtime import RankState
-from fringe.runtime.engine import Runtime
 from fringe.runtime.interpreter import kv_shape
-from fringe.runtime.virtual import VirtualMesh, VirtualRuntime
-from fringe.schedules import Schedule
+from fringe.runtime.virtual import VirtualRuntime
+from fringe.schedules import Schedule, ScheduleError
 from fringe.schedules.ir import Buffer, Compute, Family, Program, Recv, Send, Step
-from fringe.testing import make_qkv, tolerances
+from fringe.testing import make_qkv, packed_docs, tolerances
 
 TOL = tolerances(torch.float64)
 BS = 4                                  # block size (tokens)
@@ -85,9 +87,10 @@ def _route(cols: dict, P: int, j: int, b: int) -> set:
 HEADS = {"whole": (None,), "sliced": ((0, 2), (1, 2))}
 
 
-def ranged_ring(cols: dict, P: int, *, heads: str = "whole") -> Schedule:
+def ranged_ring(cols: dict, P: int, *, heads: str = "whole", ranged: bool = True) -> Schedule:
     """The ring on the contiguous layout, each kv hop carrying only the blocks the rest of its
-    route attends (``heads="sliced"``: every compute and hop split in two head slices)."""
+    route attends (``heads="sliced"``: every compute and hop split in two head slices;
+    ``ranged=False``: the same hops, whole)."""
     hs = HEADS[heads]
 
     def programs(world_size: int) -> list[Program]:
@@ -101,10 +104,12 @@ def ranged_ring(cols: dict, P: int, *, heads: str = "whole") -> Schedule:
                 if s < P - 1:
                     out = _runs(_route(cols, P, j, (r + 1) % P))
                     if out:
+                        out = out if ranged else None
                         ops += [Send(Buffer.of(Family.KV, j, h), (r + 1) % P, out) for h in hs]
                     jin = (r - s - 1) % P
                     got = _runs(_route(cols, P, jin, r))
                     if got:
+                        got = got if ranged else None
                         ops += [Recv(Buffer.of(Family.KV, jin, h), (r - 1) % P, got) for h in hs]
                 steps.append(Step(s, tuple(ops)))
             progs.append(Program(r, tuple(steps)))
@@ -112,11 +117,13 @@ def ranged_ring(cols: dict, P: int, *, heads: str = "whole") -> Schedule:
     return Schedule(f"ranged_ring({heads})", layout=_layout.contiguous, programs_fn=programs)
 
 
-def q_visit(rows: dict) -> Schedule:
+def q_visit(rows: dict, *, ranged: bool = True) -> Schedule:
     """P=2: rank 1 sends the blocks of q1 that attend kv0 to rank 0 (ranged), rank 0 computes
-    that tile and sends the partial out1 back (whole: out never moves in ranges)."""
+    that tile and sends the partial out1 back (whole: out never moves in ranges).
+    ``ranged=False``: q1 moves whole."""
     qb = _runs(rows[1, 0])
     assert qb is not None
+    qb = qb if ranged else None
 
     def programs(world_size: int) -> list[Program]:
         assert world_size == 2
@@ -126,58 +133,6 @@ def q_visit(rows: dict) -> Schedule:
                 Program(1, (Step(0, (Compute(1, 1), Send(q1, 0, qb))),
                             Step(2, (Recv(out1, 0),))))]
     return Schedule("q_visit", layout=_layout.contiguous, programs_fn=programs)
-
-
-def _ranged(programs, blocks_of) -> list[Program]:
-    """``programs`` with each transfer's blocks set to ``blocks_of(rank, op)`` (None: as is)."""
-    out = []
-    for prog in programs:
-        steps = []
-        for st in prog.steps:
-            ops = []
-            for op in st.ops:
-                if type(op) in (Send, Recv):
-                    b = blocks_of(prog.rank, op)
-                    if b is not None:
-                        op = type(op)(op.buf, op.peer, b)
-                ops.append(op)
-            steps.append(Step(st.index, tuple(ops)))
-        out.append(Program(prog.rank, tuple(steps)))
-    return out
-
-
-def ring_backward_ranges(cols: dict, P: int):
-    """``blocks_of`` for a ring's backward: kv j into rank b, and dkv j out of rank b, carry
-    the blocks ranks b, b+1, ... attend."""
-    def blocks_of(rank: int, op):
-        fam, j = op.buf.family, op.buf.chunk
-        if fam not in (Family.KV, Family.DKV):
-            return None
-        into = op.peer if type(op) is Send else rank     # the receiving rank
-        b = into if fam is Family.KV else (rank if type(op) is Send else op.peer)
-        got = _runs(_route(cols, P, j, b))
-        assert got is not None, (rank, str(op))
-        return got
-    return blocks_of
-
-
-def q_backward_ranges(rows: dict):
-    """``blocks_of`` for q_visit's backward: q1 and dq1 carry q1's blocks that attend kv0."""
-    def blocks_of(rank: int, op):
-        return _runs(rows[1, 0]) if op.buf.family in (Family.Q, Family.DQ) else None
-    return blocks_of
-
-
-class _WithBackward:
-    """A plan whose backward programs are replaced (what the runtime reads of it is
-    ``plan.backward``; everything else is the plan's)."""
-
-    def __init__(self, plan, backward) -> None:
-        self._plan = plan
-        self.backward = tuple(backward)
-
-    def __getattr__(self, name):
-        return getattr(self._plan, name)
 
 
 # ---- running and checking ---------------------------------------------------------------------
@@ -230,29 +185,34 @@ def _records(states) -> dict:
             for r, st in states.items()}
 
 
-def _assert_bytes(programs, records: dict, *, L, **dims) -> int:
+def _moves(prog, st, *, L, **dims) -> tuple[int, int]:
+    """``(sent, received)`` bytes of a step's transfers: a ranged one its ranges' tokens, a
+    whole one (and a collective slot for another member) the chunk's L."""
+    def size(buf, blocks=None):
+        tokens = L if blocks is None else sum(hi - lo for lo, hi in blocks) * BS
+        return tokens * _bytes_per_token(buf, **dims)
+    sent = sum(size(op.buf, op.blocks) for op in st.comms if type(op) is Send)
+    got = sum(size(op.buf, op.blocks) for op in st.comms if type(op) is Recv)
+    for op in st.collectives:
+        me = op.group.index(prog.rank)
+        sent += sum(size(b) for k, b in enumerate(op.sends) if b is not None and k != me)
+        got += sum(size(b) for k, b in enumerate(op.recvs) if b is not None and k != me)
+    return sent, got
+
+
+def _assert_bytes(programs, records: dict, **dims) -> int:
     """Each step record's sent and received bytes (``records`` as :func:`_records` gives them)
-    are the sum of its transfers' tokens (the ranges' tokens, or the chunk's L) times the bytes
-    a token moves; returns the total received."""
+    are its transfers' (:func:`_moves`); returns the total received."""
     total = 0
     for prog in programs:
         if prog.rank not in records:
             continue
-        recs = records[prog.rank]
         for st in prog.steps:
-            want = {Send: 0, Recv: 0}
-            for op in st.comms:
-                tokens = L if op.blocks is None else sum(hi - lo for lo, hi in op.blocks) * BS
-                want[type(op)] += tokens * _bytes_per_token(op.buf, **dims)
-            assert recs[st.index] == (want[Send], want[Recv]), \
-                (prog.rank, st.index, [str(o) for o in st.comms])
-            total += want[Recv]
+            want = _moves(prog, st, **dims)
+            assert records[prog.rank][st.index] == want, \
+                (prog.rank, st.index, [str(o) for o in st.ops])
+            total += want[1]
     return total
-
-
-def _whole_bytes(programs, *, L, **dims) -> int:
-    return sum(L * _bytes_per_token(op.buf, **dims) for prog in programs for st in prog.steps
-               for op in st.comms if type(op) is Recv)
 
 
 def _has_ranges(programs, families) -> bool:
@@ -260,7 +220,18 @@ def _has_ranges(programs, families) -> bool:
                for prog in programs for st in prog.steps for op in st.comms)
 
 
-# ---- the ranged ring, end to end --------------------------------------------------------------
+def _check_run(plan, mask, q, k, v, dout, *, what: str) -> int:
+    """Forward and backward equal the dense reference, every step record's bytes are its
+    transfers' (ranges counted in tokens); returns the forward's received bytes."""
+    got, states = _run(plan, q, k, v, dout)
+    _assert_dense(got, _dense(mask, q, k, v, dout), what)
+    B, H, _, D = q.shape
+    dims = dict(L=plan.local_len, B=B, H=H, G=k.shape[1], D=D, Dv=v.shape[-1])
+    _assert_bytes(plan.backward, _records(states["backward"]), **dims)
+    return _assert_bytes(plan.forward, _records(states["forward"]), **dims)
+
+
+# ---- hand-written ranged programs, end to end -------------------------------------------------
 CASES = [  # (P, H, G, D, Dv, heads, kv, seed)
     (2, 2, 1, 4, 4, "whole", "resend", 0),
     (3, 4, 2, 4, 4, "whole", "keep", 1),        # GQA
@@ -278,25 +249,13 @@ def test_a_ranged_ring_matches_dense_and_moves_only_the_ranges(P, H, G, D, Dv, h
     cols, _ = _need(mask, S, P)
     plan = fringe.plan(ranged_ring(cols, P, heads=heads), mask, seq_len=S, world_size=P,
                        block_size=BS, kv=kv)
-    assert _has_ranges(plan.forward, (Family.KV,))
+    whole = fringe.plan(ranged_ring(cols, P, heads=heads, ranged=False), mask, seq_len=S,
+                        world_size=P, block_size=BS, kv=kv, ranges=False)
+    assert _has_ranges(plan.forward, (Family.KV,)) and _has_ranges(plan.backward, (Family.DKV,))
+    assert _has_ranges(plan.backward, (Family.KV,)) == (kv == "resend")
     q, k, v, dout = _qkv(S, H=H, G=G, D=D, Dv=Dv, seed=seed)
-    want = _dense(mask, q, k, v, dout)
-    # the backward as fringe.plan derives it
-    got, states = _run(plan, q, k, v, dout)
-    _assert_dense(got, want, "plan's backward")
-    dims = dict(L=plan.local_len, B=2, H=H, G=G, D=D, Dv=Dv)
-    moved = _assert_bytes(plan.forward, _records(states["forward"]), **dims)
-    assert 0 < moved < _whole_bytes(plan.forward, **dims)
-    _assert_bytes(plan.backward, _records(states["backward"]), **dims)
-    # every kv / dkv transfer of the backward ranged by hand
-    bwd = _ranged(plan.backward, ring_backward_ranges(cols, P))
-    assert _has_ranges(bwd, (Family.DKV,))
-    assert _has_ranges(bwd, (Family.KV,)) == (kv == "resend")
-    ranged = _WithBackward(plan, bwd)
-    got, states = _run(ranged, q, k, v, dout)
-    _assert_dense(got, want, "ranged backward")
-    moved = _assert_bytes(bwd, _records(states["backward"]), **dims)
-    assert 0 < moved < _whole_bytes(bwd, **dims)
+    moved = _check_run(plan, mask, q, k, v, dout, what="ranged")
+    assert 0 < moved < _check_run(whole, mask, q, k, v, dout, what="whole")
 
 
 @pytest.mark.parametrize("kv", ["resend", "keep"])
@@ -304,21 +263,47 @@ def test_q_and_dq_move_in_ranges(kv):
     P, S, H, G, D, Dv = 2, 2 * BS * 4, 4, 2, 4, 3
     docs = torch.tensor([0] * 5 + [1] * 20 + [2] * 7)     # doc 1 spans both ranks (16 each)
     mask = masks.causal() & masks.document(docs)
-    cols, rows = _need(mask, S, P)
+    _, rows = _need(mask, S, P)
     plan = fringe.plan(q_visit(rows), mask, seq_len=S, world_size=P, block_size=BS, kv=kv)
-    assert _has_ranges(plan.forward, (Family.Q,))
+    whole = fringe.plan(q_visit(rows, ranged=False), mask, seq_len=S, world_size=P,
+                        block_size=BS, kv=kv, ranges=False)
+    assert _has_ranges(plan.forward, (Family.Q,)) and _has_ranges(plan.backward, (Family.DQ,))
     q, k, v, dout = _qkv(S, H=H, G=G, D=D, Dv=Dv, seed=11)
-    want = _dense(mask, q, k, v, dout)
-    dims = dict(L=plan.local_len, B=2, H=H, G=G, D=D, Dv=Dv)
-    got, states = _run(plan, q, k, v, dout)
-    _assert_dense(got, want, "plan's backward")
-    assert _assert_bytes(plan.forward, _records(states["forward"]), **dims) < _whole_bytes(plan.forward,
-                                                                                  **dims)
-    bwd = _ranged(plan.backward, q_backward_ranges(rows))
-    assert _has_ranges(bwd, (Family.DQ,))
-    got, states = _run(_WithBackward(plan, bwd), q, k, v, dout)
-    _assert_dense(got, want, "ranged backward")
-    assert _assert_bytes(bwd, _records(states["backward"]), **dims) < _whole_bytes(bwd, **dims)
+    moved = _check_run(plan, mask, q, k, v, dout, what="ranged")
+    assert 0 < moved < _check_run(whole, mask, q, k, v, dout, what="whole")
+
+
+# ---- the built-in schedules, ranged by fringe.plan --------------------------------------------
+BUILTIN = [  # (schedule, mask, P, H, G, D, Dv, kv)
+    ("ring", "documents", 4, 4, 2, 4, 4, "resend"),
+    ("zigzag", "documents", 4, 4, 1, 6, 3, "keep"),          # GQA + MLA
+    ("striped", "window", 3, 2, 2, 4, 4, "resend"),
+    ("balanced", "documents", 4, 4, 2, 3, 5, "resend"),      # MLA (Dv > D)
+    ("zigzag", "window", 2, 2, 1, 4, 4, "keep"),
+    ("compose:zigzag+ulysses:2", "documents", 4, 4, 2, 4, 4, "resend"),  # head-sliced ranges
+    ("compose:zigzag+ulysses:2", "window", 4, 4, 4, 4, 3, "keep"),
+]
+
+
+@pytest.mark.parametrize("name,mask_kind,P,H,G,D,Dv,kv", BUILTIN)
+def test_builtin_schedules_with_ranges_match_dense_and_whole_chunks_bit_for_bit(
+        name, mask_kind, P, H, G, D, Dv, kv):
+    S = P * BS * 8
+    mask = (masks.causal() & masks.document(packed_docs(S, 2 * P, seed=P))
+            if mask_kind == "documents" else masks.causal() & masks.sliding_window(3 * BS))
+    plan, whole = (fringe.plan(fringe.schedules.get(name), mask, seq_len=S, world_size=P,
+                               block_size=BS, kv=kv, ranges=r) for r in (True, False))
+    assert _has_ranges(plan.forward, (Family.KV,))
+    assert not _has_ranges(whole.forward + whole.backward, tuple(Family))
+    if name.startswith("compose"):
+        assert any(op.blocks is not None and op.buf.heads is not None
+                   for prog in plan.forward for st in prog.steps for op in st.comms)
+    q, k, v, dout = _qkv(S, H=H, G=G, D=D, Dv=Dv, seed=P + H)
+    moved = _check_run(plan, mask, q, k, v, dout, what=f"{name} ranged")
+    assert 0 < moved < _check_run(whole, mask, q, k, v, dout, what=f"{name} whole")
+    # zeros outside the ranges are never read unmasked: the same bits as whole chunks
+    for a, b in zip(_run(plan, q, k, v, dout)[0], _run(whole, q, k, v, dout)[0]):
+        assert torch.equal(a, b)
 
 
 # ---- the interpreter's rules, one rank at a time ----------------------------------------------
@@ -400,46 +385,34 @@ def test_a_ranged_transfer_needs_the_block_size():
         st.outgoing("kv0", ((0, 1),))
 
 
-# ---- ranges that do not fit fail before any communication -------------------------------------
-class _Spy(VirtualMesh):
-    issued = 0
-
-    def issue(self, *args, **kwargs):
-        type(self).issued += 1
-        return super().issue(*args, **kwargs)
-
-
+# ---- ranges that do not fit never reach the runtime ---------------------------------------------
 def _one_hop(buf: Buffer, blocks) -> Schedule:
+    """P=2: kv0 (or q1, out1 coming back) moves once, with ``blocks``."""
     def programs(world_size: int) -> list[Program]:
-        fam = buf.family
-        steps0 = (Compute(0, 0), Send(buf, 1, blocks)) if fam is Family.KV else (Compute(0, 0),)
-        steps1 = (Compute(1, 1), Recv(buf, 0, blocks)) if fam is Family.KV else (Compute(1, 1),)
-        if fam is Family.KV:
-            return [Program(0, (Step(0, steps0),)),
-                    Program(1, (Step(0, steps1), Step(1, (Compute(1, 0),))))]
-        return [Program(0, (Step(0, (Compute(0, 0), Recv(Buffer.of(Family.Q, 1), 1))),
-                            Step(1, (Compute(1, 0),)), Step(2, (Send(buf, 1, blocks),)))),
-                Program(1, (Step(0, (Compute(1, 1), Send(Buffer.of(Family.Q, 1), 0))),
+        if buf.family is Family.KV:
+            return [Program(0, (Step(0, (Compute(0, 0), Send(buf, 1, blocks))),)),
+                    Program(1, (Step(0, (Compute(1, 1), Recv(buf, 0, blocks))),
+                                Step(1, (Compute(1, 0),))))]
+        q1 = Buffer.of(Family.Q, 1)
+        return [Program(0, (Step(0, (Compute(0, 0), Recv(q1, 1))), Step(1, (Compute(1, 0),)),
+                            Step(2, (Send(buf, 1, blocks),)))),
+                Program(1, (Step(0, (Compute(1, 1), Send(q1, 0))),
                             Step(2, (Recv(buf, 0, blocks),))))]
     return Schedule(f"one_hop({buf})", layout=_layout.contiguous, programs_fn=programs)
 
 
 @pytest.mark.parametrize("buf,blocks,match", [
-    ("kv0", ((0, 2), (3, 5)), r"'S kv0\[0:2,3:5\]->r1'.*L/block_size = 16/4 = 4 blocks"),
-    ("out1", ((0, 1),), r"'S out1\[0:1\]->r1'.*only q/kv/dq/dkv buffers move in block ranges")])
-def test_ranges_that_do_not_fit_fail_before_any_communication(buf, blocks, match):
-    S, P = 2 * BS * 4, 2
-    plan = fringe.plan(_one_hop(Buffer(buf), blocks), masks.causal(), seq_len=S, world_size=P,
-                       block_size=BS)
-    q, k, v = make_qkv(B=1, H=2, G=1, S=S, D=4, seed=0)
-    with pytest.raises(ValueError, match=match):
-        fringe.simulate.attention(q, k, v, plan=plan)
-    rt = Runtime(range(P), lambda device: _Spy(P))
-    _Spy.issued = 0
-    stacked = [torch.stack([plan.layout.shard(t, r) for r in range(P)]) for t in (q, k, v)]
-    with pytest.raises(ValueError, match=match):
-        rt.forward(plan, *stacked)
-    assert _Spy.issued == 0
+    ("kv0", ((0, 2), (3, 5)), r"blocks up to 5 of a chunk of 4 blocks"),
+    ("out1", ((0, 1),), r"out buffer moves block ranges; only q, kv, dq, dkv may")])
+def test_ranges_that_do_not_fit_are_refused_by_plan_and_by_the_rank_state(buf, blocks, match):
+    """fringe.plan refuses them (so no call ever communicates them); a RankState driven by
+    hand refuses out in ranges too."""
+    with pytest.raises(ScheduleError, match=match):
+        fringe.plan(_one_hop(Buffer(buf), blocks), masks.causal(), seq_len=2 * BS * 4,
+                    world_size=2, block_size=BS)
+    st = _state()
+    with pytest.raises(RuntimeError, match="only q/kv/dq/dkv buffers may"):
+        st.incoming("out1", ((0, 1),))
 
 
 # ---- gloo equals the virtual mesh bit for bit on a ranged plan --------------------------------
@@ -485,4 +458,5 @@ def test_gloo_equals_the_virtual_mesh_bit_for_bit_on_a_ranged_plan():
         dims = dict(L=plan.local_len, B=2, H=4, G=2, D=4, Dv=4)
         for which, progs in (("forward", plan.forward), ("backward", plan.backward)):
             _assert_bytes(progs, {r: res[r][kv]["records"][which] for r in range(P)}, **dims)
+        assert _has_ranges(plan.backward, (Family.DKV,))
         _assert_dense(sim, _dense(mask, q, k, v, dout), f"gloo {kv}")

@@ -6,19 +6,15 @@ virtual mesh, R = 1 under torch.distributed), and ``ranks`` names them.
 """
 from __future__ import annotations
 
-import weakref
 from typing import Sequence
 
-import numpy as np
 import torch
 
 from ..masks import reads_bh
 from ..ops import check_qkv, merge, tile_backward, tile_forward
-from ..schedules.ir import (Buffer, Compute, Family, GradCompute, ProgramTable, Send,
-                            buffer_of)
+from ..schedules.ir import Buffer, Compute, Family, GradCompute
 from .contract import PlanLike
-from .interpreter import (RANGED, RankState, Transport, check_head_split, execute, head_range,
-                          kv_shape)
+from .interpreter import RankState, Transport, check_head_split, execute, head_range, kv_shape
 
 
 def check_inputs(q, k, v, *, plan: PlanLike, local: bool) -> None:
@@ -52,7 +48,6 @@ def check_inputs(q, k, v, *, plan: PlanLike, local: bool) -> None:
         if t.device != q.device:
             raise ValueError(f"a score_mod parameter is on {t.device} but q is on {q.device}")
     check_heads(plan, q.shape[1], k.shape[1])
-    check_ranges(plan)
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -87,71 +82,6 @@ def check_heads(plan: PlanLike, num_heads: int, kv_heads: int) -> None:
     for n in head_splits(plan):
         check_head_split(n, num_heads, kv_heads,
                          what=f"schedule {plan.schedule.name!r} (heads split {n} ways)")
-
-
-def check_ranges(plan: PlanLike) -> None:
-    """Raise before any communication if a transfer's block ranges do not fit the plan: a
-    range past the chunk's ``L / block_size`` blocks, or ranges on a family that never moves
-    in ranges (out, dout). Runs on every call; what it reads of a table is derived once per
-    table (:func:`_range_summary`).
-
-    Raises:
-        ValueError: naming the direction, step, rank and transfer, and the fix.
-    """
-    L, bs = plan.local_len, plan.block_size
-    nblocks = L // bs
-    for direction, progs in (("forward", plan.forward), ("backward", plan.backward)):
-        tables = {id(p.table): p.table for p in progs if p.table is not None}
-        if any(p.table is None for p in progs):          # op objects: their table
-            tables = {0: ProgramTable.of(progs)}
-        for tab in tables.values():
-            widest, wrong = _range_summary(tab)
-            if wrong is not None:
-                raise ValueError(f"{_transfer_text(plan, direction, tab, wrong)}, but only "
-                                 f"{'/'.join(f.value for f in RANGED)} buffers move in block "
-                                 f"ranges (out and dout move whole); drop the ranges of that "
-                                 f"transfer")
-            if widest is not None and widest[1] > nblocks:
-                raise ValueError(f"{_transfer_text(plan, direction, tab, widest[0])}, but a chunk "
-                                 f"has L/block_size = {L}/{bs} = {nblocks} blocks (ranges are "
-                                 f"half-open block indices local to the chunk: 0 <= lo < hi <= "
-                                 f"{nblocks}); fix the ranges, or plan with the block_size they "
-                                 f"were written for")
-
-
-#: ``table -> (widest, wrong)`` of :func:`_range_summary` (tables are immutable; the entry goes
-#: with the table).
-_RANGE_SUMMARIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def _range_summary(tab: ProgramTable) -> tuple[tuple[int, int] | None, int | None]:
-    """``(widest, wrong)`` of a table's ranged transfers: ``widest`` = ``(row, hi)`` of the
-    one reaching furthest into its chunk (None: no ranged transfer), ``wrong`` = the row of
-    the first on a family that never moves in ranges (None: none)."""
-    hit = _RANGE_SUMMARIES.get(tab)
-    if hit is None:
-        widest = wrong = None
-        _, xfer, _ = tab._parts
-        rng = np.asarray(xfer["rng"], dtype=np.int64)
-        if tab.ranged and (rng >= 0).any():     # (a pruned table may keep unused range sets)
-            his = np.array([rs[-1][1] for rs in xfer["ranges"]] + [0], dtype=np.int64)
-            reach = np.where(rng >= 0, his[rng], -1)   # rng -1 reads the trailing 0: masked
-            row = int(reach.argmax())
-            widest = (row, int(reach[row]))
-            codes = [tuple(Family).index(f) for f in RANGED]
-            bad = np.flatnonzero((rng >= 0) & ~np.isin(xfer["fam"], codes))
-            wrong = int(bad[0]) if len(bad) else None
-        hit = _RANGE_SUMMARIES[tab] = (widest, wrong)
-    return hit
-
-
-def _transfer_text(plan: PlanLike, direction: str, tab: ProgramTable, row: int) -> str:
-    """``schedule 'x': forward step 0, rank 1: 'S kv1[0:9]->r2'``: a table's transfer row."""
-    _, xfer, _ = tab._parts
-    fam, chunk, hi, hn, src, dst, step, g = (int(xfer[c][row]) for c in (
-        "fam", "chunk", "hi", "hn", "src", "dst", "step", "rng"))
-    op = Send(buffer_of(fam, chunk, hi, hn), dst, xfer["ranges"][g])
-    return f"schedule {plan.schedule.name!r}: {direction} step {step}, rank {src}: '{op.ascii()}'"
 
 
 def kept_names(plan: PlanLike, rank: int) -> list[Buffer]:
@@ -246,7 +176,6 @@ def forward(plan: PlanLike, ranks: Sequence[int], q: torch.Tensor, k: torch.Tens
     acc = acc_dtype(q.dtype)
     H = q.shape[2]
     check_heads(plan, H, k.shape[2])
-    check_ranges(plan)
     like = _shapes(q[0], k[0], v[0])
     states = {}
     for n, r in enumerate(ranks):
@@ -311,7 +240,6 @@ def backward(plan: PlanLike, ranks: Sequence[int], q, k, v, out, lse, dout, dlse
     acc = acc_dtype(q.dtype)
     H = q.shape[2]
     check_heads(plan, H, k.shape[2])
-    check_ranges(plan)
     states = {}
     params = tuple(plan.score_params)
     dparams = [torch.zeros(p.shape, dtype=acc, device=p.device) for p in params]

@@ -49,7 +49,7 @@ from typing import Any, Callable, Protocol
 import torch
 
 from ..cost.hardware import check_head_split  # the head-split rule (re-exported here)
-from ..schedules.ir import Buffer, Compute, Family, GradCompute, Program, Send
+from ..schedules.ir import RANGED_FAMILIES, Buffer, Compute, Family, GradCompute, Program, Send
 
 
 class Transport(Protocol):
@@ -231,10 +231,6 @@ def split_parts(family: Family, t: torch.Tensor, kv_split: int | None = None) ->
     return (t,)
 
 
-#: The families a transfer may move in block ranges (a partial out / dout never does).
-RANGED = (Family.Q, Family.KV, Family.DQ, Family.DKV)
-
-
 class RankState:
     """Buffers of one rank while its program runs.
 
@@ -360,16 +356,18 @@ class RankState:
 
         Raises:
             RuntimeError: this state has no ``block_size``, or ``b``'s family never moves in
-                ranges (:func:`fringe.runtime.engine.check_ranges` refuses such a plan first).
+                ranges (``fringe.plan`` refuses such programs first, as it refuses ranges past
+                the chunk's ``L / block_size`` blocks).
         """
         if self.block_size is None:
             raise RuntimeError(f"rank {self.rank}: a transfer of {b}{list(blocks)} carries block "
                                f"ranges, but this RankState has no block_size; give it "
                                f"RankState(..., block_size=plan.block_size)")
-        if b.family not in RANGED:
+        if b.family not in RANGED_FAMILIES:
             raise RuntimeError(f"rank {self.rank}: {b} moves in block ranges, but only "
-                               f"{'/'.join(f.value for f in RANGED)} buffers may (the program "
-                               f"is inconsistent; fringe.runtime.engine.check_ranges finds it)")
+                               f"{'/'.join(f.value for f in RANGED_FAMILIES)} buffers may (the "
+                               f"program is inconsistent; fringe.schedules.check finds such "
+                               f"faults)")
         return token_spans(blocks, self.block_size)
 
     def _wire_shape(self, b: Buffer, spans) -> tuple[tuple, torch.dtype]:
