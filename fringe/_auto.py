@@ -20,26 +20,43 @@ The rule, in one place:
   kv policy, kernel, ...) and simulated on the hardware with the shape
   (:func:`fringe.cost.simulate.simulate`); a candidate whose layout refuses the sizes (zigzag
   needs S % (2 P block) == 0) is listed with the planner's message.
-* **pick**: the least predicted step time (forward + backward); predictions within a relative
-  :data:`TIE` of the least are ties, broken by the candidate's name (its spec), so that every
-  rank picks the same one from the same constants.
+* **memory**: a candidate whose predicted peak bytes on some rank
+  (:attr:`fringe.cost.simulate.Prediction.memory`: resident q, k, v, out and gradients plus
+  the received buffers alive at once) exceed the hardware's ``memory_bytes`` cannot run: it
+  is listed with both numbers and never picked (a hardware with ``memory_bytes=None`` states
+  no limit).
+* **layer kinds** (:func:`resolve_kinds`, what ``fringe.hf.plans`` asks): where several kinds
+  of attention layer share one layout, a candidate plans every kind, and its predicted step
+  time is the sum over the kinds of (the kind's step time x its number of layers); bytes and
+  balance are summed per rank the same way, memory is the largest of the kinds'. One plan is
+  one kind with weight 1.
+* **pick**: the least predicted step time (forward + backward) among those that can run;
+  predictions within a relative :data:`TIE` of the least are ties, broken by the candidate's
+  name (its spec), so that every rank picks the same one from the same constants.
+* **constants**: a preset, or a :class:`Hardware` every rank shares; one that this process
+  measured for itself (``fringe.cost.calibrate.calibrate()``, named ``"this"``) is refused:
+  ranks that measure apart can choose apart. ``fringe.cost.calibrate.shared()`` measures once
+  and gives every rank the same constants (named :data:`SHARED`).
 """
 from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Callable
+from typing import Callable, Sequence
+
+import numpy as np
 
 from tabulate import tabulate
 
-from .cost.hardware import HARDWARE, Hardware, Shape, get_hardware
+from .cost.hardware import HARDWARE, PER_RANK, SHARED, Hardware, Shape, get_hardware
 from .cost.simulate import simulate
 from .runtime.contract import PlanLike
 from .schedules import registry
 from .schedules.auto import Auto
 from .schedules.base import AUTO, COMPOSE, Schedule
 
-__all__ = ["CALIBRATION_SHAPES", "Candidate", "Choice", "TIE", "candidates", "resolve"]
+__all__ = ["CALIBRATION_SHAPES", "Candidate", "Choice", "TIE", "candidates", "resolve",
+           "resolve_kinds"]
 
 #: Relative difference of predicted step times below which two candidates tie (broken by name).
 TIE = 1e-9
@@ -72,7 +89,10 @@ class Candidate:
         forward_s / backward_s: the two halves.
         forward_bytes: the most bytes one rank sends in the forward.
         balance: max / mean compute per rank.
-        excluded: why it was not planned, or None.
+        memory_bytes: the predicted peak bytes of the busiest rank.
+        parts: with several layer kinds, each kind's predicted step time (one layer), in the
+            order of :attr:`Choice.kinds`; ``step_s`` is their sum weighted by layer count.
+        excluded: why it cannot run (not planned, or planned and over the memory), or None.
     """
 
     name: str
@@ -81,7 +101,14 @@ class Candidate:
     backward_s: float | None = None
     forward_bytes: float | None = None
     balance: float | None = None
+    memory_bytes: float | None = None
+    parts: tuple[float, ...] = ()
     excluded: str | None = None
+
+    @property
+    def runs(self) -> bool:
+        """Planned, simulated, and within the memory: it may be picked."""
+        return self.step_s is not None and self.excluded is None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,6 +126,8 @@ class Choice:
         reused: for ``auto(reuse=plan)``: the schedule planned again (the table is then the
             earlier search's, or empty if that plan has none); None after a search.
         search_s: wall seconds the search took (planning and simulating every candidate).
+        kinds: with several layer kinds (``fringe.hf.plans``), ``(kind, number of layers)``
+            for each, in the order of :attr:`Candidate.parts`; empty for one plan.
     """
 
     winner: str
@@ -110,19 +139,23 @@ class Choice:
     why: str
     reused: str | None = None
     search_s: float = 0.0
+    kinds: tuple[tuple[str, int], ...] = ()
 
     def ranked(self) -> list[Candidate]:
-        """The candidates planned, fastest first (ties by name), then those excluded."""
-        ran = sorted((c for c in self.candidates if c.step_s is not None),
-                     key=lambda c: (c.step_s, c.name))
-        return ran + [c for c in self.candidates if c.step_s is None]
+        """The candidates that can run, fastest first (ties by name), then those that cannot
+        (planned ones first, fastest first; then the ones never planned, in visiting order)."""
+        def fastest(cs):
+            return sorted(cs, key=lambda c: (c.step_s, c.name))
+        return (fastest(c for c in self.candidates if c.runs)
+                + fastest(c for c in self.candidates if c.step_s is not None and not c.runs)
+                + [c for c in self.candidates if c.step_s is None])
 
     def table(self, title: str = "") -> str:
         """The candidates with their predictions, the winner and why, and the constants."""
         rows, left = [], []
         won = next((c for c in self.candidates if c.name == self.winner), None)
         for c in self.ranked():
-            if c.step_s is None:
+            if not c.runs:
                 left.append(f"  {c.name}: {c.excluded}")
                 continue
             if c is won:
@@ -133,7 +166,8 @@ class Choice:
                                            else "")
             rows.append([c.name, f"{c.step_s * 1e3:.4g}", f"{c.forward_s * 1e3:.4g}",
                          f"{c.backward_s * 1e3:.4g}", f"{c.forward_bytes / 1e6:.4g}",
-                         f"{c.balance:.3f}", note])
+                         f"{c.balance:.3f}", f"{c.memory_bytes / 1e6:.4g}"]
+                        + [f"{x * 1e3:.4g}" for x in c.parts] + [note])
         sh = self.shape
         lines = [f"schedules.auto() chose {self.winner}" + (f" · {title}" if title else "")]
         if self.reused is not None:
@@ -142,22 +176,31 @@ class Choice:
                                                     else "; that plan kept no table"))
         if rows:
             lines.append(tabulate(rows, headers=["candidate", "step ms", "fwd ms", "bwd ms",
-                                                 "fwd MB/rank", "balance", "vs chosen"],
+                                                 "fwd MB/rank", "balance", "mem MB/rank"]
+                                  + [f"{k} ms" for k, _ in self.kinds] + ["vs chosen"],
                                   disable_numparse=True))
         if left:
-            lines.append("not planned (cannot run here):")
+            lines.append("cannot run here:")
             lines.extend(left)
         lines.append(f"why: {self.why}")
         if not (self.reused is not None and not self.candidates):    # no search to describe
             lines.append(f"constants: {self.source}")
             lines.append(f"shape: B={sh.batch} H={sh.heads} G={sh.kv_heads} D={sh.head_dim} "
                          f"{sh.dtype} ({self.shape_from})")
+        if self.kinds:
+            lines.append("layer kinds sharing one layout, one schedule for all: step = "
+                         + " + ".join(f"{n} x {k}" for k, n in self.kinds)
+                         + " (each kind's column: one layer of it)")
         if self.reused is None:
             n = sum(c.step_s is not None for c in self.candidates)
+            mem = (f"{self.hardware.memory_bytes / 1e9:.4g} GB per rank" if
+                   self.hardware.memory_bytes is not None else "not stated by the hardware")
             lines.append(f"search: {n} planned and simulated, {len(self.candidates) - n} "
-                         f"excluded, {self.search_s:.2f} s; step: forward + backward of one "
-                         f"attention layer; fwd MB/rank: the most one rank sends forward; "
-                         f"balance: max/mean compute per rank")
+                         f"not planned, {self.search_s:.2f} s; step: forward + backward of "
+                         f"{'every attention layer' if self.kinds else 'one attention layer'};"
+                         f" fwd MB/rank: the most one rank sends forward; balance: max/mean "
+                         f"compute per rank; mem MB/rank: predicted peak of the busiest rank "
+                         f"(memory: {mem})")
         return "\n".join(lines)
 
     def __str__(self) -> str:
@@ -166,6 +209,8 @@ class Choice:
 
 def source_of(hw: Hardware) -> str:
     """Where ``hw``'s constants come from, in words."""
+    if hw.name == SHARED:
+        return f"calibration shared by every rank: {hw.source}"
     if HARDWARE.get(hw.name) is hw:
         if hw.name in MEASURED:
             return f"preset {hw.name!r} calibrated on {hw.source}"
@@ -227,7 +272,7 @@ def candidates(world_size: int, *, heads: int | None = None, kv_heads: int | Non
 def resolve(marker: Auto, plan_one: Callable[[Schedule], PlanLike], *, world_size: int,
             num_heads: int | None) -> PlanLike:
     """The plan :func:`fringe.plan` returns for ``marker`` (see the module docstring), with
-    the :class:`Choice` in ``plan.cache.auto``.
+    the :class:`Choice` in ``plan.cache.auto``: :func:`resolve_kinds` for one layer kind.
 
     Args:
         marker: ``schedules.auto(...)``.
@@ -235,12 +280,38 @@ def resolve(marker: Auto, plan_one: Callable[[Schedule], PlanLike], *, world_siz
         world_size, num_heads: P, and H when the call gave it.
 
     Raises:
-        ValueError: no candidate can be planned (the first one's reason), or a bad option.
+        ValueError: no candidate can be planned (the first one's reason), none fits in the
+            memory, per-rank calibration, or a bad option.
     """
+    return resolve_kinds(marker, lambda s: [plan_one(s)], world_size=world_size,
+                         num_heads=num_heads)[0]
+
+
+def resolve_kinds(marker: Auto, plan_kinds: Callable[[Schedule], Sequence[PlanLike]],
+                  kinds: Sequence[tuple[str, int]] = (), *, world_size: int,
+                  num_heads: int | None) -> list[PlanLike]:
+    """One schedule for several kinds of attention layer that share a layout: the plans of
+    the candidate with the least predicted step time summed over the kinds, each weighted by
+    its number of layers (see the module docstring); every plan gets the one :class:`Choice`
+    in ``plan.cache.auto``.
+
+    Args:
+        marker: ``schedules.auto(...)``.
+        plan_kinds: plans one schedule for every kind, in the order of ``kinds`` (over one
+            layout, as the caller shares it).
+        kinds: ``(kind, number of layers)`` for each kind; empty: one plan of weight 1.
+        world_size, num_heads: P, and H when the call gave it.
+
+    Raises:
+        ValueError: as :func:`resolve`.
+    """
+    weights = [int(n) for _, n in kinds] or [1]
+    if any(w < 1 for w in weights):
+        raise ValueError(f"every layer kind needs at least one layer, got {list(kinds)}")
     if marker.reuse is not None:
         prev = marker.reuse
-        p = plan_one(prev.schedule)
-        old = getattr(getattr(prev, "cache", None), "auto", None)
+        ps = list(plan_kinds(prev.schedule))
+        old = getattr(prev, "choice", None)
         name = old.winner if old is not None else _name(prev.schedule)
         if old is not None:
             choice = dataclasses.replace(old, reused=name)
@@ -250,13 +321,22 @@ def resolve(marker: Auto, plan_one: Callable[[Schedule], PlanLike], *, world_siz
                             why="auto(reuse=plan) plans plan.schedule again; the earlier plan "
                                 "keeps no choice (it was not made by schedules.auto(), or it is "
                                 "a copy)", reused=name)
-        p.cache.auto = choice
-        return p
+        for p in ps:
+            p.cache.auto = choice
+        return ps
     t0 = time.perf_counter()
     hw = get_hardware(marker.hardware)
+    if hw.name == PER_RANK:
+        raise ValueError(
+            "schedules.auto(hardware=<a Hardware named 'this'>) is refused: it was measured by "
+            "fringe.cost.calibrate.calibrate() for this process alone, and ranks that measure "
+            "apart can choose different schedules. Measure once for every rank: hw = "
+            "fringe.cost.calibrate.shared(group=group, path='calib.json') on every rank "
+            "(rank 0 measures or loads the file and broadcasts), then schedules.auto("
+            "hardware=hw); or use a preset ('cpu', 'h100-nvlink', 'h100-ib')")
     shape, shape_from = _shape(marker, hw, num_heads)
     rows: list[Candidate] = []
-    plans: dict[str, PlanLike] = {}
+    plans: dict[str, list[PlanLike]] = {}
     failed: list[tuple[str, ValueError]] = []
     for name, sched, why in candidates(world_size, heads=shape.heads, kv_heads=shape.kv_heads,
                                        given=marker.candidates):
@@ -264,22 +344,29 @@ def resolve(marker: Auto, plan_one: Callable[[Schedule], PlanLike], *, world_siz
             rows.append(Candidate(name, excluded=why))
             continue
         try:
-            p = plan_one(sched)
+            ps = list(plan_kinds(sched))
         except ValueError as e:              # the planner refuses these sizes: say so
             failed.append((name, e))
             rows.append(Candidate(name, excluded=_one_line(e)))
             continue
-        pred = simulate(p, hw, shape, name=name)
-        rows.append(Candidate(name, step_s=pred.step_s, forward_s=pred.forward_s,
-                              backward_s=pred.backward_s,
-                              forward_bytes=float(pred.sent["forward"].sum(1).max(initial=0)),
-                              balance=pred.balance))
-        plans[name] = p                      # kept only while it can still win
-        best = min(c.step_s for c in rows if c.step_s is not None)
-        step = {c.name: c.step_s for c in rows}
-        plans = {n: q for n, q in plans.items() if step[n] <= best * (1 + TIE)}
-    ran = [c for c in rows if c.step_s is not None]
+        c = _predict(name, ps, weights, hw, shape, several=bool(kinds))
+        rows.append(c)
+        if c.runs:
+            plans[name] = ps                 # kept only while it can still win
+            best = min(r.step_s for r in rows if r.runs)
+            step = {r.name: r.step_s for r in rows}
+            plans = {n: q for n, q in plans.items() if step[n] <= best * (1 + TIE)}
+    ran = [c for c in rows if c.runs]
     if not ran:
+        over = sorted((c for c in rows if c.step_s is not None),
+                      key=lambda c: (c.memory_bytes, c.name))
+        if over:
+            c = over[0]
+            raise ValueError(f"schedules.auto(): no candidate fits in the memory of hardware "
+                             f"{hw.name!r} ({hw.memory_bytes / 1e9:.4g} GB per rank); the "
+                             f"least, {c.name}, needs {c.memory_bytes / 1e9:.4g} GB on its "
+                             f"busiest rank: use more ranks (world_size), a shorter sequence "
+                             f"or a smaller batch, or a Hardware with more memory_bytes")
         if failed:
             name, e = failed[0]
             raise ValueError(f"schedules.auto(): no candidate could be planned; the first, "
@@ -291,10 +378,39 @@ def resolve(marker: Auto, plan_one: Callable[[Schedule], PlanLike], *, world_siz
     tied = sorted(c.name for c in ran if c.step_s <= best * (1 + TIE))
     winner = tied[0]
     choice = Choice(winner, tuple(rows), hw, shape, shape_from, source_of(hw),
-                    _why(winner, tied, ran), search_s=time.perf_counter() - t0)
-    p = plans[winner]
-    p.cache.auto = choice
-    return p
+                    _why(winner, tied, ran), search_s=time.perf_counter() - t0,
+                    kinds=tuple((str(k), int(n)) for k, n in kinds))
+    for p in plans[winner]:
+        p.cache.auto = choice
+    return plans[winner]
+
+
+def _predict(name: str, ps: Sequence[PlanLike], weights: Sequence[int], hw: Hardware,
+             shape: Shape, *, several: bool) -> Candidate:
+    """One candidate's row: its plans (one per layer kind) simulated, summed per rank with
+    each kind's number of layers as weight; over the hardware's memory: excluded, saying so."""
+    preds = [simulate(p, hw, shape, name=name) for p in ps]
+    step = fwd = bwd = 0.0
+    sent = compute = 0
+    for w, pr in zip(weights, preds):
+        step += w * pr.step_s
+        fwd += w * pr.forward_s
+        bwd += w * pr.backward_s
+        sent = sent + w * pr.sent["forward"].sum(1)
+        compute = compute + w * (pr.compute["forward"].sum(1) + pr.compute["backward"].sum(1))
+    mean = float(np.mean(compute))
+    memory = max(float(pr.memory.max(initial=0)) for pr in preds)
+    excluded = None
+    if hw.memory_bytes is not None and memory > hw.memory_bytes:
+        excluded = (f"predicted {memory / 1e6:.4g} MB on its busiest rank, over the "
+                    f"{hw.memory_bytes / 1e6:.4g} MB per rank of hardware {hw.name!r} "
+                    f"(predicted step {step * 1e3:.4g} ms)")
+    return Candidate(name, step_s=step, forward_s=fwd, backward_s=bwd,
+                     forward_bytes=float(np.max(sent, initial=0)),
+                     balance=float(np.max(compute) / mean) if mean > 0 else 1.0,
+                     memory_bytes=memory,
+                     parts=tuple(pr.step_s for pr in preds) if several else (),
+                     excluded=excluded)
 
 
 def _why(winner: str, tied: list[str], ran: list[Candidate]) -> str:

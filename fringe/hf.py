@@ -58,11 +58,13 @@ from typing import Any, Callable
 
 import torch
 
+from . import _auto
 from . import masks as _masks
 from . import packing as _packing
 from .api import attention as _cp_attention
 from .layout import DEFAULT_BLOCK_SIZE
 from .plan import Plan, _from_block_mask, padded_len, plan as _plan
+from .schedules.base import AUTO
 
 __all__ = ["KWARG", "NAME", "LayerPlan", "Plans", "attention_forward", "layer_kinds",
            "mask_function", "model_inputs", "plans", "register"]
@@ -146,6 +148,28 @@ class Plans:
     @property
     def layout(self):
         return self.layers[0].plan.layout
+
+    @property
+    def schedule(self):
+        """The schedule of the first layer kind's plan (:func:`plans` plans every kind with
+        one schedule; ``schedules.auto(reuse=plans)`` plans it again)."""
+        return self.layers[0].plan.schedule
+
+    @property
+    def choice(self):
+        """What ``schedules.auto()`` compared and chose for all the layer kinds together (a
+        :class:`fringe._auto.Choice`, the same for every kind); None if it did not choose."""
+        return self.layers[0].plan.choice
+
+    def explain(self) -> str:
+        """For plans of ``schedules.auto()``: the candidates with their step time summed over
+        the layers (each kind's step x its number of layers), each kind's step, and why the
+        winner won (:meth:`fringe.Plan.explain` of the first kind's plan).
+
+        Raises:
+            ValueError: the plans were not made from ``schedules.auto()``.
+        """
+        return self.layers[0].plan.explain()
 
     def find(self, *, causal: bool, sliding_window: int | None, softcap: float | None) -> LayerPlan:
         """The layer plan made for exactly these; raises naming the available ones."""
@@ -260,6 +284,11 @@ def plans(model, schedule, mask=None, *, seq_len: int, world_size: int, group=No
     :func:`fringe.plan` minimises for one mask, summed over the kinds weighted by their
     numbers of layers; else the first kind's (layers without a window come first).
 
+    ``schedules.auto()`` chooses one schedule for all the kinds: each candidate plans every
+    kind as above, and the pick has the least predicted step time summed over the kinds, each
+    weighted by its number of layers (``plans.explain()`` lists the sums and each kind's step);
+    ``schedules.auto(reuse=plans)`` plans the last winner again, with no search.
+
     A ``seq_len`` the schedule's layout does not accept (not whole blocks on every rank,
     zigzag's 2P chunks, or ``tp_size``) is padded to ``fringe.padded_len(S, P,
     block_size=, tp_size=)`` (or to ``layout.seq_len``): the plans are made for the padded
@@ -269,13 +298,14 @@ def plans(model, schedule, mask=None, *, seq_len: int, world_size: int, group=No
 
     Args:
         model: a transformers model (or anything :func:`layer_kinds` reads).
-        schedule: e.g. ``schedules.zigzag()``.
+        schedule: e.g. ``schedules.zigzag()``, or ``schedules.auto()``.
         mask: the batch's mask on global positions (e.g. ``packing.document_mask(doc_ids)``),
             without causal / window (added per layer); None: full. A FlexAttention
             ``BlockMask`` is taken as its mask_mod, as :func:`fringe.plan` takes one.
         seq_len, world_size: S (the batch's real length) and P.
         group, timeout_s: for :func:`fringe.attention`.
-        layout: a :class:`fringe.Layout` to plan over (default: from the first kind's plan).
+        layout: a :class:`fringe.Layout` to plan over (default: from the first kind's plan);
+            not with ``schedules.auto()``, which chooses the layout with the schedule.
         **plan_kwargs: passed to :func:`fringe.plan` (``block_size``, ``batch_size``, ``kv``,
             ``kernel``, ``tp_size``...). ``batch_size=B`` is required when the mask's
             document ids differ per row (``packing.document_mask`` of ``doc_ids [B, S]``, from
@@ -314,21 +344,48 @@ def plans(model, schedule, mask=None, *, seq_len: int, world_size: int, group=No
         elif kind["causal"]:
             m = m & _masks.causal()
         kind_masks.append(m)
-    if layout is None and getattr(schedule, "mask_aware", False) and len(kinds) > 1:
-        layout = _balanced_layout(schedule, kind_masks, [len(k["layers"]) for k in kinds],
-                                  seq_len=seq_len, world_size=world_size, plan_kwargs=plan_kwargs)
-    layers = []
-    for kind, m in zip(kinds, kind_masks):
-        score_mod = _softcap_mod(kind["softcap"]) if kind["softcap"] is not None else None
-        kw = dict(plan_kwargs)
+    counts = [len(k["layers"]) for k in kinds]
+
+    def plan_kinds(sched, layout) -> list[Plan]:
+        """Every kind planned with ``sched`` over one layout (``layout``, else a mask-aware
+        schedule's for all kinds together, else the first kind's)."""
+        if layout is None and getattr(sched, "mask_aware", False) and len(kinds) > 1:
+            layout = _balanced_layout(sched, kind_masks, counts, seq_len=seq_len,
+                                      world_size=world_size, plan_kwargs=plan_kwargs)
+        out = []
+        for kind, m in zip(kinds, kind_masks):
+            score_mod = _softcap_mod(kind["softcap"]) if kind["softcap"] is not None else None
+            kw = dict(plan_kwargs)
+            if layout is not None:
+                kw["layout"] = layout
+            p = _plan(sched, m, seq_len=seq_len, world_size=world_size, scale=kind["scaling"],
+                      score_mod=score_mod, **kw)
+            layout = p.layout
+            out.append(p)
+        return out
+
+    if getattr(schedule, "kind", None) == AUTO:     # one schedule for every kind, weighted
         if layout is not None:
-            kw["layout"] = layout
-        p = _plan(schedule, m, seq_len=seq_len, world_size=world_size, scale=kind["scaling"],
-                  score_mod=score_mod, **kw)
-        layout = p.layout
-        layers.append(LayerPlan(p, causal=kind["causal"], sliding_window=kind["sliding_window"],
-                                softcap=kind["softcap"]))
+            raise ValueError("schedules.auto() chooses the schedule and its layout; it does not "
+                             "plan over a given layout=. Leave layout= out, or plan the schedule "
+                             "you want over that layout (e.g. the one plans.schedule holds)")
+        ps = _auto.resolve_kinds(schedule, lambda s: plan_kinds(s, None),
+                                 [(_kind_label(k), n) for k, n in zip(kinds, counts)],
+                                 world_size=world_size,
+                                 num_heads=plan_kwargs.get("num_heads"))
+    else:
+        ps = plan_kinds(schedule, layout)
+    layers = [LayerPlan(p, causal=kind["causal"], sliding_window=kind["sliding_window"],
+                        softcap=kind["softcap"]) for kind, p in zip(kinds, ps)]
     return Plans(tuple(layers), group=group, timeout_s=timeout_s, real_len=real_len)
+
+
+def _kind_label(kind: dict) -> str:
+    """A layer kind in a few characters, for ``explain()``: ``causal``, ``window16``,
+    ``full``, with ``+cap30.0`` for a softcap."""
+    w = kind["sliding_window"]
+    label = f"window{w}" if w is not None else ("causal" if kind["causal"] else "full")
+    return label + (f"+cap{kind['softcap']}" if kind["softcap"] is not None else "")
 
 
 def _padded_len(schedule, seq_len: int, world_size: int, layout, plan_kwargs: dict) -> int:
@@ -345,6 +402,8 @@ def _padded_len(schedule, seq_len: int, world_size: int, layout, plan_kwargs: di
             isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in sizes):
         return seq_len                                  # fringe.plan names the bad argument
     if seq_len % (world_size * bs) == 0 and (seq_len // world_size) % tp == 0:
+        if getattr(schedule, "kind", None) == AUTO:
+            return seq_len      # candidates whose layouts refuse it are listed with the reason
         try:
             work = torch.ones(seq_len // bs) if getattr(schedule, "mask_aware", False) else None
             schedule.make_layout(seq_len, world_size, block_size=bs, block_work=work)

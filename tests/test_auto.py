@@ -3,6 +3,7 @@ among the candidates that can run, and says why (plan.explain())."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 import subprocess
 import sys
@@ -12,7 +13,7 @@ import torch
 
 import fringe
 from fringe import _auto, masks, render, schedules
-from fringe.cost.hardware import Shape
+from fringe.cost.hardware import Shape, get_hardware
 from fringe.ops import reference
 from fringe.schedules import registry
 from fringe.testing import make_qkv, tolerances
@@ -229,3 +230,123 @@ def test_candidates_may_be_given_and_a_hand_made_schedule_competes():
                     MASKS["causal"], seq_len=S, world_size=P, block_size=BS)
     assert [c.name for c in p.choice.candidates] == ["mine", "zigzag", "striped:4"]
     assert p.choice.winner == "zigzag"       # ring-like "mine" is unbalanced on causal
+
+
+def test_candidates_over_the_presets_memory_cannot_run():
+    # the same search with no memory limit, then with a limit below the unlimited winner's
+    # predicted peak: what is over it is listed as unable to run and never picked
+    hw = dataclasses.replace(get_hardware("h100-ib"), name="roomy", memory_bytes=None)
+    free = fringe.plan(schedules.auto(hardware=hw), MASKS["causal"], seq_len=S, world_size=P,
+                       block_size=BS).choice
+    mem = {c.name: c.memory_bytes for c in free.candidates if c.step_s is not None}
+    assert min(mem.values()) < mem[free.winner]
+    limit = (min(mem.values()) + mem[free.winner]) / 2          # the winner cannot stay
+    tiny = dataclasses.replace(hw, name="tiny", memory_bytes=limit)
+    p = fringe.plan(schedules.auto(hardware=tiny), MASKS["causal"], seq_len=S, world_size=P,
+                    block_size=BS)
+    fits = {n for n, m in mem.items() if m <= limit}
+    assert {c.name for c in p.choice.candidates if c.runs} == fits
+    for c in p.choice.candidates:                  # the same predictions, memory aside
+        assert c.step_s == next(f.step_s for f in free.candidates if f.name == c.name)
+        if c.name not in fits:
+            assert "over the" in c.excluded and "of hardware 'tiny'" in c.excluded
+    best = min(c.step_s for c in p.choice.candidates if c.runs)
+    assert p.choice.winner == min(c.name for c in p.choice.candidates
+                                  if c.runs and c.step_s <= best * (1 + _auto.TIE))
+    assert p.choice.winner in fits and p.schedule.name == schedules.get(p.choice.winner).name
+    text = p.explain()
+    assert "cannot run here:" in text and f"  {free.winner}: predicted" in text
+    assert f"(memory: {limit / 1e9:.4g} GB per rank)" in text
+    with pytest.raises(ValueError, match="no candidate fits in the memory of hardware 'none'"):
+        fringe.plan(schedules.auto(hardware=dataclasses.replace(hw, name="none",
+                                                                memory_bytes=1.0)),
+                    MASKS["causal"], seq_len=S, world_size=P, block_size=BS)
+
+
+def _two_kinds(weights):
+    """Plans of causal and sliding-window(64) layers over one layout (what fringe.hf.plans
+    does for a model with both kinds), chosen by resolve_kinds with these layer counts."""
+    kinds = [masks.causal(), masks.sliding_window(64)]
+
+    def plan_kinds(s):
+        out, lay = [], None
+        for m in kinds:
+            out.append(fringe.plan(s, m, seq_len=S, world_size=P, block_size=BS, layout=lay))
+            lay = out[-1].layout
+        return out
+    return _auto.resolve_kinds(schedules.auto(hardware="h100-ib"), plan_kinds,
+                               list(zip(("causal", "window64"), weights)), world_size=P,
+                               num_heads=None)
+
+
+def _weighted_argmin(choice) -> str:
+    ran = [c for c in choice.candidates if c.runs]
+    for c in ran:        # the step it reports is the layer-weighted sum of the parts it reports
+        assert c.step_s == sum(n * x for (_, n), x in zip(choice.kinds, c.parts))
+    best = min(c.step_s for c in ran)
+    return min(c.name for c in ran if c.step_s <= best * (1 + _auto.TIE))
+
+
+def test_layer_kinds_get_one_schedule_weighted_by_layer_count():
+    picks = {}
+    for weights in ((1, 1), (50, 1)):
+        ps = _two_kinds(weights)
+        choice = ps[0].choice
+        assert all(p.choice is choice for p in ps) and choice.kinds == (
+            ("causal", weights[0]), ("window64", weights[1]))
+        assert choice.winner == _weighted_argmin(choice)
+        assert len({p.layout.fingerprint() for p in ps}) == 1
+        assert {p.schedule.name for p in ps} == {schedules.get(choice.winner).name}
+        picks[weights] = choice.winner
+        again = _two_kinds(weights)[0].choice          # deterministic: the same rows again
+        assert again.candidates == choice.candidates and again.winner == choice.winner
+    # the weighting decides: ring keeps the window layer cheap, but 50 causal layers favour a
+    # balanced layout (measured on h100-ib: ring at 1:1, compose:zigzag+zigzag:2 at 50:1)
+    assert picks[(1, 1)] != picks[(50, 1)]
+    text = _two_kinds((50, 1))[0].explain()
+    assert "step = 50 x causal + 1 x window64" in text and "causal ms" in text
+
+
+def test_hf_plans_take_auto_one_schedule_for_every_layer_kind(monkeypatch):
+    transformers = pytest.importorskip("transformers")
+    import fringe.hf
+    from fringe import packing
+    kw = dict(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+              attention_dropout=0.0, use_cache=False, head_dim=8)
+    cfg = transformers.Qwen2Config(**kw, use_sliding_window=True, sliding_window=32,
+                                   layer_types=["sliding_attention"] + ["full_attention"] * 3)
+    cfg._attn_implementation = "fringe"
+    fringe.hf.register()
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    mask = packing.document_mask(packing.doc_ids_from_cu_seqlens([0, 100, 256]))
+    args = dict(seq_len=256, world_size=P, block_size=16, num_heads=4)
+    plans = fringe.hf.plans(model, schedules.auto(hardware="h100-ib"), mask, **args)
+    choice = plans.choice
+    assert choice.kinds == (("causal", 3), ("window32", 1))
+    assert choice.winner == _weighted_argmin(choice)
+    assert all(lp.plan.choice is choice for lp in plans.layers)
+    # the plans are the winner's: what fringe.hf.plans(<winner>) makes, layer by layer
+    fixed = fringe.hf.plans(model, schedules.get(choice.winner), mask, **args)
+    assert [lp.plan.fingerprint() for lp in plans.layers] == [
+        lp.plan.fingerprint() for lp in fixed.layers]
+    assert "step = 3 x causal + 1 x window32" in plans.explain()
+    # the next batch: one schedule planned for every kind, no search
+    planned = []
+    real = fringe.hf._plan
+    monkeypatch.setattr(fringe.hf, "_plan", lambda s, *a, **k: planned.append(s.name) or
+                        real(s, *a, **k))
+    again = fringe.hf.plans(model, schedules.auto(reuse=plans), mask, **args)
+    assert planned == [plans.schedule.name] * 2 and again.choice.reused == choice.winner
+    with pytest.raises(ValueError, match="fringe.hf.plans: schedules.auto\\(\\) chooses the "
+                                         "schedule and its layout"):
+        fringe.hf.plans(model, schedules.auto(), mask, layout=fixed.layout, **args)
+    # a length every rank holds whole blocks of is kept (zigzag's 2P chunks refuse 48 and are
+    # listed so); one that is not whole blocks is padded as for any schedule
+    two = schedules.auto(candidates=["ring", "zigzag"])
+    kept = fringe.hf.plans(model, two, None, seq_len=48, world_size=2, block_size=8)
+    assert kept.real_len is None and kept.choice.winner == "ring"
+    assert "pad the sequence" in dict((c.name, c.excluded) for c in kept.choice.candidates)[
+        "zigzag"]
+    padded = fringe.hf.plans(model, two, None, seq_len=40, world_size=2, block_size=8)
+    assert (padded.real_len, padded.layout.seq_len) == (40, 64)

@@ -3,10 +3,30 @@
 The tools layer of the cost model (it spawns gloo ranks through :mod:`fringe.launch`).
 :func:`get_hardware` is :func:`fringe.cost.hardware.get_hardware` with ``"this"``: calibrate
 now.
+
+Two ways to measure:
+
+* :func:`calibrate`: this process measures for itself (a :class:`Hardware` named ``"this"``).
+  Ranks that each calibrate get different constants and can choose different schedules, so
+  ``schedules.auto()`` refuses such a Hardware.
+* :func:`shared`: measured once and the same on every rank (a :class:`Hardware` named
+  :data:`SHARED`): under ``torch.distributed``, rank 0 of the group measures the kernels (and
+  the transport between group ranks 0 and 1) or loads ``path``, and broadcasts the constants
+  as text; every rank parses that one text, so every field is bit-identical. With ``path``,
+  the constants are saved there (:func:`save`) and later runs load them (:func:`load`)
+  instead of measuring again::
+
+      hw = fringe.cost.calibrate.shared(path="calib.json")   # every rank, after init_process_group
+      plan = fringe.plan(schedules.auto(hardware=hw), mask, seq_len=S, world_size=P)
 """
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
+import os
+import platform
+import tempfile
 import time
 
 import torch
@@ -15,10 +35,13 @@ from ..launch import run
 from ..masks import BlockKind, causal
 from ..ops import merge, tile_backward, tile_forward
 from . import hardware as _hardware
-from .hardware import _CPU, BWD_FLOPS_PER_PAIR, FWD_FLOPS_PER_PAIR, Hardware
+from .hardware import _CPU, BWD_FLOPS_PER_PAIR, FWD_FLOPS_PER_PAIR, PER_RANK, SHARED, Hardware
 from .work import _maps_work
 
-__all__ = ["calibrate", "get_hardware"]
+__all__ = ["FORMAT", "SHARED", "calibrate", "get_hardware", "load", "save", "shared"]
+
+#: The ``format`` field of a calibration file (:func:`save`).
+FORMAT = "fringe.cost.Hardware/1"
 
 _FULL, _PARTIAL, _EMPTY = int(BlockKind.FULL), int(BlockKind.PARTIAL), int(BlockKind.EMPTY)
 
@@ -55,9 +78,25 @@ def calibrate(*, heads: int = 8, head_dim: int = 64, dtype: torch.dtype = torch.
     with ``comm``, round trips of a tiny and a 4 MB tensor between two spawned gloo ranks
     (a few seconds: process start-up).
 
+    The result is this process's measurement: :func:`fringe.schedules.auto` refuses it, since
+    ranks that measure for themselves can choose different schedules. :func:`shared` measures
+    once and gives every rank the same constants.
+
     Returns:
         A :class:`Hardware` named ``"this"`` whose source says what was measured.
     """
+    return _measure(name=PER_RANK, prefix="calibrated here", comm=comm, pair=None, heads=heads,
+                    head_dim=head_dim, dtype=dtype, threads=threads, repeats=repeats)
+
+
+def _source(*, heads, head_dim, dtype, threads, comm: str) -> str:
+    return (f"fused CPU SDPA through fringe.ops, {threads} thread(s), "
+            f"{str(dtype).replace('torch.', '')}, H={heads} D={head_dim}; {comm}")
+
+
+def _kernels(*, heads: int, head_dim: int, dtype: torch.dtype, threads: int,
+             repeats: int) -> dict:
+    """The kernel fields of :class:`Hardware`, measured here (see :func:`calibrate`)."""
     # one thread: this thread's CPU time is the kernel's time even on a machine other
     # processes share (wall-clock would count their time slices too)
     cpu = time.thread_time if threads == 1 else time.perf_counter
@@ -104,41 +143,211 @@ def calibrate(*, heads: int = 8, head_dim: int = 64, dtype: torch.dtype = torch.
             pairs = max(mpairs + cpairs, 1.0)
             factors.append((max((fm - calls * f_call - full * f_unit) / (pairs * f_unit), 0.05),
                             max((bm - calls * b_call - full * b_unit) / (pairs * b_unit), 0.05)))
-        (causal, bwd_causal), (masked, bwd_masked) = factors
+        (f_causal, b_causal), (f_masked, b_masked) = factors
         o = torch.randn(1, H, big, D, generator=g)
         lse_ = torch.randn(1, H, big, generator=g)
         row = _best(lambda: merge(o, lse_, o, lse_), repeats, cpu) / (H * big * D)
         per = H * D
         fields = dict(fwd_flops=FWD_FLOPS_PER_PAIR * per / f_unit,
                       bwd_flops=BWD_FLOPS_PER_PAIR * per / b_unit, call_s=f_call,
-                      bwd_call_s=b_call, masked=float(masked), bwd_masked=float(bwd_masked),
-                      causal=float(causal), bwd_causal=float(bwd_causal), row_s=row)
+                      bwd_call_s=b_call, masked=float(f_masked), bwd_masked=float(b_masked),
+                      causal=float(f_causal), bwd_causal=float(b_causal), row_s=row)
     finally:
         torch.set_num_threads(old)
-    lat, bw = _CPU["latency_s"], _CPU["bandwidth"]
-    if comm:
-        res = run(_gloo_probe, world_size=2, timeout_s=60)
-        lat, bw = max(r[0] for r in res), min(r[1] for r in res)
-    src = (f"calibrated here: fused CPU SDPA through fringe.ops, {threads} thread(s), "
-           f"{str(dtype).replace('torch.', '')}, H={H} D={D}; "
-           f"{'gloo round trips between 2 spawned ranks' if comm else 'gloo from the cpu preset'}")
-    return Hardware("this", src, latency_s=lat, bandwidth=bw, memory_bytes=None, **fields)
+    return fields
 
 
 def _gloo_probe(rank: int, world_size: int, size: int = 1 << 20, reps: int = 5):
     """(latency s, bandwidth B/s) of gloo between ranks 0 and 1 (halved round trips)."""
-    import torch.distributed as dist
     torch.set_num_threads(1)
-    peer = 1 - rank
+    return _round_trips(rank, 1 - rank, None, torch.device("cpu"), size=size, reps=reps)
+
+
+def _round_trips(rank: int, peer: int, group, device, *, size: int = 1 << 20, reps: int = 5):
+    """(latency s, bandwidth B/s) between this rank (0 or 1 of ``group``) and global rank
+    ``peer``: halved round trips of a tiny and a ``size``-float tensor."""
+    import torch.distributed as dist
 
     def round_trip(x):
         if rank == 0:
-            dist.send(x, peer)
-            dist.recv(x, peer)
+            dist.send(x, peer, group=group)
+            dist.recv(x, peer, group=group)
         else:
-            dist.recv(x, peer)
-            dist.send(x, peer)
-    tiny, big = torch.zeros(1), torch.zeros(size)
+            dist.recv(x, peer, group=group)
+            dist.send(x, peer, group=group)
+    tiny, big = torch.zeros(1, device=device), torch.zeros(size, device=device)
     lat = _best(lambda: round_trip(tiny), reps) / 2
     t = _best(lambda: round_trip(big), reps) / 2
     return lat, big.numel() * 4 / max(t - lat, 1e-9)
+
+
+# --------------------------------------------------------------------------------------------
+# one calibration for every rank
+# --------------------------------------------------------------------------------------------
+
+
+def save(hw: Hardware, path: str | os.PathLike) -> None:
+    """Write ``hw`` to ``path`` as JSON (every field; floats as their shortest repr, so
+    :func:`load` gives back a bit-identical :class:`Hardware`). The file is replaced
+    atomically: a rank reading it never sees half of it."""
+    if not isinstance(hw, Hardware):
+        raise TypeError(f"save() takes a fringe.cost.hardware.Hardware, got {type(hw).__name__}")
+    text = _to_text(hw)
+    path = os.fspath(path)
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def load(path: str | os.PathLike) -> Hardware:
+    """The :class:`Hardware` :func:`save` wrote to ``path``.
+
+    Raises:
+        ValueError: the file is not a calibration file of this format, naming what is wrong
+            and the fix (delete it and run :func:`shared` with ``path=`` again).
+    """
+    with open(os.fspath(path)) as f:
+        return _from_text(f.read(), what=f"calibration file {os.fspath(path)!r}")
+
+
+def _to_text(hw: Hardware) -> str:
+    return json.dumps({"format": FORMAT, "hardware": dataclasses.asdict(hw)}, indent=1,
+                      sort_keys=True)
+
+
+def _from_text(text: str, *, what: str) -> Hardware:
+    fix = "delete it and run fringe.cost.calibrate.shared(path=...) to measure and save again"
+    try:
+        d = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{what} is not JSON ({e}); {fix}") from None
+    if not isinstance(d, dict) or d.get("format") != FORMAT or not isinstance(
+            d.get("hardware"), dict):
+        got = d.get("format") if isinstance(d, dict) else type(d).__name__
+        raise ValueError(f"{what} is not a calibration file of format {FORMAT!r} (got "
+                         f"{got!r}); {fix}")
+    fields = d["hardware"]
+    names = [f.name for f in dataclasses.fields(Hardware)]
+    missing, unknown = sorted(set(names) - set(fields)), sorted(set(fields) - set(names))
+    if missing or unknown:
+        raise ValueError(f"{what} does not hold the fields of a Hardware (missing {missing}, "
+                         f"unknown {unknown}); {fix}")
+    try:
+        return Hardware(**fields)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{what}: {e}; {fix}") from None
+
+
+def shared(*, group=None, path: str | os.PathLike | None = None, comm: bool = True,
+           heads: int = 8, head_dim: int = 64, dtype: torch.dtype = torch.float32,
+           threads: int = 1, repeats: int = 2) -> Hardware:
+    """One calibration every rank shares: pass it to ``schedules.auto(hardware=...)``.
+
+    Under ``torch.distributed`` (initialized), call it on every rank of ``group``: rank 0 of
+    the group loads ``path`` if that file exists, else measures (the kernels as
+    :func:`calibrate` does; with ``comm``, the transport between group ranks 0 and 1 by
+    round trips over ``group`` itself) and saves to ``path`` if given; then it broadcasts the
+    constants as text over ``group`` and every rank parses that text, so the result is
+    bit-identical on every rank. Only rank 0 reads or writes the file. Without
+    ``torch.distributed``, this process loads ``path`` or measures (and saves): run it once,
+    then every rank's ``shared(path=...)`` or :func:`load` reads the same file.
+
+    Args:
+        group: the process group (None: the default group, when initialized).
+        path: a JSON calibration file to load if it exists, else to save to.
+        comm: measure the transport (else take the ``cpu`` preset's latency and bandwidth).
+        heads, head_dim, dtype, threads, repeats: as :func:`calibrate` (the kernel timing).
+
+    Returns:
+        A :class:`Hardware` named :data:`SHARED`, equal (field by field, bit for bit) on every
+        rank, and to :func:`load` of ``path``.
+
+    Raises:
+        ValueError: ``group`` given without an initialized ``torch.distributed``; or rank 0
+            could not load or measure (every rank raises rank 0's reason).
+    """
+    import torch.distributed as dist
+    on = dist.is_available() and dist.is_initialized()
+    if group is not None and not on:
+        raise ValueError("shared(group=...) broadcasts over a process group, but "
+                         "torch.distributed is not initialized: call "
+                         "torch.distributed.init_process_group first, or leave group= out to "
+                         "calibrate this process alone (then share the file it saves)")
+    kw = dict(heads=heads, head_dim=head_dim, dtype=dtype, threads=threads, repeats=repeats)
+    if not on:
+        if path is not None and os.path.exists(path):
+            return load(path)
+        hw = _measure(name=SHARED, prefix=_prefix(1), comm=comm, pair=None, **kw)
+        if path is not None:
+            save(hw, path)
+        return hw
+    rank, n = dist.get_rank(group), dist.get_world_size(group)
+    root = dist.get_global_rank(group or dist.group.WORLD, 0)
+    # rank 0 decides (load or measure) and tells the others, who may not see its file
+    decision = [path is not None and os.path.exists(path)] if rank == 0 else [None]
+    dist.broadcast_object_list(decision, src=root, group=group)
+    pair = None
+    if not decision[0] and comm and n >= 2 and rank < 2:
+        pair = _pair(group, rank)
+    msg = [None]
+    if rank == 0:
+        try:
+            if decision[0]:
+                hw = load(path)
+            else:
+                hw = _measure(name=SHARED, prefix=_prefix(n), comm=comm, pair=pair, **kw)
+                if path is not None:
+                    save(hw, path)
+            msg = [("ok", _to_text(hw))]
+        except Exception as e:            # every rank raises rank 0's reason, none waits
+            msg = [("error", f"{type(e).__name__}: {e}")]
+    dist.broadcast_object_list(msg, src=root, group=group)
+    status, text = msg[0]
+    if status != "ok":
+        raise ValueError(f"fringe.cost.calibrate.shared(): rank 0 could not calibrate: {text}")
+    return _from_text(text, what="the calibration rank 0 broadcast")
+
+
+def _prefix(ranks: int) -> str:
+    return (f"calibrated once on rank 0 of {ranks} ({platform.node() or 'unknown host'}) and "
+            f"shared by fringe.cost.calibrate.shared()")
+
+
+def _pair(group, rank: int):
+    """(latency, bandwidth) between group ranks 0 and 1, measured over ``group``; on rank 0 the
+    worse of the two sides' measurements (rank 1 sends its own), on rank 1 None."""
+    import torch.distributed as dist
+    nccl = dist.get_backend(group) == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+    peer = dist.get_global_rank(group or dist.group.WORLD, 1 - rank)
+    lat, bw = _round_trips(rank, peer, group, device)
+    mine = torch.tensor([lat, bw], dtype=torch.float64, device=device)
+    if rank == 1:
+        dist.send(mine, peer, group=group)
+        return None
+    theirs = torch.empty_like(mine)
+    dist.recv(theirs, peer, group=group)
+    return max(lat, float(theirs[0])), min(bw, float(theirs[1]))
+
+
+def _measure(*, name: str, prefix: str, comm: bool, pair, **kw) -> Hardware:
+    """A Hardware measured here: the kernels now; the transport from ``pair`` (measured over a
+    process group), else between two spawned gloo ranks (``comm``), else the cpu preset's."""
+    fields = _kernels(**kw)
+    lat, bw = _CPU["latency_s"], _CPU["bandwidth"]
+    what = "gloo from the cpu preset"
+    if pair is not None:
+        (lat, bw), what = pair, "round trips between group ranks 0 and 1 over the process group"
+    elif comm:
+        res = run(_gloo_probe, world_size=2, timeout_s=60)
+        lat, bw = max(r[0] for r in res), min(r[1] for r in res)
+        what = "gloo round trips between 2 spawned ranks"
+    src = f"{prefix}: " + _source(comm=what, **{k: kw[k] for k in ("heads", "head_dim", "dtype",
+                                                                   "threads")})
+    return Hardware(name, src, latency_s=lat, bandwidth=bw, memory_bytes=None, **fields)

@@ -14,13 +14,20 @@ import dataclasses
 
 import numpy as np
 
-__all__ = ["BWD_FLOPS_PER_PAIR", "FWD_FLOPS_PER_PAIR", "HARDWARE", "Hardware", "Shape",
-           "check_head_split", "get_hardware"]
+__all__ = ["BWD_FLOPS_PER_PAIR", "FWD_FLOPS_PER_PAIR", "HARDWARE", "Hardware", "PER_RANK",
+           "SHARED", "Shape", "check_head_split", "get_hardware"]
 
 #: FLOPs per (q, kv) pair, per head and per unit of D: QKᵀ and PV in the forward (2 + 2),
 #: and 2.5x that in the backward (the convention of :class:`fringe.plan.PlanStats`).
 FWD_FLOPS_PER_PAIR = 4
 BWD_FLOPS_PER_PAIR = 10
+
+#: The name of a :class:`Hardware` one process measured for itself
+#: (``fringe.cost.calibrate.calibrate()``): ``schedules.auto()`` refuses it.
+PER_RANK = "this"
+#: The name of a :class:`Hardware` measured once and the same on every rank
+#: (``fringe.cost.calibrate.shared()``).
+SHARED = "shared"
 
 
 @dataclasses.dataclass(frozen=True)

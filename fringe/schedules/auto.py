@@ -19,10 +19,11 @@ as data: it imports neither the cost model nor the plan.
 Determinism: every rank must choose the same schedule, so the choice reads only constants
 every rank shares (a preset, or a :class:`~fringe.cost.hardware.Hardware` value the caller
 gives every rank) and visits the candidates in one fixed order; predictions within a relative
-``1e-9`` are ties, broken by name. Per-rank calibration (``hardware="this"``, which measures
-the machine a rank runs on and can differ between ranks) is refused: calibrate once
-(``fringe.cost.calibrate.calibrate()`` on one rank), share the :class:`Hardware` it returns
-(broadcast it, or save it to a file every rank loads) and pass it as ``hardware=``.
+``1e-9`` are ties, broken by name. Per-rank calibration (``hardware="this"``, or the
+Hardware ``fringe.cost.calibrate.calibrate()`` returns, which measure the machine a rank runs
+on and can differ between ranks) is refused: ``fringe.cost.calibrate.shared(group=,
+path=)`` measures once (rank 0, broadcast over the group; or a file every rank loads) and
+returns constants bit-identical on every rank; pass those as ``hardware=``.
 """
 from __future__ import annotations
 
@@ -97,9 +98,9 @@ def auto(*, hardware: Any = "cpu", shape: Any = None,
         raise ValueError(
             "schedules.auto(hardware='this') is refused: 'this' calibrates the machine each "
             "rank runs on, and ranks that measure different constants can choose different "
-            "schedules. Calibrate once (fringe.cost.calibrate.calibrate() on one rank), share "
-            "the Hardware it returns with every rank (broadcast it or save it to a file each "
-            "rank loads) and pass it: schedules.auto(hardware=hw); or use a preset "
+            "schedules. Calibrate once for every rank: hw = fringe.cost.calibrate.shared("
+            "group=group, path='calib.json') on every rank (rank 0 measures or loads the file "
+            "and broadcasts), then schedules.auto(hardware=hw); or use a preset "
             "('cpu', 'h100-nvlink', 'h100-ib')")
     if reuse is not None:
         if hardware != "cpu" or shape is not None or candidates is not None:

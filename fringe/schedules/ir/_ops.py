@@ -287,25 +287,45 @@ class Collective(_Op):
     pass (reads, writes, adjoint, checks); ``sends`` and ``recvs`` give the dense tuples.
     :meth:`sparse` builds one from the occupied slots directly.
 
-    Text form: ``AG[0,1,2] kv0,kv0,- > kv0,kv1,-`` (ASCII) or ``AG[0,1,2] kv0,kv0,- ⇄ kv0,kv1,-``.
+    A slot may move block ranges of its buffer (as :class:`Send` ``blocks``): ``send_blocks``
+    / ``recv_blocks`` give each occupied slot's ranges (None: the whole chunk), in the order
+    of ``sparse_sends`` / ``sparse_recvs``; the adjoint swaps them with the slots.
+
+    Text form: ``AG[0,1,2] kv0,kv0,- > kv0,kv1,-`` (ASCII) or ``AG[0,1,2] kv0,kv0,- ⇄ kv0,kv1,-``;
+    a ranged slot is written ``kv0[0:3]``.
     """
 
-    __slots__ = ("kind", "group", "_si", "_sb", "_ri", "_rb", "_io")
+    __slots__ = ("kind", "group", "_si", "_sb", "_ri", "_rb", "_io", "_sk", "_rk")
 
     def __init__(self, kind: str, group: Sequence[int], sends: Sequence[Buffer | None],
-                 recvs: Sequence[Buffer | None]) -> None:
+                 recvs: Sequence[Buffer | None], send_blocks: Sequence | None = None,
+                 recv_blocks: Sequence | None = None) -> None:
         kind, group = _collective_head(kind, group)
         sends, recvs = _slots(sends), _slots(recvs)
         if len(sends) != len(group) or len(recvs) != len(group):
             raise ValueError(f"{kind}{list(group)}: one send and one receive slot per member "
                              f"({len(group)}), got {len(sends)} and {len(recvs)}")
-        self._set(kind, group, *_occupied(sends), *_occupied(recvs))
+        si, sb = _occupied(sends)
+        ri, rb = _occupied(recvs)
+        blocks = []
+        for dense, idx, side in ((send_blocks, si, "send"), (recv_blocks, ri, "receive")):
+            if dense is None:
+                blocks.append(None)
+                continue
+            dense = tuple(dense)
+            if len(dense) != len(group):
+                raise ValueError(f"{kind}{list(group)}: one {side} block entry per member "
+                                 f"({len(group)}), got {len(dense)}")
+            blocks.append(tuple(dense[i] for i in idx))
+        self._set(kind, group, si, sb, ri, rb, *blocks)
 
     @classmethod
     def sparse(cls, kind: str, group: Sequence[int], sends: tuple[Sequence[int], Sequence[Buffer]],
-               recvs: tuple[Sequence[int], Sequence[Buffer]]) -> Collective:
+               recvs: tuple[Sequence[int], Sequence[Buffer]],
+               blocks: tuple[Sequence | None, Sequence | None] = (None, None)) -> Collective:
         """The collective whose occupied slots are ``sends = (member indices, buffers)`` (and
         likewise ``recvs``); every other slot is empty. Indices increase strictly.
+        ``blocks``: the occupied send and receive slots' block ranges (None: whole chunks).
 
         ``Collective.sparse("AG", (0, 1, 2), ((0,), ("kv0",)), ((1,), ("kv1",)))`` equals
         ``Collective("AG", (0, 1, 2), ("kv0", None, None), (None, "kv1", None))``.
@@ -323,20 +343,45 @@ class Collective(_Op):
             if not set(map(type, bufs)) <= {Buffer}:
                 bufs = tuple(Buffer(b) for b in bufs)
             parts += [idx, bufs]
-        self._set(kind, group, *parts)
+        for side, ks, (idx, _) in (("send", blocks[0], sends), ("receive", blocks[1], recvs)):
+            if ks is not None and len(tuple(ks)) != len(tuple(idx)):
+                raise ValueError(f"{kind}{list(group)}: one {side} block entry per occupied "
+                                 f"slot ({len(tuple(idx))}), got {len(tuple(ks))}")
+        self._set(kind, group, *parts, *blocks)
         return self
 
-    def _set(self, kind, group, si, sb, ri, rb) -> None:
+    def _set(self, kind, group, si, sb, ri, rb, sk=None, rk=None) -> None:
+        sk, rk = (None if ks is None or all(k is None for k in ks) else
+                  tuple(None if k is None else _check_blocks(self, k) for k in ks)
+                  for ks in (sk, rk))
         for name, value in (("kind", kind), ("group", group), ("_si", si), ("_sb", sb),
-                            ("_ri", ri), ("_rb", rb), ("_io", None)):
+                            ("_ri", ri), ("_rb", rb), ("_io", None), ("_sk", sk), ("_rk", rk)):
             object.__setattr__(self, name, value)
 
     @classmethod
-    def _checked(cls, kind: str, group: tuple[int, ...], si, sb, ri, rb) -> Collective:
+    def _checked(cls, kind: str, group: tuple[int, ...], si, sb, ri, rb, sk=None,
+                 rk=None) -> Collective:
         """A collective from parts already checked (an op's own group and slots)."""
         self = object.__new__(cls)
-        self._set(kind, group, si, sb, ri, rb)
+        for name, value in (("kind", kind), ("group", group), ("_si", si), ("_sb", sb),
+                            ("_ri", ri), ("_rb", rb), ("_io", None), ("_sk", sk), ("_rk", rk)):
+            object.__setattr__(self, name, value)
         return self
+
+    @property
+    def send_blocks(self) -> tuple:
+        """Block ranges of each occupied send slot (``sparse_sends`` order; None: whole)."""
+        return self._sk if self._sk is not None else (None,) * len(self._si)
+
+    @property
+    def recv_blocks(self) -> tuple:
+        """Block ranges of each occupied receive slot (``sparse_recvs`` order; None: whole)."""
+        return self._rk if self._rk is not None else (None,) * len(self._ri)
+
+    @property
+    def ranged(self) -> bool:
+        """Whether some slot moves block ranges."""
+        return self._sk is not None or self._rk is not None
 
     @property
     def sends(self) -> tuple[Buffer | None, ...]:
@@ -369,17 +414,20 @@ class Collective(_Op):
             return NotImplemented
         return (self.kind == other.kind and self._si == other._si and self._ri == other._ri
                 and self._sb == other._sb and self._rb == other._rb
-                and (self.group is other.group or self.group == other.group))
+                and (self.group is other.group or self.group == other.group)
+                and self._sk == other._sk and self._rk == other._rk)
 
     def __hash__(self) -> int:
-        return hash((self.kind, self.group, self._si, self._sb, self._ri, self._rb))
+        return hash((self.kind, self.group, self._si, self._sb, self._ri, self._rb, self._sk,
+                     self._rk))
 
     def __repr__(self) -> str:
         return (f"Collective(kind={self.kind!r}, group={self.group!r}, sends={self.sends!r}, "
                 f"recvs={self.recvs!r})")
 
     def __reduce__(self):
-        return (_collective, (self.kind, self.group, self._si, self._sb, self._ri, self._rb))
+        return (_collective, (self.kind, self.group, self._si, self._sb, self._ri, self._rb,
+                              self._sk, self._rk))
 
     def _touches(self) -> tuple[tuple[Buffer, ...], tuple[Buffer, ...]]:
         if self._io is None:
@@ -427,17 +475,24 @@ class Collective(_Op):
         """``AG`` becomes ``RS`` of the cotangents (and back); ``A2A`` its inverse."""
         cot = _COTANGENTS.__getitem__
         return Collective._checked(COLLECTIVE_ADJOINT[self.kind], self.group, self._ri,
-                                   tuple(map(cot, self._rb)), self._si, tuple(map(cot, self._sb)))
+                                   tuple(map(cot, self._rb)), self._si, tuple(map(cot, self._sb)),
+                                   self._rk, self._sk)
 
     def transposed(self) -> Collective:
         """The same buffers moving the other way (re-sending merged outputs in a backward)."""
         return Collective._checked("A2A" if self.kind == "A2A" else COLLECTIVE_ADJOINT[self.kind],
-                                   self.group, self._ri, self._rb, self._si, self._sb)
+                                   self.group, self._ri, self._rb, self._si, self._sb, self._rk,
+                                   self._sk)
 
     def _text(self, arrow: str) -> str:
-        fmt = lambda xs: ",".join("-" if x is None else str(x) for x in xs)  # noqa: E731
-        return (f"{self.kind}[{','.join(str(r) for r in self.group)}] {fmt(self.sends)} {arrow} "
-                f"{fmt(self.recvs)}")
+        def fmt(idx, bufs, ks):
+            out = ["-"] * len(self.group)
+            for i, b, k in zip(idx, bufs, ks):
+                out[i] = f"{b}{blocks_text(k)}"
+            return ",".join(out)
+        return (f"{self.kind}[{','.join(str(r) for r in self.group)}] "
+                f"{fmt(self._si, self._sb, self.send_blocks)} {arrow} "
+                f"{fmt(self._ri, self._rb, self.recv_blocks)}")
 
     def __str__(self) -> str:
         return self._text("⇄")
@@ -463,9 +518,9 @@ _S_READS, _S_WRITES = "buf" in RULES["S"].reads, "buf" in RULES["S"].writes
 _R_READS, _R_WRITES = "buf" in RULES["R"].reads, "buf" in RULES["R"].writes
 
 
-def _collective(kind, group, si, sb, ri, rb) -> Collective:
+def _collective(kind, group, si, sb, ri, rb, sk=None, rk=None) -> Collective:
     """Unpickle a :class:`Collective` (its sparse parts)."""
-    return Collective.sparse(kind, group, (si, sb), (ri, rb))
+    return Collective.sparse(kind, group, (si, sb), (ri, rb), (sk, rk))
 
 
 def _collective_head(kind, group) -> tuple[str, tuple[int, ...]]:
@@ -568,6 +623,7 @@ Comm = Union[Send, Recv]
 _OP = re.compile(r"^\s*(?:([CG])\s+q(\d+)\s*(?:·|\.)\s*kv(\d+)(?:\s+h(\d+)/(\d+))?"
                  r"|([SR])\s+(\S+)\s*(→|->|←|<-)\s*r(\d+))\s*$")
 _COLL = re.compile(r"^\s*(AG|RS|A2A)\[([\d,\s]+)\]\s+(\S+)\s*(?:>|⇄)\s*(\S+)\s*$")
+_SLOT = re.compile(r"[^,\[]+(?:\[[^\]]*\])?")
 _ARROW = {"→": "S", "->": "S", "←": "R", "<-": "R"}
 
 
@@ -576,8 +632,16 @@ def parse_op(text: str) -> Op:
     c = _COLL.match(text)
     if c:
         group = tuple(int(x) for x in c.group(2).split(",") if x.strip())
-        slots = lambda xs: tuple(None if x == "-" else Buffer(x) for x in xs.split(","))  # noqa: E731
-        return Collective(c.group(1), group, slots(c.group(3)), slots(c.group(4)))
+
+        def slots(xs):                   # "kv0[0:2,4:5],-" -> buffers and block ranges
+            toks = _SLOT.findall(xs)
+            if ",".join(toks) != xs:
+                raise ValueError(f"cannot parse collective slots {xs!r} in {text!r}")
+            got = [(None, None) if x == "-" else _parse_blocks(x) for x in toks]
+            return (tuple(None if b is None else Buffer(b) for b, _ in got),
+                    tuple(k for _, k in got))
+        (sb, sk), (rb, rk) = slots(c.group(3)), slots(c.group(4))
+        return Collective(c.group(1), group, sb, rb, sk, rk)
     m = _OP.match(text)
     if not m:
         raise ValueError(f"cannot parse op {text!r}; expected e.g. 'C q3.kv5', 'C q3.kv5 h1/4', "

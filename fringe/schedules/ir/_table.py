@@ -51,7 +51,8 @@ class ProgramTable:
       kind a code of :data:`COLL_KINDS`, group an index into ``coll["groups"]``, a tuple of
       rank tuples) and one row per occupied slot (``slot_side``: its side's row,
       ``slot_dir``: 0 send, 1 receive, ``slot_idx``: the member index, ``slot_fam,
-      slot_chunk, slot_hi, slot_hn``: the buffer), slots sorted by (side, dir, idx).
+      slot_chunk, slot_hi, slot_hn``: the buffer, ``slot_rng``: its block ranges, an index
+      into ``coll["ranges"]`` or -1 for the whole chunk), slots sorted by (side, dir, idx).
 
     Within a rank's step ops go by ``order`` (computes first on ties, then sends, then
     receives, then collectives). The arrays are the table's own read-only memory, so a check
@@ -111,7 +112,7 @@ class ProgramTable:
         self._passed: set = set()        # check() flags whose structural checks passed
         comp, xfer, coll = parts
         #: Whether some transfer moves block ranges of its chunk (``rng >= 0``).
-        self.ranged = bool(len(xfer["ranges"]))
+        self.ranged = bool(len(xfer["ranges"]) or len(coll["ranges"]))
         #: Whether the table holds whole-heads computes and transfers only (no head slice, no
         #: collective): what the row view and the ring chain's shortcuts of the passes take.
         self.chain = bool(not len(coll["rank"]) and not comp["hn"].any() and not xfer["hn"].any()
@@ -159,8 +160,17 @@ class ProgramTable:
             xfer["rorder"] = xfer["order"]
         coll = _no_coll() if coll is None else dict(coll)
         groups = tuple(tuple(int(m) for m in g) for g in coll.pop("groups"))
+        c_ranges = tuple(coll.pop("ranges", ()))
         coll = {k: small(v) for k, v in coll.items()}
+        if "slot_rng" not in coll or not c_ranges:
+            if "slot_rng" in coll and len(coll["slot_rng"]) and int(coll["slot_rng"].max()) >= 0:
+                raise ValueError("ProgramTable: coll['slot_rng'] names block-range sets but "
+                                 "coll['ranges'] holds none")
+            coll["slot_rng"] = np.full(len(coll["slot_side"]), -1, np.int32)
+            coll["slot_rng"].setflags(write=False)
+            c_ranges = ()
         coll["groups"] = groups
+        coll["ranges"] = c_ranges
         self._init(world_size, (comp, xfer, coll))
         return self
 
@@ -297,6 +307,10 @@ class ProgramTable:
                              np.argsort(sides)[slot_side]))   # slots by side's program position
             for k in ("slot_dir", "slot_idx", "slot_fam", "slot_chunk", "slot_hi", "slot_hn"):
                 h.update(np.ascontiguousarray(i64(coll[k])[so]).tobytes())
+            if len(coll["ranges"]):                  # slot ranges by content
+                h.update(b"slot ranges")
+                h.update(repr([None if g < 0 else coll["ranges"][g]
+                               for g in i64(coll["slot_rng"])[so].tolist()]).encode())
         return h.hexdigest()
 
     def _general_index(self):
@@ -332,6 +346,7 @@ class ProgramTable:
         groups = coll["groups"]
         sd, sx, sf, sc, sh, sn = (coll[c] for c in ("slot_dir", "slot_idx", "slot_fam",
                                                     "slot_chunk", "slot_hi", "slot_hn"))
+        sr, c_ranges = coll["slot_rng"], coll["ranges"]
         for side in ki.tolist():
             lo, hi_ = int(sb[side]), int(sb[side + 1])
             d = sd[lo:hi_].tolist()
@@ -339,9 +354,13 @@ class ProgramTable:
             idx = sx[lo:hi_].tolist()
             bufs = [buffer_of(*x) for x in zip(sf[lo:hi_].tolist(), sc[lo:hi_].tolist(),
                                                sh[lo:hi_].tolist(), sn[lo:hi_].tolist())]
+            ks = None
+            if c_ranges:
+                ks = [None if g < 0 else c_ranges[g] for g in sr[lo:hi_].tolist()]
             op = Collective.sparse(COLL_KINDS[int(coll["kind"][side])],
                                    groups[int(coll["group"][side])],
-                                   (idx[:split], bufs[:split]), (idx[split:], bufs[split:]))
+                                   (idx[:split], bufs[:split]), (idx[split:], bufs[split:]),
+                                   (None, None) if ks is None else (ks[:split], ks[split:]))
             rows.append((int(coll["step"][side]), int(coll["order"][side]), 3, op))
         rows.sort(key=lambda x: x[:3])
         steps, i, n = [], 0, len(rows)
@@ -373,6 +392,7 @@ class ProgramTable:
         recvs: dict = {}
         sides: list = []
         slots: list = []
+        slot_ranges: dict = {}
         groups: dict = {}
         for prog in programs:
             r = prog.rank
@@ -394,10 +414,12 @@ class ProgramTable:
                         g = groups.setdefault(op.group, len(groups))
                         side = len(sides)
                         sides.append((r, t, o, COLL_KINDS.index(op.kind), g))
-                        for d, (idx, bufs) in enumerate((op.sparse_sends, op.sparse_recvs)):
-                            for i, b in zip(idx, bufs):
+                        for d, (idx, bufs), ks in ((0, op.sparse_sends, op.send_blocks),
+                                                   (1, op.sparse_recvs, op.recv_blocks)):
+                            for i, b, k in zip(idx, bufs, ks):
                                 fam, ch, h = _FIELDS[b]
-                                slots.append((side, d, i, _FAMILY_CODE[fam], ch, *(h or (0, 0))))
+                                g_ = -1 if k is None else slot_ranges.setdefault(k, len(slot_ranges))
+                                slots.append((side, d, i, _FAMILY_CODE[fam], ch, *(h or (0, 0)), g_))
                     else:
                         raise TypeError(f"rank {r}, step {t}: {op!r} is not an op of the IR")
         if len(sends) != len(recvs) or any(len(v) != len(recvs.get(k, ())) for k, v in sends.items()):
@@ -420,8 +442,9 @@ class ProgramTable:
         x["ranges"] = tuple(range_ids)
         k = cols(sides, ("rank", "step", "order", "kind", "group"))
         k.update(cols(slots, ("slot_side", "slot_dir", "slot_idx", "slot_fam", "slot_chunk",
-                              "slot_hi", "slot_hn")))
+                              "slot_hi", "slot_hn", "slot_rng")))
         k["groups"] = tuple(groups)
+        k["ranges"] = tuple(slot_ranges)
         return cls._of_parts(P, c, x, k)
 
 
@@ -456,7 +479,8 @@ def _no_coll() -> dict:
     import numpy as np
     z = np.zeros(0, np.int64)
     return dict(rank=z, step=z, order=z, kind=z, group=z, slot_side=z, slot_dir=z, slot_idx=z,
-                slot_fam=z, slot_chunk=z, slot_hi=z, slot_hn=z, groups=())
+                slot_fam=z, slot_chunk=z, slot_hi=z, slot_hn=z, slot_rng=z - 1, groups=(),
+                ranges=())
 
 
 _BUFFER_OF: dict = {}

@@ -178,6 +178,8 @@ def _collectives_ok(tab: ProgramTable, g: _Gen) -> None:
     P = g.P
     n_side = len(g.kr)
     b = g.bkey(g.sf, g.sc, g.shs)
+    if len(g.sranges):                      # a slot's block ranges are part of what moves
+        b = b * (len(g.sranges) + 1) + (g.srng + 1)
     sme, sinst = g.me[g.ss], g.inst[g.ss]
     own = g.sidx == sme
     mine = [np.full(n_side, -1, np.int64) for _ in range(2)]

@@ -135,6 +135,8 @@ class _Gen:
          self.shn) = i64(coll, ("slot_side", "slot_dir", "slot_idx", "slot_fam", "slot_chunk",
                                 "slot_hi", "slot_hn"))
         self.groups = coll["groups"]
+        self.srng = np.asarray(coll["slot_rng"], dtype=np.int64)
+        self.sranges = coll["ranges"]                   # the block-range sets srng indexes
         self.glen = np.array([len(g) for g in self.groups] or [0], dtype=np.int64)
         self._valid(tab, lenient)
         self.ok = True                       # an invalid table raised in _valid
@@ -168,6 +170,23 @@ class _Gen:
     @staticmethod
     def hs(hi: np.ndarray, hn: np.ndarray) -> np.ndarray:
         return np.where(hn == 0, 0, hn * (hn - 1) // 2 + hi + 1)
+
+    @staticmethod
+    def _ranged_families(part: str, fam: np.ndarray, rng: np.ndarray) -> None:
+        """Raise for the first row of ``part`` that moves block ranges of a family that may
+        not (:data:`~fringe.schedules.ir.RANGED_FAMILIES`)."""
+        ranged = rng >= 0
+        if not ranged.any():
+            return
+        ok = np.zeros(_F, dtype=bool)
+        ok[[_FAMILY_CODE[f] for f in RANGED_FAMILIES]] = True
+        bad = ranged & ~ok[np.clip(fam, 0, _F - 1)]
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            raise ScheduleError(
+                f"ProgramTable {part} row {i}: a {_FAMILIES[int(fam[i])].value} buffer moves "
+                f"block ranges; only {', '.join(f.value for f in RANGED_FAMILIES)} may (a "
+                f"partial output merges whole): move it whole")
 
     def _valid(self, tab: ProgramTable, lenient: bool) -> None:
         """Raise the first fault of the columns themselves (by part, then row), then the
@@ -204,18 +223,15 @@ class _Gen:
             i = int(np.flatnonzero(bad)[0])
             raise ScheduleError(f"ProgramTable transfer row {i}: range set {int(self.xrng[i])} "
                                 f"is outside [-1, {len(self.ranges)}) (-1: the whole chunk)")
-        ranged = self.xrng >= 0
-        if ranged.any():
-            ok = np.zeros(_F, dtype=bool)
-            ok[[_FAMILY_CODE[f] for f in RANGED_FAMILIES]] = True
-            bad = ranged & ~ok[np.clip(self.xf, 0, _F - 1)]
-            if bad.any():
-                i = int(np.flatnonzero(bad)[0])
-                raise ScheduleError(
-                    f"ProgramTable transfer row {i}: a {_FAMILIES[int(self.xf[i])].value} "
-                    f"buffer moves block ranges; only "
-                    f"{', '.join(f.value for f in RANGED_FAMILIES)} may (a partial output "
-                    f"merges whole): move it whole")
+        bad = _outside(self.srng, -1, len(self.sranges))
+        if bad is not None:
+            i = int(np.flatnonzero(bad)[0])
+            raise ScheduleError(f"ProgramTable collective slot row {i}: range set "
+                                f"{int(self.srng[i])} is outside [-1, {len(self.sranges)}) "
+                                f"(-1: the whole chunk)")
+        for part, fam, rng in (("transfer", self.xf, self.xrng),
+                               ("collective slot", self.sf, self.srng)):
+            self._ranged_families(part, fam, rng)
         for part, hi, hn in (("compute", self.chi, self.chn), ("transfer", self.xhi, self.xhn),
                              ("collective slot", self.shi, self.shn)):
             if len(hn) and (int(hn.max()) != 0 or int(hi.min()) != 0 or int(hi.max()) != 0):

@@ -119,11 +119,11 @@ def _general_prune(tab: ProgramTable, ok: np.ndarray) -> list[Program]:
     comp, xfer, coll = tab._parts            # the same rows less the dropped (orders kept)
     if not keep_s.all():
         new_side = np.cumsum(keep_k) - 1
-        groups = coll["groups"]
+        groups, c_ranges = coll["groups"], coll["ranges"]
         coll = {k: (v[keep_k] if k in ("rank", "step", "order", "kind", "group") else
                     new_side[np.asarray(v, dtype=np.int64)[keep_s]] if k == "slot_side" else
-                    v[keep_s]) for k, v in coll.items() if k != "groups"}
-        coll["groups"] = groups
+                    v[keep_s]) for k, v in coll.items() if k not in ("groups", "ranges")}
+        coll["groups"], coll["ranges"] = groups, c_ranges
     return list(ProgramTable._of_parts(P, {k: v[keep_c] for k, v in comp.items()},
                                        _take_rows(xfer, keep_x),
                                        coll).programs())

@@ -449,7 +449,7 @@ def _general_reverse(tab: ProgramTable, kv: str, pad: int = 0) -> list[Program]:
     n_side = len(g.kr)
     sides = [dict(rank=g.kr, step=T - g.kt, order=2 * g.ko, kind=adj[g.kk], group=g.kg)]
     slots = [dict(slot_side=g.ss, slot_dir=1 - g.sdir, slot_idx=g.sidx, slot_fam=cot[g.sf],
-                  slot_chunk=g.sc, slot_hi=g.shi, slot_hn=g.shn)]
+                  slot_chunk=g.sc, slot_hi=g.shi, slot_hn=g.shn, slot_rng=g.srng)]
     touch_out = np.zeros(n_side, dtype=bool)
     touch_out[g.ss[g.sf == OUT]] = True
     if touch_out.any():                     # outputs move back with their cotangents
@@ -461,7 +461,7 @@ def _general_reverse(tab: ProgramTable, kv: str, pad: int = 0) -> list[Program]:
                           kind=adj[g.kk[tsides]], group=g.kg[tsides]))
         slots.append(dict(slot_side=new_id[g.ss[sel]], slot_dir=1 - g.sdir[sel],
                           slot_idx=g.sidx[sel], slot_fam=g.sf[sel], slot_chunk=g.sc[sel],
-                          slot_hi=g.shi[sel], slot_hn=g.shn[sel]))
+                          slot_hi=g.shi[sel], slot_hn=g.shn[sel], slot_rng=g.srng[sel]))
     n_next = n_side + int(touch_out.sum())
     # reads_at: the last forward step each rank's computes read each input buffer
     c_reads = [(f, sd) for f, sd, w in TILE_TOUCH_CODES[C_] if not w]   # (only C rows here)
@@ -528,7 +528,7 @@ def _general_reverse(tab: ProgramTable, kv: str, pad: int = 0) -> list[Program]:
         new = np.repeat(n_next + np.arange(len(side)), side_bounds[side + 1] - side_bounds[side])
         slots.append(dict(slot_side=new, slot_dir=g.sdir[at], slot_idx=g.sidx[at],
                           slot_fam=g.sf[at], slot_chunk=g.sc[at], slot_hi=g.shi[at],
-                          slot_hn=g.shn[at]))
+                          slot_hn=g.shn[at], slot_rng=g.srng[at]))
     # re-sends of inputs the backward reads again, along the reversed routes
     fams = [Q, KV] if kv == "resend" else [Q]
     reads = _remote_reads(g, brought_k)
@@ -547,7 +547,7 @@ def _general_reverse(tab: ProgramTable, kv: str, pad: int = 0) -> list[Program]:
     n_idx = int(g.glen.max()) + 1
     o = np.argsort((sl["slot_side"] * 2 + sl["slot_dir"]) * n_idx + sl["slot_idx"])
     bcoll.update({k: v[o] for k, v in sl.items()})
-    bcoll["groups"] = g.groups
+    bcoll["groups"], bcoll["ranges"] = g.groups, g.sranges
     return list(ProgramTable._of_parts(P, bcomp, bxfer, bcoll).programs())
 
 

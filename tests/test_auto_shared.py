@@ -1,0 +1,112 @@
+"""One calibration every rank shares (fringe.cost.calibrate.shared): rank 0 measures or loads
+the file and broadcasts, every rank gets bit-identical constants and schedules.auto() picks the
+same schedule on every rank; per-rank calibration stays refused, naming the fix."""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+import fringe
+from fringe import masks, schedules
+from fringe.cost import calibrate
+from fringe.cost.hardware import Hardware
+from fringe.launch import run
+
+S, P, BS = 1024, 4, 32
+#: A small kernel timing (H=1, D=8, one repeat): the test checks sharing, not the numbers.
+QUICK = dict(heads=1, head_dim=8, repeats=1)
+
+
+def _bits(hw: Hardware) -> tuple:
+    """Every field, floats as their exact hex (``==`` on floats would let -0.0 == 0.0 pass)."""
+    return tuple(v.hex() if isinstance(v, float) else v for v in dataclasses.astuple(hw))
+
+
+def _pick(hw: Hardware) -> tuple:
+    p = fringe.plan(schedules.auto(hardware=hw), masks.causal(), seq_len=S, world_size=P,
+                    block_size=BS)
+    return p.choice.winner, p.fingerprint(), tuple((c.name, c.step_s) for c in p.choice.candidates)
+
+
+def worker_shared(rank: int, world_size: int, path: str, sub_path: str, bad: str) -> dict:
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    measured = calibrate.shared(path=path, **QUICK)            # rank 0 measures, saves, sends
+    loaded = calibrate.shared(path=path, **QUICK)              # rank 0 loads the file, sends
+    # a group without global rank 0: its first member (global rank 1) measures and sends
+    sub = dist.new_group([1, 2])
+    in_sub = calibrate.shared(group=sub, path=sub_path, **QUICK) if rank in (1, 2) else None
+    if rank == 0:                                              # a file only rank 0 sees, broken
+        with open(bad, "w") as f:
+            f.write("{not json")
+    try:
+        calibrate.shared(path=bad, **QUICK)
+        error = None
+    except ValueError as e:
+        error = str(e)
+    return dict(measured=_bits(measured), loaded=_bits(loaded), hw=measured,
+                sub=None if in_sub is None else _bits(in_sub), pick=_pick(measured), error=error)
+
+
+def test_ranks_share_bit_identical_constants_and_pick_the_same(tmp_path):
+    path, sub_path = str(tmp_path / "calib.json"), str(tmp_path / "sub.json")
+    bad = str(tmp_path / "rank0_only.json")
+    res = run(worker_shared, path, sub_path, bad, world_size=3, timeout_s=180)
+    first = res[0]
+    for r in res:
+        assert r["measured"] == first["measured"] and r["loaded"] == first["measured"]
+        assert r["pick"] == first["pick"]                       # winner, plan, every prediction
+    hw = first["hw"]
+    assert hw.name == calibrate.SHARED and "rank 0 of 3" in hw.source
+    assert "over the process group" in hw.source               # transport measured on the group
+    # the file rank 0 saved holds the same constants: a later run that loads it picks the same
+    assert _bits(calibrate.load(path)) == first["measured"]
+    assert _pick(calibrate.load(path)) == first["pick"]
+    # the subgroup's two members agree with each other and with the file its rank 0 wrote
+    assert res[0]["sub"] is None and res[1]["sub"] == res[2]["sub"] == _bits(
+        calibrate.load(sub_path)) != first["measured"]
+    assert "rank 0 of 2" in calibrate.load(sub_path).source
+    # rank 0 could not read its file: every rank raises rank 0's reason, none waits for it
+    for r in res:
+        assert "rank 0 could not calibrate" in r["error"] and "is not JSON" in r["error"]
+
+
+def test_one_process_saves_and_every_later_call_loads(tmp_path, monkeypatch):
+    path = tmp_path / "calib.json"
+    hw = calibrate.shared(path=path, comm=False, **QUICK)      # no process group: measure, save
+    assert hw.name == calibrate.SHARED and path.exists()
+    assert json.loads(path.read_text())["format"] == calibrate.FORMAT
+
+    def no_measuring(**kw):
+        raise AssertionError("shared(path=) measured although the file exists")
+    monkeypatch.setattr(calibrate, "_kernels", no_measuring)
+    again = calibrate.shared(path=path, comm=False, **QUICK)
+    assert _bits(again) == _bits(hw) == _bits(calibrate.load(path)) and again == hw
+    assert _pick(again) == _pick(hw)
+    text = fringe.plan(schedules.auto(hardware=again), masks.causal(), seq_len=S,
+                       world_size=P, block_size=BS).explain()
+    assert "constants: calibration shared by every rank: calibrated once on rank 0" in text
+
+
+def test_per_rank_calibration_is_refused_naming_the_fix(tmp_path):
+    own = calibrate.calibrate(comm=False, **QUICK)              # this process, for itself
+    assert own.name == "this"
+    with pytest.raises(ValueError, match=r"for this process alone.*calibrate\.shared\("):
+        fringe.plan(schedules.auto(hardware=own), masks.causal(), seq_len=S, world_size=P,
+                    block_size=BS)
+    with pytest.raises(ValueError, match=r"calibrate\.shared\(group=group, path="):
+        schedules.auto(hardware="this")
+    with pytest.raises(ValueError, match="torch.distributed is not initialized"):
+        calibrate.shared(group=object())
+    # a file that is not a calibration says so and how to fix it
+    for text, what in (("[1, 2]", "not a calibration file"),
+                       (json.dumps({"format": calibrate.FORMAT, "hardware": {"name": "x"}}),
+                        "missing"),
+                       ("{", "is not JSON")):
+        (tmp_path / "c.json").write_text(text)
+        with pytest.raises(ValueError, match=what) as e:
+            calibrate.load(tmp_path / "c.json")
+        assert "run fringe.cost.calibrate.shared(path=...)" in str(e.value)
