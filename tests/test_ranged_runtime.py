@@ -3,8 +3,8 @@ travel, packed in one tensor; the receiver holds the rest as zeros (primal) or a
 ranges (gradients); the step records count the real bytes.
 
 Hand-written ranged programs on packed documents (a ring whose kv hops carry only the blocks
-the rest of their route attends, with its head-sliced variant, and a program that moves q and
-gets dq back in ranges) and the built-in schedules as fringe.plan ranges them (compose's
+the rest of their route attends, with its head-sliced variant, an all-gather whose slots carry
+what each member attends, and a program that moves q and gets dq back in ranges) and the built-in schedules as fringe.plan ranges them (compose's
 head-sliced hops included): float64 against the dense reference, forward and backward (dkv,
 dq and kv re-sends ranged by fringe.plan's reverse), both kv policies, GQA and MLA (Dv != D);
 every step record's bytes equal its transfers' (ranges counted in tokens) and are fewer than
@@ -28,7 +28,7 @@ from fringe.runtime import RankState
 from fringe.runtime.interpreter import kv_shape
 from fringe.runtime.virtual import VirtualRuntime
 from fringe.schedules import Schedule, ScheduleError
-from fringe.schedules.ir import Buffer, Compute, Family, Program, Recv, Send, Step
+from fringe.schedules.ir import Buffer, Collective, Compute, Family, Program, Recv, Send, Step
 from fringe.testing import make_qkv, packed_docs, tolerances
 
 TOL = tolerances(torch.float64)
@@ -117,6 +117,26 @@ def ranged_ring(cols: dict, P: int, *, heads: str = "whole", ranged: bool = True
     return Schedule(f"ranged_ring({heads})", layout=_layout.contiguous, programs_fn=programs)
 
 
+def ranged_allgather(cols: dict, P: int, *, ranged: bool = True) -> Schedule:
+    """One all-gather of kv on the contiguous layout whose slots carry only the blocks the
+    receiving member attends (an empty slot where it attends none); ``ranged=False``: the
+    same slots, whole."""
+    def programs(world_size: int) -> list[Program]:
+        assert world_size == P
+        group = tuple(range(P))
+        progs = []
+        for r in range(P):
+            sends = [Buffer.of(Family.KV, r) if k != r and cols[k, r] else None for k in group]
+            recvs = [Buffer.of(Family.KV, k) if k != r and cols[r, k] else None for k in group]
+            sk = [_runs(cols[k, r]) if ranged and b else None for k, b in zip(group, sends)]
+            rk = [_runs(cols[r, k]) if ranged and b else None for k, b in zip(group, recvs)]
+            gather = Collective("AG", group, sends, recvs, sk, rk)
+            later = tuple(Compute(r, k) for k in group if recvs[k] is not None)
+            progs.append(Program(r, (Step(0, (Compute(r, r), gather)), Step(1, later))))
+        return progs
+    return Schedule("ranged_allgather", layout=_layout.contiguous, programs_fn=programs)
+
+
 def q_visit(rows: dict, *, ranged: bool = True) -> Schedule:
     """P=2: rank 1 sends the blocks of q1 that attend kv0 to rank 0 (ranged), rank 0 computes
     that tile and sends the partial out1 back (whole: out never moves in ranges).
@@ -195,8 +215,10 @@ def _moves(prog, st, *, L, **dims) -> tuple[int, int]:
     got = sum(size(op.buf, op.blocks) for op in st.comms if type(op) is Recv)
     for op in st.collectives:
         me = op.group.index(prog.rank)
-        sent += sum(size(b) for k, b in enumerate(op.sends) if b is not None and k != me)
-        got += sum(size(b) for k, b in enumerate(op.recvs) if b is not None and k != me)
+        for (idx, bufs), ks, which in ((op.sparse_sends, op.send_blocks, 0),
+                                       (op.sparse_recvs, op.recv_blocks, 1)):
+            n = sum(size(b, k) for i, b, k in zip(idx, bufs, ks) if i != me)
+            sent, got = (sent + n, got) if which == 0 else (sent, got + n)
     return sent, got
 
 
@@ -269,6 +291,24 @@ def test_q_and_dq_move_in_ranges(kv):
                         block_size=BS, kv=kv, ranges=False)
     assert _has_ranges(plan.forward, (Family.Q,)) and _has_ranges(plan.backward, (Family.DQ,))
     q, k, v, dout = _qkv(S, H=H, G=G, D=D, Dv=Dv, seed=11)
+    moved = _check_run(plan, mask, q, k, v, dout, what="ranged")
+    assert 0 < moved < _check_run(whole, mask, q, k, v, dout, what="whole")
+
+
+@pytest.mark.parametrize("P,G,Dv,kv", [(3, 2, 4, "resend"), (4, 1, 3, "keep")])
+def test_a_ranged_allgather_and_its_reduce_scatter_match_dense(P, G, Dv, kv):
+    S = P * BS * 4
+    mask = _mask(S, P + 6)
+    cols, _ = _need(mask, S, P)
+    plan, whole = (fringe.plan(ranged_allgather(cols, P, ranged=r), mask, seq_len=S,
+                               world_size=P, block_size=BS, kv=kv, ranges=r)
+                   for r in (True, False))
+    assert any(op.ranged for prog in plan.forward for st in prog.steps for op in st.collectives)
+    ranged = [op for prog in plan.backward for st in prog.steps for op in st.collectives
+              if op.ranged]
+    assert any(op.kind == "RS" for op in ranged)
+    assert any(op.kind == "AG" for op in ranged) == (kv == "resend")
+    q, k, v, dout = _qkv(S, H=4, G=G, D=4, Dv=Dv, seed=P)
     moved = _check_run(plan, mask, q, k, v, dout, what="ranged")
     assert 0 < moved < _check_run(whole, mask, q, k, v, dout, what="whole")
 

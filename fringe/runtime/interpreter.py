@@ -23,8 +23,9 @@ whole buffer is here).
 Buffers come from a per-rank pool and go back to it after their last use in the program,
 so a ring keeps about two kv buffers alive and reuses them step after step.
 
-A transfer may carry only block ranges of its chunk (``S kv3[0:2,4:6]->r2``; blocks of
-``block_size`` tokens, local to the chunk). The sender packs the ranges' tokens into one
+A transfer, or a collective's slot, may carry only block ranges of its chunk
+(``S kv3[0:2,4:6]->r2``, ``AG[0,1] kv0[0:2],- > -,kv1[1:3]``; blocks of ``block_size``
+tokens, local to the chunk). The sender packs the ranges' tokens into one
 contiguous tensor (concatenated along L; parts narrowed part by part, no whole-size
 temporary), the receive buffer is sized to them, and on arrival they are filed into the
 whole-size buffer: a primal one not here yet (q, kv) is made of zeros first (the tiles read
@@ -494,7 +495,8 @@ def execute(programs: dict[int, Program], states: dict[int, RankState], transpor
             step = steps[r].get(t)
             if step is None:
                 continue
-            sends, recvs, colls, ranges = [], [], [], []
+            sends, recvs, colls = [], [], []
+            ranges, slot_ranges = [], []    # each receive's block ranges; each collective's
             for op in step.comms:
                 if isinstance(op, Send):
                     sends.append((op.peer, op.buf, st.outgoing(op.buf, op.blocks)))
@@ -503,16 +505,18 @@ def execute(programs: dict[int, Program], states: dict[int, RankState], transpor
                     ranges.append(op.blocks)
             for op in step.collectives:
                 me = op.group.index(r)
-                colls.append((op, [None if k == me or b is None else st.outgoing(b)
+                sk, rk = _slot_blocks(op)
+                colls.append((op, [None if k == me or b is None else st.outgoing(b, sk.get(k))
                                    for k, b in enumerate(op.sends)],
-                              [None if k == me or b is None else st.incoming(b)
+                              [None if k == me or b is None else st.incoming(b, rk.get(k))
                                for k, b in enumerate(op.recvs)]))
+                slot_ranges.append(rk)
             handle = (transport.issue(r, t, sends, recvs, colls) if colls else
                       transport.issue(r, t, sends, recvs))
             sent = sum(x.numel() * x.element_size() for _, _, x in sends) + sum(
                 x.numel() * x.element_size() for _, xs, _ in colls for x in xs if x is not None)
             pending[r] = (step, recvs, colls, handle, sent, sends,   # sends: alive until waited
-                          ranges)
+                          ranges, slot_ranges)
         timings, events = {}, {}
         for r, (step, *_) in pending.items():
             ev = _events(states[r])
@@ -523,7 +527,7 @@ def execute(programs: dict[int, Program], states: dict[int, RankState], transpor
             if ev is not None:
                 ev[1].record()
             events[r] = ev
-        for r, (step, recvs, colls, handle, sent, _, ranges) in pending.items():
+        for r, (step, recvs, colls, handle, sent, _, ranges, slot_ranges) in pending.items():
             st = states[r]
             t0 = time.perf_counter()
             transport.wait(r, t, handle)
@@ -534,15 +538,27 @@ def execute(programs: dict[int, Program], states: dict[int, RankState], transpor
             got = sum(x.numel() * x.element_size() for _, _, x in recvs)
             for (_, name, buf), blocks in zip(recvs, ranges):
                 st.arrived(name, buf, blocks)
-            for op, _, outs in colls:             # member order: a fixed order of summation
-                for name, buf in zip(op.recvs, outs):
+            for (op, _, outs), rk in zip(colls, slot_ranges):   # member order: a fixed order
+                for k, (name, buf) in enumerate(zip(op.recvs, outs)):   # of summation
                     if buf is not None:
                         got += buf.numel() * buf.element_size()
-                        st.arrived(name, buf)
+                        st.arrived(name, buf, rk.get(k))
             st.release(t)
             st.records.append(StepRecord(
                 r, t, None if ev else timings[r], None if ev else wait_s, len(step.computes),
                 sent, got, ev))
+
+
+_WHOLE: dict = {}
+
+
+def _slot_blocks(op) -> tuple[dict, dict]:
+    """``(sends, receives)``: a collective's ranged slots' block ranges by member index (empty
+    when every slot moves its whole chunk)."""
+    if not op.ranged:
+        return _WHOLE, _WHOLE
+    return (dict(zip(op.sparse_sends[0], op.send_blocks)),
+            dict(zip(op.sparse_recvs[0], op.recv_blocks)))
 
 
 def _events(st: RankState):
