@@ -241,10 +241,11 @@ def _general_counts(table: ProgramTable, P: int, *, steps: bool = True, n: int |
         raise ValueError("the programs move block ranges: count them in blocks (n=blocks per "
                          "chunk, plan.local_len // plan.block_size)")
     w = None
-    if n is not None:                               # blocks each transfer moves
-        blocks = np.array([sum(hi - lo for lo, hi in rs) for rs in xfer["ranges"]] + [n],
-                          dtype=np.int64)
-        w = blocks[i64(xfer["rng"])]                # -1: the whole chunk, n blocks
+    if n is not None:                               # blocks each transfer (slot) moves
+        w, sw = (np.array([sum(hi - lo for lo, hi in rs) for rs in ranges] + [n],
+                          dtype=np.int64)[i64(rng)]      # -1: the whole chunk, n blocks
+                 for ranges, rng in ((xfer["ranges"], xfer["rng"]),
+                                     (coll["ranges"], coll["slot_rng"])))
     out = []
     for x_rank, d in ((src, 0), (dst, 1)):
         sel = keep & (s_dir == d)
@@ -253,7 +254,7 @@ def _general_counts(table: ProgramTable, P: int, *, steps: bool = True, n: int |
         if w is None:
             c = np.bincount(r * K + k, minlength=P * K)
         else:
-            ws = np.concatenate([w, np.full(int(sel.sum()), n, dtype=np.int64)])
+            ws = np.concatenate([w, sw[sel]])
             c = np.rint(np.bincount(r * K + k, weights=ws, minlength=P * K))
         out.append(c.reshape(P, K).astype(np.int64))
     pairs = ((i64(comp["rank"]), i64(comp["step"])), (src, i64(xfer["step"])),

@@ -24,21 +24,24 @@ def _walked_stats(plan, *, batch=1, heads=1, kv_heads=1, head_dim=64, dtype=torc
                   dtype=str(dtype).removeprefix("torch."))
     L = plan.local_len
 
-    def price(buf):
+    def price(buf, blocks=None):
         split = 1 if buf.heads is None else buf.heads[1]
-        return shape.buffer_bytes(buf.family.value, L, split=split)
+        tokens = L if blocks is None else plan.block_size * sum(h - lo for lo, h in blocks)
+        return shape.buffer_bytes(buf.family.value, tokens, split=split)
 
     def volume(prog):
         sent = recv = 0
         for _, op in prog.ops():
             if isinstance(op, Send):
-                sent += price(op.buf)
+                sent += price(op.buf, op.blocks)
             elif isinstance(op, Recv):
-                recv += price(op.buf)
+                recv += price(op.buf, op.blocks)
             elif isinstance(op, Collective):
                 me = op.group.index(prog.rank)
-                sent += sum(price(b) for k, b in enumerate(op.sends) if b is not None and k != me)
-                recv += sum(price(b) for k, b in enumerate(op.recvs) if b is not None and k != me)
+                for (idx, bufs), ks, side in ((op.sparse_sends, op.send_blocks, 0),
+                                              (op.sparse_recvs, op.recv_blocks, 1)):
+                    got = sum(price(b, k) for i, b, k in zip(idx, bufs, ks) if i != me)
+                    sent, recv = (sent + got, recv) if side == 0 else (sent, recv + got)
         return sent, recv
 
     bs2 = plan.block_size ** 2
@@ -201,10 +204,11 @@ def test_table_parts_rows_and_ops_count_alike(name):
         assert progs[0].table is not None and progs[0].table._parts is not None
         plain = [Program(r, prog.steps) for r, prog in enumerate(progs)]
         rows = ProgramTable.of(plain).programs()
-        ref = oracle.op_counts(plain, P)
+        n = p.local_len // bs                   # counted in blocks: the hops move ranges
+        ref = oracle.op_counts(plain, P, n=n)
         assert ref.sent.sum() > 0 and ref.steps.min() > 0
         for other in (progs, rows, plain):
-            _same_counts(_op_counts(other, P), ref)
+            _same_counts(_op_counts(other, P, n=n), ref)
 
 
 def test_stats_of_a_large_plan_build_no_op():
@@ -218,8 +222,8 @@ def test_stats_of_a_large_plan_build_no_op():
     assert sum(r["blocks"] for r in st.rows) == int(p.tile_block_counts().sum())
     assert sum(r["fwd_sent"] for r in st.rows) == sum(r["fwd_recv"] for r in st.rows) > 0
     r = max(range(P), key=lambda i: st.rows[i]["fwd_sent"])     # one rank against its ops
-    walked = oracle.op_counts([p.forward[r]], 1)
+    walked = oracle.op_counts([p.forward[r]], 1, n=S // P // bs)      # in blocks
     assert st.rows[r]["steps"] == int(walked.steps[0])
-    kv_bytes = 2 * (S // P) * 64 * 2                 # k and v, L tokens, D=64, bfloat16
+    kv_bytes = 2 * bs * 64 * 2                       # k and v, a block, D=64, bfloat16
     assert [k[0].value for k in walked.keys] == ["kv"]
     assert st.rows[r]["fwd_sent"] == int(walked.sent[0, 0]) * kv_bytes

@@ -44,9 +44,9 @@ def _schedule(name: str):
     return USER[name]() if name in USER else schedules.get(name)
 
 
-def _walked(programs, P, *, steps=True, computes=True):
+def _walked(programs, P, *, steps=True, computes=True, n=None):
     """The oracle: every op walked (the backward's steps are not reported: zero)."""
-    c = oracle.op_counts(programs, P, computes=computes)
+    c = oracle.op_counts(programs, P, computes=computes, n=n)
     return c if steps else plan_mod._OpCounts(c.computes, c.splits, c.keys, c.sent, c.recv,
                                               np.zeros(P, dtype=np.int64))
 
@@ -66,16 +66,17 @@ def test_general_stats_columns_equal_the_op_walk(name, P, monkeypatch):
                               block_size=BLOCK, kv=kv)
             for progs in (p.forward, p.backward):
                 assert passes._table(progs) is not None
-            fwd = _op_counts(p.forward, P)                  # the columns, no op walked
-            bwd = _op_counts(p.backward, P, steps=False, computes=False)
+            n = p.local_len // BLOCK                        # counted in blocks (ranges)
+            fwd = _op_counts(p.forward, P, n=n)             # the columns, no op walked
+            bwd = _op_counts(p.backward, P, steps=False, computes=False, n=n)
             got = [p.stats(**v) for v in VARIANTS]
             assert all(prog._steps is None for prog in (*p.forward, *p.backward))
-            _same(fwd, _walked(p.forward, P))
-            _same(bwd, _walked(p.backward, P, steps=False, computes=False))
+            _same(fwd, _walked(p.forward, P, n=n))
+            _same(bwd, _walked(p.backward, P, steps=False, computes=False, n=n))
             assert fwd.sent.sum() == fwd.recv.sum() and bwd.sent.sum() == bwd.recv.sum()
             monkeypatch.setattr(stats_mod, "_general_counts",
-                                lambda t, P, steps=True, computes=True:
-                                _walked(t.programs(), P, steps=steps, computes=computes))
+                                lambda t, P, steps=True, computes=True, n=None:
+                                _walked(t.programs(), P, steps=steps, computes=computes, n=n))
             want = [p.stats(**v) for v in VARIANTS]
             monkeypatch.undo()
             assert got == want, (name, mname, kv)

@@ -110,20 +110,21 @@ _GENERAL_PARTS = (
     frozenset({"step", "src", "dst", "fam", "chunk", "order", "hi", "hn", "rorder", "rng",
                "ranges"}),
     frozenset({"rank", "step", "order", "kind", "group", "slot_side", "slot_dir", "slot_idx",
-               "slot_fam", "slot_chunk", "slot_hi", "slot_hn", "groups"}))
+               "slot_fam", "slot_chunk", "slot_hi", "slot_hn", "slot_rng", "groups", "ranges"}))
 
 
-def _ranged_bytes(whole: np.ndarray, xfer: dict, L: int, block_size: int | None) -> np.ndarray:
-    """Bytes of each transfer: the whole buffer's, or, for one that moves block ranges,
-    its blocks' share (the families that move ranges hold L tokens, bytes linear in L)."""
-    if not len(xfer["ranges"]):
+def _ranged_bytes(whole: np.ndarray, rng: np.ndarray, ranges: tuple, L: int,
+                  block_size: int | None) -> np.ndarray:
+    """Bytes of each transfer (or collective slot): the whole buffer's, or, for one that
+    moves block ranges (``rng``: an index into ``ranges``, -1 whole), its blocks' share (the
+    families that move ranges hold L tokens, their bytes linear in L)."""
+    if not len(ranges):
         return whole
     if block_size is None:
         raise ValueError("the programs move block ranges: give the block size "
                          "(plan.block_size) to price them")
-    tokens = _i64([sum(hi - lo for lo, hi in rs) * block_size for rs in xfer["ranges"]] + [L])
-    t = tokens[xfer["rng"]]                       # -1: the whole chunk, L tokens
-    return whole // L * t
+    tokens = _i64([sum(hi - lo for lo, hi in rs) * block_size for rs in ranges] + [L])
+    return whole // L * tokens[rng]               # -1: the whole chunk, L tokens
 
 
 def _within(x: np.ndarray, lo: int, hi: int) -> bool:
@@ -318,7 +319,8 @@ def _general_columns(t, P: int, L: int, shape: Shape, block_size: int | None = N
 
     xs, src, dst, xc = (xfer[k] for k in ("step", "src", "dst", "chunk"))
     x_id = ids(x_sl, x_key, xfer["fam"], xc)
-    sends = (src, xs, dst, _ranged_bytes(buf_bytes[x_id], xfer, L, block_size))
+    sends = (src, xs, dst, _ranged_bytes(buf_bytes[x_id], xfer["rng"], xfer["ranges"], L,
+                                         block_size))
     for rank, start in ((src, False), (dst, True)):     # a transfer touches a buffer another
         m = xc != rank                                  # rank owns
         touch.append((rank[m], xs[m], x_id[m], start))
@@ -347,7 +349,8 @@ def _general_columns(t, P: int, L: int, shape: Shape, block_size: int | None = N
     # by the rule table: ir.OWN_SLOT_IN_PLACE, by the table's kind code)
     s_id = ids(k_sl, k_key, coll["slot_fam"], coll["slot_chunk"])
     in_place = np.array(ir.OWN_SLOT_IN_PLACE)[coll["kind"][ss]] if len(ss) else None
-    s_bytes = np.where((sx == me[ss]) & in_place, 0, buf_bytes[s_id]) if len(ss) else _i64([])
+    s_whole = _ranged_bytes(buf_bytes[s_id], coll["slot_rng"], coll["ranges"], L, block_size)
+    s_bytes = np.where((sx == me[ss]) & in_place, 0, s_whole) if len(ss) else _i64([])
     moved = np.r_[0, np.cumsum(s_bytes)][np.searchsorted(
         ss * 2 + coll["slot_dir"], np.arange(2 * n_sides + 1))]
     moved = np.diff(moved)

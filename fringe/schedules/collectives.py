@@ -609,23 +609,23 @@ def compose(outer: Schedule, inner: Schedule, *, inner_size: int) -> Schedule:
     >>> p = fringe.plan(s, masks.causal(), seq_len=32, world_size=4, block_size=2)
     >>> print(render.table(p))
     compose(zigzag, zigzag, inner_size=2) · causal · S=32 P=4 block=2 · forward
-    ┌────────┬──────────┬──────────┬──────────┬──────────┐
-    │ step   │ rank 0   │ rank 1   │ rank 2   │ rank 3   │
-    ├────────┼──────────┼──────────┼──────────┼──────────┤
-    │ t0     │ R kv1←r1 │ R kv0←r0 │ R kv3←r3 │ R kv2←r2 │
-    │        │ C q0·kv0 │ C q1·kv1 │ C q2·kv2 │ C q3·kv3 │
-    │        │ S kv0→r1 │ S kv1→r0 │ S kv2→r3 │ S kv3→r2 │
-    ├────────┼──────────┼──────────┼──────────┼──────────┤
-    │ t1     │ R kv2←r2 │ R kv3←r3 │ R kv0←r0 │ R kv1←r1 │
-    │        │ C q0·kv1 │ C q1·kv0 │ C q2·kv3 │ C q3·kv2 │
-    │        │ S kv0→r2 │ S kv1→r3 │ S kv2→r0 │ S kv3→r1 │
-    ├────────┼──────────┼──────────┼──────────┼──────────┤
-    │ t2     │ R kv3←r1 │ R kv2←r0 │ R kv1←r3 │ R kv0←r2 │
-    │        │ C q0·kv2 │ C q1·kv3 │ C q2·kv0 │ C q3·kv1 │
-    │        │ S kv2→r1 │ S kv3→r0 │ S kv0→r3 │ S kv1→r2 │
-    ├────────┼──────────┼──────────┼──────────┼──────────┤
-    │ t3     │ C q0·kv3 │ C q1·kv2 │ C q2·kv1 │ C q3·kv0 │
-    └────────┴──────────┴──────────┴──────────┴──────────┘
+    ┌────────┬───────────────┬───────────────┬───────────────┬───────────────┐
+    │ step   │ rank 0        │ rank 1        │ rank 2        │ rank 3        │
+    ├────────┼───────────────┼───────────────┼───────────────┼───────────────┤
+    │ t0     │ R kv1←r1      │ R kv0[0:2]←r0 │ R kv3←r3      │ R kv2[0:2]←r2 │
+    │        │ C q0·kv0      │ C q1·kv1      │ C q2·kv2      │ C q3·kv3      │
+    │        │ S kv0[0:2]→r1 │ S kv1→r0      │ S kv2[0:2]→r3 │ S kv3→r2      │
+    ├────────┼───────────────┼───────────────┼───────────────┼───────────────┤
+    │ t1     │ R kv2←r2      │ R kv3←r3      │ R kv0[0:2]←r0 │ R kv1[0:2]←r1 │
+    │        │ C q0·kv1      │ C q1·kv0      │ C q2·kv3      │ C q3·kv2      │
+    │        │ S kv0[0:2]→r2 │ S kv1[0:2]→r3 │ S kv2→r0      │ S kv3→r1      │
+    ├────────┼───────────────┼───────────────┼───────────────┼───────────────┤
+    │ t2     │ R kv3←r1      │ R kv2←r0      │ R kv1[0:2]←r3 │ R kv0[0:2]←r2 │
+    │        │ C q0·kv2      │ C q1·kv3      │ C q2·kv0      │ C q3·kv1      │
+    │        │ S kv2→r1      │ S kv3→r0      │ S kv0[0:2]→r3 │ S kv1[0:2]→r2 │
+    ├────────┼───────────────┼───────────────┼───────────────┼───────────────┤
+    │ t3     │ C q0·kv3      │ C q1·kv2      │ C q2·kv1      │ C q3·kv0      │
+    └────────┴───────────────┴───────────────┴───────────────┴───────────────┘
 
     Args:
         outer: a sequence schedule across groups, e.g. ``schedules.zigzag()``.

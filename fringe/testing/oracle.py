@@ -201,7 +201,9 @@ def _thin_collectives(programs: Sequence[Program], keep: set) -> dict:
                     new = op
                 else:
                     new = Collective.sparse(op.kind, g, (tuple(si[n] for n in ks), tuple(sb[n] for n in ks)),
-                                            (tuple(ri[n] for n in kr), tuple(rb[n] for n in kr)))
+                                            (tuple(ri[n] for n in kr), tuple(rb[n] for n in kr)),
+                                            (tuple(op.send_blocks[n] for n in ks),
+                                             tuple(op.recv_blocks[n] for n in kr)))
                 out[(r, key)] = new
                 moves = any(g[si[n]] != r for n in ks) or any(g[ri[n]] != r for n in kr)
                 empty[key] = empty.get(key, True) and not moves   # own slots move nothing
@@ -688,12 +690,16 @@ def _walk_cost_columns(programs: Sequence, L: int, shape, block_size=None) -> _C
                                          f"{r} in its group {list(op.group)}")
                     me = op.group.index(r) if in_place[op.kind] else None
                     refs = [-1, -1]                   # its sides in k_touch (bytes: later)
-                    for side, (idx, bufs) in enumerate((op.sparse_sends, op.sparse_recvs)):
+                    for side, ((idx, bufs), ks) in enumerate(
+                            ((op.sparse_sends, op.send_blocks), (op.sparse_recvs, op.recv_blocks))):
                         if not bufs:                  # the occupied slots only
                             continue
                         refs[side] = len(k_touch)     # its own slot stays in place (RULES)
-                        k_touch.append((r, t, bufs, side, bufs[idx.index(me)] if me in idx
-                                        else None))   # (its touch, if any, is harmless)
+                        tokens = None if not op.ranged else [    # ranged slots: their tokens
+                            L if k is None else block_size * sum(h - lo for lo, h in k)
+                            for k in ks]
+                        k_touch.append((r, t, bufs, side, idx.index(me) if me in idx
+                                        else None, tokens))   # (its touch is harmless)
                     ordinal = seen.get(gid, 0)
                     seen[gid] = ordinal + 1
                     coll.append((r, t, gid, ordinal, _COST_COLL_KINDS[op.kind], *refs))
@@ -722,10 +728,18 @@ def _walk_cost_columns(programs: Sequence, L: int, shape, block_size=None) -> _C
         by_id = np.concatenate([np.repeat(fam_bytes, P), _cost_i64(sliced_bytes)])
         chunk_by_id = np.concatenate([np.tile(np.arange(P, dtype=np.int64), len(fams)),
                                       _cost_i64(sliced_chunks)])
-        moved = np.add.reduceat(by_id[ids], np.cumsum(counts) - counts)
-        own = [i for i, x in enumerate(k_touch) if x[4] is not None]
+        slot_bytes = by_id[ids]
+        start = np.cumsum(counts) - counts
+        for i, x in enumerate(k_touch):
+            if x[5] is not None:                       # a ranged slot: its blocks' share
+                at = slice(int(start[i]), int(start[i] + counts[i]))
+                slot_bytes[at] = slot_bytes[at] // L * _cost_i64(x[5])
+        own = [(i, int(start[i]) + x[4]) for i, x in enumerate(k_touch) if x[4] is not None]
         if own:
-            moved[own] -= by_id[_cost_i64([ids_of[k_touch[i][4]] for i in own])]
+            o_i, o_at = (_cost_i64(v) for v in zip(*own))
+        moved = np.add.reduceat(slot_bytes, start)
+        if own:
+            moved[o_i] -= slot_bytes[o_at]
         moved = np.r_[moved, 0]                        # ref -1: an empty side moves nothing
         coll_cols = (*coll_cols[:5], moved[coll_cols[5]], moved[coll_cols[6]])
         kr = np.repeat(_cost_i64([x[0] for x in k_touch]), counts)
@@ -824,16 +838,18 @@ def op_counts(programs, P: int, *, computes: bool = True, n: int | None = None) 
                     (s_r if t is Send else r_r)[keyof[op.buf]] += k
                 elif t is Collective:
                     me = op.member_index(prog.rank) if in_place[op.kind] else None
-                    for (idx, bufs), got in ((op.sparse_sends, s_r), (op.sparse_recvs, r_r)):
+                    for (idx, bufs), ks, got in ((op.sparse_sends, op.send_blocks, s_r),
+                                                 (op.sparse_recvs, op.recv_blocks, r_r)):
                         if n is None:
                             got.update(map(keyof.__getitem__, bufs))
                         else:
-                            for b in bufs:
-                                got[keyof[b]] += n
+                            ks = [n if k is None else sum(hi - lo for lo, hi in k) for k in ks]
+                            for b, k in zip(bufs, ks):
+                                got[keyof[b]] += k
                         if me is not None:            # its own slot stays in place
                             at = bisect_left(idx, me)
                             if at < len(idx) and idx[at] == me:
-                                got[keyof[bufs[at]]] -= 1 if n is None else n
+                                got[keyof[bufs[at]]] -= 1 if n is None else ks[at]
         per_rank.append(len(q) - n0)
     keys = tuple(sorted({k for c in (*sent, *recv) for k in c},
                         key=lambda k: (_FAMILY_ORDER[k[0]], k[1])))

@@ -124,26 +124,26 @@ def covered(programs: Sequence[Program], need: BlockNeed, *, backward: bool = Fa
         return
     g = _Gen(tab)
     P, n = g.P, need.n
-    top = max((hi for rs in g.ranges for _, hi in rs), default=0)
-    if top > n:
-        i = int(np.flatnonzero([max(hi for _, hi in rs) > n for rs in g.ranges])[0])
-        row = int(np.flatnonzero(g.xrng == i)[0])
-        _fault(tab, int(g.xs[row]), int(g.xt[row]),
-               f"a transfer moves blocks up to {top} of a chunk of {n} blocks "
-               f"(L / block_size); block ranges lie in [0, {n})")
+    for ranges, rng, rank, step in ((g.ranges, g.xrng, g.xs, g.xt),
+                                    (g.sranges, g.srng, g.kr[g.ss], g.kt[g.ss])):
+        top = max((hi for rs in ranges for _, hi in rs), default=0)
+        if top > n:
+            i = int(np.flatnonzero([max(hi for _, hi in rs) > n for rs in ranges])[0])
+            row = int(np.flatnonzero(rng == i)[0])
+            _fault(tab, int(rank[row]), int(step[row]),
+                   f"a transfer moves blocks up to {top} of a chunk of {n} blocks "
+                   f"(L / block_size); block ranges lie in [0, {n})")
     hop = np.flatnonzero(np.isin(g.xf, _inputs()))
-    held_bits = np.concatenate([_bits_of(g.ranges, n), need.whole()[None]])   # -1: whole
-    hb = g.bkey(g.xf[hop], g.xc[hop], g.xhs[hop])
-    got_key = hb * P + g.xd[hop]
+    bits_x = np.concatenate([_bits_of(g.ranges, n), need.whole()[None]])    # -1: whole
+    bits_s = np.concatenate([_bits_of(g.sranges, n), need.whole()[None]])
+    own = g.sidx == g.me[g.ss]
+    recv = np.flatnonzero((g.sdir == 1) & np.isin(g.sf, _inputs()) & ~own)
+    sent = np.flatnonzero((g.sdir == 0) & np.isin(g.sf, _inputs()) & ~own)
+    got_key = np.concatenate([g.bkey(g.xf[hop], g.xc[hop], g.xhs[hop]) * P + g.xd[hop],
+                              g.bkey(g.sf[recv], g.sc[recv], g.shs[recv]) * P + g.kr[g.ss[recv]]])
     space, ids = _unique(got_key)
-    held = np.zeros((len(space), need.nbytes), dtype=np.uint8)
-    np.bitwise_or.at(held, ids, held_bits[g.xrng[hop]])
-    # collectives bring whole buffers
-    recv = (g.sdir == 1) & np.isin(g.sf, _inputs())
-    if recv.any():
-        k, hit = _lookup(g.bkey(g.sf[recv], g.sc[recv], g.shs[recv]) * P + g.kr[g.ss[recv]],
-                         space, np.arange(len(space)), -1)
-        held[k[hit]] = need.whole()
+    held = np.zeros((len(space), need.nbytes), dtype=np.uint8)   # what arrived, by hops and slots
+    np.bitwise_or.at(held, ids, np.concatenate([bits_x[g.xrng[hop]], bits_s[g.srng[recv]]]))
     tiles = np.isin(g.ck, [C_, G_]) if backward else g.ck == C_
     for fam, side, w in TILE_TOUCH_CODES[C_]:
         if w:
@@ -162,17 +162,23 @@ def covered(programs: Sequence[Program], need: BlockNeed, *, backward: bool = Fa
                    f"'{_tile_text(g, j)}' reads blocks of its "
                    f"{'q' if side == Q_SIDE else 'kv'} buffer that the ranged transfers to "
                    f"rank {int(g.cr[j])} do not bring (they would be read as zeros)")
-    fwd = hop[g.xs[hop] != g.xc[hop]]                  # forwarded by a rank that does not own it
-    if len(fwd):
-        k, hit = _lookup(g.bkey(g.xf[fwd], g.xc[fwd], g.xhs[fwd]) * P + g.xs[fwd], space,
-                         np.arange(len(space)), -1)
-        moved = held_bits[g.xrng[fwd]]
+    # moved on by a rank that does not own the buffer: only blocks that arrived there
+    fwd = hop[g.xs[hop] != g.xc[hop]]
+    s_fwd = sent[g.sc[sent] != g.kr[g.ss[sent]]]
+    for rows, key, moved, rank, step, what in (
+            (fwd, g.bkey(g.xf[fwd], g.xc[fwd], g.xhs[fwd]) * P + g.xs[fwd], bits_x[g.xrng[fwd]],
+             g.xs[fwd], g.xt[fwd], "a transfer"),
+            (s_fwd, g.bkey(g.sf[s_fwd], g.sc[s_fwd], g.shs[s_fwd]) * P + g.kr[g.ss[s_fwd]],
+             bits_s[g.srng[s_fwd]], g.kr[g.ss[s_fwd]], g.kt[g.ss[s_fwd]], "a collective")):
+        if not len(rows):
+            continue
+        k, hit = _lookup(key, space, np.arange(len(space)), -1)
         bad = hit & (moved & ~held[np.maximum(k, 0)]).any(axis=1)
         if bad.any():
-            i = fwd[np.flatnonzero(bad)]
-            j = int(i[np.lexsort((g.xt[i], g.xs[i]))[0]])
-            _fault(tab, int(g.xs[j]), int(g.xt[j]),
-                   "a transfer forwards blocks of a buffer that did not arrive at this rank")
+            i = np.flatnonzero(bad)
+            j = int(i[np.lexsort((step[i], rank[i]))[0]])
+            _fault(tab, int(rank[j]), int(step[j]),
+                   f"{what} forwards blocks of a buffer that did not arrive at this rank")
 
 
 def _tile_text(g, j: int) -> str:

@@ -10,7 +10,7 @@ from ..ir import C_, TILE_TOUCH_CODES, Program, ProgramTable
 from ._blocks import BlockNeed, _inputs
 from ._check import _gen
 from ._columns import _table, gc_paused
-from ._keys import _by_step, _lookup, _runs, _unique
+from ._keys import _by_step, _lookup, _row_keys, _runs, _unique
 
 
 def _reads(g, need: BlockNeed):
@@ -27,63 +27,92 @@ def _reads(g, need: BlockNeed):
     return np.concatenate(keys), np.concatenate(ranks), np.concatenate(bits)
 
 
+def _slot_moves(g):
+    """The contributions of collectives that move input buffers, as moves: ``(send slot,
+    receive slot)`` rows of the table's slots, each a buffer going from the sending side's
+    rank to the receiving side's (own slots stay in place: not moves)."""
+    inp = np.isin(g.sf, _inputs())
+    sme, sinst = g.me[g.ss], g.inst[g.ss]
+    own = g.sidx == sme
+    b = g.bkey(g.sf, g.sc, g.shs)
+    sent = np.flatnonzero(inp & ~own & (g.sdir == 0))
+    got = np.flatnonzero(inp & ~own & (g.sdir == 1))
+    if not len(sent):
+        return sent, sent
+    ks = _row_keys(sinst[sent], sme[sent], g.sidx[sent], b[sent])
+    kr = _row_keys(sinst[got], g.sidx[got], sme[got], b[got])
+    o = np.argsort(kr)
+    at, hit = _lookup(ks, kr[o], o, -1)
+    return sent[hit], got[at[hit]]          # check has matched every contribution
+
+
 @gc_paused()
 def narrow(programs: Sequence[Program], need: BlockNeed) -> list[Program]:
-    """Give every whole hop of an input buffer (q, kv) the block ranges it must carry: the
-    blocks its receiver's computes read (:class:`BlockNeed`), and those of every rank it
-    forwards the buffer to later (a hop on a route carries what the rest of the route
-    reads). A hop that carries every block stays whole; a buffer a rank passes on by a
-    collective is whole there. Programs that already move ranges are returned as they are
-    (their ranges are the writer's; :func:`check` with ``blocks=`` verifies them)."""
+    """Give every move of an input buffer (q, kv) the block ranges it must carry: a hop, and
+    each contribution of a collective (its send slot and the matching receive slot). A move
+    carries the blocks its receiver's computes read (:class:`BlockNeed`) and those of every
+    rank the receiver moves the buffer on to later (a hop on a route carries what the rest of
+    the route reads). A move that carries every block stays whole. Programs that already move
+    ranges are returned as they are (their ranges are the writer's; :func:`check` with
+    ``blocks=`` verifies them)."""
     tab = _table(programs)
     if tab.ranged:
         return list(tab.programs())
     g = _gen(tab)
     P = g.P
     hop = np.flatnonzero(np.isin(g.xf, _inputs()))
-    if not len(hop):
+    s_send, s_recv = _slot_moves(g)
+    if not len(hop) and not len(s_send):
         return list(tab.programs())
     hb = g.bkey(g.xf[hop], g.xc[hop], g.xhs[hop])
+    sb = g.bkey(g.sf[s_send], g.sc[s_send], g.shs[s_send])
+    src = np.concatenate([g.xs[hop], g.kr[g.ss[s_send]]])
+    dst = np.concatenate([g.xd[hop], g.kr[g.ss[s_recv]]])
+    mb = np.concatenate([hb, sb])
+    step = np.concatenate([g.xt[hop], g.kt[g.ss[s_send]]])
     rk, rr, rbits = _reads(g, need)
-    at_dst0, at_src0 = hb * P + g.xd[hop], hb * P + g.xs[hop]
-    space, ids = _unique(np.concatenate([at_dst0, at_src0]))
-    K, m = len(space), len(hop)
+    space, ids = _unique(np.concatenate([mb * P + dst, mb * P + src]))
+    K, m = len(space), len(mb)
     at_dst, at_src = ids[:m], ids[m:]
     use = np.zeros((K, need.nbytes), dtype=np.uint8)
     u, hit = _lookup(rk * P + rr, space, np.arange(K), -1)
     if hit.any():
         np.bitwise_or.at(use, u[hit], rbits[hit])
     live = np.zeros_like(use)
-    # a buffer a rank passes on by a collective stays whole there
-    sends = (g.sdir == 0) & np.isin(g.sf, _inputs())
-    if sends.any():
-        sk = g.bkey(g.sf[sends], g.sc[sends], g.shs[sends]) * P + g.kr[g.ss[sends]]
-        k, hit = _lookup(sk, space, np.arange(K), -1)
-        live[k[hit]] = need.whole()
     carry = np.zeros((m, need.nbytes), dtype=np.uint8)
-    by_step = _by_step(g.xt[hop], descending=True)
-    _, starts = _runs(g.xt[hop][by_step])
+    by_step = _by_step(step, descending=True)
+    _, starts = _runs(step[by_step])
     ends = list(starts[1:]) + [m]
     for a, b in zip(starts.tolist(), ends):        # latest step first
         s = by_step[a:b]
         carry[s] = use[at_dst[s]] | live[at_dst[s]]
-        src = at_src[s]
-        if len(np.unique(src)) == len(src):
-            live[src] |= carry[s]
+        frm = at_src[s]
+        if len(np.unique(frm)) == len(frm):
+            live[frm] |= carry[s]
         else:
-            np.bitwise_or.at(live, src, carry[s])
+            np.bitwise_or.at(live, frm, carry[s])
     whole = (carry == need.whole()).all(axis=1)
-    rng = np.full(len(g.xf), -1, np.int64)
+    rng = np.full(m, -1, np.int64)
     part = np.flatnonzero(~whole)
     ranges: tuple = ()
     if len(part):
         rows, inv = np.unique(carry[part], axis=0, return_inverse=True)
         ranges = tuple(_ranges_of(r, need.n) for r in rows)
-        rng[hop[part]] = inv.reshape(-1)
+        rng[part] = inv.reshape(-1)
     comp, xfer, coll = tab._parts
-    x = {k: v for k, v in xfer.items()}
-    x["rng"], x["ranges"] = rng, ranges
-    return list(ProgramTable._of_parts(P, comp, x, coll).programs())
+    x = dict(xfer)
+    c = dict(coll)
+    nh = len(hop)
+    if (rng[:nh] >= 0).any():
+        x_rng = np.full(len(g.xf), -1, np.int64)
+        x_rng[hop] = rng[:nh]
+        x["rng"], x["ranges"] = x_rng, ranges
+    if (rng[nh:] >= 0).any():
+        s_rng = np.full(len(g.sf), -1, np.int64)
+        s_rng[s_send] = rng[nh:]
+        s_rng[s_recv] = rng[nh:]
+        c["slot_rng"], c["ranges"] = s_rng, ranges
+    return list(ProgramTable._of_parts(P, comp, x, c).programs())
 
 
 def _ranges_of(row: np.ndarray, n: int) -> tuple[tuple[int, int], ...]:
