@@ -4,14 +4,14 @@ ranges (gradients); the step records count the real bytes.
 
 Hand-written ranged programs on packed documents (a ring whose kv hops carry only the blocks
 the rest of their route attends, with its head-sliced variant, an all-gather whose slots carry
-what each member attends, and a program that moves q and gets dq back in ranges) and the built-in schedules as fringe.plan ranges them (compose's
-head-sliced hops included): float64 against the dense reference, forward and backward (dkv,
-dq and kv re-sends ranged by fringe.plan's reverse), both kv policies, GQA and MLA (Dv != D);
-every step record's bytes equal its transfers' (ranges counted in tokens) and are fewer than
-whole chunks', and the results are bit for bit those of whole chunks (``ranges=False``). The
-interpreter's rules one rank at a time (packing from parts, zero fill of a reused pool
-buffer, accumulation); ranges that do not fit are refused; gloo equals the virtual mesh bit
-for bit on a ranged plan.
+what each member attends, and a program that moves q and gets dq back in ranges) and the
+built-in schedules as fringe.plan ranges them (compose's head-sliced hops included): float64
+against the dense reference, forward and backward (dkv, dq and kv re-sends ranged by
+fringe.plan's reverse), both kv policies, GQA and MLA (Dv != D); every step record's bytes
+equal its transfers' (ranges counted in tokens) and are fewer than whole chunks', and the
+results are bit for bit those of whole chunks (``ranges=False``). The interpreter's rules one
+rank at a time (packing from parts, zero fill of a reused pool buffer, accumulation); ranges
+that do not fit are refused; gloo equals the virtual mesh bit for bit on a ranged plan.
 """
 from __future__ import annotations
 
