@@ -242,15 +242,16 @@ def _has_ranges(programs, families) -> bool:
                for prog in programs for st in prog.steps for op in st.comms)
 
 
-def _check_run(plan, mask, q, k, v, dout, *, what: str) -> int:
+def _check_run(plan, mask, q, k, v, dout, *, what: str) -> tuple[int, list]:
     """Forward and backward equal the dense reference, every step record's bytes are its
-    transfers' (ranges counted in tokens); returns the forward's received bytes."""
+    transfers' (ranges counted in tokens); returns the forward's received bytes and
+    ``[out, dq, dk, dv]``."""
     got, states = _run(plan, q, k, v, dout)
     _assert_dense(got, _dense(mask, q, k, v, dout), what)
     B, H, _, D = q.shape
     dims = dict(L=plan.local_len, B=B, H=H, G=k.shape[1], D=D, Dv=v.shape[-1])
     _assert_bytes(plan.backward, _records(states["backward"]), **dims)
-    return _assert_bytes(plan.forward, _records(states["forward"]), **dims)
+    return _assert_bytes(plan.forward, _records(states["forward"]), **dims), got
 
 
 # ---- hand-written ranged programs, end to end -------------------------------------------------
@@ -276,8 +277,8 @@ def test_a_ranged_ring_matches_dense_and_moves_only_the_ranges(P, H, G, D, Dv, h
     assert _has_ranges(plan.forward, (Family.KV,)) and _has_ranges(plan.backward, (Family.DKV,))
     assert _has_ranges(plan.backward, (Family.KV,)) == (kv == "resend")
     q, k, v, dout = _qkv(S, H=H, G=G, D=D, Dv=Dv, seed=seed)
-    moved = _check_run(plan, mask, q, k, v, dout, what="ranged")
-    assert 0 < moved < _check_run(whole, mask, q, k, v, dout, what="whole")
+    moved, _ = _check_run(plan, mask, q, k, v, dout, what="ranged")
+    assert 0 < moved < _check_run(whole, mask, q, k, v, dout, what="whole")[0]
 
 
 @pytest.mark.parametrize("kv", ["resend", "keep"])
@@ -291,8 +292,8 @@ def test_q_and_dq_move_in_ranges(kv):
                         block_size=BS, kv=kv, ranges=False)
     assert _has_ranges(plan.forward, (Family.Q,)) and _has_ranges(plan.backward, (Family.DQ,))
     q, k, v, dout = _qkv(S, H=H, G=G, D=D, Dv=Dv, seed=11)
-    moved = _check_run(plan, mask, q, k, v, dout, what="ranged")
-    assert 0 < moved < _check_run(whole, mask, q, k, v, dout, what="whole")
+    moved, _ = _check_run(plan, mask, q, k, v, dout, what="ranged")
+    assert 0 < moved < _check_run(whole, mask, q, k, v, dout, what="whole")[0]
 
 
 @pytest.mark.parametrize("P,G,Dv,kv", [(3, 2, 4, "resend"), (4, 1, 3, "keep")])
@@ -309,8 +310,8 @@ def test_a_ranged_allgather_and_its_reduce_scatter_match_dense(P, G, Dv, kv):
     assert any(op.kind == "RS" for op in ranged)
     assert any(op.kind == "AG" for op in ranged) == (kv == "resend")
     q, k, v, dout = _qkv(S, H=4, G=G, D=4, Dv=Dv, seed=P)
-    moved = _check_run(plan, mask, q, k, v, dout, what="ranged")
-    assert 0 < moved < _check_run(whole, mask, q, k, v, dout, what="whole")
+    moved, _ = _check_run(plan, mask, q, k, v, dout, what="ranged")
+    assert 0 < moved < _check_run(whole, mask, q, k, v, dout, what="whole")[0]
 
 
 # ---- the built-in schedules, ranged by fringe.plan --------------------------------------------
@@ -339,11 +340,12 @@ def test_builtin_schedules_with_ranges_match_dense_and_whole_chunks_bit_for_bit(
         assert any(op.blocks is not None and op.buf.heads is not None
                    for prog in plan.forward for st in prog.steps for op in st.comms)
     q, k, v, dout = _qkv(S, H=H, G=G, D=D, Dv=Dv, seed=P + H)
-    moved = _check_run(plan, mask, q, k, v, dout, what=f"{name} ranged")
-    assert 0 < moved < _check_run(whole, mask, q, k, v, dout, what=f"{name} whole")
+    moved, got = _check_run(plan, mask, q, k, v, dout, what=f"{name} ranged")
+    most, want = _check_run(whole, mask, q, k, v, dout, what=f"{name} whole")
+    assert 0 < moved < most
     # zeros outside the ranges are never read unmasked: the same bits as whole chunks
-    for a, b in zip(_run(plan, q, k, v, dout)[0], _run(whole, q, k, v, dout)[0]):
-        assert torch.equal(a, b)
+    for what, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+        assert torch.equal(a, b), what
 
 
 # ---- the interpreter's rules, one rank at a time ----------------------------------------------
