@@ -457,48 +457,58 @@ def test_ranges_that_do_not_fit_are_refused_by_plan_and_by_the_rank_state(buf, b
         st.incoming("out1", ((0, 1),))
 
 
-# ---- gloo equals the virtual mesh bit for bit on a ranged plan --------------------------------
-def _gloo_case(P: int, kv: str):
+# ---- gloo equals the virtual mesh bit for bit on ranged plans ----------------------------------
+#: (schedule, kv policy): the hand-ranged ring (point to point) and the built-in all-gather,
+#: whose slots fringe.plan ranges (collectives, and their reduce-scatter)
+GLOO = [("ranged_ring", "resend"), ("ranged_ring", "keep"), ("allgather", "resend")]
+
+
+def _gloo_case(P: int, name: str, kv: str):
     S = P * BS * 4
     mask = _mask(S, 9)
     cols, _ = _need(mask, S, P)
-    plan = fringe.plan(ranged_ring(cols, P), mask, seq_len=S, world_size=P, block_size=BS, kv=kv)
+    sched = ranged_ring(cols, P) if name == "ranged_ring" else fringe.schedules.get(name)
+    plan = fringe.plan(sched, mask, seq_len=S, world_size=P, block_size=BS, kv=kv)
     q, k, v, dout = _qkv(S, H=4, G=2, D=4, Dv=4, seed=9)
     return plan, mask, q, k, v, dout
 
 
-def worker_ranged(rank: int, world_size: int, kvs):
+def worker_ranged(rank: int, world_size: int, cases):
     res = {}
-    for kv in kvs:
-        plan, _, q, k, v, dout = _gloo_case(world_size, kv)
+    for case in cases:
+        plan, _, q, k, v, dout = _gloo_case(world_size, *case)
         lay = plan.layout
         ql, kl, vl = (lay.shard(t, rank).requires_grad_() for t in (q, k, v))
         out = fringe.attention(ql, kl, vl, plan=plan, timeout_s=60)
         grads = torch.autograd.grad(out, (ql, kl, vl), lay.shard(dout, rank))
         run = fringe.last_run()
-        res[kv] = dict(got=[out.detach(), *grads], records={
+        res[case] = dict(got=[out.detach(), *grads], records={
             which: {rec.step: (rec.sent_bytes, rec.recv_bytes) for rec in getattr(run, which)}
             for which in ("forward", "backward")})
         if rank == 0:   # the virtual mesh, in the same kind of process (same threads)
             qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
             sim = fringe.simulate.attention(qg, kg, vg, plan=plan)
-            res[kv]["sim"] = [sim.detach(), *torch.autograd.grad(sim, (qg, kg, vg), dout)]
+            res[case]["sim"] = [sim.detach(), *torch.autograd.grad(sim, (qg, kg, vg), dout)]
     return res
 
 
-def test_gloo_equals_the_virtual_mesh_bit_for_bit_on_a_ranged_plan():
-    P, kvs = 3, ("resend", "keep")
+def test_gloo_equals_the_virtual_mesh_bit_for_bit_on_ranged_plans():
+    P = 3
     with Workers(P, timeout_s=120) as w:
-        res = w.run(worker_ranged, kvs)
-    for kv in kvs:
-        plan, mask, q, k, v, dout = _gloo_case(P, kv)
-        assert _has_ranges(plan.forward, (Family.KV,))
-        sim = res[0][kv]["sim"]
+        res = w.run(worker_ranged, GLOO)
+    for case in GLOO:
+        plan, mask, q, k, v, dout = _gloo_case(P, *case)
+        if case[0] == "allgather":
+            assert any(op.ranged for prog in plan.forward + plan.backward for st in prog.steps
+                       for op in st.collectives)
+        else:
+            assert _has_ranges(plan.forward, (Family.KV,))
+            assert _has_ranges(plan.backward, (Family.DKV,))
+        sim = res[0][case]["sim"]
         for i, what in enumerate(("out", "dq", "dk", "dv")):
-            got = plan.layout.unshard([res[r][kv]["got"][i] for r in range(P)])
-            assert torch.equal(got, sim[i]), f"{kv} {what}: gloo differs from the virtual mesh"
+            got = plan.layout.unshard([res[r][case]["got"][i] for r in range(P)])
+            assert torch.equal(got, sim[i]), f"{case} {what}: gloo differs from the virtual mesh"
         dims = dict(L=plan.local_len, B=2, H=4, G=2, D=4, Dv=4)
         for which, progs in (("forward", plan.forward), ("backward", plan.backward)):
-            _assert_bytes(progs, {r: res[r][kv]["records"][which] for r in range(P)}, **dims)
-        assert _has_ranges(plan.backward, (Family.DKV,))
-        _assert_dense(sim, _dense(mask, q, k, v, dout), f"gloo {kv}")
+            _assert_bytes(progs, {r: res[r][case]["records"][which] for r in range(P)}, **dims)
+        _assert_dense(sim, _dense(mask, q, k, v, dout), f"gloo {case}")
