@@ -110,8 +110,9 @@ def _shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
 
 
 def _rank_state(program, rank: int, q, k, v, *, like, backward: bool,
-                protect: set[str]) -> RankState:
-    """A rank's interpreter state holding its own q and kv.
+                protect: set[str], block_size: int) -> RankState:
+    """A rank's interpreter state holding its own q and kv (``block_size``: what the
+    program's block ranges count in, ``plan.block_size``).
 
     k and v are held as the parts of the rank's kv buffer (packed ``[2, B, G, L, D]``, or
     ``[1, B, G, L, D + Dv]``, only if sent), borrowed: never written.
@@ -120,7 +121,8 @@ def _rank_state(program, rank: int, q, k, v, *, like, backward: bool,
     protect = set(protect) | {Buffer.of(f, rank) for f in mine}
     st = RankState(rank, program, like=like, heads=(q.shape[1], k.shape[1]), device=q.device,
                    protect=protect, merge_out=None if backward else merge,
-                   kv_split=None if k.shape[-1] == v.shape[-1] else k.shape[-1])
+                   kv_split=None if k.shape[-1] == v.shape[-1] else k.shape[-1],
+                   block_size=block_size)
     st.bufs[Buffer.of(Family.Q, rank)] = q
     st.set_parts(Buffer.of(Family.KV, rank), (k, v), borrowed=True)
     return st
@@ -178,7 +180,7 @@ def forward(plan: PlanLike, ranks: Sequence[int], q: torch.Tensor, k: torch.Tens
     states = {}
     for n, r in enumerate(ranks):
         states[r] = _rank_state(plan.forward[r], r, q[n], k[n], v[n], like=like, backward=False,
-                                protect=set(kept_names(plan, r)))
+                                protect=set(kept_names(plan, r)), block_size=plan.block_size)
 
     def compute(st: RankState, op) -> None:
         if not isinstance(op, Compute):
@@ -244,7 +246,7 @@ def backward(plan: PlanLike, ranks: Sequence[int], q, k, v, out, lse, dout, dlse
     like = _shapes(q[0], k[0], v[0])
     for n, r in enumerate(ranks):
         st = _rank_state(plan.backward[r], r, q[n], k[n], v[n], like=like, backward=True,
-                         protect=set())
+                         protect=set(), block_size=plan.block_size)
         for name, buf in zip(kept_names(plan, r), kept[n] if kept else []):
             st.bufs[name] = buf
             st.protect.add(name)

@@ -23,6 +23,16 @@ whole buffer is here).
 Buffers come from a per-rank pool and go back to it after their last use in the program,
 so a ring keeps about two kv buffers alive and reuses them step after step.
 
+A transfer, or a collective's slot, may carry only block ranges of its chunk
+(``S kv3[0:2,4:6]->r2``, ``AG[0,1] kv0[0:2],- > -,kv1[1:3]``; blocks of ``block_size``
+tokens, local to the chunk). The sender packs the ranges' tokens into one
+contiguous tensor (concatenated along L; parts narrowed part by part, no whole-size
+temporary), the receive buffer is sized to them, and on arrival they are filed into the
+whole-size buffer: a primal one not here yet (q, kv) is made of zeros first (the tiles read
+the blocks outside the ranges, all masked for them: 0 there is harmless, uninitialised
+memory is not), a gradient accumulates the ranges (made as zeros when absent). Out and dout
+never move in ranges.
+
 A buffer may also be held as its *parts* (k and v of a kv buffer, out and lse of a partial
 output, dk and dv of a dkv gradient) instead of the one packed tensor that travels: the rank's
 own inputs are then used where they are, and a kernel's results are kept, not copied. Parts are
@@ -40,7 +50,7 @@ from typing import Any, Callable, Protocol
 import torch
 
 from ..cost.hardware import check_head_split  # the head-split rule (re-exported here)
-from ..schedules.ir import Buffer, Compute, Family, GradCompute, Program, Send
+from ..schedules.ir import RANGED_FAMILIES, Buffer, Compute, Family, GradCompute, Program, Send
 
 
 class Transport(Protocol):
@@ -148,6 +158,47 @@ _STACKED = (Family.KV, Family.DKV)
 _COLUMNS = (Family.OUT, Family.DOUT)
 
 
+#: A part's token (L) dim, in every family (q ``[B, H, L, D]``, k and v ``[B, G, L, D]``, out
+#: ``[B, H, L, Dv]``, lse ``[B, H, L]``); a packed buffer's is :func:`token_dim`.
+_PART_L_DIM = 2
+
+
+def token_dim(family: Family) -> int:
+    """The token (L) dim of a packed buffer of ``family``: 3 for kv-like ones (``[2, B, G, L,
+    D]`` or ``[1, B, G, L, D + Dv]``), 2 for the query-side ones (``[B, H, L, ...]``)."""
+    return 3 if family in _STACKED else 2
+
+
+def token_spans(blocks, block_size: int) -> tuple[tuple[int, int], ...]:
+    """``(start, length)`` in tokens of half-open block ranges ``blocks`` (blocks of
+    ``block_size`` tokens): ``token_spans(((0, 2), (4, 5)), 8) == ((0, 16), (32, 8))``."""
+    return tuple((lo * block_size, (hi - lo) * block_size) for lo, hi in blocks)
+
+
+def _gather_spans(dst: tuple, src: tuple, spans) -> None:
+    """Copy the ``spans`` of each part of ``src`` (whole-size) into ``dst`` (range-sized),
+    one after another along L."""
+    for d, x in zip(dst, src):
+        at = 0
+        for start, n in spans:
+            d.narrow(_PART_L_DIM, at, n).copy_(x.narrow(_PART_L_DIM, start, n))
+            at += n
+
+
+def _scatter_spans(dst: tuple, src: tuple, spans, *, add: bool) -> None:
+    """File range-sized ``src`` parts into the ``spans`` of whole-size ``dst`` parts: add
+    (gradients) or copy."""
+    for d, x in zip(dst, src):
+        at = 0
+        for start, n in spans:
+            piece, into = x.narrow(_PART_L_DIM, at, n), d.narrow(_PART_L_DIM, start, n)
+            if add:
+                into.add_(piece)
+            else:
+                into.copy_(piece)
+            at += n
+
+
 def kv_shape(B: int, G: int, L: int, D: int, Dv: int) -> tuple:
     """Shape of a packed kv (or dkv) buffer: ``[2, B, G, L, D]``, or ``[1, B, G, L, D + Dv]``
     when ``Dv != D``."""
@@ -195,11 +246,13 @@ class RankState:
             partial ``out`` into the one here (by :meth:`combine`).
         kv_split: k's head dim D when v's head dim differs (MLA: kv buffers are
             ``[1, B, G, L, D + Dv]``, see :func:`kv_shape`); None when they are equal.
+        block_size: tokens per block (``plan.block_size``): what a transfer's block ranges
+            count in. None: the program moves whole chunks only (a ranged transfer raises).
     """
 
     def __init__(self, rank: int, program: Program, *, like: Callable, heads: tuple[int, int],
                  device, protect: set[str] = frozenset(), merge_out: Callable | None = None,
-                 kv_split: int | None = None) -> None:
+                 kv_split: int | None = None, block_size: int | None = None) -> None:
         self.rank = rank
         self.program = program
         self.bufs: dict[str, torch.Tensor] = {}
@@ -212,6 +265,7 @@ class RankState:
         self.protect = {Buffer(n) for n in protect} | {Buffer(n).parent for n in protect}
         self.merge_out = merge_out
         self.kv_split = kv_split
+        self.block_size = block_size
         last = program.last_uses()
         for b, t in list(last.items()):        # a slice keeps its whole buffer alive
             if b.heads is not None:
@@ -297,16 +351,55 @@ class RankState:
         for d, x in zip(dst, fn(*dst, *new)):
             d.copy_(x)
 
-    def outgoing(self, name: str) -> torch.Tensor:
-        """The tensor to send: a buffer held as parts is packed into a temporary."""
+    def _spans(self, b: Buffer, blocks) -> tuple[tuple[int, int], ...]:
+        """``(start, length)`` token spans of a transfer's block ranges (see
+        :func:`token_spans`).
+
+        Raises:
+            RuntimeError: this state has no ``block_size``, or ``b``'s family never moves in
+                ranges (``fringe.plan`` refuses such programs first, as it refuses ranges past
+                the chunk's ``L / block_size`` blocks).
+        """
+        if self.block_size is None:
+            raise RuntimeError(f"rank {self.rank}: a transfer of {b}{list(blocks)} carries block "
+                               f"ranges, but this RankState has no block_size; give it "
+                               f"RankState(..., block_size=plan.block_size)")
+        if b.family not in RANGED_FAMILIES:
+            raise RuntimeError(f"rank {self.rank}: {b} moves in block ranges, but only "
+                               f"{'/'.join(f.value for f in RANGED_FAMILIES)} buffers may (the "
+                               f"program is inconsistent; fringe.schedules.check finds such "
+                               f"faults)")
+        return token_spans(blocks, self.block_size)
+
+    def _wire_shape(self, b: Buffer, spans) -> tuple[tuple, torch.dtype]:
+        """Shape and dtype of what a transfer of ``b`` moves: the whole buffer, or (``spans``
+        not None) its spans' tokens along L."""
+        shape, dtype = self.shape_of(b)
+        if spans is not None:
+            d = token_dim(b.family)
+            shape = shape[:d] + (sum(n for _, n in spans),) + shape[d + 1:]
+        return shape, dtype
+
+    def outgoing(self, name: str, blocks=None) -> torch.Tensor:
+        """The tensor to send: a buffer held as parts is packed into a temporary; with
+        ``blocks`` (block ranges of the chunk) only their tokens, copied part by part from
+        (views of) the parts into one new range-sized tensor."""
         b = Buffer(name)
+        if blocks is not None:
+            spans = self._spans(b, blocks)
+            shape, dtype = self._wire_shape(b, spans)
+            t = torch.empty(shape, dtype=dtype, device=self.device)
+            _gather_spans(split_parts(b.family, t, self.kv_split), self.get_parts(b), spans)
+            return t
         held = self._held(b)
         if held is not None and held in self.parts:
             return pack_parts(b.family, self.get_parts(b), self.shape_of(b)[1])
         return self.get(name).contiguous()
 
-    def incoming(self, name: str) -> torch.Tensor:
-        shape, dtype = self.shape_of(name)
+    def incoming(self, name: str, blocks=None) -> torch.Tensor:
+        """A receive buffer from the pool: whole-size, or sized to ``blocks``' tokens."""
+        b = Buffer(name)
+        shape, dtype = self._wire_shape(b, None if blocks is None else self._spans(b, blocks))
         return self.pool.get_shape(shape, dtype, self.device)
 
     def _home(self, b: Buffer) -> None:
@@ -317,11 +410,22 @@ class RankState:
             shape, dtype = self.shape_of(b.parent)
             self.bufs[b.parent] = torch.zeros(shape, dtype=dtype, device=self.device)
 
-    def arrived(self, name: str, t: torch.Tensor) -> None:
+    def arrived(self, name: str, t: torch.Tensor, blocks=None) -> None:
+        """File a received tensor by its family's rule (see the module doc); ``blocks``: it
+        holds only those block ranges of the chunk."""
         b = Buffer(name)
         self._home(b)
         held = self._held(b)
-        if b.family.is_gradient and held is not None:
+        if blocks is not None:
+            spans = self._spans(b, blocks)
+            if held is None:                # zeros outside the ranges (pool reuse: refilled)
+                shape, dtype = self.shape_of(b)
+                self.bufs[b] = self.pool.get_shape(shape, dtype, self.device).zero_()
+            _scatter_spans(self.get_parts(b, write=True),
+                           split_parts(b.family, t, self.kv_split), spans,
+                           add=b.family.is_gradient)
+            self.pool.put(t)
+        elif b.family.is_gradient and held is not None:
             for d, x in zip(self.get_parts(b, write=True), split_parts(b.family, t, self.kv_split)):
                 d.add_(x)
             self.pool.put(t)
@@ -392,22 +496,27 @@ def execute(programs: dict[int, Program], states: dict[int, RankState], transpor
             if step is None:
                 continue
             sends, recvs, colls = [], [], []
+            ranges, slot_ranges = [], []    # each receive's block ranges; each collective's
             for op in step.comms:
                 if isinstance(op, Send):
-                    sends.append((op.peer, op.buf, st.outgoing(op.buf)))
+                    sends.append((op.peer, op.buf, st.outgoing(op.buf, op.blocks)))
                 else:
-                    recvs.append((op.peer, op.buf, st.incoming(op.buf)))
+                    recvs.append((op.peer, op.buf, st.incoming(op.buf, op.blocks)))
+                    ranges.append(op.blocks)
             for op in step.collectives:
                 me = op.group.index(r)
-                colls.append((op, [None if k == me or b is None else st.outgoing(b)
+                sk, rk = _slot_blocks(op)
+                colls.append((op, [None if k == me or b is None else st.outgoing(b, sk.get(k))
                                    for k, b in enumerate(op.sends)],
-                              [None if k == me or b is None else st.incoming(b)
+                              [None if k == me or b is None else st.incoming(b, rk.get(k))
                                for k, b in enumerate(op.recvs)]))
+                slot_ranges.append(rk)
             handle = (transport.issue(r, t, sends, recvs, colls) if colls else
                       transport.issue(r, t, sends, recvs))
             sent = sum(x.numel() * x.element_size() for _, _, x in sends) + sum(
                 x.numel() * x.element_size() for _, xs, _ in colls for x in xs if x is not None)
-            pending[r] = (step, recvs, colls, handle, sent, sends)   # sends: alive until waited
+            pending[r] = (step, recvs, colls, handle, sent, sends,   # sends: alive until waited
+                          ranges, slot_ranges)
         timings, events = {}, {}
         for r, (step, *_) in pending.items():
             ev = _events(states[r])
@@ -418,7 +527,7 @@ def execute(programs: dict[int, Program], states: dict[int, RankState], transpor
             if ev is not None:
                 ev[1].record()
             events[r] = ev
-        for r, (step, recvs, colls, handle, sent, _) in pending.items():
+        for r, (step, recvs, colls, handle, sent, _, ranges, slot_ranges) in pending.items():
             st = states[r]
             t0 = time.perf_counter()
             transport.wait(r, t, handle)
@@ -427,17 +536,29 @@ def execute(programs: dict[int, Program], states: dict[int, RankState], transpor
             if ev is not None:
                 ev[2].record()
             got = sum(x.numel() * x.element_size() for _, _, x in recvs)
-            for _, name, buf in recvs:
-                st.arrived(name, buf)
-            for op, _, outs in colls:             # member order: a fixed order of summation
-                for name, buf in zip(op.recvs, outs):
+            for (_, name, buf), blocks in zip(recvs, ranges):
+                st.arrived(name, buf, blocks)
+            for (op, _, outs), rk in zip(colls, slot_ranges):   # member order: a fixed order
+                for k, (name, buf) in enumerate(zip(op.recvs, outs)):   # of summation
                     if buf is not None:
                         got += buf.numel() * buf.element_size()
-                        st.arrived(name, buf)
+                        st.arrived(name, buf, rk.get(k))
             st.release(t)
             st.records.append(StepRecord(
                 r, t, None if ev else timings[r], None if ev else wait_s, len(step.computes),
                 sent, got, ev))
+
+
+_WHOLE: dict = {}
+
+
+def _slot_blocks(op) -> tuple[dict, dict]:
+    """``(sends, receives)``: a collective's ranged slots' block ranges by member index (empty
+    when every slot moves its whole chunk)."""
+    if not op.ranged:
+        return _WHOLE, _WHOLE
+    return (dict(zip(op.sparse_sends[0], op.send_blocks)),
+            dict(zip(op.sparse_recvs[0], op.recv_blocks)))
 
 
 def _events(st: RankState):

@@ -285,18 +285,23 @@ def probe_adjoint(p, *, seed: int):
     tiles on the virtual mesh (the real interpreter), with no attention math.
 
     Forward tile (i, j) reads kv_j as it arrived (x_j); backward tile (i, j) adds a random
-    y_ij into dkv_j. The backward's communication is the adjoint of the forward's when
-    ``<A x, y> == <x, A^T y>``.
+    y_ij into dkv_j, zero outside the blocks of kv_j the tile reads (a tile's gradient is, and
+    a ranged transfer moves only blocks some tile reads). The backward's communication is the
+    adjoint of the forward's when ``<A x, y> == <x, A^T y>``.
 
     Returns:
         ``(<A x, y>, <x, A^T y>, kv seen by each forward tile, kv seen by each backward
-        tile, x, dkv buffers left on a rank that does not own them)``.
+        tile, x, dkv buffers left on a rank that does not own them)``; a tile's kv seen is
+        what arrived on the blocks it reads, and x's elsewhere (blocks no ranged transfer
+        need bring it: they arrive as zeros).
     """
 
-    P, L = p.world_size, 3
+    P, L, bs = p.world_size, p.local_len, p.block_size
     g = torch.Generator().manual_seed(seed)
     x = {j: torch.randn(2, 1, 1, L, 1, generator=g, dtype=torch.float64) for j in range(P)}
-    y = {(i, j): torch.randn(2, 1, 1, L, 1, generator=g, dtype=torch.float64)
+    reads = {(i, j): p.tile_blocks(i, j).ne(0).any(0).repeat_interleave(bs).reshape(L, 1)
+             for i in range(P) for j in range(P)}
+    y = {(i, j): torch.randn(2, 1, 1, L, 1, generator=g, dtype=torch.float64) * reads[i, j]
          for i in range(P) for j in range(P)}
     seen_fwd, seen_bwd = {}, {}
 
@@ -304,7 +309,7 @@ def probe_adjoint(p, *, seed: int):
         out = {}
         for r in range(P):
             st_ = RankState(r, progs[r], like=lambda b: ((2, 1, 1, L, 1), torch.float64),
-                            heads=(1, 1), device="cpu",
+                            heads=(1, 1), device="cpu", block_size=bs,
                             protect={buffer_name("kv", r), buffer_name("dkv", r)})
             st_.bufs[buffer_name("kv", r)] = x[r].clone()
             if backward and p.kv == "keep":
@@ -315,10 +320,12 @@ def probe_adjoint(p, *, seed: int):
         return out
 
     def fwd(st_, op):
-        seen_fwd[(op.q, op.kv)] = st_.bufs[buffer_name("kv", op.kv)].clone()
+        seen_fwd[(op.q, op.kv)] = torch.where(reads[op.q, op.kv],
+                                              st_.bufs[buffer_name("kv", op.kv)], x[op.kv])
 
     def bwd(st_, op):
-        seen_bwd[(op.q, op.kv)] = st_.bufs[buffer_name("kv", op.kv)].clone()
+        seen_bwd[(op.q, op.kv)] = torch.where(reads[op.q, op.kv],
+                                              st_.bufs[buffer_name("kv", op.kv)], x[op.kv])
         st_.accumulate(buffer_name("dkv", op.kv), y[(op.q, op.kv)])
 
     execute({r: p.forward[r] for r in range(P)}, states(p.forward, False), VirtualMesh(P), fwd)
