@@ -161,7 +161,7 @@ def test_allgather_receives_every_needed_chunk():
     kv, dkv = 2 * L * 8 * 2, 2 * L * 8 * 4               # [2, B, G, L, D] bf16 / float32
     for policy, bwd in (("resend", kv + dkv), ("keep", dkv)):   # resend: kv gathered again
         p = fringe.plan(schedules.allgather(), masks.causal(), seq_len=S, world_size=P,
-                        block_size=bs, kv=policy)
+                        block_size=bs, kv=policy, ranges=False)   # whole chunks
         st = p.stats(batch=1, heads=2, kv_heads=1, head_dim=8, dtype=torch.bfloat16)
         for row in st.rows:
             assert (row["fwd_sent"], row["fwd_recv"]) == ((P - 1) * kv,) * 2, row
