@@ -184,7 +184,11 @@ def markdown(result: dict) -> str:
         f"timed as a fixed schedule; *copy* is a second, identical plan of the preset's pick "
         f"(own plan, own tensors): **spread** = copy / pick, the noise floor of the run. Target "
         f"(issue 23): on every P=2 cell pick / fastest ≤ {TARGET}, or within the spread "
-        f"(ok / MISS beside the ratio; n/a where P exceeds the cores). "
+        f"(ok / MISS beside the ratio; n/a where P exceeds the cores). *per round*: the median "
+        f"over rounds of pick / fastest in the same round; *CPU*: the pick's median CPU "
+        f"seconds of its busiest rank / the least of any candidate (what a shared machine "
+        f"inflates least; wall seconds on a loaded box also count other processes' time "
+        f"slices). "
         f"auto planned with the `cpu` preset (its default)"
         + (" and with `hardware=` a calibration of this machine shared by every rank "
            "(`fringe.cost.calibrate.shared`, measured once per run, its constants above)"
@@ -196,19 +200,21 @@ def markdown(result: dict) -> str:
     rows = []
     for c in cells:
         s, med = c["summary"], c["summary"]["median_s"]
+        cpu = {n: x for n, x in s["busiest_cpu_s"].items() if not n.endswith(COPY)}
         row = [c["mask"], c["S"], c["P"]] + [f"{med[n]:.3f}" if n in med else "" for n in names]
         row.append(f"{med[s['picks'][PRESET]['pick'] + COPY]:.3f}")
         judged = c["P"] <= c["cores"]
         for lb in labels:
             p = s["picks"].get(lb)
             verdict = ("ok" if p["ok"] else "MISS") if judged and p else "n/a"
-            row += ([p["pick"], f"{p['ratio']:.3f} {verdict}"] if p else ["", ""])
+            row += ([p["pick"], f"{p['ratio']:.3f} {verdict}", f"{p['round_ratio']:.3f}",
+                     f"{cpu[p['pick']] / min(cpu.values()):.3f}"] if p else ["", "", "", ""])
         row += [s["fastest"], f"{s['spread']:.3f}",
                 "{:.1f}→{:.1f}".format(c["load_before"][0], c["load_after"][0])]
         rows.append(row)
     heads = ["mask", "S", "P"] + names + ["copy"]
     for lb in labels:
-        heads += [f"auto ({lb})", "pick/fastest"]
+        heads += [f"auto ({lb})", "pick/fastest", "per round", "CPU"]
     heads += ["fastest", "spread", "load"]
     out.append(tabulate(rows, headers=heads, tablefmt="github", disable_numparse=True))
     out.append("")
@@ -263,10 +269,17 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None, help="default: benchmarks/results-auto.json")
     ap.add_argument("--merge", action="store_true",
                     help="keep the earlier JSON's cells that this run does not measure")
+    ap.add_argument("--render", action="store_true",
+                    help="measure nothing: rewrite the markdown section from the JSON")
     a = ap.parse_args(argv)
     here = os.path.dirname(os.path.abspath(__file__))
     md = a.markdown or os.path.join(os.path.dirname(here), "BENCHMARKS.md")
     js = a.json or os.path.join(here, "results-auto.json")
+    if a.render:
+        with open(js) as f:
+            write_section(md, markdown(json.load(f)))
+        print(f"wrote the auto section of {md} from {js}")
+        return 0
     old = []
     if a.merge and os.path.exists(js):
         with open(js) as f:
