@@ -29,6 +29,13 @@ BALANCE_SHAPE = dict(batch=1, heads=8, kv_heads=8, head_dim=64, dtype="float32")
 #: candidate; calls and bytes decide among those.
 BALANCE_SLACK = 1.05
 
+#: For masks with document structure (or windows), :func:`balanced` considers only layouts
+#: whose heaviest rank has at most ``1 + SPREAD`` times the mean pair work and the mean
+#: non-empty blocks (or, where none does, of the best candidate): with ranged hops a split
+#: document costs only the kv blocks that cross, so balance comes first and bytes decide
+#: among the balanced layouts.
+SPREAD = 0.03
+
 #: :func:`balanced` takes, among the candidates predicted within this factor of the fastest,
 #: the one whose kv chunks travel the fewest ring hops (then the fastest of those). The cost
 #: model counts a hop's bytes and latency but not all it costs besides: measured on the 2-core
@@ -145,21 +152,32 @@ def balanced(seq_len: int, world_size: int, *, block_size: int = DEFAULT_BLOCK_S
         return _deal_blocks(seq_len, world_size, block_size, block_work)
     rows = _rows_of(natural, nb)
     w = _block_costs(rows, hardware, shape)
+    nz = _block_counts(rows)
     segs = _segments(rows)
+    plain = len(segs) == 1 and all(r.plain for r in rows)        # e.g. causal
     seen: list[torch.Tensor] = []
-    for _, blocks in _candidates(w, segs, nb, world_size, _reach(rows)):
+    for _, blocks in _candidates(w, segs, nb, world_size, _reach(rows),
+                                 cheap=None if plain else (_cut_costs(rows), nz)):
         if not any(torch.equal(blocks, b) for b in seen):
             seen.append(blocks)
-    pair_max = [float(w[b].view(world_size, -1).sum(1).max()) for b in seen]
-    floor = min(pair_max)
-    plain = len(segs) == 1 and all(r.plain for r in rows)        # e.g. causal
+    heavy = [(float(w[b].view(world_size, -1).sum(1).max()),
+              float(nz[b].view(world_size, -1).sum(1).max())) for b in seen]
+    floor_w = min(h for h, _ in heavy)
+    if plain:
+        keep = [h <= BALANCE_SLACK * floor_w + 1e-300 for h, _ in heavy]
+    else:          # balance first: within SPREAD of the mean (or of the best candidate)
+        lim_w = (1 + SPREAD) * max(floor_w, float(w.sum()) / world_size)
+        lim_b = (1 + SPREAD) * max(min(b for _, b in heavy), float(nz.sum()) / world_size)
+        keep = [h <= lim_w * (1 + 1e-12) and b <= lim_b * (1 + 1e-12) for h, b in heavy]
+        if not any(keep):                     # none balances: the most balanced ones
+            keep = [h <= (1 + SPREAD) * floor_w * (1 + 1e-12) for h, _ in heavy]
     scored = []
-    for blocks, pm in zip(seen, pair_max):
-        if plain and pm > BALANCE_SLACK * floor + 1e-300:
+    for blocks, k in zip(seen, keep):
+        if not k:
             continue
-        t, hops = _predict_moves(rows, blocks, world_size, block_size=block_size,
-                                 hardware=hardware, shape=shape)
-        scored.append((float(t.max()), hops, blocks))
+        t, moved = _predict_moves(rows, blocks, world_size, block_size=block_size,
+                                  hardware=hardware, shape=shape)
+        scored.append((float(t.max()), moved, blocks))
     fastest = min(t for t, _, _ in scored)
     ring = scored[0] if torch.equal(scored[0][2], seen[0]) else None    # contiguous, if scored
     if ring is not None and ring[0] <= fastest:
@@ -287,6 +305,16 @@ def _block_costs(rows: list[_Rows], hardware, shape) -> torch.Tensor:
     return total
 
 
+def _block_counts(rows: list[_Rows]) -> torch.Tensor:
+    """float64 ``[nb]``: non-empty blocks of each q block row (weighted over the maps): the
+    work :meth:`fringe.plan.Plan.stats` balances."""
+    total = None
+    for r in rows:
+        c = r.weight * (r.full + r.part)
+        total = c if total is None else total + c
+    return total
+
+
 def block_costs(natural, *, hardware="cpu", shape=None) -> torch.Tensor:
     """Predicted seconds (forward + backward) of each q block's pairs, float64 ``[nb]``.
 
@@ -383,10 +411,11 @@ def _predict_one(rows: _Rows, blocks: torch.Tensor, P: int, *, block_size: int, 
         calls, fp, mp, cp = (work[..., i] for i in range(4))
         secs += calls * call + unit * (fp + hw.masked * mp + hw.causal * cp)
     moves = _ring_moves(needer, chunk, P)
-    kv = sh.buffer_bytes("kv", L)
-    dkv = sh.buffer_bytes("dkv", L)
-    per_move = 3 * hw.latency_s + (2 * kv + dkv) / hw.bandwidth
-    return secs + moves * per_move, float(moves.sum()) / 2      # a hop is a send and a receive
+    blocks_moved, total = _ranged_moves(rows, blocks, P)
+    kv = sh.buffer_bytes("kv", block_size)
+    dkv = sh.buffer_bytes("dkv", block_size)
+    comm = moves * 3 * hw.latency_s + blocks_moved * (2 * kv + dkv) / hw.bandwidth
+    return secs + comm, total
 
 
 def _ring_moves(needer: torch.Tensor, chunk: torch.Tensor, P: int) -> torch.Tensor:
@@ -512,14 +541,27 @@ def candidates(natural, world_size: int, *, hardware="cpu",
                shape=None) -> list[tuple[str, torch.Tensor]]:
     """The block orders :func:`balanced` chooses from, as ``(name, blocks [nb])`` pairs."""
     rows = _rows_of(natural, None)
-    return _candidates(_block_costs(rows, hardware, shape), _segments(rows), rows[0].nb,
-                       world_size, _reach(rows))
+    segs = _segments(rows)
+    plain = len(segs) == 1 and all(r.plain for r in rows)
+    return _candidates(_block_costs(rows, hardware, shape), segs, rows[0].nb,
+                       world_size, _reach(rows),
+                       cheap=None if plain else (_cut_costs(rows), _block_counts(rows)))
 
 
 def _candidates(w: torch.Tensor, segs: list[tuple[int, int]], nb: int, P: int,
-                reach: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+                reach: torch.Tensor, cheap=None) -> list[tuple[str, torch.Tensor]]:
     cap = nb // P
     out = [("contiguous", torch.arange(nb))]
+    if cheap is not None:                   # (cut costs, non-empty blocks per row)
+        cost, nz = cheap
+        lim_w = (1 + SPREAD) * float(w.sum()) / P
+        lim_b = (1 + SPREAD) * float(nz.sum()) / P
+        if _lap_steps(P, cap) <= _LAP_DP_BUDGET:
+            laps = _cheap_exact(w, P, cap, cost, lim_w, nz, lim_b)
+        else:
+            laps = _cheap_greedy(w, P, cap, cost, lim_w)
+        if laps is not None:
+            out.append(("cheap", laps))
     if nb % (2 * P) == 0:
         half = nb // (2 * P)
         ch = torch.arange(nb).view(2 * P, half)
@@ -780,3 +822,193 @@ def _reach(rows: list[_Rows]) -> torch.Tensor:
     for r in rows[1:]:
         lo = torch.minimum(lo, r.first)
     return torch.flip(torch.cummin(torch.flip(lo, [0]), 0).values, [0])
+
+
+# ---- ranged hops: what a split costs ---------------------------------------------------------
+def _cut_costs(rows: list[_Rows]) -> np.ndarray:
+    """int64 ``[nb + 1]``: kv blocks a cut before block ``c`` makes a chain send: the blocks
+    ``[reach[c], c)`` that q blocks at or after ``c`` attend (0 at ``c = 0`` and ``nb``, and
+    where no non-empty block crosses). For document and window masks every block of that span
+    is attended (a document's prefix, a window's width), so along a chain of pieces on
+    consecutive ranks (each piece's kv relayed on by the ranks that read it) the ranged
+    hops of the forward carry exactly the sum of the costs of the cuts. Only a search
+    estimate: :func:`predict` counts the blocks of any order."""
+    nb = rows[0].nb
+    reach = _reach(rows).numpy()
+    c = np.arange(nb + 1)
+    out = np.zeros(nb + 1, dtype=np.int64)
+    out[:nb] = np.maximum(0, c[:nb] - np.minimum(reach, c[:nb]))
+    return out
+
+
+def _ranged_moves(rows: _Rows, blocks: torch.Tensor, P: int) -> tuple[torch.Tensor, float]:
+    """Forward kv blocks each rank sends + receives, float64 ``[P]``, and their total over
+    the hops, when each kv chunk goes round the ring only as far as its farthest reader and
+    every hop carries the blocks the rest of the route reads (ranged hops: a block ``k`` of
+    rank ``j`` travels ``e_k`` hops, ``e_k`` the ring distance to the farthest rank whose q
+    blocks attend it)."""
+    nb = blocks.numel()
+    n = nb // P
+    pos = torch.empty(nb, dtype=torch.int64)
+    pos[blocks] = torch.arange(nb)
+    owner = pos // n
+    rs, re, rid = _runs(owner)
+    R = rows.bm.rects
+    if not len(R):
+        return torch.zeros(P, dtype=torch.float64), 0.0
+    k, run = _expand(R[:, 0], R[:, 1], rid)          # rectangle rows split at q-rank runs
+    q_rank = owner[rs[run]]
+    c0, c1 = R[k, 2], R[k, 3]
+    # the q ranks reading each column: a rectangle's column range for each of its q ranks
+    # (merged per q rank first, so a document's rows on one rank count once)
+    key0 = q_rank * (nb + 1) + c0
+    key1 = q_rank * (nb + 1) + c1
+    o = torch.argsort(key0)
+    key0, key1 = key0[o], key1[o]
+    hi = torch.cummax(key1, 0).values
+    new = torch.ones(key0.numel(), dtype=torch.bool)
+    new[1:] = key0[1:] > hi[:-1]
+    grp = new.cumsum(0) - 1
+    a = key0[new]
+    b = torch.zeros(int(grp[-1]) + 1, dtype=torch.int64).scatter_reduce_(
+        0, grp, key1, "amax", include_self=False)
+    i = torch.div(a, nb + 1, rounding_mode="floor")
+    a, b = a - i * (nb + 1), b - i * (nb + 1)
+    w = b - a
+    col = torch.repeat_interleave(a, w) + torch.arange(int(w.sum())) - \
+        torch.repeat_interleave(w.cumsum(0) - w, w)
+    dist = (torch.repeat_interleave(i, w) - owner[col]) % P
+    far = torch.zeros(nb, dtype=torch.int64).scatter_reduce_(0, col, dist, "amax")
+    total = float(far.sum())
+    j = owner
+    diff = torch.zeros(2 * P + 1, dtype=torch.float64)
+    one = torch.ones(nb, dtype=torch.float64)
+    for lo, hi_ in ((j, j + far), (j + 1, j + far + 1)):    # sent at j..j+e-1, received j+1..j+e
+        diff.index_add_(0, lo, one)
+        diff.index_add_(0, hi_, -one)
+    cnt = diff.cumsum(0)
+    return cnt[:P] + cnt[P:2 * P], total
+
+
+def _lap_parts(sizes: list[int], X: int, cap: int) -> torch.Tensor:
+    parts, a, b = [], 0, X
+    for sz in sizes:
+        parts.append(torch.cat([torch.arange(a, a + sz), torch.arange(b, b + cap - sz)]))
+        a, b = a + sz, b + cap - sz
+    return torch.cat(parts)
+
+
+def _cheap_exact(w: torch.Tensor, P: int, cap: int, cost: np.ndarray,
+                 wmax: float, blocks_w: torch.Tensor | None = None,
+                 bmax: float = math.inf) -> torch.Tensor | None:
+    """Two laps of non-empty pieces (rank ``r`` holds piece ``r`` of each lap; trailing pieces
+    of lap two may be empty) with the least summed cut cost (:func:`_cut_costs`) among those
+    whose every rank's work is at most ``wmax`` (and non-empty blocks ``blocks_w`` at most
+    ``bmax``): dynamic programming over the ranks for every
+    start of lap two on a grid (the state is how far lap one has got, which fixes lap two).
+    ``None`` when none fits."""
+    nb = P * cap
+    if cap < 2:
+        return None
+    pre = torch.cat([torch.zeros(1, dtype=torch.float64), w.cumsum(0)]).numpy()
+    bw = w if blocks_w is None else blocks_w
+    preb = torch.cat([torch.zeros(1, dtype=torch.float64), bw.to(torch.float64).cumsum(0)]).numpy()
+    cst = cost.astype(np.float64)
+    X = np.arange(1, nb, max(1, nb // _LAP_OFFSETS))
+    m = X.size
+    if m == 0:
+        return None
+    pos = np.arange(nb + 1)
+    dp = np.full((m, nb + 1), np.inf)
+    dp[:, 0] = 0.0
+    choice = np.zeros((P, m, nb + 1), dtype=np.int64)
+    lim = wmax * (1 + 1e-12)
+    for r in range(P):
+        a = pos[None, :]
+        b = X[:, None] + r * cap - a
+        live = np.isfinite(dp) & (b >= X[:, None]) & (b <= nb)
+        bc = np.clip(b, 0, nb)
+        start = dp + cst[a] + np.where(bc < nb, cst[bc], 0.0)   # the cuts this rank's pieces open
+        new = np.full((m, nb + 1), np.inf)
+        arg = np.zeros((m, nb + 1), dtype=np.int64)
+        for sz in range(1, cap + 1):
+            a2, b2 = np.minimum(a + sz, nb), np.minimum(bc + (cap - sz), nb)
+            ok = live & (a + sz <= X[:, None]) & (bc + (cap - sz) <= nb)
+            if sz == cap:                  # an empty lap-two piece only once lap two is done
+                ok &= bc == nb
+            ok &= pre[a2] - pre[a] + pre[b2] - pre[bc] <= lim
+            ok &= preb[a2] - preb[a] + preb[b2] - preb[bc] <= bmax * (1 + 1e-12)
+            f = np.where(ok, start, np.inf)
+            sl = slice(sz, nb + 1)
+            better = f[:, :nb + 1 - sz] < new[:, sl]
+            new[:, sl] = np.where(better, f[:, :nb + 1 - sz], new[:, sl])
+            arg[:, sl] = np.where(better, sz, arg[:, sl])
+        dp = new
+        choice[r] = arg
+    final = dp[np.arange(m), X]
+    if not np.isfinite(final).any():
+        return None
+    x = int(np.argmin(final))
+    sizes, a = [], int(X[x])
+    for r in range(P - 1, -1, -1):
+        sz = int(choice[r, x, a])
+        sizes.append(sz)
+        a -= sz
+    sizes.reverse()
+    return _lap_parts(sizes, int(X[x]), cap)
+
+
+def _cheap_greedy(w: torch.Tensor, P: int, cap: int, cost: np.ndarray,
+                  wmax: float) -> torch.Tensor | None:
+    """:func:`_cheap_exact` searched greedily (for sequences past its budget): rank by rank,
+    the piece sizes that keep the work so far within ``wmax / mean - 1`` of ``r + 1`` means
+    (cumulative, so errors do not add up) and open the cheapest cuts; the closest to the
+    target where none does. Every start of lap two on a grid at once; the cheapest start
+    whose ranks all fit ``wmax`` wins, else the one with the lightest heaviest rank."""
+    nb = P * cap
+    if cap < 2:
+        return None
+    pre = torch.cat([torch.zeros(1, dtype=torch.float64), w.cumsum(0)]).numpy()
+    total = float(pre[-1])
+    mean = total / P
+    band = max(0.0, wmax - mean) / 2          # half the slack for each end of a rank's work
+    pre = np.concatenate([pre, np.full(2 * cap + 2, pre[-1])])
+    cst = np.concatenate([cost.astype(np.float64), np.zeros(2 * cap + 2)])
+    X = np.arange(1, nb, max(1, nb // _LAP_OFFSETS))
+    m = X.size
+    s = np.arange(1, cap + 1)[None, :]
+    rows = np.arange(m)
+    a, b = np.zeros(m, dtype=np.int64), X.copy()
+    ok = np.ones(m, dtype=bool)
+    worst = np.zeros(m)
+    spent = cst[X].copy()                     # the cut where lap two starts
+    sizes = np.zeros((m, P), dtype=np.int64)
+    for r in range(P):
+        a2, b2 = a[:, None] + s, b[:, None] + (cap - s)
+        feas = (a2 <= X[:, None]) & (b2 <= nb)
+        feas &= (s > 0) & ((s < cap) | (b[:, None] == nb))
+        if r == P - 1:
+            feas &= a2 == X[:, None]
+        f = pre[a2] - pre[a][:, None] + pre[b2] - pre[b][:, None]
+        cum = pre[a2] + pre[b2] - pre[X][:, None]            # work of ranks 0..r
+        err = np.abs(cum - (r + 1) * mean)
+        nxt = np.where(a2 < X[:, None], cst[a2], 0.0) + np.where(b2 < nb, cst[b2], 0.0)
+        inband = feas & (err <= band) & (f <= wmax)
+        key = np.where(inband, nxt, np.inf)
+        pick_band = np.argmin(key, axis=1)
+        close = np.where(feas, err, np.inf)
+        pick_close = np.argmin(close, axis=1)
+        has = np.isfinite(key[rows, pick_band])
+        k = np.where(has, pick_band, pick_close)
+        ok &= np.isfinite(close[rows, pick_close])
+        sizes[:, r] = s[0, k]
+        worst = np.maximum(worst, f[rows, k])
+        spent += nxt[rows, k]
+        a, b = a2[rows, k], b2[rows, k]
+    ok &= (a == X) & (b == nb)
+    if not ok.any():
+        return None
+    fits = ok & (worst <= wmax * (1 + 1e-12))
+    x = int(np.argmin(np.where(fits, spent, np.inf))) if fits.any() else \
+        int(np.argmin(np.where(ok, worst, np.inf)))
+    return _lap_parts(sizes[x].tolist(), int(X[x]), cap)
