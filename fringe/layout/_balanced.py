@@ -34,7 +34,7 @@ BALANCE_SLACK = 1.05
 #: non-empty blocks (or, where none does, of the best candidate): with ranged hops a split
 #: document costs only the kv blocks that cross, so balance comes first and bytes decide
 #: among the balanced layouts.
-SPREAD = 0.03
+SPREAD = 0.04
 
 #: :func:`balanced` takes, among the candidates predicted within this factor of the fastest,
 #: the one whose kv chunks travel the fewest ring hops (then the fastest of those). The cost
@@ -160,17 +160,7 @@ def balanced(seq_len: int, world_size: int, *, block_size: int = DEFAULT_BLOCK_S
                                  cheap=None if plain else (_cut_costs(rows), nz)):
         if not any(torch.equal(blocks, b) for b in seen):
             seen.append(blocks)
-    heavy = [(float(w[b].view(world_size, -1).sum(1).max()),
-              float(nz[b].view(world_size, -1).sum(1).max())) for b in seen]
-    floor_w = min(h for h, _ in heavy)
-    if plain:
-        keep = [h <= BALANCE_SLACK * floor_w + 1e-300 for h, _ in heavy]
-    else:          # balance first: within SPREAD of the mean (or of the best candidate)
-        lim_w = (1 + SPREAD) * max(floor_w, float(w.sum()) / world_size)
-        lim_b = (1 + SPREAD) * max(min(b for _, b in heavy), float(nz.sum()) / world_size)
-        keep = [h <= lim_w * (1 + 1e-12) and b <= lim_b * (1 + 1e-12) for h, b in heavy]
-        if not any(keep):                     # none balances: the most balanced ones
-            keep = [h <= (1 + SPREAD) * floor_w * (1 + 1e-12) for h, _ in heavy]
+    keep = _balanced_enough(w, nz, seen, world_size, plain=plain)
     scored = []
     for blocks, k in zip(seen, keep):
         if not k:
@@ -188,6 +178,26 @@ def balanced(seq_len: int, world_size: int, *, block_size: int = DEFAULT_BLOCK_S
         best = min((c for c in close if c[1] <= fewest + 1e-9), key=lambda c: c[0])
     order = (best[2][:, None] * block_size + torch.arange(block_size)).reshape(-1)
     return Layout("balanced", order, world_size)
+
+
+def _balanced_enough(w: torch.Tensor, nz: torch.Tensor, orders: list[torch.Tensor], P: int, *,
+                     plain: bool) -> list[bool]:
+    """Which block orders :func:`balanced` scores: for a mask with no document structure,
+    those whose heaviest rank's pair work ``w`` is within :data:`BALANCE_SLACK` of the best
+    order's; otherwise those within ``1 + SPREAD`` of ``max(mean, best order)`` in both pair
+    work and non-empty blocks ``nz`` (else, where none is, those within ``1 + SPREAD`` of the
+    best pair work)."""
+    heavy = [(float(w[b].view(P, -1).sum(1).max()), float(nz[b].view(P, -1).sum(1).max()))
+             for b in orders]
+    floor_w = min(h for h, _ in heavy)
+    if plain:
+        return [h <= BALANCE_SLACK * floor_w + 1e-300 for h, _ in heavy]
+    lim_w = (1 + SPREAD) * max(floor_w, float(w.sum()) / P) * (1 + 1e-12)
+    lim_b = (1 + SPREAD) * max(min(b for _, b in heavy), float(nz.sum()) / P) * (1 + 1e-12)
+    keep = [h <= lim_w and b <= lim_b for h, b in heavy]
+    if not any(keep):
+        keep = [h <= (1 + SPREAD) * floor_w * (1 + 1e-12) for h, _ in heavy]
+    return keep
 
 
 def _deal_blocks(seq_len: int, world_size: int, block_size: int, block_work) -> Layout:
@@ -554,14 +564,17 @@ def _candidates(w: torch.Tensor, segs: list[tuple[int, int]], nb: int, P: int,
     out = [("contiguous", torch.arange(nb))]
     if cheap is not None:                   # (cut costs, non-empty blocks per row)
         cost, nz = cheap
-        lim_w = (1 + SPREAD) * float(w.sum()) / P
-        lim_b = (1 + SPREAD) * float(nz.sum()) / P
-        if _lap_steps(P, cap) <= _LAP_DP_BUDGET:
-            laps = _cheap_exact(w, P, cap, cost, lim_w, nz, lim_b)
-        else:
-            laps = _cheap_greedy(w, P, cap, cost, lim_w)
-        if laps is not None:
-            out.append(("cheap", laps))
+        laps = None
+        for f in (1, 2, 4):                 # SPREAD, else looser until a layout fits
+            lim_w = (1 + f * SPREAD) * float(w.sum()) / P
+            lim_b = (1 + f * SPREAD) * float(nz.sum()) / P
+            if _lap_steps(P, cap) <= _LAP_DP_BUDGET:
+                laps = _cheap_exact(w, P, cap, cost, lim_w, nz, lim_b)
+            else:
+                laps = _cheap_greedy(w, P, cap, cost, lim_w)
+            if laps is not None:
+                out.append(("cheap", laps))
+                break
     if nb % (2 * P) == 0:
         half = nb // (2 * P)
         ch = torch.arange(nb).view(2 * P, half)
@@ -1012,3 +1025,4 @@ def _cheap_greedy(w: torch.Tensor, P: int, cap: int, cost: np.ndarray,
     x = int(np.argmin(np.where(fits, spent, np.inf))) if fits.any() else \
         int(np.argmin(np.where(ok, worst, np.inf)))
     return _lap_parts(sizes[x].tolist(), int(X[x]), cap)
+
