@@ -76,18 +76,16 @@ def test_whole_documents_stay_on_one_rank_and_nothing_is_sent():
     assert sum(r["fwd_sent"] for r in lpt.stats().rows) > 0
 
 
-def test_a_too_long_document_is_cut_into_pieces_on_neighbouring_ranks():
-    """One 80-token document of 128 (L = 32) holds 7/8 of the work: it is cut into pieces
-    on consecutive ranks of the ring (each piece's kv arrives in one hop, relayed on by the
-    ranks that read it), and work is balanced within 1 + SPREAD."""
-    S, P, bs = 128, 4, 4
-    ids = torch.repeat_interleave(torch.arange(4), torch.tensor([80, 16, 16, 16]))
+def test_a_too_long_document_is_cut_and_the_work_balanced():
+    """One document of 5/8 of the sequence (L = S/4) holds 7/8 of the work: it is cut into
+    pieces on several ranks and the non-empty blocks per rank are within 1 + SPREAD of the
+    mean; the numbers are the dense reference's."""
+    S, P, bs = 1024, 4, 16
+    ids = torch.repeat_interleave(torch.arange(4), torch.tensor([640, 128, 128, 128]))
     mask = masks.causal() & masks.document(ids)
     p = fringe.plan(schedules.balanced(), mask, seq_len=S, world_size=P, block_size=bs)
-    owner = p.layout.owner()[ids == 0][::bs]              # doc 0's blocks in sequence order
-    runs = torch.unique_consecutive(owner)
-    assert runs.numel() > 1
-    assert bool(((runs[1:] - runs[:-1]) % P == 1).all()), owner.tolist()
+    owner = p.layout.owner()[ids == 0]
+    assert owner.unique().numel() >= 3
     assert p.stats().balance <= 1 + _balanced.SPREAD
     q, k, v = make_qkv(B=1, H=2, G=1, S=S, D=4, seed=5)
     ref, _ = reference.attention(q, k, v, mask_mod=mask)
@@ -114,22 +112,25 @@ def test_balanced_matches_dense_in_float64(kind, P):
 
 def assert_balance_first(nat, lay, P: int, bs: int, hardware="cpu") -> None:
     """The contract of :func:`layout.balanced`: the layout is one of the candidates balanced
-    enough (:func:`_balanced._balanced_enough`: within SPREAD of the mean, or of the best
-    candidate, in pair work and non-empty blocks), predicted within HOP_SLACK of the fastest
-    of those."""
+    enough (:func:`_balanced._balanced_enough`: among those predicted within BALANCE_COST of
+    the fastest, within SPREAD of the mean, or of the best of them, in pair work and
+    non-empty blocks), predicted within HOP_SLACK of the fastest of those."""
     rows = _balanced._rows_of(nat, None)
     segs = layout.segments(nat)
     plain = len(segs) == 1 and all(r.plain for r in rows)
     w, nz = layout.block_costs(nat, hardware=hardware), _balanced._block_counts(rows)
     cands = [b for _, b in layout.candidates(nat, P, hardware=hardware)]
-    kept = [b for b, k in zip(cands, _balanced._balanced_enough(w, nz, cands, P, plain=plain)) if k]
+    t = lambda b: float(layout.predict(nat, b, P, block_size=bs, hardware=hardware).max())  # noqa: E731
+    times = None if plain else [t(b) for b in cands]
+    kept = [b for b, k in zip(cands, _balanced._balanced_enough(w, nz, cands, P, plain=plain,
+                                                                times=times)) if k]
     mine = blocks_of(lay, bs)
     assert any(torch.equal(mine, b) for b in kept)
-    t = lambda b: float(layout.predict(nat, b, P, block_size=bs, hardware=hardware).max())  # noqa: E731
     assert t(mine) <= min(t(b) for b in kept) * (1 + layout.HOP_SLACK) * (1 + 1e-12)
-    if not plain:           # balanced within SPREAD of the mean where any candidate is
+    if not plain:           # within SPREAD of the mean where an affordable candidate is
         heavy = float(w[mine].view(P, -1).sum(1).max())
-        best = min(float(w[b].view(P, -1).sum(1).max()) for b in cands)
+        best = min(float(w[b].view(P, -1).sum(1).max()) for b, tb in zip(cands, times)
+                   if tb <= (1 + _balanced.BALANCE_COST) * min(times))
         assert heavy <= (1 + _balanced.SPREAD) * max(best, float(w.sum()) / P) * (1 + 1e-12)
 
 
@@ -475,7 +476,7 @@ def _order_digest(lay: layout.Layout) -> str:
 PINNED = [("nb01_packed", 2048, 4, 64, "0db0b29f9df678df"),
           ("nb01_window", 2048, 4, 64, "5ccf19f4f2c0424b"),
           ("nb01_prefix", 2048, 4, 64, "d001ab07dceeadc4"),
-          ("doctest_docs", 1024, 4, 16, "4b62f1dd5ea0b003"),
+          ("doctest_docs", 1024, 4, 16, "0fd2146942bdcd38"),
           ("docs128", 65536, 8, 32, "43670dbb3f8cc6fd"),
           ("docs128", 65536, 32, 32, "bfcd3e392a3f511f"),
           ("docs16", 16384, 8, 16, "bb62ed45b6dae244"),

@@ -35,14 +35,16 @@ def program_text(p) -> list[str]:
 CPU = costmodel.get_hardware("cpu")
 
 
-def kept(nat, P: int, hw=CPU) -> dict[str, torch.Tensor]:
+def kept(nat, P: int, bs: int, hw=CPU) -> dict[str, torch.Tensor]:
     """The candidates balanced scores (balanced enough), by name."""
     rows = _balanced._rows_of(nat, None)
     plain = layout.segments(nat) == [(0, nat.shape[0])] and all(r.plain for r in rows)
     cands = layout.candidates(nat, P, hardware=hw)
+    times = None if plain else [float(layout.predict(nat, b, P, block_size=bs,
+                                                     hardware=hw).max()) for _, b in cands]
     keep = _balanced._balanced_enough(layout.block_costs(nat, hardware=hw),
                                       _balanced._block_counts(rows), [b for _, b in cands], P,
-                                      plain=plain)
+                                      plain=plain, times=times)
     return {n: b for (n, b), k in zip(cands, keep) if k}
 
 
@@ -56,7 +58,7 @@ def test_ring_predicted_fastest_gives_exactly_rings_plan(mask_kind, S):
     P, bs = 2, layout.DEFAULT_BLOCK_SIZE          # the block size the benchmark plans with
     mask = doc_mask(S, 16, 1) if mask_kind == "document" else masks.sliding_window(512)
     nat = sparse(mask, S, bs)
-    t = {n: float(layout.predict(nat, b, P, block_size=bs).max()) for n, b in kept(nat, P).items()}
+    t = {n: float(layout.predict(nat, b, P, block_size=bs).max()) for n, b in kept(nat, P, bs).items()}
     assert "contiguous" in t and t["contiguous"] <= min(t.values()) * (1 + layout.HOP_SLACK)
     bal = fringe.plan(schedules.balanced(), mask, seq_len=S, world_size=P, block_size=bs)
     ring = fringe.plan(schedules.ring(), mask, seq_len=S, world_size=P, block_size=bs)
@@ -79,7 +81,7 @@ def test_whenever_ring_is_predicted_fastest_balanced_is_ring(P, n_docs, latency,
     nat = sparse(doc_mask(S, n_docs, seed), S, bs)
     hw = dataclasses.replace(CPU, latency_s=latency)
     lay = layout.balanced(S, P, block_size=bs, natural=nat, hardware=hw)
-    ok = kept(nat, P, hw)
+    ok = kept(nat, P, bs, hw)
     t = {n: float(layout.predict(nat, b, P, block_size=bs, hardware=hw).max()) for n, b in ok.items()}
     mine = float(layout.predict(nat, blocks_of(lay, bs), P, block_size=bs, hardware=hw).max())
     plain = layout.segments(nat) == [(0, S // bs)] and _balanced._Rows.of(nat).plain

@@ -36,6 +36,11 @@ BALANCE_SLACK = 1.05
 #: among the balanced layouts.
 SPREAD = 0.04
 
+#: ... but only among layouts predicted within ``1 + BALANCE_COST`` of the fastest candidate
+#: (:func:`predict`): a layout that balances by moving far more kv than its balance saves
+#: (e.g. long documents striped round the ring on a slow link) is not taken for balance.
+BALANCE_COST = 0.10
+
 #: :func:`balanced` takes, among the candidates predicted within this factor of the fastest,
 #: the one whose kv chunks travel the fewest ring hops (then the fastest of those). The cost
 #: model counts a hop's bytes and latency but not all it costs besides: measured on the 2-core
@@ -157,17 +162,20 @@ def balanced(seq_len: int, world_size: int, *, block_size: int = DEFAULT_BLOCK_S
     plain = len(segs) == 1 and all(r.plain for r in rows)        # e.g. causal
     seen: list[torch.Tensor] = []
     for _, blocks in _candidates(w, segs, nb, world_size, _reach(rows),
-                                 cheap=None if plain else (_cut_costs(rows), nz)):
+                                 cheap=None if plain else (_cut_costs(rows), nz, _first(rows))):
         if not any(torch.equal(blocks, b) for b in seen):
             seen.append(blocks)
-    keep = _balanced_enough(w, nz, seen, world_size, plain=plain)
-    scored = []
-    for blocks, k in zip(seen, keep):
-        if not k:
-            continue
-        t, moved = _predict_moves(rows, blocks, world_size, block_size=block_size,
-                                  hardware=hardware, shape=shape)
-        scored.append((float(t.max()), moved, blocks))
+    pred = {}
+
+    def predicted(i: int) -> tuple[float, float]:
+        if i not in pred:
+            t, moved = _predict_moves(rows, seen[i], world_size, block_size=block_size,
+                                      hardware=hardware, shape=shape)
+            pred[i] = (float(t.max()), moved)
+        return pred[i]
+    times = None if plain else [predicted(i)[0] for i in range(len(seen))]
+    keep = _balanced_enough(w, nz, seen, world_size, plain=plain, times=times)
+    scored = [(*predicted(i), seen[i]) for i, k in enumerate(keep) if k]
     fastest = min(t for t, _, _ in scored)
     ring = scored[0] if torch.equal(scored[0][2], seen[0]) else None    # contiguous, if scored
     if ring is not None and ring[0] <= fastest:
@@ -181,22 +189,26 @@ def balanced(seq_len: int, world_size: int, *, block_size: int = DEFAULT_BLOCK_S
 
 
 def _balanced_enough(w: torch.Tensor, nz: torch.Tensor, orders: list[torch.Tensor], P: int, *,
-                     plain: bool) -> list[bool]:
-    """Which block orders :func:`balanced` scores: for a mask with no document structure,
-    those whose heaviest rank's pair work ``w`` is within :data:`BALANCE_SLACK` of the best
-    order's; otherwise those within ``1 + SPREAD`` of ``max(mean, best order)`` in both pair
-    work and non-empty blocks ``nz`` (else, where none is, those within ``1 + SPREAD`` of the
-    best pair work)."""
+                     plain: bool, times: list[float] | None = None) -> list[bool]:
+    """Which block orders :func:`balanced` chooses among: for a mask with no document
+    structure, those whose heaviest rank's pair work ``w`` is within :data:`BALANCE_SLACK` of
+    the best order's; otherwise, among the orders predicted (``times``: the slowest rank's
+    seconds) within ``1 + BALANCE_COST`` of the fastest, those within ``1 + SPREAD`` of
+    ``max(mean, best of them)`` in both pair work and non-empty blocks ``nz`` (else those
+    within ``1 + SPREAD`` of the best pair work)."""
     heavy = [(float(w[b].view(P, -1).sum(1).max()), float(nz[b].view(P, -1).sum(1).max()))
              for b in orders]
-    floor_w = min(h for h, _ in heavy)
     if plain:
+        floor_w = min(h for h, _ in heavy)
         return [h <= BALANCE_SLACK * floor_w + 1e-300 for h, _ in heavy]
+    cheap = [t <= (1 + BALANCE_COST) * min(times) for t in times]
+    floor_w = min(h for (h, _), c in zip(heavy, cheap) if c)
+    floor_b = min(b for (_, b), c in zip(heavy, cheap) if c)
     lim_w = (1 + SPREAD) * max(floor_w, float(w.sum()) / P) * (1 + 1e-12)
-    lim_b = (1 + SPREAD) * max(min(b for _, b in heavy), float(nz.sum()) / P) * (1 + 1e-12)
-    keep = [h <= lim_w and b <= lim_b for h, b in heavy]
+    lim_b = (1 + SPREAD) * max(floor_b, float(nz.sum()) / P) * (1 + 1e-12)
+    keep = [c and h <= lim_w and b <= lim_b for (h, b), c in zip(heavy, cheap)]
     if not any(keep):
-        keep = [h <= (1 + SPREAD) * floor_w * (1 + 1e-12) for h, _ in heavy]
+        keep = [c and h <= (1 + SPREAD) * floor_w * (1 + 1e-12) for (h, _), c in zip(heavy, cheap)]
     return keep
 
 
@@ -555,15 +567,19 @@ def candidates(natural, world_size: int, *, hardware="cpu",
     plain = len(segs) == 1 and all(r.plain for r in rows)
     return _candidates(_block_costs(rows, hardware, shape), segs, rows[0].nb,
                        world_size, _reach(rows),
-                       cheap=None if plain else (_cut_costs(rows), _block_counts(rows)))
+                       cheap=None if plain else (_cut_costs(rows), _block_counts(rows),
+                                                   _first(rows)))
 
 
 def _candidates(w: torch.Tensor, segs: list[tuple[int, int]], nb: int, P: int,
                 reach: torch.Tensor, cheap=None) -> list[tuple[str, torch.Tensor]]:
     cap = nb // P
     out = [("contiguous", torch.arange(nb))]
-    if cheap is not None:                   # (cut costs, non-empty blocks per row)
-        cost, nz = cheap
+    if cheap is not None:                   # (cut costs, non-empty blocks, first kv block per row)
+        cost, nz, first = cheap
+        stripes = _stripes(w, first, P, cap, cost, 2 * SPREAD * float(w.sum()) / P)
+        if stripes is not None:
+            out.append(("stripes", stripes))
         laps = None
         for f in (1, 2, 4):                 # SPREAD, else looser until a layout fits
             lim_w = (1 + f * SPREAD) * float(w.sum()) / P
@@ -571,7 +587,7 @@ def _candidates(w: torch.Tensor, segs: list[tuple[int, int]], nb: int, P: int,
             if _lap_steps(P, cap) <= _LAP_DP_BUDGET:
                 laps = _cheap_exact(w, P, cap, cost, lim_w, nz, lim_b)
             else:
-                laps = _cheap_greedy(w, P, cap, cost, lim_w)
+                laps = _cheap_greedy(w, P, cap, cost, f * SPREAD * float(w.sum()) / P)
             if laps is not None:
                 out.append(("cheap", laps))
                 break
@@ -828,6 +844,14 @@ def _chain_two(w: torch.Tensor, P: int, cap: int, reach: torch.Tensor) -> torch.
     return torch.cat(parts)
 
 
+def _first(rows: list[_Rows]) -> torch.Tensor:
+    """int64 ``[nb]``: the first kv block any map's q block reads (``nb``: none)."""
+    lo = rows[0].first
+    for r in rows[1:]:
+        lo = torch.minimum(lo, r.first)
+    return lo
+
+
 def _reach(rows: list[_Rows]) -> torch.Tensor:
     """int64 ``[nb]``: the first kv block that any q block at or after each block needs (in
     any map; ``nb`` past the last non-empty row): a suffix minimum of the rows' first block."""
@@ -971,20 +995,22 @@ def _cheap_exact(w: torch.Tensor, P: int, cap: int, cost: np.ndarray,
     return _lap_parts(sizes, int(X[x]), cap)
 
 
-def _cheap_greedy(w: torch.Tensor, P: int, cap: int, cost: np.ndarray,
-                  wmax: float) -> torch.Tensor | None:
+def _cheap_greedy(w: torch.Tensor, P: int, cap: int, cost: np.ndarray, slack: float,
+                  target: np.ndarray | None = None) -> torch.Tensor | None:
     """:func:`_cheap_exact` searched greedily (for sequences past its budget): rank by rank,
-    the piece sizes that keep the work so far within ``wmax / mean - 1`` of ``r + 1`` means
-    (cumulative, so errors do not add up) and open the cheapest cuts; the closest to the
-    target where none does. Every start of lap two on a grid at once; the cheapest start
-    whose ranks all fit ``wmax`` wins, else the one with the lightest heaviest rank."""
+    the piece sizes that keep the work so far within ``slack / 2`` of the targets so far
+    (``target``: float64 ``[P]`` work of each rank, default the mean; cumulative, so errors
+    do not add up) and open the cheapest cuts; the closest to the target where none does.
+    Every start of lap two on a grid at once; the cheapest start whose ranks all fit
+    ``target + slack`` wins, else the one whose heaviest rank is least over its target."""
     nb = P * cap
     if cap < 2:
         return None
     pre = torch.cat([torch.zeros(1, dtype=torch.float64), w.cumsum(0)]).numpy()
-    total = float(pre[-1])
-    mean = total / P
-    band = max(0.0, wmax - mean) / 2          # half the slack for each end of a rank's work
+    if target is None:
+        target = np.full(P, float(pre[-1]) / P)
+    cum_t = np.cumsum(target)
+    band = slack / 2                          # half the slack for each end of a rank's work
     pre = np.concatenate([pre, np.full(2 * cap + 2, pre[-1])])
     cst = np.concatenate([cost.astype(np.float64), np.zeros(2 * cap + 2)])
     X = np.arange(1, nb, max(1, nb // _LAP_OFFSETS))
@@ -993,7 +1019,7 @@ def _cheap_greedy(w: torch.Tensor, P: int, cap: int, cost: np.ndarray,
     rows = np.arange(m)
     a, b = np.zeros(m, dtype=np.int64), X.copy()
     ok = np.ones(m, dtype=bool)
-    worst = np.zeros(m)
+    worst = np.full(m, -np.inf)
     spent = cst[X].copy()                     # the cut where lap two starts
     sizes = np.zeros((m, P), dtype=np.int64)
     for r in range(P):
@@ -1004,9 +1030,9 @@ def _cheap_greedy(w: torch.Tensor, P: int, cap: int, cost: np.ndarray,
             feas &= a2 == X[:, None]
         f = pre[a2] - pre[a][:, None] + pre[b2] - pre[b][:, None]
         cum = pre[a2] + pre[b2] - pre[X][:, None]            # work of ranks 0..r
-        err = np.abs(cum - (r + 1) * mean)
+        err = np.abs(cum - cum_t[r])
         nxt = np.where(a2 < X[:, None], cst[a2], 0.0) + np.where(b2 < nb, cst[b2], 0.0)
-        inband = feas & (err <= band) & (f <= wmax)
+        inband = feas & (err <= band) & (f <= target[r] + slack)
         key = np.where(inband, nxt, np.inf)
         pick_band = np.argmin(key, axis=1)
         close = np.where(feas, err, np.inf)
@@ -1015,14 +1041,64 @@ def _cheap_greedy(w: torch.Tensor, P: int, cap: int, cost: np.ndarray,
         k = np.where(has, pick_band, pick_close)
         ok &= np.isfinite(close[rows, pick_close])
         sizes[:, r] = s[0, k]
-        worst = np.maximum(worst, f[rows, k])
+        worst = np.maximum(worst, f[rows, k] - target[r])
         spent += nxt[rows, k]
         a, b = a2[rows, k], b2[rows, k]
     ok &= (a == X) & (b == nb)
     if not ok.any():
         return None
-    fits = ok & (worst <= wmax * (1 + 1e-12))
+    fits = ok & (worst <= slack * (1 + 1e-12))
     x = int(np.argmin(np.where(fits, spent, np.inf))) if fits.any() else \
         int(np.argmin(np.where(ok, worst, np.inf)))
     return _lap_parts(sizes[x].tolist(), int(X[x]), cap)
 
+
+
+#: A run of q blocks whose kv starts at the same block (one document's rows after its first
+#: block) is *heavy* when its pair work exceeds this fraction of a rank's mean: no layout
+#: that keeps it on a few neighbouring ranks balances, so :func:`_stripes` deals its rows
+#: round the ring.
+HEAVY_RUN = 0.5
+
+
+def _stripes(w: torch.Tensor, first: torch.Tensor, P: int, cap: int, cost: np.ndarray,
+             slack: float) -> torch.Tensor | None:
+    """Heavy documents striped round the ring, the rest in two laps.
+
+    The rows of heavy runs (:data:`HEAVY_RUN`) are dealt in sequence order to ranks
+    ``0, 1, ..., P - 1, 0, ...`` (``h`` each; the lightest few stay with the rest so that
+    ``P`` divides them): consecutive rows of a document sit on consecutive ranks, so each
+    kv block of it travels round the ring only through ranks that read it (their rows come
+    later in the document). The other blocks, in sequence order, fill the remaining
+    ``cap - h`` blocks of each rank as two laps (:func:`_cheap_greedy`), each rank's work
+    target the mean less its striped work. ``None`` without heavy runs or room."""
+    nb = P * cap
+    n = w.numel()
+    mean = float(w.sum()) / P
+    idx = torch.arange(n)
+    new = torch.ones(n, dtype=torch.bool)
+    new[1:] = first[1:] != first[:-1]
+    run = new.cumsum(0) - 1
+    run_w = torch.zeros(int(run[-1]) + 1, dtype=torch.float64).index_add_(0, run, w)
+    heavy = (run_w[run] > HEAVY_RUN * mean) & (first < n)
+    hv = idx[heavy]
+    extra = hv.numel() % P
+    if extra:                                  # the lightest stay with the rest
+        keep = torch.sort(torch.argsort(w[hv], stable=True)[extra:]).values
+        hv = hv[keep]
+    h = hv.numel() // P
+    if h == 0 or cap - h < 2:
+        return None
+    mask = torch.zeros(n, dtype=torch.bool)
+    mask[hv] = True
+    light = idx[~mask]
+    hw = torch.zeros(P, dtype=torch.float64).index_add_(0, torch.arange(hv.numel()) % P, w[hv])
+    target = (mean - hw).numpy()
+    if (target < 0).any():
+        return None
+    cost_l = np.concatenate([cost[light.numpy()], [0]])
+    laps = _cheap_greedy(w[light], P, cap - h, cost_l, slack, target)
+    if laps is None:
+        return None
+    own = light[laps].view(P, cap - h)
+    return torch.cat([torch.sort(torch.cat([own[r], hv[r::P]])).values for r in range(P)])

@@ -115,10 +115,11 @@ def balanced() -> Schedule:
 
     Zigzag and striped balance causal masks; packed documents, windows and arbitrary masks
     need the mask itself. :func:`fringe.plan` classifies the mask once in sequence order and
-    :func:`fringe.layout.balanced` chooses the block order: for document and window masks
-    among the layouts whose heaviest rank is within ``SPREAD`` of the mean (pair work and
-    non-empty blocks), the one whose slowest rank is predicted fastest, counting kernel calls,
-    pairs and the kv blocks its ranged hops carry. Documents stay whole on a rank where that
+    :func:`fringe.layout.balanced` chooses the block order: for document and window masks,
+    among the candidates predicted within ``BALANCE_COST`` of the fastest, those whose
+    heaviest rank is within ``SPREAD`` of the mean (pair work and non-empty blocks), and of
+    those the one whose slowest rank is predicted fastest, counting kernel calls, pairs and
+    the kv blocks its ranged hops carry. Documents stay whole on a rank where that
     balances; otherwise they are cut where a cut sends the fewest kv blocks, into pieces on
     consecutive ranks of the ring (each hop carries only the blocks the rest of its route
     reads). The block map is permuted, not recomputed. For six packed documents, one longer
@@ -142,7 +143,7 @@ def balanced() -> Schedule:
     ring      sends  1 kv blocks   8  time 1.52  blocks 1.53  docs 0/12/34/45
     zigzag    sends  7 kv blocks  60  time 1.28  blocks 1.67  docs 045/04/124/23
     striped   sends 12 kv blocks 156  time 1.12  blocks 1.20  docs 012345/012345/012345/012345
-    balanced  sends  4 kv blocks  40  time 1.05  blocks 1.03  docs 02/023/14/1245
+    balanced  sends  4 kv blocks  36  time 1.07  blocks 1.07  docs 02/013/14/245
     """
     return Schedule("balanced", layout=_layout.balanced, hops=ring_hops, mask_aware=True,
                     kind="balanced", spec=Spec("balanced"))
