@@ -580,6 +580,7 @@ def _candidates(w: torch.Tensor, segs: list[tuple[int, int]], nb: int, P: int,
         stripes = _stripes(w, first, P, cap, cost, 2 * SPREAD * float(w.sum()) / P)
         if stripes is not None:
             out.append(("stripes", stripes))
+        out.append(("rotations", _rotations(w, P, cap, cost)))
         laps = None
         for f in (1, 2, 4):                 # SPREAD, else looser until a layout fits
             lim_w = (1 + f * SPREAD) * float(w.sum()) / P
@@ -1102,3 +1103,64 @@ def _stripes(w: torch.Tensor, first: torch.Tensor, P: int, cap: int, cost: np.nd
         return None
     own = light[laps].view(P, cap - h)
     return torch.cat([torch.sort(torch.cat([own[r], hv[r::P]])).values for r in range(P)])
+
+
+#: :func:`_rotations` cuts a lap into pieces of ``g`` blocks, ``g`` the largest power of two up
+#: to :data:`ROT_BLOCKS` whose pieces each hold at most this fraction of a rank's mean work.
+ROT_PIECE = 0.10
+ROT_BLOCKS = 32  # blocks, not tokens
+#: ... and gives two consecutive laps one rotation when the cut between them sends more
+#: than this many kv blocks (:func:`_cut_costs`), so that cut is one hop, not a relay round
+#: the ring through ranks that do not read the blocks.
+ROT_LINK = 24
+#: Rounds of :func:`_rotations`' second pass (each group's rotation chosen again).
+ROT_ROUNDS = 4
+
+
+def _rotations(w: torch.Tensor, P: int, cap: int, cost: np.ndarray) -> torch.Tensor:
+    """Laps of ``P`` equal pieces dealt round the ring, each lap rotated to keep the heaviest
+    rank lightest.
+
+    The sequence is cut into laps in order; a lap is ``P`` pieces of ``g`` blocks (the
+    largest power of two up to :data:`ROT_BLOCKS` whose pieces hold at most
+    :data:`ROT_PIECE` of a rank's mean work: fine pieces through long documents, coarse ones
+    through short), and ``sum g = cap``, so every rank holds exactly ``cap`` blocks. Piece
+    ``j`` of a lap goes to rank ``(j + rho) mod P``: consecutive pieces sit on consecutive
+    ranks (a document's kv relayed only through ranks that read it), and ``rho``, chosen lap
+    by lap (heaviest pieces first), keeps the heaviest rank's work least (LPT over
+    rotations). For masks whose work is spread unevenly along the sequence (long documents
+    among short ones), where two laps cannot balance."""
+    nb = P * cap
+    C = torch.cat([torch.zeros(1, dtype=torch.float64), w.cumsum(0)]).numpy()
+    mean = C[-1] / P
+    laps, pos, used = [], 0, 0
+    while used < cap:
+        g = min(ROT_BLOCKS, cap - used)
+        g = 1 << (g.bit_length() - 1) if g < cap - used or g == ROT_BLOCKS else g
+        while g > 1 and np.diff(C[pos + np.arange(P + 1) * g]).max() > ROT_PIECE * mean:
+            g //= 2
+        laps.append((pos, g))
+        pos, used = pos + P * g, used + g
+    # laps whose boundary cuts a document deeper than ROT_LINK blocks share one rotation
+    group = np.cumsum([0] + [int(cost[a] > ROT_LINK) ^ 1 for a, _ in laps[1:]])
+    pw = np.zeros((int(group[-1]) + 1, P))
+    for (a, g), k in zip(laps, group):
+        pw[k] += np.diff(C[a + np.arange(P + 1) * g])
+    tot = np.zeros(P)
+    shift = (np.arange(P)[None, :] - np.arange(P)[:, None]) % P     # [rho, rank] -> piece
+    rot = np.zeros(len(pw), dtype=np.int64)
+    for k in sorted(range(len(pw)), key=lambda k: (-pw[k].max(), k)):
+        cand = tot[None, :] + pw[k][shift]
+        rot[k] = int(np.argmin(cand.max(axis=1)))
+        tot = cand[rot[k]]
+    for _ in range(ROT_ROUNDS):         # then each group again, given all the others
+        for k in sorted(range(len(pw)), key=lambda k: (-pw[k].max(), k)):
+            rest = tot - pw[k][shift[rot[k]]]
+            cand = rest[None, :] + pw[k][shift]
+            top = cand.max(axis=1)
+            if top.min() < top[rot[k]]:
+                rot[k] = int(np.argmin(top))
+            tot = cand[rot[k]]
+    rho = rot[group].tolist()
+    owner = np.concatenate([np.repeat((np.arange(P) + r) % P, g) for (_, g), r in zip(laps, rho)])
+    return torch.from_numpy(np.argsort(owner, kind="stable"))
