@@ -1,8 +1,9 @@
-"""The balanced layout: a solver that chooses the block order with the least predicted step
-time for the mask (kernel calls, pairs and bytes per rank), keeping packed documents whole
-where that balances (:func:`balanced`), and the prediction it scores candidates with
-(:func:`predict`, :func:`block_costs`, :func:`segments`, :func:`candidates`). Public names
-are re-exported by :mod:`fringe.layout`."""
+"""The balanced layout: a solver that chooses a block order for the mask, balanced first and
+then the least predicted step time (kernel calls, pairs and the kv blocks its ranged hops
+carry, per rank), keeping packed documents whole where that balances and cutting them where
+a cut sends the fewest kv blocks (:func:`balanced`), and the prediction it scores candidates
+with (:func:`predict`, :func:`block_costs`, :func:`segments`, :func:`candidates`). Public
+names are re-exported by :mod:`fringe.layout`."""
 from __future__ import annotations
 
 import dataclasses
@@ -42,12 +43,13 @@ SPREAD = 0.04
 BALANCE_COST = 0.10
 
 #: :func:`balanced` takes, among the candidates predicted within this factor of the fastest,
-#: the one whose kv chunks travel the fewest ring hops (then the fastest of those). The cost
-#: model counts a hop's bytes and latency but not all it costs besides: measured on the 2-core
-#: CPU runner (4 gloo ranks, CPU seconds per fwd+bwd step, S=8192, sliding window 512), a
-#: two-lap chain (4 hops) predicted 4% faster than contiguous (3 hops) took 5% more CPU on
-#: its busiest rank and 8% more in all; on 16 documents (S=4096, P=4) one extra hop cost ~7x
-#: its modelled bytes/bandwidth. So a near tie goes to the layout that sends less.
+#: the one whose ranged hops move the fewest kv blocks (then the fastest of those). The cost
+#: model counts a hop's bytes and latency but not all it costs besides: measured with
+#: whole-chunk hops (before ranged ones) on the 2-core CPU runner (4 gloo ranks, CPU seconds
+#: per fwd+bwd step, S=8192, sliding window 512), a two-lap chain (4 hops) predicted 4% faster
+#: than contiguous (3 hops) took 5% more CPU on its busiest rank and 8% more in all; on 16
+#: documents (S=4096, P=4) one extra hop cost ~7x its modelled bytes/bandwidth. So a near tie
+#: goes to the layout that sends less.
 HOP_SLACK = 0.05
 
 _EMPTY, _PARTIAL, _FULL = 0, 1, 2      # fringe.masks.BlockKind codes, as plain ints for numpy
@@ -61,15 +63,17 @@ EXACT_BLOCKS = 512
 def balanced(seq_len: int, world_size: int, *, block_size: int = DEFAULT_BLOCK_SIZE,
              block_work: torch.Tensor | None = None, natural=None,
              hardware="cpu", shape=None) -> Layout:
-    """The layout with the least predicted step time for the mask, among a few candidates.
+    """A balanced layout for the mask with the least predicted step time, among a few candidates.
 
     A rank computes its own q blocks against whatever kv they need, so what a layout decides
     is (1) the work of each rank, (2) how many kernel calls that work takes (scattered blocks
     fragment a tile into many small calls and break the causal diagonal runs that run with
-    ``is_causal``) and (3) which kv chunks travel (a rank that needs nothing from a peer
-    receives nothing from it). Dealing single blocks by work balances (1) perfectly and ruins
-    (2) and (3); measured on CPU it was the slowest layout on document and window masks.
-    So the candidates keep runs of blocks together, and the prediction counts all three:
+    ``is_causal``) and (3) which kv blocks travel: a ring hop carries only the blocks its
+    receiver and the ranks it forwards to read (ranged hops), so a document cut in two sends
+    the blocks of it before the cut, once per rank on the way to the farthest reader. Dealing
+    single blocks by work balances (1) perfectly and ruins (2) and (3); measured on CPU it was
+    the slowest layout on document and window masks. So the candidates keep runs of blocks
+    together, and the prediction counts all three:
 
     * ``contiguous`` and ``zigzag`` (the fixed layouts; zigzag is the fallback for masks
       with no document structure, such as plain causal);
@@ -93,19 +97,32 @@ def balanced(seq_len: int, world_size: int, *, block_size: int = DEFAULT_BLOCK_S
       two balances (searched exactly within the budget, and only when the chain's heaviest
       rank is above :data:`CHAIN_BALANCED` times the mean pair work);
     * *laps*: the same pieces with no chaining rule (work spread like zigzag; documents
-      may span several pieces), sizes chosen greedily rank by rank.
+      may span several pieces), sizes chosen greedily rank by rank;
+    * for masks with document structure (or windows) also *cheap*: two laps of non-empty
+      pieces on consecutive ranks whose cuts send the fewest kv blocks in all
+      (:func:`_cut_costs`: a cut sends the blocks of its document before it) among those
+      whose every rank is within :data:`SPREAD` of the mean pair work and non-empty blocks
+      (looser where none fits); searched exactly by dynamic programming within
+      :data:`_LAP_DP_BUDGET`, greedily above it;
+    * and *rotations*: laps of ``P`` equal pieces (fine through long documents, coarse
+      through short ones), each group of laps rotated round the ring to keep the heaviest
+      rank lightest (:func:`_rotations`), for sequences whose work piles up in a few long
+      documents, where two laps of any sizes cannot balance.
 
     For a mask with no document structure (one segment, every q block's kv starting at the
     same block: causal, full, prefix-LM), candidates whose heaviest rank has more than
     :data:`BALANCE_SLACK` times the pair work of the best balanced one are dropped, so such
-    masks are balanced even where kernel calls dominate (tiny blocks). The candidates left are
-    scored by :func:`predict` (per rank: kernel calls and (q, kv) pairs of every
-    tile from :func:`fringe.cost.work.tile_work`, forward and backward, plus the
-    bytes it sends and receives, not overlapped); among those whose slowest rank is within
-    :data:`HOP_SLACK` of the fastest, the one whose kv chunks travel the fewest hops wins,
-    then the fastest of those (ties: the earlier candidate in the list above). When ring's
-    contiguous layout is itself predicted fastest (ties included), it is returned as is: the
-    order is exactly :func:`contiguous`'s, so the plan is ring's plan.
+    masks are balanced even where kernel calls dominate (tiny blocks). For other masks the
+    balance comes first: among the candidates predicted within :data:`BALANCE_COST` of the
+    fastest, only those within :data:`SPREAD` of the mean (or of the best of them) in both pair
+    work and non-empty blocks are kept (:func:`_balanced_enough`). The candidates left are
+    scored by :func:`predict` (per rank: kernel calls and (q, kv) pairs of every tile from
+    :func:`fringe.cost.work.tile_work`, forward and backward, plus the latency of its hops and
+    the bytes of the kv blocks its ranged hops send and receive, not overlapped); among those
+    whose slowest rank is within :data:`HOP_SLACK` of the fastest, the one that moves the
+    fewest kv blocks wins, then the fastest of those (ties: the earlier candidate). When
+    ring's contiguous layout is kept and itself predicted fastest (ties included), it is
+    returned as is: the order is exactly :func:`contiguous`'s, so the plan is ring's plan.
 
     Several masks at once (the layer kinds of one model: full causal and sliding-window
     layers, sharing one layout): pass ``natural=[(map, weight), ...]``, e.g. each kind's map
@@ -162,7 +179,7 @@ def balanced(seq_len: int, world_size: int, *, block_size: int = DEFAULT_BLOCK_S
     plain = len(segs) == 1 and all(r.plain for r in rows)        # e.g. causal
     seen: list[torch.Tensor] = []
     for _, blocks in _candidates(w, segs, nb, world_size, _reach(rows),
-                                 cheap=None if plain else (_cut_costs(rows), nz, _first(rows))):
+                                 cheap=None if plain else (_cut_costs(rows), nz)):
         if not any(torch.equal(blocks, b) for b in seen):
             seen.append(blocks)
     pred = {}
@@ -358,9 +375,11 @@ def predict(natural, blocks: torch.Tensor, world_size: int, *,
     :mod:`fringe.ops.tile` splits them; above :data:`EXACT_BLOCKS` blocks the calls are
     estimated from runs of blocks) with ``hardware``'s per-call and per-pair constants.
     Communication: kv chunk ``j`` travels the ring ``j -> j+1 -> ...`` up to the farthest
-    rank that needs it (ring pruning); each hop costs latency plus bytes over bandwidth on
-    both ends, three times (kv forward, kv again and dkv back in the backward), counted as
-    not overlapped (on CPU gloo copies run on the same cores as the kernels).
+    rank that needs it (ring pruning), each hop carrying the blocks the rest of its route
+    reads (ranged hops: a block travels to its own farthest reader, :func:`_ranged_moves`);
+    each hop costs latency on both ends, and each block it carries bytes over bandwidth,
+    three times (kv forward, kv again and dkv back in the backward), counted as not
+    overlapped (on CPU gloo copies run on the same cores as the kernels).
 
     Args:
         natural: the block map in sequence order, as in :func:`balanced`: a
@@ -391,8 +410,8 @@ def _predict(rows: list[_Rows], blocks: torch.Tensor, P: int, *, block_size: int
 
 def _predict_moves(rows: list[_Rows], blocks: torch.Tensor, P: int, *, block_size: int,
                    hardware, shape) -> tuple[torch.Tensor, float]:
-    """(:func:`predict`'s seconds per rank, the kv chunk hops of the forward summed over the
-    maps with their weights)."""
+    """(:func:`predict`'s seconds per rank, the kv blocks the forward's ranged hops carry,
+    summed over the maps with their weights)."""
     if len(rows) == 1 and rows[0].weight == 1.0:
         return _predict_one(rows[0], blocks, P, block_size=block_size, hardware=hardware,
                             shape=shape)
@@ -567,19 +586,15 @@ def candidates(natural, world_size: int, *, hardware="cpu",
     plain = len(segs) == 1 and all(r.plain for r in rows)
     return _candidates(_block_costs(rows, hardware, shape), segs, rows[0].nb,
                        world_size, _reach(rows),
-                       cheap=None if plain else (_cut_costs(rows), _block_counts(rows),
-                                                   _first(rows)))
+                       cheap=None if plain else (_cut_costs(rows), _block_counts(rows)))
 
 
 def _candidates(w: torch.Tensor, segs: list[tuple[int, int]], nb: int, P: int,
                 reach: torch.Tensor, cheap=None) -> list[tuple[str, torch.Tensor]]:
     cap = nb // P
     out = [("contiguous", torch.arange(nb))]
-    if cheap is not None:                   # (cut costs, non-empty blocks, first kv block per row)
-        cost, nz, first = cheap
-        stripes = _stripes(w, first, P, cap, cost, 2 * SPREAD * float(w.sum()) / P)
-        if stripes is not None:
-            out.append(("stripes", stripes))
+    if cheap is not None:                   # (cut costs, non-empty blocks per row)
+        cost, nz = cheap
         out.append(("rotations", _rotations(w, P, cap, cost)))
         laps = None
         for f in (1, 2, 4):                 # SPREAD, else looser until a layout fits
@@ -845,14 +860,6 @@ def _chain_two(w: torch.Tensor, P: int, cap: int, reach: torch.Tensor) -> torch.
     return torch.cat(parts)
 
 
-def _first(rows: list[_Rows]) -> torch.Tensor:
-    """int64 ``[nb]``: the first kv block any map's q block reads (``nb``: none)."""
-    lo = rows[0].first
-    for r in rows[1:]:
-        lo = torch.minimum(lo, r.first)
-    return lo
-
-
 def _reach(rows: list[_Rows]) -> torch.Tensor:
     """int64 ``[nb]``: the first kv block that any q block at or after each block needs (in
     any map; ``nb`` past the last non-empty row): a suffix minimum of the rows' first block."""
@@ -996,20 +1003,19 @@ def _cheap_exact(w: torch.Tensor, P: int, cap: int, cost: np.ndarray,
     return _lap_parts(sizes, int(X[x]), cap)
 
 
-def _cheap_greedy(w: torch.Tensor, P: int, cap: int, cost: np.ndarray, slack: float,
-                  target: np.ndarray | None = None) -> torch.Tensor | None:
+def _cheap_greedy(w: torch.Tensor, P: int, cap: int, cost: np.ndarray,
+                  slack: float) -> torch.Tensor | None:
     """:func:`_cheap_exact` searched greedily (for sequences past its budget): rank by rank,
-    the piece sizes that keep the work so far within ``slack / 2`` of the targets so far
-    (``target``: float64 ``[P]`` work of each rank, default the mean; cumulative, so errors
-    do not add up) and open the cheapest cuts; the closest to the target where none does.
-    Every start of lap two on a grid at once; the cheapest start whose ranks all fit
-    ``target + slack`` wins, else the one whose heaviest rank is least over its target."""
+    the piece sizes that keep the work so far within ``slack / 2`` of ``r + 1`` means
+    (cumulative, so errors do not add up) and open the cheapest cuts; the closest to the
+    target where none does. Every start of lap two on a grid at once; the cheapest start
+    whose ranks all fit ``mean + slack`` wins, else the one whose heaviest rank is least
+    over the mean."""
     nb = P * cap
     if cap < 2:
         return None
     pre = torch.cat([torch.zeros(1, dtype=torch.float64), w.cumsum(0)]).numpy()
-    if target is None:
-        target = np.full(P, float(pre[-1]) / P)
+    target = np.full(P, float(pre[-1]) / P)
     cum_t = np.cumsum(target)
     band = slack / 2                          # half the slack for each end of a rank's work
     pre = np.concatenate([pre, np.full(2 * cap + 2, pre[-1])])
@@ -1053,56 +1059,6 @@ def _cheap_greedy(w: torch.Tensor, P: int, cap: int, cost: np.ndarray, slack: fl
         int(np.argmin(np.where(ok, worst, np.inf)))
     return _lap_parts(sizes[x].tolist(), int(X[x]), cap)
 
-
-
-#: A run of q blocks whose kv starts at the same block (one document's rows after its first
-#: block) is *heavy* when its pair work exceeds this fraction of a rank's mean: no layout
-#: that keeps it on a few neighbouring ranks balances, so :func:`_stripes` deals its rows
-#: round the ring.
-HEAVY_RUN = 0.5
-
-
-def _stripes(w: torch.Tensor, first: torch.Tensor, P: int, cap: int, cost: np.ndarray,
-             slack: float) -> torch.Tensor | None:
-    """Heavy documents striped round the ring, the rest in two laps.
-
-    The rows of heavy runs (:data:`HEAVY_RUN`) are dealt in sequence order to ranks
-    ``0, 1, ..., P - 1, 0, ...`` (``h`` each; the lightest few stay with the rest so that
-    ``P`` divides them): consecutive rows of a document sit on consecutive ranks, so each
-    kv block of it travels round the ring only through ranks that read it (their rows come
-    later in the document). The other blocks, in sequence order, fill the remaining
-    ``cap - h`` blocks of each rank as two laps (:func:`_cheap_greedy`), each rank's work
-    target the mean less its striped work. ``None`` without heavy runs or room."""
-    nb = P * cap
-    n = w.numel()
-    mean = float(w.sum()) / P
-    idx = torch.arange(n)
-    new = torch.ones(n, dtype=torch.bool)
-    new[1:] = first[1:] != first[:-1]
-    run = new.cumsum(0) - 1
-    run_w = torch.zeros(int(run[-1]) + 1, dtype=torch.float64).index_add_(0, run, w)
-    heavy = (run_w[run] > HEAVY_RUN * mean) & (first < n)
-    hv = idx[heavy]
-    extra = hv.numel() % P
-    if extra:                                  # the lightest stay with the rest
-        keep = torch.sort(torch.argsort(w[hv], stable=True)[extra:]).values
-        hv = hv[keep]
-    h = hv.numel() // P
-    if h == 0 or cap - h < 2:
-        return None
-    mask = torch.zeros(n, dtype=torch.bool)
-    mask[hv] = True
-    light = idx[~mask]
-    hw = torch.zeros(P, dtype=torch.float64).index_add_(0, torch.arange(hv.numel()) % P, w[hv])
-    target = (mean - hw).numpy()
-    if (target < 0).any():
-        return None
-    cost_l = np.concatenate([cost[light.numpy()], [0]])
-    laps = _cheap_greedy(w[light], P, cap - h, cost_l, slack, target)
-    if laps is None:
-        return None
-    own = light[laps].view(P, cap - h)
-    return torch.cat([torch.sort(torch.cat([own[r], hv[r::P]])).values for r in range(P)])
 
 
 #: :func:`_rotations` cuts a lap into pieces of ``g`` blocks, ``g`` the largest power of two up
