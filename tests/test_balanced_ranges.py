@@ -119,3 +119,35 @@ def test_a_chain_sends_the_cost_of_its_cuts(seed):
     nz = _balanced._block_counts(rows)
     per = nz[blocks].view(P, -1).sum(1)
     assert float(per.max() / per.mean()) <= 1 + 4 * _balanced.SPREAD
+
+
+def test_long_documents_are_balanced_by_rotated_laps():
+    """40 documents on 8 ranks, the longest holding more than two ranks' mean work: no two
+    laps of pieces balance it; laps of equal pieces, each group of laps rotated round the
+    ring, do: every rank holds the same blocks and work within 1.05 of the mean, consecutive
+    pieces sit on consecutive ranks (but where a group of laps ends), and the kv the plan
+    moves is at most 1.25x what its layout needs."""
+    S, P, bs = 1 << 16, 8, 64
+    ids = packed_docs(S, 40, seed=3)
+    mask = masks.causal() & masks.document(ids)
+    nat = masks.classify(mask, torch.arange(S), torch.arange(S), block_size=bs, sparse=True)
+    cands = dict(layout.candidates(nat, P))
+    rows = [_balanced._Rows.of(nat)]
+    nz = _balanced._block_counts(rows)
+    assert float(nz[cands["rotations"]].view(P, -1).sum(1).max() / (nz.sum() / P)) <= 1.05
+    assert float(nz[cands["cheap"]].view(P, -1).sum(1).max() / (nz.sum() / P)) > 1.05
+    p = fringe.plan(schedules.balanced(), mask, seq_len=S, world_size=P, block_size=bs)
+    assert p.stats().balance <= 1.05
+    owner = p.layout.owner()
+    step = torch.unique_consecutive(owner[::bs])
+    hops = (step[1:] - step[:-1]) % P
+    assert float((hops == 1).double().mean()) >= 0.9, hops.tolist()
+    # the floor of causal documents: rank r needs the tokens of a document, held elsewhere, up
+    # to its last query token in that document
+    pos = torch.arange(S)
+    floor = 0
+    for r in range(P):
+        last = torch.full((int(ids.max()) + 1,), -1, dtype=torch.int64)
+        last.scatter_reduce_(0, ids[owner == r], pos[owner == r], "amax")
+        floor += int(((pos <= last[ids]) & (owner != r)).sum())
+    assert kv_tokens(p, "forward") <= 1.25 * floor
