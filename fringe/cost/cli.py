@@ -168,8 +168,11 @@ def cli(args) -> int:
         t1 = time.process_time()
         pred = simulate(p, hw, shape, name=name)
         t2 = time.process_time()
-        preds.append(pred)
+        del p                # its programs and cost columns go before the next plan is made
+        if args.png:         # the [P, T] timelines are kept only to be drawn
+            preds.append(pred)
         row = pred.row()
+        del pred
         row.update({"plan s": t1 - t0, "simulate s": t2 - t1})
         rows.append(row)
     print(f"cost model · {hw.name} ({hw.source}) · P={args.world_size:,} S={args.seq_len:,} "

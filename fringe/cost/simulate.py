@@ -225,8 +225,8 @@ def _counts(index: np.ndarray, weights: np.ndarray, n: int) -> np.ndarray:
                        minlength=n).astype(np.float64, copy=False)
 
 
-def _run(flat: _Flat, hw: Hardware, P: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Event simulation: ``(issue, wait, sent, recv)``, each ``[P, T]``.
+def _run(flat: _Flat, hw: Hardware, P: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Event simulation: ``(wait, sent, recv)``, each ``[P, T]``.
 
     At each step every active rank issues its transfers and collectives at its clock,
     computes, then waits for all of them (the interpreter's order). A point-to-point
@@ -237,8 +237,6 @@ def _run(flat: _Flat, hw: Hardware, P: int) -> tuple[np.ndarray, np.ndarray, np.
     communication are done.
     """
     T = len(flat.steps)
-    issue = np.zeros((P, T))
-    wait = np.zeros((P, T))
     src, spos, dst, nbytes = flat.sends
     ks, kd = src * T + spos, dst * T + spos
     sent = _counts(ks, nbytes, P * T)
@@ -248,25 +246,40 @@ def _run(flat: _Flat, hw: Hardware, P: int) -> tuple[np.ndarray, np.ndarray, np.
     sent, recv = sent.reshape(P, T), recv.reshape(P, T)
     order = np.argsort(spos.astype(np.int16 if T < 1 << 15 else np.int64), kind="stable")  # radix
     src, dst, dur = src[order], dst[order], dur[order]               # by step
-    bounds = np.r_[0, np.cumsum(np.bincount(spos, minlength=T))].tolist()
+    per_step = np.bincount(spos, minlength=T)
+    bounds = np.r_[0, np.cumsum(per_step)].tolist()
+    # steps where no rank sends (receives) twice: the latest of its transfers is its only one,
+    # so a plain assignment does what np.maximum.at does, without its per-element cost
+    once = []
+    for ends in (src, dst):
+        many = np.zeros(T, dtype=bool)
+        if len(ends):
+            k = np.repeat(np.arange(T), per_step) * P + ends
+            k.sort()
+            many[k[1:][k[1:] == k[:-1]] // P] = True
+        once.append((~many).tolist())
+    del order, per_step
     waves = {}
     if flat.colls is not None:
         c_rank, c_pos, c_sent, c_recv, _, waves, c_dur = flat.colls
         sent += _counts(c_rank * T + c_pos, c_sent, P * T).reshape(P, T)
         recv += _counts(c_rank * T + c_pos, c_recv, P * T).reshape(P, T)
     compute = np.ascontiguousarray(flat.compute.T)                   # [T, P]
-    issue_t, wait_t = np.zeros((T, P)), np.zeros((T, P))
+    wait_t = np.zeros((T, P))
     clock = np.zeros(P)
+    once_s, once_d = once
     for i in range(T):
-        issue_t[i] = clock
         done = clock + compute[i]
         a, b = bounds[i], bounds[i + 1]
         if b > a:
             s, d = src[a:b], dst[a:b]
             fin = np.maximum(clock[s], clock[d])
             fin += dur[a:b]
-            np.maximum.at(done, s, fin)               # (a rank's several transfers: the last)
-            np.maximum.at(done, d, fin)
+            for ends, one in ((s, once_s[i]), (d, once_d[i])):
+                if one:
+                    done[ends] = np.maximum(done[ends], fin)
+                else:                                 # a rank's several transfers: the last
+                    np.maximum.at(done, ends, fin)
         if i in waves:
             ready = clock.copy()
             for a, b, i0, rel in waves[i]:
@@ -277,8 +290,8 @@ def _run(flat: _Flat, hw: Hardware, P: int) -> tuple[np.ndarray, np.ndarray, np.
                 np.maximum.at(done, m, fin_m)
         wait_t[i] = done - clock - compute[i]        # exactly 0 where the rank has no step
         clock = done
-    issue, wait = issue_t.T, wait_t.T
-    return issue, wait, sent, recv
+    del compute
+    return wait_t.T, sent, recv
 
 
 @dataclasses.dataclass
@@ -408,7 +421,7 @@ def simulate(plan, hardware: str | Hardware = "cpu", shape: Shape = Shape(), *,
     for which, c in cols.items():
         fixed, per_heads = _costs(work, L, hw, shape, which == "backward")
         flat = _flatten(c, fixed, per_heads, hw)
-        _, wait, sent, recv = _run(flat, hw, P)
+        wait, sent, recv = _run(flat, hw, P)
         out["steps"][which] = flat.steps
         out["compute"][which] = flat.compute
         out["wait"][which] = wait
