@@ -59,6 +59,9 @@ from .work import _costs, tile_work
 
 __all__ = ["Prediction", "simulate"]
 
+#: Products of int32 program columns (rank * steps, q * P) at or past this are made in int64.
+_WIDE = 1 << 31
+
 #: What the simulator derives from a plan that does not depend on the hardware, by plan:
 
 @dataclasses.dataclass
@@ -94,8 +97,11 @@ def _flatten(cols: _Cols, fixed: np.ndarray, per_heads: np.ndarray, hw: Hardware
 
         def at(step):
             return lut[step]
+    if P * max(T, P) >= _WIDE:                       # int32 columns: rank * T would wrap
+        c_rank, s_rank, s_peer, c_q = (x.astype(np.int64) for x in (c_rank, s_rank, s_peer, c_q))
     s_pos = at(s_step)
-    touch = [(r, at(st), b, start) for r, st, b, start in cols.touch]
+    touch = [(r if P * T < _WIDE else r.astype(np.int64), at(st), b, start)
+             for r, st, b, start in cols.touch]
     active = np.zeros(P * T, dtype=bool)
     for r, pos in ((c_rank, at(c_step)), (s_rank, s_pos), (k_rank, at(k_step)),
                    *((u[0], u[1]) for u in touch)):
@@ -171,7 +177,7 @@ def _live_peak(P: int, T: int, touch: list, size_of: np.ndarray) -> np.ndarray:
     NB = len(ids)
     if P * NB > 1 << 26:                              # compact the keys (large sliced plans)
         remap = np.cumsum(used) - 1
-        keys = [t[0] * NB + remap[t[2]] for t in touch]
+        keys = [t[0].astype(np.int64) * NB + remap[t[2]] for t in touch]
         uniq, inv = np.unique(np.concatenate(keys), return_inverse=True)
         inv = inv.reshape(-1)
         bounds = np.cumsum([0] + [len(k) for k in keys])
@@ -252,12 +258,10 @@ def _run(flat: _Flat, hw: Hardware, P: int) -> tuple[np.ndarray, np.ndarray, np.
     # so a plain assignment does what np.maximum.at does, without its per-element cost
     once = []
     for ends in (src, dst):
-        many = np.zeros(T, dtype=bool)
-        if len(ends):
-            k = np.repeat(np.arange(T), per_step) * P + ends
-            k.sort()
-            many[k[1:][k[1:] == k[:-1]] // P] = True
-        once.append((~many).tolist())
+        seen = np.zeros(T * P, dtype=bool)            # (step, rank) cells with a transfer end
+        seen[np.repeat(np.arange(T) * P, per_step) + ends] = True
+        once.append((np.bincount(np.flatnonzero(seen) // P, minlength=T) == per_step).tolist())
+        del seen
     del order, per_step
     waves = {}
     if flat.colls is not None:
