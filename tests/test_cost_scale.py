@@ -30,3 +30,15 @@ def test_int32_columns_predict_what_int64_ones_do(spec, monkeypatch):
                                           getattr(wide, field)[which])
     np.testing.assert_array_equal(narrow.memory, wide.memory)
     assert narrow.sent["forward"].sum() > 0 and narrow.step_s > 0
+
+
+def test_live_tile_work_is_the_grid_without_its_empty_tiles():
+    from fringe.cost import work as cost_work
+    p = fringe.plan(registry.get("zigzag"), cost_cli.mask_from_spec("document:9", 8192),
+                    seq_len=8192, world_size=16, block_size=64)
+    keys, work = cost_work.live_tile_work(p)
+    grid = cost_work.tile_work(p).reshape(-1, 4)
+    tiles = p.tiles.numpy().reshape(-1)
+    np.testing.assert_array_equal(keys, np.flatnonzero(tiles != 0))
+    np.testing.assert_array_equal(grid[keys], work)
+    assert not grid[tiles == 0].any() and (work[:, 0] > 0).all() and len(keys) < len(tiles)

@@ -55,7 +55,7 @@ import numpy as np
 from ..runtime.interpreter import StepRecord
 from .hardware import Hardware, Shape, check_head_split, get_hardware
 from .programs import _Cols, _i64, columns
-from .work import _costs, tile_work
+from .work import _costs, live_tile_work
 
 __all__ = ["Prediction", "simulate"]
 
@@ -77,7 +77,10 @@ class _Flat:
     live_peak: np.ndarray        # [P] peak bytes of other ranks' buffers alive at once
 
 
-def _flatten(cols: _Cols, fixed: np.ndarray, per_heads: np.ndarray, hw: Hardware) -> _Flat:
+def _flatten(cols: _Cols, keys: np.ndarray, fixed: np.ndarray, per_heads: np.ndarray,
+             hw: Hardware) -> _Flat:
+    """``fixed``, ``per_heads``: the seconds of the tiles ``keys`` (``q * P + kv``, sorted; a
+    tile not among them costs nothing)."""
     P = cols.P
     c_rank, c_step, _, c_q, c_kv, c_split = cols.comp
     s_rank, s_step, s_peer, s_bytes = cols.send
@@ -109,10 +112,13 @@ def _flatten(cols: _Cols, fixed: np.ndarray, per_heads: np.ndarray, hw: Hardware
     active = active.reshape(P, T)
     cell = c_rank * T + at(c_step)
     flat_q = c_q * P + c_kv
+    at_k = np.minimum(np.searchsorted(keys, flat_q), max(len(keys) - 1, 0))
+    hit = keys[at_k] == flat_q if len(keys) else np.zeros(len(flat_q), dtype=bool)
+    del flat_q
     if (c_split == 1).all():
-        w = (fixed + per_heads).reshape(-1)[flat_q]
+        w = np.where(hit, (fixed + per_heads)[at_k] if len(keys) else 0.0, 0.0)
     else:
-        w = fixed.reshape(-1)[flat_q] + per_heads.reshape(-1)[flat_q] / c_split
+        w = np.where(hit, (fixed[at_k] + per_heads[at_k] / c_split) if len(keys) else 0.0, 0.0)
     compute = np.bincount(cell, weights=w, minlength=P * T).reshape(P, T)
     tiles = np.bincount(cell, minlength=P * T).reshape(P, T)
     sends = (s_rank, s_pos, s_peer, s_bytes)
@@ -418,13 +424,13 @@ def simulate(plan, hardware: str | Hardware = "cpu", shape: Shape = Shape(), *,
             check_head_split(n, shape.heads, shape.kv_heads,
                              what=f"schedule {label!r} (heads split {n} ways)")
     if "work" not in cache:
-        cache["work"] = tile_work(plan)
-    work = cache["work"]
+        cache["work"] = live_tile_work(plan)
+    keys, work = cache["work"]
     out = dict(steps={}, compute={}, wait={}, sent={}, recv={}, tiles={}, active={})
     peak = np.zeros(P, dtype=np.int64)
     for which, c in cols.items():
         fixed, per_heads = _costs(work, L, hw, shape, which == "backward")
-        flat = _flatten(c, fixed, per_heads, hw)
+        flat = _flatten(c, keys, fixed, per_heads, hw)
         wait, sent, recv = _run(flat, hw, P)
         out["steps"][which] = flat.steps
         out["compute"][which] = flat.compute

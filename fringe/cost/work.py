@@ -32,7 +32,8 @@ from ..ops.calls import GROUP_SLACK, split_cols
 from .hardware import BWD_FLOPS_PER_PAIR, FWD_FLOPS_PER_PAIR, Hardware, Shape, get_hardware
 
 __all__ = ["TILE_WORK_BYTES_PER_RUN", "TILE_WORK_BYTES_PER_TILE", "dense_tile_work",
-           "distinct_partial_maps", "tile_costs", "tile_work", "tile_work_bytes"]
+           "distinct_partial_maps", "live_tile_work", "tile_costs", "tile_work",
+           "tile_work_bytes"]
 
 _FULL, _PARTIAL, _EMPTY = int(BlockKind.FULL), int(BlockKind.PARTIAL), int(BlockKind.EMPTY)
 _CHUNK = 1 << 15          # tiles whose block maps are packed at once in tile_work
@@ -63,7 +64,8 @@ def _maps_work(maps, *, L: int, block_size: int, masked_ok: bool) -> np.ndarray:
 
 
 def tile_work(plan) -> np.ndarray:
-    """Per tile: ``[P, P, 4]`` (calls, full, masked, causal pairs); zero for EMPTY tiles.
+    """Per tile: ``[P, P, 4]`` (calls, full, masked, causal pairs); zero for EMPTY tiles
+    (:func:`live_tile_work` painted on the ``P x P`` grid).
 
     Tiles with the same block map share one evaluation, so this costs the number of
     *distinct* maps, all planned in one pass of the sparse planner (:func:`_runs_work`, on
@@ -71,6 +73,17 @@ def tile_work(plan) -> np.ndarray:
     maps are read from the rectangles of its sparse ``block_map`` (never painted), or painted
     from its dense rows when rectangles cross tiles.
     """
+    P = plan.world_size
+    keys, work = live_tile_work(plan)
+    out = np.zeros((P, P, 4), dtype=np.float64)
+    out.reshape(P * P, 4)[keys] = work
+    return out
+
+
+def live_tile_work(plan) -> tuple[np.ndarray, np.ndarray]:
+    """``(keys, work)``: the non-EMPTY tiles ``i * P + j`` (sorted) and their ``[K, 4]``
+    (calls, full, masked, causal pairs): :func:`tile_work` without the ``P x P`` grid (the
+    simulator's; at P = 4096 the grid is 512 MiB, and documents leave most tiles EMPTY)."""
     P, n = plan.world_size, plan.local_len // plan.block_size
     bm = plan.block_map
 
@@ -80,8 +93,8 @@ def tile_work(plan) -> np.ndarray:
             found = _distinct_maps_dense(lambda r0, r1: bm.dense(rows=(r0, r1), limit=None),
                                          part, P, n)
         return found
-    return _tile_work(plan.tiles, distinct, P=P, L=plan.local_len, block_size=plan.block_size,
-                      masked_ok=plan.mask_mod is not None)
+    return _live_tile_work(plan.tiles, distinct, P=P, L=plan.local_len,
+                           block_size=plan.block_size, masked_ok=plan.mask_mod is not None)
 
 
 def dense_tile_work(tiles: torch.Tensor, blocks: torch.Tensor, *, block_size: int,
@@ -93,30 +106,37 @@ def dense_tile_work(tiles: torch.Tensor, blocks: torch.Tensor, *, block_size: in
 
     def distinct(part, tiles_flat):
         return _distinct_maps_dense(lambda r0, r1: blocks[r0:r1], part, P, n)
-    return _tile_work(tiles, distinct, P=P, L=n * block_size, block_size=block_size,
-                      masked_ok=masked_ok)
+    keys, work = _live_tile_work(tiles, distinct, P=P, L=n * block_size, block_size=block_size,
+                                 masked_ok=masked_ok)
+    out = np.zeros((P, P, 4), dtype=np.float64)
+    out.reshape(P * P, 4)[keys] = work
+    return out
 
 
-def _tile_work(tiles, distinct, *, P: int, L: int, block_size: int,
-               masked_ok: bool) -> np.ndarray:
-    """:func:`tile_work` with ``distinct(part, tiles_flat) -> _Distinct``: the distinct maps
-    of the PARTIAL tiles ``part`` (keys ``i * P + j``) and which one each tile has."""
+def _live_tile_work(tiles, distinct, *, P: int, L: int, block_size: int,
+                    masked_ok: bool) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`live_tile_work` with ``distinct(part, tiles_flat) -> _Distinct``: the distinct
+    maps of the PARTIAL tiles ``part`` (keys ``i * P + j``) and which one each tile has."""
     bs = block_size
     n = L // bs
-    tiles = torch.as_tensor(tiles).to(torch.int64).numpy().reshape(P, P)
-    work = np.zeros((P, P, 4), dtype=np.float64)
-    full_tiles = tiles == _FULL
+    t = torch.as_tensor(tiles)
+    tiles_flat = (t if t.dtype in (torch.int8, torch.int64) else t.to(torch.int64)).numpy()
+    tiles_flat = tiles_flat.reshape(-1)
+    keys = np.flatnonzero(tiles_flat != _EMPTY)               # tile keys i * P + j, sorted
+    kinds = tiles_flat[keys]
+    work = np.zeros((len(keys), 4), dtype=np.float64)
+    full_tiles = kinds == _FULL
     if full_tiles.any():
         work[full_tiles] = _runs_work(np.zeros(1, np.int64), np.array([[0, n, 0, n]]),
                                       np.array([_FULL], np.int8), 1, n=n, block_size=bs,
                                       masked_ok=masked_ok)[0]
-    part = np.flatnonzero(tiles.reshape(-1) == _PARTIAL)      # tile keys i * P + j, sorted
-    if len(part):
-        d = distinct(part, tiles.reshape(-1))
+    at = np.flatnonzero(kinds == _PARTIAL)
+    if len(at):
+        d = distinct(keys[at], tiles_flat)
         per_map = _runs_work(d.uid, d.rects, d.codes, d.U, n=n, block_size=bs,
                              masked_ok=masked_ok)
-        work.reshape(P * P, 4)[part] = per_map[d.inv]
-    return work
+        work[at] = per_map[d.inv]
+    return keys, work
 
 
 class _Distinct(NamedTuple):
