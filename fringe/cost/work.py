@@ -139,6 +139,12 @@ def _live_tile_work(tiles, distinct, *, P: int, L: int, block_size: int,
     return keys, work
 
 
+def _signed(n: int) -> bool:
+    """Whether tiles of n x n blocks are grouped by their rectangles' packed signatures (else
+    their maps are painted: :func:`_distinct_maps_dense`)."""
+    return n + 1 <= 1 << 14
+
+
 class _Distinct(NamedTuple):
     """The distinct block maps of a plan's PARTIAL tiles, as rectangles: ``U`` maps, ``inv``
     which one each tile has, and the rectangles ``rects`` (block rows and columns local to
@@ -186,7 +192,7 @@ def _distinct_maps_from_rects(bm, tiles_flat: np.ndarray, part: np.ndarray, P: i
     """
     R = bm.rects.numpy() if isinstance(bm.rects, torch.Tensor) else np.asarray(bm.rects)
     C = (bm.codes.numpy() if isinstance(bm.codes, torch.Tensor) else np.asarray(bm.codes))
-    if not len(R) or n + 1 > 1 << 14:
+    if not len(R) or not _signed(n):
         return None
     m = n + 1
     # int32 where the packed signature fits (n <= 126: 4 coordinates < m and a 2-bit code)
@@ -294,7 +300,7 @@ def _distinct_maps_sorted(bm, tiles_flat: np.ndarray, part: np.ndarray, P: int, 
     R = bm.rects.numpy() if isinstance(bm.rects, torch.Tensor) else np.asarray(bm.rects)
     C = (bm.codes.numpy() if isinstance(bm.codes, torch.Tensor) else np.asarray(bm.codes))
     R = R.astype(np.int64, copy=False)
-    if not len(R) or n + 1 > 1 << 14:
+    if not len(R) or not _signed(n):
         return None
     ti, tj = R[:, 0] // n, R[:, 2] // n
     if ((R[:, 1] - 1) // n != ti).any() or ((R[:, 3] - 1) // n != tj).any():
@@ -738,8 +744,10 @@ def _costs(work: np.ndarray, L: int, hw: Hardware, shape: Shape,
 TILE_WORK_BYTES_PER_RUN = 384
 #: Bytes per tile (P^2) of the tile arrays: kinds, signatures, distinct-map ids, the work.
 TILE_WORK_BYTES_PER_TILE = 64
-#: Bytes per block of a PARTIAL tile painted when rectangles cross tiles (plans never do).
-_PAINT_BYTES_PER_BLOCK = 4
+#: Bytes per block of a PARTIAL tile painted when rectangles cross tiles (plans never do) or
+#: tiles are too large to group by signature (n >= 16,383 blocks): the int8 maps, their int64
+#: packing into words and their row runs (an upper bound: tiles are painted a band at a time).
+_PAINT_BYTES_PER_BLOCK = 12
 #: Bytes per rectangle of the block map that the estimate's own pass may hold at once.
 _SIG_CHUNK = 1 << 18
 
@@ -799,7 +807,7 @@ def tile_work_bytes(plan) -> tuple[int, str]:
     need = TILE_WORK_BYTES_PER_RUN * runs + TILE_WORK_BYTES_PER_TILE * P * P
     how = (f"{TILE_WORK_BYTES_PER_RUN} bytes x {runs:,} block-row runs of the partial tiles + "
            f"{TILE_WORK_BYTES_PER_TILE} bytes x {P * P:,} tiles")
-    if across:                                       # painted by tile (the dense fallback)
+    if across or not _signed(n):                     # painted by tile (the dense fallback)
         k = int((tiles == _PARTIAL).sum())
         need += _PAINT_BYTES_PER_BLOCK * k * n * n
         how += f" + {_PAINT_BYTES_PER_BLOCK} bytes x {k:,} painted tiles x {n:,}^2 blocks"
