@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from ..masks import BlockKind
-from ..ops.calls import GROUP_SLACK, split_cols
+from ..ops.calls import GROUP_SLACK, column_runs, split_cols
 from .hardware import BWD_FLOPS_PER_PAIR, FWD_FLOPS_PER_PAIR, Hardware, Shape, get_hardware
 
 __all__ = ["TILE_WORK_BYTES_PER_RUN", "TILE_WORK_BYTES_PER_TILE", "dense_tile_work",
@@ -505,29 +505,22 @@ def _split_runs(rr, a, b, full, h: int, w: int, qb0: int, kb0: int, out: list) -
                          - np.bincount(lb, minlength=ns + 1))[:ns] > 0
         fc = np.cumsum(np.bincount(la[full], minlength=ns + 1)
                        - np.bincount(lb[full], minlength=ns + 1))[:ns] == h
-        if fc.all() or (not fc.any() and live.all()):
+        runs = column_runs(fc.tolist(), live.tolist())     # the planner's cut rule, on segments
+        if runs is None:
             out.append((qb0, qb0 + h, kb0, kb0 + w))
             continue
-        lv, fl, xs = live.tolist(), fc.tolist(), pts.tolist()
-        s = 0
-        while s < ns:
-            if not lv[s]:
-                s += 1
-                continue
-            e = s + 1
-            while e < ns and lv[e] and fl[e] == fl[s]:
-                e += 1
+        xs = pts.tolist()
+        for s, e, is_full in runs:
             x0, x1 = xs[s], xs[e]
             sel = (a < x1) & (b > x0)
             rows = rr[sel]
             r0, r1 = int(rows.min()), int(rows.max()) + 1
-            if fl[s] or (r0, r1) == (0, h):
+            if is_full or (r0, r1) == (0, h):
                 out.append((qb0 + r0, qb0 + r1, kb0 + x0, kb0 + x1))
             else:
                 todo.append((rows - r0, np.maximum(a[sel], x0) - x0,
                              np.minimum(b[sel], x1) - x0, full[sel], r1 - r0, x1 - x0,
                              qb0 + r0, kb0 + x0))
-            s = e
 
 
 def _whole_groups(groups: np.ndarray, grow, c0, c1, code, n: int) -> np.ndarray:
