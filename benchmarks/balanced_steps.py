@@ -21,7 +21,9 @@ import time
 
 import torch
 
-_STATE: dict = {}
+#: Per worker process: name -> (plan, [q, k, v] shards of this rank); filled by a setup call
+#: (:func:`_setup` here, ``benchmarks.auto_pick`` too) and read by :func:`step`.
+STATE: dict = {}
 
 
 def _setup(rank: int, world: int, kind: str, S: int, names: list[str]) -> dict:
@@ -30,7 +32,7 @@ def _setup(rank: int, world: int, kind: str, S: int, names: list[str]) -> dict:
 
     from .compare import _qkv, fringe_mask
     mask = fringe_mask(kind, S)
-    _STATE.clear()
+    STATE.clear()
     q, k, v = _qkv(S)
     cands = None
     for name in names:
@@ -50,15 +52,16 @@ def _setup(rank: int, world: int, kind: str, S: int, names: list[str]) -> dict:
                                     kind=name, block_size=bs)
             p = fringe.plan(schedules.ring(), mask, seq_len=S, world_size=world, layout=lay)
         ts = [p.layout.shard(t, rank).contiguous().requires_grad_() for t in (q, k, v)]
-        _STATE[name] = (p, ts)
-    return {n: _STATE[n][0].layout.fingerprint() for n in names}
+        STATE[name] = (p, ts)
+    return {n: STATE[n][0].layout.fingerprint() for n in names}
 
 
-def _step(rank: int, world: int, name: str) -> dict:
+def step(rank: int, world: int, name: str) -> dict:
+    """One forward + backward of ``STATE[name]`` between barriers: wall and CPU seconds."""
     import torch.distributed as dist
 
     import fringe
-    p, (q, k, v) = _STATE[name]
+    p, (q, k, v) = STATE[name]
     for t in (q, k, v):
         t.grad = None
     dist.barrier()
@@ -67,6 +70,20 @@ def _step(rank: int, world: int, name: str) -> dict:
     cpu = time.process_time() - c0
     dist.barrier()
     return dict(wall=time.perf_counter() - t0, cpu=cpu)
+
+
+def interleaved(w, names: list[str], rounds: int) -> dict:
+    """One warm-up step per name, then ``rounds`` rounds of one :func:`step` per name on the
+    pool ``w``, the order reversed every other round: ``{name: [(wall of the slowest rank,
+    [CPU seconds per rank]), ...]}`` by round."""
+    for n in names:
+        w.run(step, n)                                               # warm-up
+    res: dict = {n: [] for n in names}
+    for r in range(rounds):
+        for n in (names if r % 2 == 0 else names[::-1]):
+            rr = w.run(step, n)
+            res[n].append((max(x["wall"] for x in rr), [x["cpu"] for x in rr]))
+    return res
 
 
 def main(argv=None) -> None:
@@ -83,14 +100,8 @@ def main(argv=None) -> None:
         for kind in a.masks:
             for S in a.seq_lens:
                 fp = w.run(_setup, kind, S, names)[0]
-                for n in names:
-                    w.run(_step, n)                                  # warm-up
-                res: dict = {n: [] for n in names}
                 load0 = os.getloadavg()[0]
-                for r in range(a.rounds):
-                    for n in (names if r % 2 == 0 else names[::-1]):
-                        rr = w.run(_step, n)
-                        res[n].append((max(x["wall"] for x in rr), [x["cpu"] for x in rr]))
+                res = interleaved(w, names, a.rounds)
                 print(f"{kind} S={S} P={a.world_size} rounds={a.rounds} "
                       f"load {load0:.1f}->{os.getloadavg()[0]:.1f}")
                 ring_cpu = statistics.median(max(c) for _, c in res["ring"])
