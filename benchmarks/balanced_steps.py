@@ -4,7 +4,9 @@ interleaved in long-lived gloo ranks, with CPU seconds per rank beside the wall 
 ``python -m benchmarks.balanced_steps --world-size 2 --masks document window --seq-lens 4096
 8192 --layouts ring zigzag balanced --rounds 7`` — B=1, H=G=8, D=64, float32, forward +
 backward, one thread per rank, the masks of :func:`benchmarks.compare.fringe_mask`, the plan's
-default block size. A layout name other than ring / zigzag / balanced is one of
+default block size. ``ring-copy`` (or ``<name>-copy``, listed after ``<name>``) is a second,
+identical plan with its own tensors: its ratio to ring is the noise floor of the run. A
+layout name other than ring / zigzag / balanced is one of
 :func:`fringe.layout.candidates` (``segments``, ``chain``, ``laps``, ...), run by the ring
 schedule. Rounds alternate the order of the layouts; printed per layout: median wall seconds
 (slowest rank), the median over rounds of wall / ring's wall in the same round, the median
@@ -36,8 +38,10 @@ def _setup(rank: int, world: int, kind: str, S: int, names: list[str]) -> dict:
     q, k, v = _qkv(S)
     cands = None
     for name in names:
-        if name in ("ring", "zigzag", "balanced"):
-            p = fringe.plan(schedules.get(name), mask, seq_len=S, world_size=world)
+        base, copy = name.removesuffix("-copy"), name.endswith("-copy")
+        if base in ("ring", "zigzag", "balanced"):      # "-copy": an identical second plan
+            p = fringe.plan(schedules.get(base), mask, seq_len=S, world_size=world)
+            assert not copy or p.fingerprint() == STATE[base][0].fingerprint(), name
         else:
             bs = layout.DEFAULT_BLOCK_SIZE
             if cands is None:

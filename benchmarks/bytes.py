@@ -87,13 +87,13 @@ def moved_tokens(plan, direction: str, family: str) -> int:
     return total
 
 
-def cell(name: str, schedule: str, *, ranges: bool = True) -> dict:
+def cell(name: str, schedule: str, *, ranges: bool = True, block: int = BLOCK) -> dict:
     import fringe
     from fringe import schedules
     kind, arg, S, P = CELLS[name]
     mask = mask_of(kind, arg, S)
     t0 = time.perf_counter()
-    p = fringe.plan(schedules.get(schedule), mask, seq_len=S, world_size=P, block_size=BLOCK,
+    p = fringe.plan(schedules.get(schedule), mask, seq_len=S, world_size=P, block_size=block,
                     ranges=ranges)
     plan_s = time.perf_counter() - t0
     floor = floor_tokens(p)
@@ -114,12 +114,13 @@ def main(argv=None) -> None:
     ap.add_argument("--schedules", nargs="*", default=list(SCHEDULES))
     ap.add_argument("--whole", action="store_true", help="also plan with ranges=False")
     ap.add_argument("--markdown", action="store_true")
+    ap.add_argument("--block", type=int, default=BLOCK, help="block size (default 64)")
     a = ap.parse_args(argv)
     rows = []
     for c in a.cells:
         for s in a.schedules:
             for ranges in ((True, False) if a.whole else (True,)):
-                r = cell(c, s, ranges=ranges)
+                r = cell(c, s, ranges=ranges, block=a.block)
                 r["schedule"] += "" if ranges else " (whole)"
                 rows.append(r)
                 print(f"{r['cell']:9s} {r['schedule']:18s} floor {r['floor']:>12,} fringe "
@@ -127,7 +128,8 @@ def main(argv=None) -> None:
                       f"{r['over_ag']:.4f}  bwd/(2 floor) {r['bwd_over']:.3f}  balance "
                       f"{r['balance']:.3f} (<=1.05)  plan {r['plan_s']:.2f}s", flush=True)
     if a.markdown:
-        print("\n| cell | S | P | schedule | floor (kv tokens) | fringe | fringe / floor | "
+        print(f"\nblock {a.block}\n")
+        print("| cell | S | P | schedule | floor (kv tokens) | fringe | fringe / floor | "
               "fringe / all-gather | bwd / (2 floor) | balance | plan s |")
         print("|---|---|---|---|---|---|---|---|---|---|---|")
         for r in rows:

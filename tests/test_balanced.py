@@ -55,18 +55,20 @@ def test_balanced_is_a_permutation_with_equal_shards_and_whole_blocks(kind, P, b
 
 
 def test_whole_documents_stay_on_one_rank_and_nothing_is_sent():
-    # 6 documents, every one shorter than a rank's L = 16 tokens, boundaries on blocks
+    # 8 documents that pack whole onto 4 ranks with equal work (a 12- and a 4-token one
+    # each), boundaries on blocks; in sequence order the four long ones come first
     S, P, bs = 64, 4, 4
-    ids = torch.repeat_interleave(torch.arange(6), torch.tensor([16, 8, 8, 12, 4, 16]))
+    ids = torch.repeat_interleave(torch.arange(8), torch.tensor([12, 12, 12, 12, 4, 4, 4, 4]))
     for mask in (masks.document(ids), masks.causal() & masks.document(ids)):
         p = fringe.plan(schedules.balanced(), mask, seq_len=S, world_size=P, block_size=bs)
         owner = p.layout.owner()
-        for d in range(6):
+        for d in range(8):
             assert owner[ids == d].unique().numel() == 1, (mask, d, owner.tolist())
         off = ~torch.eye(P, dtype=torch.bool)
         assert bool((p.tiles[off] == masks.BlockKind.EMPTY).all()), p.tiles
         sent = sum(r["fwd_sent"] + r["bwd_sent"] for r in p.stats().rows)
         assert sent == 0, p.stats().table()
+        assert p.stats().balance == 1.0
     # the block-count deal scatters the same documents and sends kv
     work = (natural(masks.document(ids), S, bs) != masks.BlockKind.EMPTY).sum(1)
     lpt = fringe.plan(schedules.ring(), masks.document(ids), seq_len=S, world_size=P, block_size=bs,
@@ -74,13 +76,17 @@ def test_whole_documents_stay_on_one_rank_and_nothing_is_sent():
     assert sum(r["fwd_sent"] for r in lpt.stats().rows) > 0
 
 
-def test_a_too_long_document_is_cut_into_pieces_on_neighbouring_ranks():
-    S, P, bs = 128, 4, 4                       # L = 32; one 80-token document cannot fit
-    ids = torch.repeat_interleave(torch.arange(4), torch.tensor([80, 16, 16, 16]))
+def test_a_too_long_document_is_cut_and_the_work_balanced():
+    """One document of 5/8 of the sequence (L = S/4) holds 7/8 of the work: it is cut into
+    pieces on several ranks and the non-empty blocks per rank are within 1 + SPREAD of the
+    mean; the numbers are the dense reference's."""
+    S, P, bs = 1024, 4, 16
+    ids = torch.repeat_interleave(torch.arange(4), torch.tensor([640, 128, 128, 128]))
     mask = masks.causal() & masks.document(ids)
     p = fringe.plan(schedules.balanced(), mask, seq_len=S, world_size=P, block_size=bs)
-    owner = p.layout.owner()
-    assert all(owner[ids == d].unique().numel() == 1 for d in (1, 2, 3))
+    owner = p.layout.owner()[ids == 0]
+    assert owner.unique().numel() >= 3
+    assert p.stats().balance <= 1 + _balanced.SPREAD
     q, k, v = make_qkv(B=1, H=2, G=1, S=S, D=4, seed=5)
     ref, _ = reference.attention(q, k, v, mask_mod=mask)
     assert_close(fringe.simulate.attention(q, k, v, plan=p), ref, **EXACT)
@@ -104,26 +110,37 @@ def test_balanced_matches_dense_in_float64(kind, P):
         assert_close(a, b, **EXACT)
 
 
+def assert_balance_first(nat, lay, P: int, bs: int, hardware="cpu") -> None:
+    """The contract of :func:`layout.balanced`: the layout is one of the candidates balanced
+    enough (:func:`_balanced._balanced_enough`: among those predicted within BALANCE_COST of
+    the fastest, within SPREAD of the mean, or of the best of them, in pair work and
+    non-empty blocks), predicted within HOP_SLACK of the fastest of those."""
+    rows = _balanced._rows_of(nat, None)
+    segs = layout.segments(nat)
+    plain = len(segs) == 1 and all(r.plain for r in rows)
+    w, nz = layout.block_costs(nat, hardware=hardware), _balanced._block_counts(rows)
+    cands = [b for _, b in layout.candidates(nat, P, hardware=hardware)]
+    t = lambda b: float(layout.predict(nat, b, P, block_size=bs, hardware=hardware).max())  # noqa: E731
+    times = None if plain else [t(b) for b in cands]
+    kept = [b for b, k in zip(cands, _balanced._balanced_enough(w, nz, cands, P, plain=plain,
+                                                                times=times)) if k]
+    mine = blocks_of(lay, bs)
+    assert any(torch.equal(mine, b) for b in kept)
+    assert t(mine) <= min(t(b) for b in kept) * (1 + layout.HOP_SLACK) * (1 + 1e-12)
+    if not plain:           # within SPREAD of the mean where an affordable candidate is
+        heavy = float(w[mine].view(P, -1).sum(1).max())
+        best = min(float(w[b].view(P, -1).sum(1).max()) for b, tb in zip(cands, times)
+                   if tb <= (1 + _balanced.BALANCE_COST) * min(times))
+        assert heavy <= (1 + _balanced.SPREAD) * max(best, float(w.sum()) / P) * (1 + 1e-12)
+
+
 @settings(deadline=None, max_examples=5)
 @given(st.integers(2, 4), st.integers(2, 12), seeds())
-def test_predicted_time_is_never_worse_than_contiguous_or_zigzag(P, n_docs, seed):
+def test_balance_first_then_the_fastest_prediction(P, n_docs, seed):
     S, bs = 2 * P * 8 * 4, 8
     nat = natural(masks.causal() & masks.document(packed(S, n_docs, seed)), S, bs)
     lay = layout.balanced(S, P, block_size=bs, natural=nat)
-    t = lambda lay: float(layout.predict(nat, blocks_of(lay, bs), P, block_size=bs).max())  # noqa: E731
-    zz = t(layout.zigzag(S, P, block_size=bs))
-    if layout.segments(nat) == [(0, S // bs)] and _balanced._Rows.of(nat_sparse(nat)).plain:
-        # every block row's kv starts at block 0 (the first document ends inside block 0):
-        # causal at block level, where balanced keeps pair work balanced (BALANCE_SLACK)
-        # even where calls make contiguous predicted faster
-        w = layout.block_costs(nat)
-        floor = min(float(w[b].view(P, -1).sum(1).max()) for _, b in layout.candidates(nat, P))
-        assert float(w[blocks_of(lay, bs)].view(P, -1).sum(1).max()) <= \
-            layout.BALANCE_SLACK * floor * (1 + 1e-12)
-        assert t(lay) <= zz * (1 + layout.HOP_SLACK)
-        return
-    # within HOP_SLACK of the fastest, a layout that sends fewer hops wins
-    assert t(lay) <= min(t(layout.contiguous(S, P, block_size=bs)), zz) * (1 + layout.HOP_SLACK)
+    assert_balance_first(nat, lay, P, bs)
 
 
 def nat_sparse(nat: torch.Tensor) -> masks.BlockMap:
@@ -186,9 +203,7 @@ def test_weighted_maps_predict_the_weighted_sum():
                      layout.block_costs(both[0][0]) + 3 * layout.block_costs(both[1][0]),
                      rtol=1e-12, atol=0)
         lay = layout.balanced(S, P, block_size=bs, natural=both)
-        t = lambda lay: float(layout.predict(both, blocks_of(lay, bs), P, block_size=bs).max())  # noqa: E731,B023
-        assert t(lay) <= min(t(layout.contiguous(S, P, block_size=bs)),
-                             t(layout.zigzag(S, P, block_size=bs))) * (1 + layout.HOP_SLACK)
+        assert_balance_first(both, lay, P, bs)
 
 
 def test_segments_of_several_maps_cut_only_where_none_crosses():
@@ -291,38 +306,37 @@ def sent_bytes(p) -> int:
     return sum(r["fwd_sent"] + r["bwd_sent"] for r in p.stats().rows)
 
 
+def fwd_kv_blocks(p) -> int:
+    """kv blocks every rank receives in the forward, summed over ranks (ranged hops count
+    their blocks, whole ones every block of the chunk)."""
+    n = p.local_len // p.block_size
+    return sum(n if op.blocks is None else sum(hi - lo for lo, hi in op.blocks)
+               for prog in p.forward for _, op in prog.ops()
+               if type(op).__name__ == "Recv" and op.buf.family.value == "kv")
+
+
 @pytest.mark.parametrize("S,seed", [(8192, 0), (8192, 1), (4096, 0)])
 def test_sixteen_documents_at_p4_send_little_and_stay_balanced(S, seed):
-    """The benchmark's documents (boundaries inside blocks). Bound: <= 0.55 of zigzag's bytes.
-
-    The issue's target, <= 0.25, cannot be met by any layout of whole blocks under the ring:
-    when no document boundary falls on a block boundary, every rank but the one holding
-    block 0 needs a peer's kv (see the next test), so at least P - 1 = 3 chunk hops are sent;
-    zigzag sends 10 here, and contiguous (3 hops, ratio 0.32) is unbalanced (up to 1.57x).
-    """
+    """The benchmark's documents (boundaries inside blocks) at block 128: non-empty blocks per
+    rank within 1 + 2 SPREAD of the mean (1 + SPREAD where a two-lap layout fits it), and the
+    ranged forward moves fewer kv blocks than zigzag's: a two-lap chain of pieces on
+    consecutive ranks, documents cut only where two pieces meet (at most 2P - 1 cuts), each
+    cut sending the kv blocks of its document before it."""
     P, bs = 4, 128
     ids = packed_docs(S, 16, seed)
     mask = masks.causal() & masks.document(ids)
     plans = {n: fringe.plan(schedules.get(n), mask, seq_len=S, world_size=P, block_size=bs)
              for n in ("balanced", "zigzag", "ring")}
     bal = plans["balanced"]
-    assert sent_bytes(plans["ring"]) <= sent_bytes(bal) <= 0.55 * sent_bytes(plans["zigzag"])
-    assert forward_sends(bal) <= P + 1             # a chain: one hop per chunk (two for one)
-    nat = sparse(mask, S, bs)
-    t = layout.predict(nat, blocks_of(bal.layout, bs), P, block_size=bs)
-    # a chain whose heaviest rank is predicted within HOP_SLACK of the fastest layout may
-    # leave the others lighter (a document too long to split evenly in two): bound 1.20
-    assert float(t.max() / t.mean()) <= 1.20, t.tolist()
-    assert float(t.max()) < min(float(layout.predict(nat, blocks_of(plans[n].layout, bs), P,
-                                                     block_size=bs).max())
-                                for n in ("zigzag", "ring"))
-    # documents are cut only where two pieces meet: at most 2P - 1 of the 16 are split
+    assert bal.stats().balance <= 1 + 2 * _balanced.SPREAD
+    assert bal.stats().balance < min(plans[n].stats().balance for n in ("zigzag", "ring"))
+    assert fwd_kv_blocks(bal) < fwd_kv_blocks(plans["zigzag"])
     owner = bal.layout.owner()
     cuts = int((owner[bs::bs] != owner[:-bs:bs]).sum())
     split = sum(owner[ids == d].unique().numel() > 1 for d in range(16))
     assert split <= cuts <= 2 * P - 1, (split, cuts)
     # deterministic: every rank plans the same layout
-    again = layout.balanced(S, P, block_size=bs, natural=nat)
+    again = layout.balanced(S, P, block_size=bs, natural=sparse(mask, S, bs))
     assert torch.equal(again.order, bal.layout.order)
 
 
@@ -451,22 +465,25 @@ def _order_digest(lay: layout.Layout) -> str:
     return hashlib.sha256(lay.order.numpy().astype("<i8").tobytes()).hexdigest()[:16]
 
 
-#: (name, S, P, block, digest of balanced's order), computed on main before the solver moved
-#: into its own module (fringe/layout/_balanced.py): notebook 01's masks (S=2048, P=4,
+#: (name, S, P, block, digest of balanced's order): notebook 01's masks (S=2048, P=4,
 #: block 64), the six documents of fringe.schedules.balanced's doctest, packed documents
 #: past EXACT_BLOCKS (estimated calls; notebook 03's 128 documents at S=65,536), windows
-#: and causal. A change here is a change of the solver's answer, not of its module.
-PINNED = [("nb01_packed", 2048, 4, 64, "5ccf19f4f2c0424b"),
+#: and causal. First pinned when the solver moved into its own module; re-pinned when the
+#: prediction priced ranged hops (a block travels to its farthest reader, not whole chunks)
+#: and document / window masks became balance first (SPREAD) with the bytes-aware
+#: two-lap candidate (all but nb01_window, docs16, docs5 and window512 changed then). A change
+#: here is a change of the solver's answer.
+PINNED = [("nb01_packed", 2048, 4, 64, "0db0b29f9df678df"),
           ("nb01_window", 2048, 4, 64, "5ccf19f4f2c0424b"),
-          ("nb01_prefix", 2048, 4, 64, "8440d9a2fbd2f0d3"),
-          ("doctest_docs", 1024, 4, 16, "2280cf4375bd6e30"),
-          ("docs128", 65536, 8, 32, "fe6341c1243597aa"),
-          ("docs128", 65536, 32, 32, "c080ee6a646e0724"),
+          ("nb01_prefix", 2048, 4, 64, "d001ab07dceeadc4"),
+          ("doctest_docs", 1024, 4, 16, "0fd2146942bdcd38"),
+          ("docs128", 65536, 8, 32, "43670dbb3f8cc6fd"),
+          ("docs128", 65536, 32, 32, "bfcd3e392a3f511f"),
           ("docs16", 16384, 8, 16, "bb62ed45b6dae244"),
           ("docs5", 32768, 16, 32, "4495a2fe7688d43d"),
-          ("window3000", 32768, 8, 32, "7c2e81a844e02bcc"),
+          ("window3000", 32768, 8, 32, "7d12ee0f68861d80"),
           ("window512", 8192, 4, 16, "d7c2866f911c21d6"),
-          ("causal", 8192, 4, 16, "76bca593929cf6fe")]
+          ("causal", 8192, 4, 16, "1ec62d18eb425319")]
 
 
 def _pinned_mask(name: str, S: int):
@@ -487,8 +504,7 @@ def _pinned_mask(name: str, S: int):
 
 @pytest.mark.parametrize("name,S,P,bs,digest", PINNED)
 def test_balanced_orders_are_pinned(name, S, P, bs, digest):
-    """The balanced layout's block order for these masks is exactly what it was on main
-    before the module split (the solver moved, its answers did not)."""
+    """The balanced layout's block order for these masks is exactly the pinned one."""
     nat = sparse(_pinned_mask(name, S), S, bs)
     assert _order_digest(layout.balanced(S, P, block_size=bs, natural=nat)) == digest
     if name.startswith("nb01_"):          # through fringe.plan, as the notebook plans it
@@ -498,10 +514,10 @@ def test_balanced_orders_are_pinned(name, S, P, bs, digest):
 
 
 def test_balanced_orders_of_weighted_maps_and_block_work_are_pinned():
-    """Several maps with weights, and the LPT deal of block_work, as on main before the split."""
+    """Several maps with weights, and the LPT deal of block_work, as pinned."""
     S, P, bs = 8192, 4, 16
     maps = [(sparse(masks.sliding_window(512), S, bs), 3), (sparse(masks.causal(), S, bs), 1)]
-    assert _order_digest(layout.balanced(S, P, block_size=bs, natural=maps)) == "2f7fc874a155c39f"
+    assert _order_digest(layout.balanced(S, P, block_size=bs, natural=maps)) == "2041b9dbddc316df"
     work = torch.arange(64, dtype=torch.float64) % 7
     assert _order_digest(layout.balanced(1024, 4, block_size=16, block_work=work)) == \
         "a163828ee8412782"

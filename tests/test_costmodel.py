@@ -151,7 +151,8 @@ def test_distinct_maps_from_rects_equal_the_sorted_and_dense_ways(name, mask_kin
     P, n = p.world_size, p.local_len // p.block_size
     tiles = torch.as_tensor(p.tiles).to(torch.int64).numpy().reshape(-1)
     part = np.flatnonzero(tiles == int(BlockKind.PARTIAL))
-    maps, inv = cost_work._distinct_maps_from_rects(p.block_map, tiles, part, P, n)
+    d = cost_work._distinct_maps_from_rects(p.block_map, tiles, part, P, n)
+    maps, inv = d.paint(n), d.inv
     for k, t in enumerate(part.tolist()):          # every tile gets its own map, exactly
         assert torch.equal(maps[inv[k]], p.tile_blocks(t // P, t % P))
     assert len(maps) == len(np.unique(inv))
@@ -181,7 +182,8 @@ def test_rectangles_hashed_in_chunks_give_every_tile_its_own_map(name, collide, 
     tiles = torch.as_tensor(p.tiles).to(torch.int64).numpy().reshape(-1)
     part = np.flatnonzero(tiles == int(BlockKind.PARTIAL))
     assert len(p.block_map.rects) > 10 * 7                # many chunks
-    maps, inv = cost_work._distinct_maps_from_rects(p.block_map, tiles, part, P, n)
+    d = cost_work._distinct_maps_from_rects(p.block_map, tiles, part, P, n)
+    maps, inv = d.paint(n), d.inv
     for k, t in enumerate(part.tolist()):
         assert torch.equal(maps[inv[k]], p.tile_blocks(t // P, t % P))
     assert np.array_equal(costmodel.tile_work(dataclasses.replace(p)), want)

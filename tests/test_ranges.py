@@ -219,3 +219,19 @@ def test_ranged_text_round_trips_and_digests_by_content():
         Send("kv1", 2, ())
     with pytest.raises(ScheduleError, match="merges whole"):
         check([Program.parse("r0:\n  t0: S out0[0:1]->r1"), Program.parse("r1:\n  t0: R out0[0:1]<-r0")])
+
+
+@pytest.mark.parametrize("sched", ["ring", "zigzag", "balanced", "allgather",
+                                   "compose:zigzag+ulysses:2", "compose:zigzag+allgather:2:2"])
+@pytest.mark.parametrize("kv", ["resend", "keep"])
+def test_the_backward_of_ranged_programs_is_the_oracles(sched, kv):
+    """The column reverse and the op-by-op oracle derive the same backward from ranged
+    forward programs (the dkv and re-send rules above, written twice on purpose: one is the
+    other's test)."""
+    from fringe.schedules import reverse
+    for mask in ("documents", "window", "causal_documents"):
+        p = fringe.plan(schedules.get(sched), MASKS[mask], seq_len=S, world_size=4,
+                        block_size=BS, kv=kv)
+        assert list(reverse(p.forward, kv=kv)) == list(oracle.reverse(p.forward, kv=kv)) \
+            == list(p.backward), (sched, mask, kv)
+    assert ProgramTable.of(p.forward).ranged or sched == "ulysses"

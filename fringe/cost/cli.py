@@ -21,7 +21,7 @@ from ..schedules.base import AUTO
 from .calibrate import get_hardware
 from .hardware import Shape
 from .simulate import simulate
-from .work import _PARTIAL, TILE_WORK_BYTES_PER_BLOCK, tile_work_bytes
+from .work import tile_work_bytes
 
 __all__ = ["available_memory", "check_memory", "check_plan_memory", "cli", "mask_from_spec",
            "memory_budget"]
@@ -46,11 +46,6 @@ def mask_from_spec(spec: str, seq_len: int):
         return masks.sliding_window(min(n, seq_len))    # wider than S: the same mask as S
     raise ValueError(f"--mask {spec!r} is not understood; use causal, full, document:N "
                      f"(N packed documents, e.g. document:1000) or window:W (e.g. window:4096)")
-
-
-#: Bytes per block of the distinct PARTIAL tile maps at the peak of :func:`tile_work` (in
-#: ``_maps_work``): the maps (1), their stack with an EMPTY row per map (1) and its copy with the
-#: causal squares emptied (1), a ``!= FULL`` mask (1), two int64 cumulative sums (8 + 8) and the
 
 
 def available_memory() -> int | None:
@@ -120,20 +115,16 @@ def check_plan_memory(seq_len: int, budget: tuple[int | None, str], *,
 
 def check_memory(plan, budget: tuple[int | None, str], *, what: str) -> None:
     """Before :func:`simulate`: raise ``MemoryError`` (one line: the estimate and
-    ``--max-memory``) when the plan kept and the cost model's tile work (:func:`tile_work_bytes`,
-    quadratic in S/block) would pass ``budget``. Costs one pass over the block map's
-    rectangles and allocates nothing of the estimate's size; skipped when even every PARTIAL
-    tile distinct would fit."""
+    ``--max-memory``) when the plan kept, its programs and the cost model's tile work
+    (:func:`tile_work_bytes`: linear in the PARTIAL tiles' rectangles) would pass ``budget``.
+    Costs one pass over the block map's rectangles and allocates nothing of the estimate's
+    size."""
     limit = budget[0]
     if limit is None:
         return
-    n = plan.local_len // plan.block_size
     tiles = torch.as_tensor(plan.tiles)
     live = int((tiles != int(masks.BlockKind.EMPTY)).sum())
     base = KEPT_BYTES_PER_TOKEN * plan.seq_len + BYTES_PER_TILE * live
-    bound = TILE_WORK_BYTES_PER_BLOCK * int((tiles == _PARTIAL).sum()) * (n + 1) * n
-    if base + bound <= limit:
-        return
     work, how = tile_work_bytes(plan)
     _over(base + work, f"the cost model's tile work, {how}; {KEPT_BYTES_PER_TOKEN} bytes x "
           f"{plan.seq_len:,} tokens of plan; {BYTES_PER_TILE} bytes x {live:,} tiles of programs",
@@ -177,8 +168,11 @@ def cli(args) -> int:
         t1 = time.process_time()
         pred = simulate(p, hw, shape, name=name)
         t2 = time.process_time()
-        preds.append(pred)
+        del p                # its programs and cost columns go before the next plan is made
+        if args.png:         # the [P, T] timelines are kept only to be drawn
+            preds.append(pred)
         row = pred.row()
+        del pred
         row.update({"plan s": t1 - t0, "simulate s": t2 - t1})
         rows.append(row)
     print(f"cost model · {hw.name} ({hw.source}) · P={args.world_size:,} S={args.seq_len:,} "

@@ -25,6 +25,7 @@ from .hardware import Shape
 __all__: list[str] = []
 
 _SLICE_LOOKUP = 1 << 22   # head-slice keys looked up in a dense table up to this many
+_WIDE = 1 << 31           # buffer ids at or past this: computed in int64 (table columns are int32)
 
 #: Collective kinds in the columns: all-gather, reduce-scatter, all-to-all.
 _COLL_KINDS = {"AG": 0, "RS": 1, "A2A": 2}
@@ -59,6 +60,12 @@ class _Cols:
 
 def _i64(x) -> np.ndarray:
     return np.asarray(x, dtype=np.int64)
+
+
+def _ints(x) -> np.ndarray:
+    """A table column as it is when it holds integers of at most 32 bits (int64 otherwise)."""
+    a = np.asarray(x)
+    return a if a.dtype in (np.int32, np.int64) else a.astype(np.int64)
 
 
 #: Buffer families and their codes (a buffer id is ``family code * P + chunk``).
@@ -140,7 +147,7 @@ def _cell_order(*keys: np.ndarray) -> np.ndarray | slice:
     spans = [int(k.max()) - m + 1 for k, m in zip(keys, lo)]
     if math.prod(float(w) for w in spans) >= 2.0 ** 62:
         return np.lexsort(keys[::-1])
-    key = keys[0] - lo[0]
+    key = keys[0].astype(np.int64) - lo[0]
     for k, m, w in zip(keys[1:], lo[1:], spans[1:]):
         key *= w
         key += k - m
@@ -203,8 +210,12 @@ def _general_columns(t, P: int, L: int, shape: Shape, block_size: int | None = N
             f"the cost model's program reader does not know the table's parts "
             f"{[sorted(d) for d in parts]}; it reads {known}: teach "
             f"fringe/cost/programs.py:_general_columns the new columns")
-    comp, xfer, coll = ({k: (v if k in ("groups", "ranges") else _i64(v)) for k, v in d.items()}
-                        for d in parts)
+    # computes and transfers keep the table's integer columns (int32: no int64 copy of
+    # millions of rows; what could pass int32 is computed in int64 below); collective sides
+    # (few) are read as int64
+    comp, xfer = ({k: (v if k == "ranges" else _ints(v)) for k, v in d.items()}
+                  for d in parts[:2])
+    coll = {k: (v if k in ("groups", "ranges") else _i64(v)) for k, v in parts[2].items()}
     nf = len(FAMILIES)
     unknown = [k for k in ir.COLL_KINDS if k not in _COLL_KINDS]
     if unknown:
@@ -261,7 +272,7 @@ def _general_columns(t, P: int, L: int, shape: Shape, block_size: int | None = N
     base = nf * P
 
     def slice_key(fam, chunk, hi, hn):
-        return ((fam * P + chunk) * NH + hi) * NH + hn
+        return ((_i64(fam) * P + chunk) * NH + hi) * NH + hn
 
     o = _cell_order(comp["rank"], comp["step"], comp["order"])   # op order within a cell:
     cr, ct, cg, cq, ckv, chi, chn = (comp[k][o] for k in     # the sums of compute times
@@ -307,9 +318,11 @@ def _general_columns(t, P: int, L: int, shape: Shape, block_size: int | None = N
     fam_bytes = _fam_bytes(L, shape)
     buf_bytes = np.concatenate([np.repeat(fam_bytes, P), sliced_bytes])
 
+    wide = base + len(uniq) >= _WIDE                 # buffer ids past int32
+
     def ids(sliced, key, fam, chunk):
         """Buffer ids of rows (``key``: the slice keys of the rows where ``sliced``)."""
-        out = fam * P + chunk
+        out = (_i64(fam) if wide else fam) * P + chunk
         if len(key):
             out[sliced] = base + slot_of(key)
         return out

@@ -55,9 +55,12 @@ import numpy as np
 from ..runtime.interpreter import StepRecord
 from .hardware import Hardware, Shape, check_head_split, get_hardware
 from .programs import _Cols, _i64, columns
-from .work import _costs, tile_work
+from .work import _costs, live_tile_work
 
 __all__ = ["Prediction", "simulate"]
+
+#: Products of int32 program columns (rank * steps, q * P) at or past this are made in int64.
+_WIDE = 1 << 31
 
 #: What the simulator derives from a plan that does not depend on the hardware, by plan:
 
@@ -74,7 +77,10 @@ class _Flat:
     live_peak: np.ndarray        # [P] peak bytes of other ranks' buffers alive at once
 
 
-def _flatten(cols: _Cols, fixed: np.ndarray, per_heads: np.ndarray, hw: Hardware) -> _Flat:
+def _flatten(cols: _Cols, keys: np.ndarray, fixed: np.ndarray, per_heads: np.ndarray,
+             hw: Hardware) -> _Flat:
+    """``fixed``, ``per_heads``: the seconds of the tiles ``keys`` (``q * P + kv``, sorted; a
+    tile not among them costs nothing)."""
     P = cols.P
     c_rank, c_step, _, c_q, c_kv, c_split = cols.comp
     s_rank, s_step, s_peer, s_bytes = cols.send
@@ -94,8 +100,11 @@ def _flatten(cols: _Cols, fixed: np.ndarray, per_heads: np.ndarray, hw: Hardware
 
         def at(step):
             return lut[step]
+    if P * max(T, P) >= _WIDE:                       # int32 columns: rank * T would wrap
+        c_rank, s_rank, s_peer, c_q = (x.astype(np.int64) for x in (c_rank, s_rank, s_peer, c_q))
     s_pos = at(s_step)
-    touch = [(r, at(st), b, start) for r, st, b, start in cols.touch]
+    touch = [(r if P * T < _WIDE else r.astype(np.int64), at(st), b, start)
+             for r, st, b, start in cols.touch]
     active = np.zeros(P * T, dtype=bool)
     for r, pos in ((c_rank, at(c_step)), (s_rank, s_pos), (k_rank, at(k_step)),
                    *((u[0], u[1]) for u in touch)):
@@ -103,10 +112,13 @@ def _flatten(cols: _Cols, fixed: np.ndarray, per_heads: np.ndarray, hw: Hardware
     active = active.reshape(P, T)
     cell = c_rank * T + at(c_step)
     flat_q = c_q * P + c_kv
+    at_k = np.minimum(np.searchsorted(keys, flat_q), max(len(keys) - 1, 0))
+    hit = keys[at_k] == flat_q if len(keys) else np.zeros(len(flat_q), dtype=bool)
+    del flat_q
     if (c_split == 1).all():
-        w = (fixed + per_heads).reshape(-1)[flat_q]
+        w = np.where(hit, (fixed + per_heads)[at_k] if len(keys) else 0.0, 0.0)
     else:
-        w = fixed.reshape(-1)[flat_q] + per_heads.reshape(-1)[flat_q] / c_split
+        w = np.where(hit, (fixed[at_k] + per_heads[at_k] / c_split) if len(keys) else 0.0, 0.0)
     compute = np.bincount(cell, weights=w, minlength=P * T).reshape(P, T)
     tiles = np.bincount(cell, minlength=P * T).reshape(P, T)
     sends = (s_rank, s_pos, s_peer, s_bytes)
@@ -171,7 +183,7 @@ def _live_peak(P: int, T: int, touch: list, size_of: np.ndarray) -> np.ndarray:
     NB = len(ids)
     if P * NB > 1 << 26:                              # compact the keys (large sliced plans)
         remap = np.cumsum(used) - 1
-        keys = [t[0] * NB + remap[t[2]] for t in touch]
+        keys = [t[0].astype(np.int64) * NB + remap[t[2]] for t in touch]
         uniq, inv = np.unique(np.concatenate(keys), return_inverse=True)
         inv = inv.reshape(-1)
         bounds = np.cumsum([0] + [len(k) for k in keys])
@@ -225,8 +237,8 @@ def _counts(index: np.ndarray, weights: np.ndarray, n: int) -> np.ndarray:
                        minlength=n).astype(np.float64, copy=False)
 
 
-def _run(flat: _Flat, hw: Hardware, P: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Event simulation: ``(issue, wait, sent, recv)``, each ``[P, T]``.
+def _run(flat: _Flat, hw: Hardware, P: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Event simulation: ``(wait, sent, recv)``, each ``[P, T]``.
 
     At each step every active rank issues its transfers and collectives at its clock,
     computes, then waits for all of them (the interpreter's order). A point-to-point
@@ -237,8 +249,6 @@ def _run(flat: _Flat, hw: Hardware, P: int) -> tuple[np.ndarray, np.ndarray, np.
     communication are done.
     """
     T = len(flat.steps)
-    issue = np.zeros((P, T))
-    wait = np.zeros((P, T))
     src, spos, dst, nbytes = flat.sends
     ks, kd = src * T + spos, dst * T + spos
     sent = _counts(ks, nbytes, P * T)
@@ -248,25 +258,38 @@ def _run(flat: _Flat, hw: Hardware, P: int) -> tuple[np.ndarray, np.ndarray, np.
     sent, recv = sent.reshape(P, T), recv.reshape(P, T)
     order = np.argsort(spos.astype(np.int16 if T < 1 << 15 else np.int64), kind="stable")  # radix
     src, dst, dur = src[order], dst[order], dur[order]               # by step
-    bounds = np.r_[0, np.cumsum(np.bincount(spos, minlength=T))].tolist()
+    per_step = np.bincount(spos, minlength=T)
+    bounds = np.r_[0, np.cumsum(per_step)].tolist()
+    # steps where no rank sends (receives) twice: the latest of its transfers is its only one,
+    # so a plain assignment does what np.maximum.at does, without its per-element cost
+    once = []
+    for ends in (src, dst):
+        seen = np.zeros(T * P, dtype=bool)            # (step, rank) cells with a transfer end
+        seen[np.repeat(np.arange(T) * P, per_step) + ends] = True
+        once.append((np.bincount(np.flatnonzero(seen) // P, minlength=T) == per_step).tolist())
+        del seen
+    del order, per_step
     waves = {}
     if flat.colls is not None:
         c_rank, c_pos, c_sent, c_recv, _, waves, c_dur = flat.colls
         sent += _counts(c_rank * T + c_pos, c_sent, P * T).reshape(P, T)
         recv += _counts(c_rank * T + c_pos, c_recv, P * T).reshape(P, T)
     compute = np.ascontiguousarray(flat.compute.T)                   # [T, P]
-    issue_t, wait_t = np.zeros((T, P)), np.zeros((T, P))
+    wait_t = np.zeros((T, P))
     clock = np.zeros(P)
+    once_s, once_d = once
     for i in range(T):
-        issue_t[i] = clock
         done = clock + compute[i]
         a, b = bounds[i], bounds[i + 1]
         if b > a:
             s, d = src[a:b], dst[a:b]
             fin = np.maximum(clock[s], clock[d])
             fin += dur[a:b]
-            np.maximum.at(done, s, fin)               # (a rank's several transfers: the last)
-            np.maximum.at(done, d, fin)
+            for ends, one in ((s, once_s[i]), (d, once_d[i])):
+                if one:
+                    done[ends] = np.maximum(done[ends], fin)
+                else:                                 # a rank's several transfers: the last
+                    np.maximum.at(done, ends, fin)
         if i in waves:
             ready = clock.copy()
             for a, b, i0, rel in waves[i]:
@@ -277,8 +300,8 @@ def _run(flat: _Flat, hw: Hardware, P: int) -> tuple[np.ndarray, np.ndarray, np.
                 np.maximum.at(done, m, fin_m)
         wait_t[i] = done - clock - compute[i]        # exactly 0 where the rank has no step
         clock = done
-    issue, wait = issue_t.T, wait_t.T
-    return issue, wait, sent, recv
+    del compute
+    return wait_t.T, sent, recv
 
 
 @dataclasses.dataclass
@@ -401,14 +424,14 @@ def simulate(plan, hardware: str | Hardware = "cpu", shape: Shape = Shape(), *,
             check_head_split(n, shape.heads, shape.kv_heads,
                              what=f"schedule {label!r} (heads split {n} ways)")
     if "work" not in cache:
-        cache["work"] = tile_work(plan)
-    work = cache["work"]
+        cache["work"] = live_tile_work(plan)
+    keys, work = cache["work"]
     out = dict(steps={}, compute={}, wait={}, sent={}, recv={}, tiles={}, active={})
     peak = np.zeros(P, dtype=np.int64)
     for which, c in cols.items():
         fixed, per_heads = _costs(work, L, hw, shape, which == "backward")
-        flat = _flatten(c, fixed, per_heads, hw)
-        _, wait, sent, recv = _run(flat, hw, P)
+        flat = _flatten(c, keys, fixed, per_heads, hw)
+        wait, sent, recv = _run(flat, hw, P)
         out["steps"][which] = flat.steps
         out["compute"][which] = flat.compute
         out["wait"][which] = wait

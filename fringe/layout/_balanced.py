@@ -1,8 +1,9 @@
-"""The balanced layout: a solver that chooses the block order with the least predicted step
-time for the mask (kernel calls, pairs and bytes per rank), keeping packed documents whole
-where that balances (:func:`balanced`), and the prediction it scores candidates with
-(:func:`predict`, :func:`block_costs`, :func:`segments`, :func:`candidates`). Public names
-are re-exported by :mod:`fringe.layout`."""
+"""The balanced layout: a solver that chooses a block order for the mask, balanced first and
+then the least predicted step time (kernel calls, pairs and the kv blocks its ranged hops
+carry, per rank), keeping packed documents whole where that balances and cutting them where
+a cut sends the fewest kv blocks (:func:`balanced`), and the prediction it scores candidates
+with (:func:`predict`, :func:`block_costs`, :func:`segments`, :func:`candidates`). Public
+names are re-exported by :mod:`fringe.layout`."""
 from __future__ import annotations
 
 import dataclasses
@@ -29,13 +30,26 @@ BALANCE_SHAPE = dict(batch=1, heads=8, kv_heads=8, head_dim=64, dtype="float32")
 #: candidate; calls and bytes decide among those.
 BALANCE_SLACK = 1.05
 
+#: For masks with document structure (or windows), :func:`balanced` considers only layouts
+#: whose heaviest rank has at most ``1 + SPREAD`` times the mean pair work and the mean
+#: non-empty blocks (or, where none does, of the best candidate): with ranged hops a split
+#: document costs only the kv blocks that cross, so balance comes first and bytes decide
+#: among the balanced layouts.
+SPREAD = 0.04
+
+#: ... but only among layouts predicted within ``1 + BALANCE_COST`` of the fastest candidate
+#: (:func:`predict`): a layout that balances by moving far more kv than its balance saves
+#: (e.g. long documents striped round the ring on a slow link) is not taken for balance.
+BALANCE_COST = 0.10
+
 #: :func:`balanced` takes, among the candidates predicted within this factor of the fastest,
-#: the one whose kv chunks travel the fewest ring hops (then the fastest of those). The cost
-#: model counts a hop's bytes and latency but not all it costs besides: measured on the 2-core
-#: CPU runner (4 gloo ranks, CPU seconds per fwd+bwd step, S=8192, sliding window 512), a
-#: two-lap chain (4 hops) predicted 4% faster than contiguous (3 hops) took 5% more CPU on
-#: its busiest rank and 8% more in all; on 16 documents (S=4096, P=4) one extra hop cost ~7x
-#: its modelled bytes/bandwidth. So a near tie goes to the layout that sends less.
+#: the one whose ranged hops move the fewest kv blocks (then the fastest of those). The cost
+#: model counts a hop's bytes and latency but not all it costs besides: measured with
+#: whole-chunk hops (before ranged ones) on the 2-core CPU runner (4 gloo ranks, CPU seconds
+#: per fwd+bwd step, S=8192, sliding window 512), a two-lap chain (4 hops) predicted 4% faster
+#: than contiguous (3 hops) took 5% more CPU on its busiest rank and 8% more in all; on 16
+#: documents (S=4096, P=4) one extra hop cost ~7x its modelled bytes/bandwidth. So a near tie
+#: goes to the layout that sends less.
 HOP_SLACK = 0.05
 
 _EMPTY, _PARTIAL, _FULL = 0, 1, 2      # fringe.masks.BlockKind codes, as plain ints for numpy
@@ -49,15 +63,17 @@ EXACT_BLOCKS = 512
 def balanced(seq_len: int, world_size: int, *, block_size: int = DEFAULT_BLOCK_SIZE,
              block_work: torch.Tensor | None = None, natural=None,
              hardware="cpu", shape=None) -> Layout:
-    """The layout with the least predicted step time for the mask, among a few candidates.
+    """A balanced layout for the mask with the least predicted step time, among a few candidates.
 
     A rank computes its own q blocks against whatever kv they need, so what a layout decides
     is (1) the work of each rank, (2) how many kernel calls that work takes (scattered blocks
     fragment a tile into many small calls and break the causal diagonal runs that run with
-    ``is_causal``) and (3) which kv chunks travel (a rank that needs nothing from a peer
-    receives nothing from it). Dealing single blocks by work balances (1) perfectly and ruins
-    (2) and (3); measured on CPU it was the slowest layout on document and window masks.
-    So the candidates keep runs of blocks together, and the prediction counts all three:
+    ``is_causal``) and (3) which kv blocks travel: a ring hop carries only the blocks its
+    receiver and the ranks it forwards to read (ranged hops), so a document cut in two sends
+    the blocks of it before the cut, once per rank on the way to the farthest reader. Dealing
+    single blocks by work balances (1) perfectly and ruins (2) and (3); measured on CPU it was
+    the slowest layout on document and window masks. So the candidates keep runs of blocks
+    together, and the prediction counts all three:
 
     * ``contiguous`` and ``zigzag`` (the fixed layouts; zigzag is the fallback for masks
       with no document structure, such as plain causal);
@@ -81,19 +97,32 @@ def balanced(seq_len: int, world_size: int, *, block_size: int = DEFAULT_BLOCK_S
       two balances (searched exactly within the budget, and only when the chain's heaviest
       rank is above :data:`CHAIN_BALANCED` times the mean pair work);
     * *laps*: the same pieces with no chaining rule (work spread like zigzag; documents
-      may span several pieces), sizes chosen greedily rank by rank.
+      may span several pieces), sizes chosen greedily rank by rank;
+    * for masks with document structure (or windows) also *cheap*: two laps of non-empty
+      pieces on consecutive ranks whose cuts send the fewest kv blocks in all
+      (:func:`_cut_costs`: a cut sends the blocks of its document before it) among those
+      whose every rank is within :data:`SPREAD` of the mean pair work and non-empty blocks
+      (looser where none fits); searched exactly by dynamic programming within
+      :data:`_LAP_DP_BUDGET`, greedily above it;
+    * and *rotations*: laps of ``P`` equal pieces (fine through long documents, coarse
+      through short ones), each group of laps rotated round the ring to keep the heaviest
+      rank lightest (:func:`_rotations`), for sequences whose work piles up in a few long
+      documents, where two laps of any sizes cannot balance.
 
     For a mask with no document structure (one segment, every q block's kv starting at the
     same block: causal, full, prefix-LM), candidates whose heaviest rank has more than
     :data:`BALANCE_SLACK` times the pair work of the best balanced one are dropped, so such
-    masks are balanced even where kernel calls dominate (tiny blocks). The candidates left are
-    scored by :func:`predict` (per rank: kernel calls and (q, kv) pairs of every
-    tile from :func:`fringe.cost.work.tile_work`, forward and backward, plus the
-    bytes it sends and receives, not overlapped); among those whose slowest rank is within
-    :data:`HOP_SLACK` of the fastest, the one whose kv chunks travel the fewest hops wins,
-    then the fastest of those (ties: the earlier candidate in the list above). When ring's
-    contiguous layout is itself predicted fastest (ties included), it is returned as is: the
-    order is exactly :func:`contiguous`'s, so the plan is ring's plan.
+    masks are balanced even where kernel calls dominate (tiny blocks). For other masks the
+    balance comes first: among the candidates predicted within :data:`BALANCE_COST` of the
+    fastest, only those within :data:`SPREAD` of the mean (or of the best of them) in both pair
+    work and non-empty blocks are kept (:func:`_balanced_enough`). The candidates left are
+    scored by :func:`predict` (per rank: kernel calls and (q, kv) pairs of every tile from
+    :func:`fringe.cost.work.tile_work`, forward and backward, plus the latency of its hops and
+    the bytes of the kv blocks its ranged hops send and receive, not overlapped); among those
+    whose slowest rank is within :data:`HOP_SLACK` of the fastest, the one that moves the
+    fewest kv blocks wins, then the fastest of those (ties: the earlier candidate). When
+    ring's contiguous layout is kept and itself predicted fastest (ties included), it is
+    returned as is: the order is exactly :func:`contiguous`'s, so the plan is ring's plan.
 
     Several masks at once (the layer kinds of one model: full causal and sliding-window
     layers, sharing one layout): pass ``natural=[(map, weight), ...]``, e.g. each kind's map
@@ -145,21 +174,25 @@ def balanced(seq_len: int, world_size: int, *, block_size: int = DEFAULT_BLOCK_S
         return _deal_blocks(seq_len, world_size, block_size, block_work)
     rows = _rows_of(natural, nb)
     w = _block_costs(rows, hardware, shape)
+    nz = _block_counts(rows)
     segs = _segments(rows)
+    plain = len(segs) == 1 and all(r.plain for r in rows)        # e.g. causal
     seen: list[torch.Tensor] = []
-    for _, blocks in _candidates(w, segs, nb, world_size, _reach(rows)):
+    for _, blocks in _candidates(w, segs, nb, world_size, _reach(rows),
+                                 cheap=None if plain else (_cut_costs(rows), nz)):
         if not any(torch.equal(blocks, b) for b in seen):
             seen.append(blocks)
-    pair_max = [float(w[b].view(world_size, -1).sum(1).max()) for b in seen]
-    floor = min(pair_max)
-    plain = len(segs) == 1 and all(r.plain for r in rows)        # e.g. causal
-    scored = []
-    for blocks, pm in zip(seen, pair_max):
-        if plain and pm > BALANCE_SLACK * floor + 1e-300:
-            continue
-        t, hops = _predict_moves(rows, blocks, world_size, block_size=block_size,
-                                 hardware=hardware, shape=shape)
-        scored.append((float(t.max()), hops, blocks))
+    pred = {}
+
+    def predicted(i: int) -> tuple[float, float]:
+        if i not in pred:
+            t, moved = _predict_moves(rows, seen[i], world_size, block_size=block_size,
+                                      hardware=hardware, shape=shape)
+            pred[i] = (float(t.max()), moved)
+        return pred[i]
+    times = None if plain else [predicted(i)[0] for i in range(len(seen))]
+    keep = _balanced_enough(w, nz, seen, world_size, plain=plain, times=times)
+    scored = [(*predicted(i), seen[i]) for i, k in enumerate(keep) if k]
     fastest = min(t for t, _, _ in scored)
     ring = scored[0] if torch.equal(scored[0][2], seen[0]) else None    # contiguous, if scored
     if ring is not None and ring[0] <= fastest:
@@ -170,6 +203,30 @@ def balanced(seq_len: int, world_size: int, *, block_size: int = DEFAULT_BLOCK_S
         best = min((c for c in close if c[1] <= fewest + 1e-9), key=lambda c: c[0])
     order = (best[2][:, None] * block_size + torch.arange(block_size)).reshape(-1)
     return Layout("balanced", order, world_size)
+
+
+def _balanced_enough(w: torch.Tensor, nz: torch.Tensor, orders: list[torch.Tensor], P: int, *,
+                     plain: bool, times: list[float] | None = None) -> list[bool]:
+    """Which block orders :func:`balanced` chooses among: for a mask with no document
+    structure, those whose heaviest rank's pair work ``w`` is within :data:`BALANCE_SLACK` of
+    the best order's; otherwise, among the orders predicted (``times``: the slowest rank's
+    seconds) within ``1 + BALANCE_COST`` of the fastest, those within ``1 + SPREAD`` of
+    ``max(mean, best of them)`` in both pair work and non-empty blocks ``nz`` (else those
+    within ``1 + SPREAD`` of the best pair work)."""
+    heavy = [(float(w[b].view(P, -1).sum(1).max()), float(nz[b].view(P, -1).sum(1).max()))
+             for b in orders]
+    if plain:
+        floor_w = min(h for h, _ in heavy)
+        return [h <= BALANCE_SLACK * floor_w + 1e-300 for h, _ in heavy]
+    cheap = [t <= (1 + BALANCE_COST) * min(times) for t in times]
+    floor_w = min(h for (h, _), c in zip(heavy, cheap) if c)
+    floor_b = min(b for (_, b), c in zip(heavy, cheap) if c)
+    lim_w = (1 + SPREAD) * max(floor_w, float(w.sum()) / P) * (1 + 1e-12)
+    lim_b = (1 + SPREAD) * max(floor_b, float(nz.sum()) / P) * (1 + 1e-12)
+    keep = [c and h <= lim_w and b <= lim_b for (h, b), c in zip(heavy, cheap)]
+    if not any(keep):
+        keep = [c and h <= (1 + SPREAD) * floor_w * (1 + 1e-12) for (h, _), c in zip(heavy, cheap)]
+    return keep
 
 
 def _deal_blocks(seq_len: int, world_size: int, block_size: int, block_work) -> Layout:
@@ -287,6 +344,16 @@ def _block_costs(rows: list[_Rows], hardware, shape) -> torch.Tensor:
     return total
 
 
+def _block_counts(rows: list[_Rows]) -> torch.Tensor:
+    """float64 ``[nb]``: non-empty blocks of each q block row (weighted over the maps): the
+    work :meth:`fringe.plan.Plan.stats` balances."""
+    total = None
+    for r in rows:
+        c = r.weight * (r.full + r.part)
+        total = c if total is None else total + c
+    return total
+
+
 def block_costs(natural, *, hardware="cpu", shape=None) -> torch.Tensor:
     """Predicted seconds (forward + backward) of each q block's pairs, float64 ``[nb]``.
 
@@ -308,9 +375,11 @@ def predict(natural, blocks: torch.Tensor, world_size: int, *,
     :mod:`fringe.ops.tile` splits them; above :data:`EXACT_BLOCKS` blocks the calls are
     estimated from runs of blocks) with ``hardware``'s per-call and per-pair constants.
     Communication: kv chunk ``j`` travels the ring ``j -> j+1 -> ...`` up to the farthest
-    rank that needs it (ring pruning); each hop costs latency plus bytes over bandwidth on
-    both ends, three times (kv forward, kv again and dkv back in the backward), counted as
-    not overlapped (on CPU gloo copies run on the same cores as the kernels).
+    rank that needs it (ring pruning), each hop carrying the blocks the rest of its route
+    reads (ranged hops: a block travels to its own farthest reader, :func:`_ranged_moves`);
+    each hop costs latency on both ends, and each block it carries bytes over bandwidth,
+    three times (kv forward, kv again and dkv back in the backward), counted as not
+    overlapped (on CPU gloo copies run on the same cores as the kernels).
 
     Args:
         natural: the block map in sequence order, as in :func:`balanced`: a
@@ -341,8 +410,8 @@ def _predict(rows: list[_Rows], blocks: torch.Tensor, P: int, *, block_size: int
 
 def _predict_moves(rows: list[_Rows], blocks: torch.Tensor, P: int, *, block_size: int,
                    hardware, shape) -> tuple[torch.Tensor, float]:
-    """(:func:`predict`'s seconds per rank, the kv chunk hops of the forward summed over the
-    maps with their weights)."""
+    """(:func:`predict`'s seconds per rank, the kv blocks the forward's ranged hops carry,
+    summed over the maps with their weights)."""
     if len(rows) == 1 and rows[0].weight == 1.0:
         return _predict_one(rows[0], blocks, P, block_size=block_size, hardware=hardware,
                             shape=shape)
@@ -383,10 +452,11 @@ def _predict_one(rows: _Rows, blocks: torch.Tensor, P: int, *, block_size: int, 
         calls, fp, mp, cp = (work[..., i] for i in range(4))
         secs += calls * call + unit * (fp + hw.masked * mp + hw.causal * cp)
     moves = _ring_moves(needer, chunk, P)
-    kv = sh.buffer_bytes("kv", L)
-    dkv = sh.buffer_bytes("dkv", L)
-    per_move = 3 * hw.latency_s + (2 * kv + dkv) / hw.bandwidth
-    return secs + moves * per_move, float(moves.sum()) / 2      # a hop is a send and a receive
+    blocks_moved, total = _ranged_moves(rows, blocks, P)
+    kv = sh.buffer_bytes("kv", block_size)
+    dkv = sh.buffer_bytes("dkv", block_size)
+    comm = moves * 3 * hw.latency_s + blocks_moved * (2 * kv + dkv) / hw.bandwidth
+    return secs + comm, total
 
 
 def _ring_moves(needer: torch.Tensor, chunk: torch.Tensor, P: int) -> torch.Tensor:
@@ -512,14 +582,31 @@ def candidates(natural, world_size: int, *, hardware="cpu",
                shape=None) -> list[tuple[str, torch.Tensor]]:
     """The block orders :func:`balanced` chooses from, as ``(name, blocks [nb])`` pairs."""
     rows = _rows_of(natural, None)
-    return _candidates(_block_costs(rows, hardware, shape), _segments(rows), rows[0].nb,
-                       world_size, _reach(rows))
+    segs = _segments(rows)
+    plain = len(segs) == 1 and all(r.plain for r in rows)
+    return _candidates(_block_costs(rows, hardware, shape), segs, rows[0].nb,
+                       world_size, _reach(rows),
+                       cheap=None if plain else (_cut_costs(rows), _block_counts(rows)))
 
 
 def _candidates(w: torch.Tensor, segs: list[tuple[int, int]], nb: int, P: int,
-                reach: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+                reach: torch.Tensor, cheap=None) -> list[tuple[str, torch.Tensor]]:
     cap = nb // P
     out = [("contiguous", torch.arange(nb))]
+    if cheap is not None:                   # (cut costs, non-empty blocks per row)
+        cost, nz = cheap
+        out.append(("rotations", _rotations(w, P, cap, cost)))
+        laps = None
+        for f in (1, 2, 4):                 # SPREAD, else looser until a layout fits
+            lim_w = (1 + f * SPREAD) * float(w.sum()) / P
+            lim_b = (1 + f * SPREAD) * float(nz.sum()) / P
+            if _lap_steps(P, cap) <= _LAP_DP_BUDGET:
+                laps = _cheap_exact(w, P, cap, cost, lim_w, nz, lim_b)
+            else:
+                laps = _cheap_greedy(w, P, cap, cost, f * SPREAD * float(w.sum()) / P)
+            if laps is not None:
+                out.append(("cheap", laps))
+                break
     if nb % (2 * P) == 0:
         half = nb // (2 * P)
         ch = torch.arange(nb).view(2 * P, half)
@@ -780,3 +867,256 @@ def _reach(rows: list[_Rows]) -> torch.Tensor:
     for r in rows[1:]:
         lo = torch.minimum(lo, r.first)
     return torch.flip(torch.cummin(torch.flip(lo, [0]), 0).values, [0])
+
+
+# ---- ranged hops: what a split costs ---------------------------------------------------------
+def _cut_costs(rows: list[_Rows]) -> np.ndarray:
+    """int64 ``[nb + 1]``: kv blocks a cut before block ``c`` makes a chain send: the blocks
+    ``[reach[c], c)`` that q blocks at or after ``c`` attend (0 at ``c = 0`` and ``nb``, and
+    where no non-empty block crosses). For document and window masks every block of that span
+    is attended (a document's prefix, a window's width), so along a chain of pieces on
+    consecutive ranks (each piece's kv relayed on by the ranks that read it) the ranged
+    hops of the forward carry exactly the sum of the costs of the cuts. Only a search
+    estimate: :func:`predict` counts the blocks of any order."""
+    nb = rows[0].nb
+    reach = _reach(rows).numpy()
+    c = np.arange(nb + 1)
+    out = np.zeros(nb + 1, dtype=np.int64)
+    out[:nb] = np.maximum(0, c[:nb] - np.minimum(reach, c[:nb]))
+    return out
+
+
+def _ranged_moves(rows: _Rows, blocks: torch.Tensor, P: int) -> tuple[torch.Tensor, float]:
+    """Forward kv blocks each rank sends + receives, float64 ``[P]``, and their total over
+    the hops, when each kv chunk goes round the ring only as far as its farthest reader and
+    every hop carries the blocks the rest of the route reads (ranged hops: a block ``k`` of
+    rank ``j`` travels ``e_k`` hops, ``e_k`` the ring distance to the farthest rank whose q
+    blocks attend it)."""
+    nb = blocks.numel()
+    n = nb // P
+    pos = torch.empty(nb, dtype=torch.int64)
+    pos[blocks] = torch.arange(nb)
+    owner = pos // n
+    rs, re, rid = _runs(owner)
+    R = rows.bm.rects
+    if not len(R):
+        return torch.zeros(P, dtype=torch.float64), 0.0
+    k, run = _expand(R[:, 0], R[:, 1], rid)          # rectangle rows split at q-rank runs
+    q_rank = owner[rs[run]]
+    c0, c1 = R[k, 2], R[k, 3]
+    # the q ranks reading each column: a rectangle's column range for each of its q ranks
+    # (merged per q rank first, so a document's rows on one rank count once)
+    key0 = q_rank * (nb + 1) + c0
+    key1 = q_rank * (nb + 1) + c1
+    o = torch.argsort(key0)
+    key0, key1 = key0[o], key1[o]
+    hi = torch.cummax(key1, 0).values
+    new = torch.ones(key0.numel(), dtype=torch.bool)
+    new[1:] = key0[1:] > hi[:-1]
+    grp = new.cumsum(0) - 1
+    a = key0[new]
+    b = torch.zeros(int(grp[-1]) + 1, dtype=torch.int64).scatter_reduce_(
+        0, grp, key1, "amax", include_self=False)
+    i = torch.div(a, nb + 1, rounding_mode="floor")
+    a, b = a - i * (nb + 1), b - i * (nb + 1)
+    w = b - a
+    col = torch.repeat_interleave(a, w) + torch.arange(int(w.sum())) - \
+        torch.repeat_interleave(w.cumsum(0) - w, w)
+    dist = (torch.repeat_interleave(i, w) - owner[col]) % P
+    far = torch.zeros(nb, dtype=torch.int64).scatter_reduce_(0, col, dist, "amax")
+    total = float(far.sum())
+    j = owner
+    diff = torch.zeros(2 * P + 1, dtype=torch.float64)
+    one = torch.ones(nb, dtype=torch.float64)
+    for lo, hi_ in ((j, j + far), (j + 1, j + far + 1)):    # sent at j..j+e-1, received j+1..j+e
+        diff.index_add_(0, lo, one)
+        diff.index_add_(0, hi_, -one)
+    cnt = diff.cumsum(0)
+    return cnt[:P] + cnt[P:2 * P], total
+
+
+def _lap_parts(sizes: list[int], X: int, cap: int) -> torch.Tensor:
+    parts, a, b = [], 0, X
+    for sz in sizes:
+        parts.append(torch.cat([torch.arange(a, a + sz), torch.arange(b, b + cap - sz)]))
+        a, b = a + sz, b + cap - sz
+    return torch.cat(parts)
+
+
+def _cheap_exact(w: torch.Tensor, P: int, cap: int, cost: np.ndarray,
+                 wmax: float, blocks_w: torch.Tensor | None = None,
+                 bmax: float = math.inf) -> torch.Tensor | None:
+    """Two laps of non-empty pieces (rank ``r`` holds piece ``r`` of each lap; trailing pieces
+    of lap two may be empty) with the least summed cut cost (:func:`_cut_costs`) among those
+    whose every rank's work is at most ``wmax`` (and non-empty blocks ``blocks_w`` at most
+    ``bmax``): dynamic programming over the ranks for every
+    start of lap two on a grid (the state is how far lap one has got, which fixes lap two).
+    ``None`` when none fits."""
+    nb = P * cap
+    if cap < 2:
+        return None
+    pre = torch.cat([torch.zeros(1, dtype=torch.float64), w.cumsum(0)]).numpy()
+    bw = w if blocks_w is None else blocks_w
+    preb = torch.cat([torch.zeros(1, dtype=torch.float64), bw.to(torch.float64).cumsum(0)]).numpy()
+    cst = cost.astype(np.float64)
+    X = np.arange(1, nb, max(1, nb // _LAP_OFFSETS))
+    m = X.size
+    if m == 0:
+        return None
+    pos = np.arange(nb + 1)
+    dp = np.full((m, nb + 1), np.inf)
+    dp[:, 0] = 0.0
+    choice = np.zeros((P, m, nb + 1), dtype=np.int64)
+    lim = wmax * (1 + 1e-12)
+    for r in range(P):
+        a = pos[None, :]
+        b = X[:, None] + r * cap - a
+        live = np.isfinite(dp) & (b >= X[:, None]) & (b <= nb)
+        bc = np.clip(b, 0, nb)
+        start = dp + cst[a] + np.where(bc < nb, cst[bc], 0.0)   # the cuts this rank's pieces open
+        new = np.full((m, nb + 1), np.inf)
+        arg = np.zeros((m, nb + 1), dtype=np.int64)
+        for sz in range(1, cap + 1):
+            a2, b2 = np.minimum(a + sz, nb), np.minimum(bc + (cap - sz), nb)
+            ok = live & (a + sz <= X[:, None]) & (bc + (cap - sz) <= nb)
+            if sz == cap:                  # an empty lap-two piece only once lap two is done
+                ok &= bc == nb
+            ok &= pre[a2] - pre[a] + pre[b2] - pre[bc] <= lim
+            ok &= preb[a2] - preb[a] + preb[b2] - preb[bc] <= bmax * (1 + 1e-12)
+            f = np.where(ok, start, np.inf)
+            sl = slice(sz, nb + 1)
+            better = f[:, :nb + 1 - sz] < new[:, sl]
+            new[:, sl] = np.where(better, f[:, :nb + 1 - sz], new[:, sl])
+            arg[:, sl] = np.where(better, sz, arg[:, sl])
+        dp = new
+        choice[r] = arg
+    final = dp[np.arange(m), X]
+    if not np.isfinite(final).any():
+        return None
+    x = int(np.argmin(final))
+    sizes, a = [], int(X[x])
+    for r in range(P - 1, -1, -1):
+        sz = int(choice[r, x, a])
+        sizes.append(sz)
+        a -= sz
+    sizes.reverse()
+    return _lap_parts(sizes, int(X[x]), cap)
+
+
+def _cheap_greedy(w: torch.Tensor, P: int, cap: int, cost: np.ndarray,
+                  slack: float) -> torch.Tensor | None:
+    """:func:`_cheap_exact` searched greedily (for sequences past its budget): rank by rank,
+    the piece sizes that keep the work so far within ``slack / 2`` of ``r + 1`` means
+    (cumulative, so errors do not add up) and open the cheapest cuts; the closest to the
+    target where none does. Every start of lap two on a grid at once; the cheapest start
+    whose ranks all fit ``mean + slack`` wins, else the one whose heaviest rank is least
+    over the mean."""
+    nb = P * cap
+    if cap < 2:
+        return None
+    pre = torch.cat([torch.zeros(1, dtype=torch.float64), w.cumsum(0)]).numpy()
+    target = np.full(P, float(pre[-1]) / P)
+    cum_t = np.cumsum(target)
+    band = slack / 2                          # half the slack for each end of a rank's work
+    pre = np.concatenate([pre, np.full(2 * cap + 2, pre[-1])])
+    cst = np.concatenate([cost.astype(np.float64), np.zeros(2 * cap + 2)])
+    X = np.arange(1, nb, max(1, nb // _LAP_OFFSETS))
+    m = X.size
+    s = np.arange(1, cap + 1)[None, :]
+    rows = np.arange(m)
+    a, b = np.zeros(m, dtype=np.int64), X.copy()
+    ok = np.ones(m, dtype=bool)
+    worst = np.full(m, -np.inf)
+    spent = cst[X].copy()                     # the cut where lap two starts
+    sizes = np.zeros((m, P), dtype=np.int64)
+    for r in range(P):
+        a2, b2 = a[:, None] + s, b[:, None] + (cap - s)
+        feas = (a2 <= X[:, None]) & (b2 <= nb)
+        feas &= (s > 0) & ((s < cap) | (b[:, None] == nb))
+        if r == P - 1:
+            feas &= a2 == X[:, None]
+        f = pre[a2] - pre[a][:, None] + pre[b2] - pre[b][:, None]
+        cum = pre[a2] + pre[b2] - pre[X][:, None]            # work of ranks 0..r
+        err = np.abs(cum - cum_t[r])
+        nxt = np.where(a2 < X[:, None], cst[a2], 0.0) + np.where(b2 < nb, cst[b2], 0.0)
+        inband = feas & (err <= band) & (f <= target[r] + slack)
+        key = np.where(inband, nxt, np.inf)
+        pick_band = np.argmin(key, axis=1)
+        close = np.where(feas, err, np.inf)
+        pick_close = np.argmin(close, axis=1)
+        has = np.isfinite(key[rows, pick_band])
+        k = np.where(has, pick_band, pick_close)
+        ok &= np.isfinite(close[rows, pick_close])
+        sizes[:, r] = s[0, k]
+        worst = np.maximum(worst, f[rows, k] - target[r])
+        spent += nxt[rows, k]
+        a, b = a2[rows, k], b2[rows, k]
+    ok &= (a == X) & (b == nb)
+    if not ok.any():
+        return None
+    fits = ok & (worst <= slack * (1 + 1e-12))
+    x = int(np.argmin(np.where(fits, spent, np.inf))) if fits.any() else \
+        int(np.argmin(np.where(ok, worst, np.inf)))
+    return _lap_parts(sizes[x].tolist(), int(X[x]), cap)
+
+
+
+#: :func:`_rotations` cuts a lap into pieces of ``g`` blocks, ``g`` the largest power of two up
+#: to :data:`ROT_BLOCKS` whose pieces each hold at most this fraction of a rank's mean work.
+ROT_PIECE = 0.10
+ROT_BLOCKS = 32  # blocks, not tokens
+#: ... and gives two consecutive laps one rotation when the cut between them sends more
+#: than this many kv blocks (:func:`_cut_costs`), so that cut is one hop, not a relay round
+#: the ring through ranks that do not read the blocks.
+ROT_LINK = 24
+#: Rounds of :func:`_rotations`' second pass (each group's rotation chosen again).
+ROT_ROUNDS = 4
+
+
+def _rotations(w: torch.Tensor, P: int, cap: int, cost: np.ndarray) -> torch.Tensor:
+    """Laps of ``P`` equal pieces dealt round the ring, each lap rotated to keep the heaviest
+    rank lightest.
+
+    The sequence is cut into laps in order; a lap is ``P`` pieces of ``g`` blocks (the
+    largest power of two up to :data:`ROT_BLOCKS` whose pieces hold at most
+    :data:`ROT_PIECE` of a rank's mean work: fine pieces through long documents, coarse ones
+    through short), and ``sum g = cap``, so every rank holds exactly ``cap`` blocks. Piece
+    ``j`` of a lap goes to rank ``(j + rho) mod P``: consecutive pieces sit on consecutive
+    ranks (a document's kv relayed only through ranks that read it), and ``rho``, chosen lap
+    by lap (heaviest pieces first), keeps the heaviest rank's work least (LPT over
+    rotations). For masks whose work is spread unevenly along the sequence (long documents
+    among short ones), where two laps cannot balance."""
+    nb = P * cap
+    C = torch.cat([torch.zeros(1, dtype=torch.float64), w.cumsum(0)]).numpy()
+    mean = C[-1] / P
+    laps, pos, used = [], 0, 0
+    while used < cap:
+        g = min(ROT_BLOCKS, cap - used)
+        g = 1 << (g.bit_length() - 1) if g < cap - used or g == ROT_BLOCKS else g
+        while g > 1 and np.diff(C[pos + np.arange(P + 1) * g]).max() > ROT_PIECE * mean:
+            g //= 2
+        laps.append((pos, g))
+        pos, used = pos + P * g, used + g
+    # laps whose boundary cuts a document deeper than ROT_LINK blocks share one rotation
+    group = np.cumsum([0] + [int(cost[a] > ROT_LINK) ^ 1 for a, _ in laps[1:]])
+    pw = np.zeros((int(group[-1]) + 1, P))
+    for (a, g), k in zip(laps, group):
+        pw[k] += np.diff(C[a + np.arange(P + 1) * g])
+    tot = np.zeros(P)
+    shift = (np.arange(P)[None, :] - np.arange(P)[:, None]) % P     # [rho, rank] -> piece
+    rot = np.zeros(len(pw), dtype=np.int64)
+    for k in sorted(range(len(pw)), key=lambda k: (-pw[k].max(), k)):
+        cand = tot[None, :] + pw[k][shift]
+        rot[k] = int(np.argmin(cand.max(axis=1)))
+        tot = cand[rot[k]]
+    for _ in range(ROT_ROUNDS):         # then each group again, given all the others
+        for k in sorted(range(len(pw)), key=lambda k: (-pw[k].max(), k)):
+            rest = tot - pw[k][shift[rot[k]]]
+            cand = rest[None, :] + pw[k][shift]
+            top = cand.max(axis=1)
+            if top.min() < top[rot[k]]:
+                rot[k] = int(np.argmin(top))
+            tot = cand[rot[k]]
+    rho = rot[group].tolist()
+    owner = np.concatenate([np.repeat((np.arange(P) + r) % P, g) for (_, g), r in zip(laps, rho)])
+    return torch.from_numpy(np.argsort(owner, kind="stable"))

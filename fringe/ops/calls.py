@@ -126,27 +126,39 @@ def split_cols(codes: np.ndarray, qb0: int, kb0: int, out: list) -> None:
     that have a non-EMPTY block in it; a mixed piece with fewer rows than its parent is split
     again (a column may have become all-FULL)."""
     ne = codes != _EMPTY
-    full_col = (codes == _FULL).all(0)
-    live_col = ne.any(0)
-    if full_col.all() or (not full_col.any() and live_col.all()):
-        out.append((qb0, qb0 + codes.shape[0], kb0, kb0 + codes.shape[1]))
+    runs = column_runs((codes == _FULL).all(0).tolist(), ne.any(0).tolist())
+    nr = codes.shape[0]
+    if runs is None:
+        out.append((qb0, qb0 + nr, kb0, kb0 + codes.shape[1]))
         return
-    fc, lc = full_col.tolist(), live_col.tolist()
-    j, nk, nr = 0, codes.shape[1], codes.shape[0]
-    while j < nk:
-        if not lc[j]:
-            j += 1
-            continue
-        e = j + 1
-        while e < nk and lc[e] and fc[e] == fc[j]:
-            e += 1
+    for j, e, full in runs:
         rows = np.flatnonzero(ne[:, j:e].any(1))
         r0, r1 = int(rows[0]), int(rows[-1]) + 1
-        if fc[j] or (r0, r1) == (0, nr):
+        if full or (r0, r1) == (0, nr):
             out.append((qb0 + r0, qb0 + r1, kb0 + j, kb0 + e))
         else:
             split_cols(codes[r0:r1, j:e], qb0 + r0, kb0 + j, out)
+
+
+def column_runs(full: list[bool], live: list[bool]) -> list[tuple[int, int, bool]] | None:
+    """Where :func:`split_cols` cuts a group's columns (``full[j]``: column j is all-FULL,
+    ``live[j]``: it has a non-EMPTY block): None when the group stays whole (every column
+    all-FULL, or none all-FULL and every column live); else the runs ``(start, stop,
+    all-FULL)`` of live columns of one kind, left to right. The rule, written once: the
+    cost model's sparse work counts cut by it too (:mod:`fringe.cost.work`)."""
+    if all(full) or (not any(full) and all(live)):
+        return None
+    runs, j, n = [], 0, len(live)
+    while j < n:
+        if not live[j]:
+            j += 1
+            continue
+        e = j + 1
+        while e < n and live[e] and full[e] == full[j]:
+            e += 1
+        runs.append((j, e, full[j]))
         j = e
+    return runs
 
 
 def fused_pieces(tall: np.ndarray, *, per: int, Lq: int, Lk: int, block_size: int,

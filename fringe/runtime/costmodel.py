@@ -31,7 +31,8 @@ from ..cost.hardware import (BWD_FLOPS_PER_PAIR as BWD_FLOPS_PER_PAIR,
                              Hardware as Hardware, Shape as Shape)
 from ..cost.simulate import Prediction as Prediction, simulate as simulate
 from ..cost.validate import validate as validate
-from ..cost.work import (TILE_WORK_BYTES_PER_BLOCK as TILE_WORK_BYTES_PER_BLOCK,
+from ..cost.work import (TILE_WORK_BYTES_PER_RUN as TILE_WORK_BYTES_PER_RUN,
+                         TILE_WORK_BYTES_PER_TILE as TILE_WORK_BYTES_PER_TILE,
                          distinct_partial_maps as distinct_partial_maps,
                          tile_costs as tile_costs, tile_work as tile_work,
                          tile_work_bytes as tile_work_bytes)

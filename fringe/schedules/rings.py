@@ -111,16 +111,21 @@ def striped(stripe: int | None = None) -> Schedule:
 
 
 def balanced() -> Schedule:
-    """Ring over a mask-aware layout: the layout with the least predicted step time.
+    """Ring over a mask-aware layout: balanced work, then the least predicted step time.
 
     Zigzag and striped balance causal masks; packed documents, windows and arbitrary masks
     need the mask itself. :func:`fringe.plan` classifies the mask once in sequence order and
-    :func:`fringe.layout.balanced` chooses the block order whose slowest rank is predicted
-    fastest, counting kernel calls, pairs and bytes (not blocks): documents stay whole on a
-    rank where that balances, so a rank that needs no kv from a peer receives none, and its
-    tiles stay contiguous (few, large calls). The block map is permuted, not recomputed.
-    For six packed documents, one longer than a rank's 256 tokens (kv chunks sent in the
-    forward, predicted max/mean time per rank, documents on each rank):
+    :func:`fringe.layout.balanced` chooses the block order: for document and window masks,
+    among the candidates predicted within ``BALANCE_COST`` of the fastest, those whose
+    heaviest rank is within ``SPREAD`` of the mean (pair work and non-empty blocks), and of
+    those the one whose slowest rank is predicted fastest, counting kernel calls, pairs and
+    the kv blocks its ranged hops carry. Documents stay whole on a rank where that
+    balances; otherwise they are cut where a cut sends the fewest kv blocks, into pieces on
+    consecutive ranks of the ring (each hop carries only the blocks the rest of its route
+    reads). The block map is permuted, not recomputed. For six packed documents, one longer
+    than a rank's 256 tokens (kv chunks sent and kv blocks received in the forward,
+    predicted max/mean time per rank, max/mean non-empty blocks per rank, documents on each
+    rank):
 
     >>> import torch
     >>> ids = torch.repeat_interleave(torch.arange(6), torch.tensor([256, 64, 192, 128, 320, 64]))
@@ -129,14 +134,16 @@ def balanced() -> Schedule:
     >>> for name in ("ring", "zigzag", "striped", "balanced"):
     ...     p = fringe.plan(getattr(schedules, name)(), m, seq_len=1024, world_size=4, block_size=16)
     ...     t = fringe.layout.predict(natural, p.layout.order[::16] // 16, 4, block_size=16)
-    ...     sends = sum(type(op).__name__ == "Send" for prog in p.forward for _, op in prog.ops())
+    ...     recv = [op for prog in p.forward for _, op in prog.ops() if type(op).__name__ == "Recv"]
+    ...     kv = sum(16 if r.blocks is None else sum(b - a for a, b in r.blocks) for r in recv)
     ...     docs = "/".join("".join(map(str, ids[p.layout.positions(r)].unique().tolist()))
     ...                     for r in range(4))
-    ...     print(f"{name:9} sends {sends:2}  balance {float(t.max() / t.mean()):.2f}  docs {docs}")
-    ring      sends  1  balance 1.55  docs 0/12/34/45
-    zigzag    sends  7  balance 1.21  docs 045/04/124/23
-    striped   sends 12  balance 1.11  docs 012345/012345/012345/012345
-    balanced  sends  1  balance 1.23  docs 4/345/0/12
+    ...     print(f"{name:9} sends {len(recv):2} kv blocks {kv:3}  time {float(t.max() / t.mean()):.2f}"
+    ...           f"  blocks {p.stats().balance:.2f}  docs {docs}")
+    ring      sends  1 kv blocks   8  time 1.52  blocks 1.53  docs 0/12/34/45
+    zigzag    sends  7 kv blocks  60  time 1.28  blocks 1.67  docs 045/04/124/23
+    striped   sends 12 kv blocks 156  time 1.12  blocks 1.20  docs 012345/012345/012345/012345
+    balanced  sends  4 kv blocks  36  time 1.07  blocks 1.07  docs 02/013/14/245
     """
     return Schedule("balanced", layout=_layout.balanced, hops=ring_hops, mask_aware=True,
                     kind="balanced", spec=Spec("balanced"))

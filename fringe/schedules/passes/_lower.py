@@ -121,12 +121,21 @@ def lower(world_size: int, hops: Mapping[int, Sequence[Hop]], *,
     else:
         use = _need_array(need, P).T.copy()              # use[j, r]: rank r computes with kv_j
     if tab._ring == P:          # the ring: chunk j goes as far as the farthest rank using it
-        dist = (np.arange(P)[None, :] - np.arange(P)[:, None]) % P
-        last = np.where(use, dist, 0).max(axis=1)
-        j = np.repeat(np.arange(P), last)
-        s = np.arange(len(j)) - np.repeat(np.cumsum(last) - last, last)
-        src, dst = (j + s) % P, (j + s + 1) % P
-        k = np.arange(len(j))
+        # int32 where P^2 hops fit (P=4,096 documents: 16.7M hops; no int64 copies of them)
+        it = np.int32 if P * P < 2 ** 31 else np.int64
+        r = np.arange(P, dtype=it)
+        dist = r[None, :] - r[:, None]
+        dist %= it(P)
+        last = np.where(use, dist, it(0)).max(axis=1)
+        del dist
+        j = np.repeat(r, last)
+        s = np.arange(len(j), dtype=it)
+        s -= np.repeat((np.cumsum(last) - last).astype(it), last)
+        src = j + s
+        src %= it(P)
+        dst = src + it(1)
+        dst %= it(P)
+        k = None                # every hop is kept: hop k is row k
     else:
         sel = (tab.chunk >= 0) & (tab.chunk < P)
         j, s, src, dst = tab.chunk[sel], tab.step[sel], tab.src[sel], tab.dst[sel]
@@ -138,7 +147,15 @@ def lower(world_size: int, hops: Mapping[int, Sequence[Hop]], *,
         keep = np.ones(len(j), dtype=bool) if need is None else _keep_hops(P, j, s, src, dst, use)
         k = np.nonzero(keep)[0]
     diag = np.nonzero(np.diagonal(use))[0]
-    arrive = k[use[j[k], dst[k]]]
+    if k is None:               # the ring's hops, all kept: no gathered copies
+        arrive = np.flatnonzero(use[j, dst])
+        ks, ksrc, kdst, kj = s, src, dst, j
+        order = np.arange(1, len(j) + 1, dtype=j.dtype)
+    else:
+        arrive = k[use[j[k], dst[k]]]
+        ks, ksrc, kdst, kj = s[k], src[k], dst[k], j[k]
+        order = k + 1
+    del use
     # within a rank's step, ops go by emission key: the local tile (-1), then hop k's send,
     # receive and the tile computed on its arrival (key k); order = key + 1
     crank = np.concatenate([diag, dst[arrive]])
@@ -146,8 +163,11 @@ def lower(world_size: int, hops: Mapping[int, Sequence[Hop]], *,
                 kind=np.full(len(crank), C_, np.int64), q=crank,
                 kv=np.concatenate([diag, j[arrive]]),
                 order=np.concatenate([np.zeros(len(diag), np.int64), arrive + 1]))
-    xfer = dict(step=s[k], src=src[k], dst=dst[k], fam=np.full(len(k), _FAMILY_CODE[Family.KV]),
-                chunk=j[k], order=k + 1)
+    del s, src, dst, j, arrive
+    xfer = dict(step=ks, src=ksrc, dst=kdst, fam=np.full(len(ks), _FAMILY_CODE[Family.KV],
+                                                         dtype=order.dtype),
+                chunk=kj, order=order)
+    del ks, ksrc, kdst, kj, order
     return list(ProgramTable._of_parts(P, comp, xfer).programs())
 
 
