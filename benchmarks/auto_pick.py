@@ -303,7 +303,8 @@ def main(argv=None) -> int:
         run.update(load_after=os.getloadavg(),
                    minutes=(datetime.datetime.now(datetime.timezone.utc) - started)
                    .total_seconds() / 60)
-        result = dict(runs=old_runs + [run] if kept else [run], cells=kept + cells)
+        runs = [r for r in old_runs if r["started"] in {c["started"] for c in kept}]
+        result = dict(runs=runs + [run], cells=kept + cells)          # runs with cells left
         with open(js, "w") as f:
             json.dump(result, f, indent=1)
         write_section(md, markdown(result))
