@@ -163,7 +163,7 @@ def _fmt_cell(cell: dict) -> str:
 def markdown(result: dict) -> str:
     """The BENCHMARKS.md section (between :data:`AUTO_START` and :data:`AUTO_END`)."""
     from tabulate import tabulate
-    cells = result["cells"]
+    cells = sorted(result["cells"], key=lambda c: c["P"])              # stable: run order
     labels = [PRESET] + ([SHARED_CAL] if any(SHARED_CAL in c["info"]["picks"] for c in cells)
                          else [])
     out = ["## auto: measured time of `schedules.auto()`'s pick / the fastest candidate", ""]
