@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from ..masks import BlockKind
-from ..ops.calls import GROUP_SLACK, column_runs, split_cols
+from ..ops.calls import GROUP_SLACK, column_runs, group_spans, split_cols
 from .hardware import BWD_FLOPS_PER_PAIR, FWD_FLOPS_PER_PAIR, Hardware, Shape, get_hardware
 
 __all__ = ["TILE_WORK_BYTES_PER_RUN", "TILE_WORK_BYTES_PER_TILE", "dense_tile_work",
@@ -421,23 +421,7 @@ def _row_spans(grow: np.ndarray, c0: np.ndarray, c1: np.ndarray):
 
 def _group_rows(rows: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
     """:func:`fringe.ops.calls.row_runs` on row spans: ``[G, 4]`` groups ``(q0, q1, k0, k1)``."""
-    slack = GROUP_SLACK
-    out = []
-    cur = None
-    exact = 0
-    for i, a, b in zip(rows.tolist(), lo.tolist(), hi.tolist()):
-        w = b - a
-        if cur is not None:
-            qb0, qb1, kb0, kb1 = cur
-            if qb1 == i:
-                nlo, nhi = min(kb0, a), max(kb1, b)
-                if (i + 1 - qb0) * (nhi - nlo) <= slack * (exact + w):
-                    cur, exact = (qb0, i + 1, nlo, nhi), exact + w
-                    continue
-            out.append(cur)
-        cur, exact = (i, i + 1, a, b), w
-    if cur is not None:
-        out.append(cur)
+    out = group_spans(rows.tolist(), lo.tolist(), hi.tolist(), GROUP_SLACK)
     return np.asarray(out, dtype=np.int64).reshape(-1, 4)
 
 

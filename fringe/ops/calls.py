@@ -54,10 +54,19 @@ def row_runs(ne: np.ndarray, slack: float = GROUP_SLACK) -> tuple[list, list, li
     rows = np.flatnonzero(live)
     lo = ne[rows].argmax(axis=1)
     hi = nk - ne[rows, ::-1].argmax(axis=1)
-    Q0, Q1, K0, K1 = [], [], [], []
+    groups = group_spans(rows.tolist(), lo.tolist(), hi.tolist(), slack)
+    return tuple(list(x) for x in zip(*groups)) if groups else ([], [], [], [])
+
+
+def group_spans(rows, lo, hi, slack: float = GROUP_SLACK) -> list[tuple[int, int, int, int]]:
+    """The row-grouping rule of :func:`row_runs`, written once, on rows given as spans: row
+    ``rows[m]`` (increasing) has non-empty kv blocks in ``[lo[m], hi[m])``; consecutive rows
+    join a group while its rectangle costs at most ``slack`` times their exact blocks. The
+    cost model's sparse work counts group by it too (:mod:`fringe.cost.work`)."""
+    out = []
     cur = None
     exact = 0
-    for i, a, b in zip(rows.tolist(), lo.tolist(), hi.tolist()):
+    for i, a, b in zip(rows, lo, hi):
         w = b - a
         if cur is not None:
             qb0, qb1, kb0, kb1 = cur
@@ -66,11 +75,11 @@ def row_runs(ne: np.ndarray, slack: float = GROUP_SLACK) -> tuple[list, list, li
                 if (i + 1 - qb0) * (nhi - nlo) <= slack * (exact + w):
                     cur, exact = (qb0, i + 1, nlo, nhi), exact + w
                     continue
-            Q0.append(qb0), Q1.append(qb1), K0.append(kb0), K1.append(kb1)
+            out.append(cur)
         cur, exact = (i, i + 1, a, b), w
     if cur is not None:
-        Q0.append(cur[0]), Q1.append(cur[1]), K0.append(cur[2]), K1.append(cur[3])
-    return Q0, Q1, K0, K1
+        out.append(cur)
+    return out
 
 
 def causal_squares(blocks: np.ndarray, nqf: int, nkf: int,
