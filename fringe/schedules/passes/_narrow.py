@@ -87,7 +87,8 @@ def narrow(programs: Sequence[Program], need: BlockNeed) -> list[Program]:
         s = by_step[a:b]
         carry[s] = use[at_dst[s]] | live[at_dst[s]]
         frm = at_src[s]
-        if len(np.unique(frm)) == len(frm):
+        srt = np.sort(frm)
+        if len(frm) < 2 or (srt[1:] != srt[:-1]).all():
             live[frm] |= carry[s]
         else:
             np.bitwise_or.at(live, frm, carry[s])
@@ -96,9 +97,9 @@ def narrow(programs: Sequence[Program], need: BlockNeed) -> list[Program]:
     part = np.flatnonzero(~whole)
     ranges: tuple = ()
     if len(part):
-        rows, inv = np.unique(carry[part], axis=0, return_inverse=True)
+        rows, inv = _distinct_rows(carry[part])
         ranges = tuple(_ranges_of(r, need.n) for r in rows)
-        rng[part] = inv.reshape(-1)
+        rng[part] = inv
     comp, xfer, coll = tab._parts
     x = dict(xfer)
     c = dict(coll)
@@ -113,6 +114,19 @@ def narrow(programs: Sequence[Program], need: BlockNeed) -> list[Program]:
         s_rng[s_recv] = rng[nh:]
         c["slot_rng"], c["ranges"] = s_rng, ranges
     return list(ProgramTable._of_parts(P, comp, x, c).programs())
+
+
+def _distinct_rows(bits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(distinct rows, index of each row among them)`` of packed bit rows: one int key per
+    row where a row fits in 8 bytes (a 1-D unique), else a unique over rows."""
+    m, w = bits.shape
+    if w <= 8:
+        wide = np.zeros((m, 8), dtype=np.uint8)
+        wide[:, :w] = bits
+        keys, inv = np.unique(wide.view(np.uint64).reshape(-1), return_inverse=True)
+        return keys.view(np.uint8).reshape(-1, 8)[:, :w], inv.reshape(-1)
+    rows, inv = np.unique(bits, axis=0, return_inverse=True)
+    return rows, inv.reshape(-1)
 
 
 def _ranges_of(row: np.ndarray, n: int) -> tuple[tuple[int, int], ...]:
