@@ -30,19 +30,7 @@ def _walked_stats(plan, *, batch=1, heads=1, kv_heads=1, head_dim=64, dtype=torc
         return shape.buffer_bytes(buf.family.value, tokens, split=split)
 
     def volume(prog):
-        sent = recv = 0
-        for _, op in prog.ops():
-            if isinstance(op, Send):
-                sent += price(op.buf, op.blocks)
-            elif isinstance(op, Recv):
-                recv += price(op.buf, op.blocks)
-            elif isinstance(op, Collective):
-                me = op.group.index(prog.rank)
-                for (idx, bufs), ks, side in ((op.sparse_sends, op.send_blocks, 0),
-                                              (op.sparse_recvs, op.recv_blocks, 1)):
-                    got = sum(price(b, k) for i, b, k in zip(idx, bufs, ks) if i != me)
-                    sent, recv = (sent + got, recv) if side == 0 else (sent, recv + got)
-        return sent, recv
+        return oracle.moved_bytes((op for _, op in prog.ops()), prog.rank, price)
 
     bs2 = plan.block_size ** 2
     rows = []

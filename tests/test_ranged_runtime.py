@@ -29,7 +29,7 @@ from fringe.runtime.interpreter import kv_shape
 from fringe.runtime.virtual import VirtualRuntime
 from fringe.schedules import Schedule, ScheduleError
 from fringe.schedules.ir import Buffer, Collective, Compute, Family, Program, Recv, Send, Step
-from fringe.testing import make_qkv, packed_docs, tolerances
+from fringe.testing import make_qkv, oracle, packed_docs, tolerances
 
 TOL = tolerances(torch.float64)
 BS = 4                                  # block size (tokens)
@@ -211,15 +211,7 @@ def _moves(prog, st, *, L, **dims) -> tuple[int, int]:
     def size(buf, blocks=None):
         tokens = L if blocks is None else sum(hi - lo for lo, hi in blocks) * BS
         return tokens * _bytes_per_token(buf, **dims)
-    sent = sum(size(op.buf, op.blocks) for op in st.comms if type(op) is Send)
-    got = sum(size(op.buf, op.blocks) for op in st.comms if type(op) is Recv)
-    for op in st.collectives:
-        me = op.group.index(prog.rank)
-        for (idx, bufs), ks, which in ((op.sparse_sends, op.send_blocks, 0),
-                                       (op.sparse_recvs, op.recv_blocks, 1)):
-            n = sum(size(b, k) for i, b, k in zip(idx, bufs, ks) if i != me)
-            sent, got = (sent + n, got) if which == 0 else (sent, got + n)
-    return sent, got
+    return oracle.moved_bytes((*st.comms, *st.collectives), prog.rank, size)
 
 
 def _assert_bytes(programs, records: dict, **dims) -> int:

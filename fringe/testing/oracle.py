@@ -879,6 +879,25 @@ def op_counts(programs, P: int, *, computes: bool = True, n: int | None = None) 
 _FAMILY_ORDER = {f: n for n, f in enumerate(Family)}
 
 
+def moved_bytes(ops, rank: int, price) -> tuple[int, int]:
+    """``(sent, received)`` bytes of ``ops`` (one rank's, any order) by walking them: a
+    ``Send`` / ``Recv`` and each collective slot for another member priced by ``price(buffer,
+    blocks)`` (``blocks``: its block ranges, None whole); a member's own slot moves nothing."""
+    sent = got = 0
+    for op in ops:
+        if isinstance(op, Send):
+            sent += price(op.buf, op.blocks)
+        elif isinstance(op, Recv):
+            got += price(op.buf, op.blocks)
+        elif isinstance(op, Collective):
+            me = op.group.index(rank)
+            for (idx, bufs), ks, side in ((op.sparse_sends, op.send_blocks, 0),
+                                          (op.sparse_recvs, op.recv_blocks, 1)):
+                n = sum(price(b, k) for i, b, k in zip(idx, bufs, ks) if i != me)
+                sent, got = (sent + n, got) if side == 0 else (sent, got + n)
+    return sent, got
+
+
 def assert_same_counts(a: _OpCounts, b: _OpCounts, *, steps: bool = True) -> None:
     """Assert two :class:`~fringe._stats._OpCounts` equal field by field (computes in any
     order); ``steps=False`` leaves the step counts out. Sent / received / step counts must be
