@@ -11,7 +11,7 @@ from fringe.testing import packed_docs
 from fringe.plan import PlanStats, _op_counts
 from fringe.runtime.costmodel import Shape
 from fringe.runtime.virtual import VirtualRuntime
-from fringe.schedules.ir import Collective, Compute, Program, ProgramTable, Recv, Send
+from fringe.schedules.ir import Compute, Program, ProgramTable
 from fringe.testing import oracle
 
 BlockKind = masks.BlockKind
