@@ -56,6 +56,9 @@ class _Cols:
     #: the peak bytes of other ranks' buffers alive at once per rank, once computed (it does
     #: not depend on the hardware: a plan simulated on several presets computes it once)
     live_peak: np.ndarray | None = None
+    #: ``(steps, active)`` once the simulator has derived them (also hardware-independent);
+    #: the touches are dropped then (they are the columns' largest part)
+    static: tuple | None = None
 
 
 def _i64(x) -> np.ndarray:

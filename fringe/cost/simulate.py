@@ -85,17 +85,21 @@ def _flatten(cols: _Cols, keys: np.ndarray, fixed: np.ndarray, per_heads: np.nda
     c_rank, c_step, _, c_q, c_kv, c_split = cols.comp
     s_rank, s_step, s_peer, s_bytes = cols.send
     k_rank, k_step, k_gid, k_ord, k_kind, k_sent, k_recv = cols.coll
-    every = (c_step, s_step, k_step, *(u[1] for u in cols.touch))
-    present = np.zeros(1 + max((int(s.max()) for s in every if len(s)), default=-1), dtype=bool)
-    for s in every:
-        present[s] = True
-    steps = np.flatnonzero(present)
+    if cols.static is None:
+        every = (c_step, s_step, k_step, *(u[1] for u in cols.touch))
+        present = np.zeros(1 + max((int(s.max()) for s in every if len(s)), default=-1),
+                           dtype=bool)
+        for s in every:
+            present[s] = True
+        steps = np.flatnonzero(present)
+    else:
+        steps, active = cols.static
     T = len(steps)
-    if T == len(present):                             # steps 0..T-1: positions are steps
+    if not T or int(steps[-1]) == T - 1:              # steps 0..T-1: positions are steps
         def at(step):
             return step
     else:
-        lut = np.zeros(max(len(present), 1), dtype=np.int64)
+        lut = np.zeros(int(steps[-1]) + 1, dtype=np.int32 if T < _WIDE else np.int64)
         lut[steps] = np.arange(T)
 
         def at(step):
@@ -103,13 +107,17 @@ def _flatten(cols: _Cols, keys: np.ndarray, fixed: np.ndarray, per_heads: np.nda
     if P * max(T, P) >= _WIDE:                       # int32 columns: rank * T would wrap
         c_rank, s_rank, s_peer, c_q = (x.astype(np.int64) for x in (c_rank, s_rank, s_peer, c_q))
     s_pos = at(s_step)
-    touch = [(r if P * T < _WIDE else r.astype(np.int64), at(st), b, start)
-             for r, st, b, start in cols.touch]
-    active = np.zeros(P * T, dtype=bool)
-    for r, pos in ((c_rank, at(c_step)), (s_rank, s_pos), (k_rank, at(k_step)),
-                   *((u[0], u[1]) for u in touch)):
-        active[r * T + pos] = True
-    active = active.reshape(P, T)
+    if cols.static is None:        # what the touches give, once per plan; then drop them
+        touch = [(r if P * T < _WIDE else r.astype(np.int64), at(st), b, start)
+                 for r, st, b, start in cols.touch]
+        active = np.zeros(P * T, dtype=bool)
+        for r, pos in ((c_rank, at(c_step)), (s_rank, s_pos), (k_rank, at(k_step)),
+                       *((u[0], u[1]) for u in touch)):
+            active[r * T + pos] = True
+        active = active.reshape(P, T)
+        cols.live_peak = _live_peak(P, T, touch, cols.buf_bytes)
+        cols.static, cols.touch = (steps, active), ()
+        del touch
     cell = c_rank * T + at(c_step)
     flat_q = c_q * P + c_kv
     at_k = np.minimum(np.searchsorted(keys, flat_q), max(len(keys) - 1, 0))
@@ -123,8 +131,6 @@ def _flatten(cols: _Cols, keys: np.ndarray, fixed: np.ndarray, per_heads: np.nda
     tiles = np.bincount(cell, minlength=P * T).reshape(P, T)
     sends = (s_rank, s_pos, s_peer, s_bytes)
     colls = _instances(cols, at, hw)
-    if cols.live_peak is None:
-        cols.live_peak = _live_peak(P, T, touch, cols.buf_bytes)
     return _Flat(steps, active, tiles, compute, sends, colls, cols.live_peak)
 
 
@@ -411,24 +417,26 @@ def simulate(plan, hardware: str | Hardware = "cpu", shape: Shape = Shape(), *,
     label = name or plan.schedule.name
     # what does not depend on the hardware, once per plan (several presets, one plan)
     cache = plan.cache.simulate      # {(direction, shape): program columns, "work": tile work}
-    cols = {}
-    for which, progs in (("forward", plan.forward), ("backward", plan.backward)):
+    def cols(which):
         key = (which, shape)
         if key not in cache:
-            cache[key] = columns(progs, L, shape, plan.block_size)
-        cols[which] = cache[key]
-    for n in sorted({k for c in cols.values() for k in c.splits} | {
-            int(k) for c in cols.values() if len(c.comp[5])
-            for k in np.flatnonzero(np.bincount(c.comp[5]))}):          # splits: small ints
-        if n > 1:
-            check_head_split(n, shape.heads, shape.kv_heads,
-                             what=f"schedule {label!r} (heads split {n} ways)")
-    if "work" not in cache:
-        cache["work"] = live_tile_work(plan)
-    keys, work = cache["work"]
+            cache[key] = columns(plan.forward if which == "forward" else plan.backward, L,
+                                 shape, plan.block_size)
+            for n in sorted(set(cache[key].splits) | {
+                    int(k) for k in (np.flatnonzero(np.bincount(cache[key].comp[5]))
+                                     if len(cache[key].comp[5]) else ())}):  # small ints
+                if n > 1:
+                    check_head_split(n, shape.heads, shape.kv_heads,
+                                     what=f"schedule {label!r} (heads split {n} ways)")
+        return cache[key]
+
     out = dict(steps={}, compute={}, wait={}, sent={}, recv={}, tiles={}, active={})
     peak = np.zeros(P, dtype=np.int64)
-    for which, c in cols.items():
+    for which in ("forward", "backward"):       # one direction's columns at a time (memory)
+        c = cols(which)
+        if "work" not in cache:
+            cache["work"] = live_tile_work(plan)
+        keys, work = cache["work"]
         fixed, per_heads = _costs(work, L, hw, shape, which == "backward")
         flat = _flatten(c, keys, fixed, per_heads, hw)
         wait, sent, recv = _run(flat, hw, P)

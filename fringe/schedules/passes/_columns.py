@@ -83,13 +83,20 @@ DENSE_CELLS = 1 << 26
 #: re-sends and pruning work on sorted keys.
 PLANE_CELLS = 1 << 27
 _GENS: list = [None]     # inside shared_columns(): {(id(table), lenient): (table, fields)}
+#: How many tables' columns :func:`shared_columns` keeps: the passes of a plan read one table
+#: after another (prune, narrow, check and reverse the forward, check the backward), each
+#: while it is the newest, so the newest table's columns (both forms) are all that is shared;
+#: keeping older ones kept dead tables and their int64 copies alive (1.3 GB of a 3.4 GB peak
+#: at P=1024 for compose(zigzag, ulysses, 8)).
+_KEEP = 1
 
 
 @contextlib.contextmanager
 def shared_columns():
     """Inside, the passes derive a table's general columns (:class:`_Gen`) once and share
     them: a plan's check, prune and reverse read the same tables, some twice. A table's
-    columns are read-only, so what is derived from them stays true; it is dropped on exit
+    columns are read-only, so what is derived from them stays true; only the newest
+    :data:`_KEEP` tables' are kept, and they are dropped on exit
     (the int64 copies are larger than the table). Nests."""
     if _GENS[0] is not None:
         yield
@@ -116,9 +123,18 @@ class _Gen:
 
     def __init__(self, tab: ProgramTable, *, lenient: bool = False) -> None:
         cache, key = _GENS[0], (id(tab), lenient)
-        if cache is not None and key in cache:          # shared_columns()
-            self.__dict__.update(cache[key][1])
-            return
+        if cache is not None:                           # shared_columns()
+            other = cache.get((id(tab), not lenient))
+            if key not in cache and other is not None and other[1]["C"] == tab.world_size \
+                    and int(other[1]["gmax"].max()) < tab.world_size:
+                cache[key] = other      # no chunk or member past P - 1: both forms are one
+            if key in cache:
+                self.__dict__.update(cache[key][1])
+                return
+            older = list(dict.fromkeys(k[0] for k in cache if k[0] != key[0]))
+            for t in older[:max(0, len(older) - _KEEP + 1)]:    # oldest first (dict order),
+                for k in [k for k in cache if k[0] == t]:         # before this table's are
+                    del cache[k]                                  # derived
         P = self.P = tab.world_size
         comp, xfer, coll = tab._parts
         i64 = lambda d, ks: [np.asarray(d[k], dtype=np.int64) for k in ks]  # noqa: E731

@@ -93,6 +93,8 @@ def narrow(programs: Sequence[Program], need: BlockNeed) -> list[Program]:
         else:
             np.bitwise_or.at(live, frm, carry[s])
     whole = (carry == need.whole()).all(axis=1)
+    if whole.all():                   # every move needs its whole chunk: the same table
+        return list(tab.programs())
     rng = np.full(m, -1, np.int64)
     part = np.flatnonzero(~whole)
     ranges: tuple = ()

@@ -468,6 +468,7 @@ def _general_reverse(tab: ProgramTable, kv: str, pad: int = 0) -> list[Program]:
     rd_k = np.concatenate([g.rkey(g.cr, f, (g.cq, g.ckv)[sd], g.chs) for f, sd in c_reads])
     rd_t = np.concatenate([g.ct] * len(c_reads))
     ra_k, ra_t = _min_by_key(rd_k, rd_t, np.maximum)
+    del rd_k, rd_t                          # (memory: two reads per compute)
     # what each collective brought: input buffers received from other members
     srank = g.kr[g.ss]
     inp = np.isin(g.sf, [f for f, _ in c_reads])
@@ -561,10 +562,14 @@ def _remote_reads(g: _Gen, skip: np.ndarray) -> tuple[np.ndarray, ...]:
     pos = ((g.cr * big + g.ct) * big + g.co) * 2
     side = (g.cq, g.ckv)
     c_reads = [(fam, side[sd]) for fam, sd, w in TILE_TOUCH_CODES[C_] if not w]
-    reads = [(g.cr[m], g.ct[m], g.bkey(fam, ch[m], g.chs[m]), pos[m] + part)
-             for part, (fam, ch) in enumerate(c_reads) for m in [ch != g.cr]]
+    reads = []
+    for part, (fam, ch) in enumerate(c_reads):
+        m = np.flatnonzero(ch != g.cr)
+        reads.append((g.cr[m], g.ct[m], g.bkey(fam, ch[m], g.chs[m]), pos[m] + part))
+    del pos
     rr, rt, rb, rp = ([np.concatenate(c) for c in zip(*reads)] if reads else
                       [np.zeros(0, np.int64)] * 4)
+    del reads
     if len(skip) and len(rr):               # reads of what a re-issued collective delivers
         skip_r, skip_b = skip // NBC, skip % NBC
         used = np.zeros(NBC, dtype=bool)    # compact ids over the buffers involved
