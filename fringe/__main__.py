@@ -214,7 +214,12 @@ def parser() -> argparse.ArgumentParser:
                           "at --world-size with --heads and --kv-heads); each "
                           + _schedule_help(None))
     sim.add_argument("--hardware", default="h100-ib",
-                     help="a preset (h100-nvlink, h100-ib, cpu) or 'this' (calibrate here)")
+                     help="a preset (h100-nvlink, h100-ib, cpu) or 'this' (calibrate this "
+                          "machine once: fringe.cost.calibrate.shared, what auto accepts)")
+    sim.add_argument("--calibration", metavar="FILE",
+                     help="with --hardware this: load the calibration from FILE if it exists, "
+                          "else measure and save it there (the file every rank's "
+                          "fringe.cost.calibrate.shared(path=FILE) or load(FILE) reads)")
     sim.add_argument("--block-size", type=positive_int, default=DEFAULT_BLOCK_SIZE,
                      help="mask block in tokens (default: %(default)s)")
     sim.add_argument("--heads", type=head_count, default=32, help="H, query heads")

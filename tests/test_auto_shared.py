@@ -110,3 +110,30 @@ def test_per_rank_calibration_is_refused_naming_the_fix(tmp_path):
         with pytest.raises(ValueError, match=what) as e:
             calibrate.load(tmp_path / "c.json")
         assert "run fringe.cost.calibrate.shared(path=...)" in str(e.value)
+
+
+def test_the_cli_predicts_auto_on_this_machine_with_one_shared_calibration(tmp_path, capsys,
+                                                                          monkeypatch):
+    """`python -m fringe predict --hardware this --schedules auto` measures once (the shared
+    calibration auto accepts, not a per-process one it refuses), or loads --calibration FILE,
+    and prints why auto chose what it chose; --calibration with a preset is refused."""
+    from fringe.__main__ import main
+    path = tmp_path / "calib.json"
+    hw = calibrate.shared(path=path, comm=False, **QUICK)       # the file a later run loads
+
+    def no_measuring(**kw):
+        raise AssertionError("--calibration FILE measured although the file exists")
+    monkeypatch.setattr(calibrate, "_kernels", no_measuring)
+    argv = ["predict", "--hardware", "this", "--calibration", str(path), "--schedules", "auto",
+            "--world-size", str(P), "--seq-len", str(S), "--block-size", str(BS),
+            "--mask", "causal", "--heads", "8", "--kv-heads", "8"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    winner = fringe.plan(schedules.auto(hardware=hw, shape=fringe.cost.hardware.Shape(
+        heads=8, kv_heads=8, head_dim=128, dtype="bfloat16")), masks.causal(), seq_len=S,
+        world_size=P, block_size=BS).choice.winner
+    assert f"auto ({winner})" in out and f"schedules.auto() chose {winner}" in out
+    assert "calibration shared by every rank" in out
+    assert main(["predict", "--hardware", "cpu", "--calibration", str(path),
+                 "--world-size", str(P), "--seq-len", str(S)]) == 2
+    assert "--calibration" in capsys.readouterr().err

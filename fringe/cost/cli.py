@@ -18,6 +18,7 @@ from .._data import packed_docs
 from ..plan import plan as make_plan
 from ..schedules import auto as auto_schedule, registry
 from ..schedules.base import AUTO
+from . import calibrate
 from .calibrate import get_hardware
 from .hardware import Shape
 from .simulate import simulate
@@ -152,21 +153,32 @@ def cli(args) -> int:
         raise ValueError(f"--png {args.png!r}: give a file name ending in .png")
     shape = Shape(heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
                   dtype=args.dtype)
-    hw = get_hardware(args.hardware)
+    if getattr(args, "calibration", None) and args.hardware != "this":
+        raise ValueError(f"--calibration {args.calibration} goes with --hardware this (the "
+                         f"constants of this machine); --hardware {args.hardware} is a preset")
+    if args.hardware == "this":    # measured once (or loaded): the constants auto accepts
+        hw = calibrate.shared(path=getattr(args, "calibration", None))
+    else:
+        hw = get_hardware(args.hardware)
+    auto = []
     for name, s in made.items():             # auto chooses on this command's machine and shape
         if s.kind == AUTO:
             made[name] = auto_schedule(hardware=hw, shape=shape)
+            auto.append(name)
     budget = memory_budget(args.max_memory)
     check_plan_memory(args.seq_len, budget)
     mask = mask_from_spec(args.mask, args.seq_len)
-    rows, preds = [], []
+    rows, preds, explained = [], [], []
     for name in args.schedules:
         t0 = time.process_time()
         p = make_plan(made[name], mask, seq_len=args.seq_len,
                       world_size=args.world_size, block_size=args.block_size)
         check_memory(p, budget, what=f"predicting {name} at S={args.seq_len:,}")
+        if name in auto:
+            explained.append(p.explain())
         t1 = time.process_time()
-        pred = simulate(p, hw, shape, name=name)
+        pred = simulate(p, hw, shape, name=f"{name} ({p.choice.winner})" if name in auto
+                        else name)
         t2 = time.process_time()
         del p                # its programs and cost columns go before the next plan is made
         if args.png:         # the [P, T] timelines are kept only to be drawn
@@ -182,6 +194,9 @@ def cli(args) -> int:
     print("balance: max/mean compute per rank; exposed comm: waiting / (compute + waiting); "
           "memory: resident q, k, v, out, grads + received buffers alive at once; "
           "plan s / simulate s: CPU seconds of this process")
+    for text in explained:                   # why auto chose what it chose
+        print()
+        print(text)
     if args.png:
         stem = args.png[:-4]
         for pred in preds:
