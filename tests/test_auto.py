@@ -182,8 +182,9 @@ def test_cli_show_and_predict_take_auto(capsys):
             "--heads", "4", "--kv-heads", "4", "--mask", "causal", "--hardware", "h100-ib",
             "--schedules", "auto", "zigzag"]
     assert main(argv) == 0
-    rows = {line.split()[0]: line.split()[1] for line in capsys.readouterr().out.splitlines()
-            if line.split() and line.split()[0] in ("auto", "zigzag")}
+    rows = {line.split()[0].split("=")[0]: line.split()[1]
+            for line in capsys.readouterr().out.splitlines()
+            if line.split() and line.split()[0].split("=")[0] in ("auto", "zigzag")}
     # auto chose on the command's hardware and shape: its row is the winner's prediction
     p = fringe.plan(schedules.auto(hardware="h100-ib", shape=Shape(heads=4, kv_heads=4)),
                     masks.causal(), seq_len=1024, world_size=4, block_size=64)

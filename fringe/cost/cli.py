@@ -177,7 +177,7 @@ def cli(args) -> int:
         if name in auto:
             explained.append(p.explain())
         t1 = time.process_time()
-        pred = simulate(p, hw, shape, name=f"{name} ({p.choice.winner})" if name in auto
+        pred = simulate(p, hw, shape, name=f"{name}={p.choice.winner}" if name in auto
                         else name)
         t2 = time.process_time()
         del p                # its programs and cost columns go before the next plan is made
