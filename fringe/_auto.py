@@ -8,14 +8,14 @@ never imports the plan (``tests/test_layers.py`` holds the order).
 The rule, in one place:
 
 * **candidates** (:func:`candidates`), in one fixed order: ring, zigzag, striped, balanced,
-  allgather, ulysses, then ``compose:OUTER+INNER:K`` for OUTER in (zigzag, ring), INNER in
-  (ulysses, zigzag), K in (2, 4, 8) with K < P and P % K == 0 (K = P would be the inner
+  allgather, ulysses, then ``compose:OUTER+INNER:K`` for OUTER in (zigzag, ring, balanced),
+  INNER in (ulysses, zigzag), K in (2, 4, 8) with K < P and P % K == 0 (K = P would be the inner
   schedule alone). A candidate that cannot run is listed with the reason and never planned:
   the registry's rule (:func:`~fringe.schedules.registry.why_not`: world size, group size,
   head divisibility for the shape's H and G). That is the cheap bound, applied before any
   planning: no compose form below P = 4, no Ulysses split the heads do not allow. Nothing
-  else is pruned: at P=8, S=8192 the whole search (14 candidates) plans and simulates in
-  ~0.2 s on one core, inside the cost target (``tests/test_auto.py`` measures it).
+  else is pruned: at P=8, S=8192 the whole search (18 candidates) plans and simulates in
+  ~0.26 s on one core, inside the cost target (``tests/test_auto.py`` measures it).
 * **prediction**: each candidate is planned exactly as the call asked (mask, S, P, block size,
   kv policy, kernel, ...) and simulated on the hardware with the shape
   (:func:`fringe.cost.simulate.simulate`); a candidate whose layout refuses the sizes (zigzag
@@ -63,7 +63,7 @@ TIE = 1e-9
 #: The single schedules auto compares, in the order it visits them.
 SINGLE = ("ring", "zigzag", "striped", "balanced", "allgather", "ulysses")
 #: The 2D forms: ``compose:OUTER+INNER:K`` for each outer, inner and K (< P, dividing P).
-COMPOSE_OUTERS = ("zigzag", "ring")
+COMPOSE_OUTERS = ("zigzag", "ring", "balanced")
 COMPOSE_INNERS = ("ulysses", "zigzag")
 GROUP_SIZES = (2, 4, 8)
 #: The shape each preset's constants were measured or quoted for (``cpu``: what

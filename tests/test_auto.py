@@ -107,7 +107,8 @@ def test_only_candidates_that_can_run_are_planned(monkeypatch):
     p = fringe.plan(schedules.auto(), MASKS["causal"], seq_len=S, world_size=P, block_size=BS,
                     num_heads=6)
     ran = ["ring", "zigzag", "striped", "balanced", "allgather", "compose:zigzag+ulysses:2",
-           "compose:zigzag+zigzag:2", "compose:ring+ulysses:2", "compose:ring+zigzag:2"]
+           "compose:zigzag+zigzag:2", "compose:ring+ulysses:2", "compose:ring+zigzag:2",
+           "compose:balanced+ulysses:2", "compose:balanced+zigzag:2"]
     assert _planned(p.choice) == simulated == ran
     excluded = {c.name: c.excluded for c in p.choice.candidates if c.step_s is None}
     assert list(excluded) == ["ulysses"] and "H % 4 == 0, got H=6" in excluded["ulysses"]
@@ -144,7 +145,7 @@ def test_reuse_plans_exactly_one_schedule_and_no_search(monkeypatch):
     assert "reused the choice of an earlier plan" in p.explain()
     planned.clear()                                      # a full search plans every candidate
     full = real_plan(schedules.auto(), m, seq_len=S, world_size=P, block_size=BS)
-    assert planned == _planned(full.choice) and len(planned) == 10
+    assert planned == _planned(full.choice) and len(planned) == 12
 
 
 @pytest.mark.parametrize("mask", ["causal", "documents"])
