@@ -235,3 +235,21 @@ def test_the_backward_of_ranged_programs_is_the_oracles(sched, kv):
         assert list(reverse(p.forward, kv=kv)) == list(oracle.reverse(p.forward, kv=kv)) \
             == list(p.backward), (sched, mask, kv)
     assert ProgramTable.of(p.forward).ranged or sched == "ulysses"
+
+
+@pytest.mark.parametrize("w", [1, 2, 3, 9])
+def test_distinct_carry_rows_are_numpys_unique_rows(w):
+    """narrow numbers the distinct block sets its moves carry (packed bit rows) by marking the
+    keys (up to 16 blocks), by one uint64 key (up to 64) or by rows: each the order and the
+    inverse of numpy's unique over the rows, so plans are the same whichever path ran."""
+    from fringe.schedules.passes._narrow import _distinct_rows
+    rng = np.random.default_rng(w)
+    for m in (0, 1, 9, 500):
+        bits = rng.integers(0, 256, size=(m, w), dtype=np.uint8)
+        bits[::3] = bits[:1]                                     # repeats
+        rows, inv = _distinct_rows(bits)
+        want, want_inv = np.unique(bits, axis=0, return_inverse=True)
+        # one key per row (up to 8 bytes): little-endian key order; wider: numpy's row order
+        order = np.lexsort(want.T) if w <= 8 else np.arange(len(want))
+        assert rows.dtype == np.uint8 and rows.tolist() == want[order].tolist()
+        assert (rows[inv] == bits).all() and len(inv) == m

@@ -122,6 +122,15 @@ def _distinct_rows(bits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """``(distinct rows, index of each row among them)`` of packed bit rows: one int key per
     row where a row fits in 8 bytes (a 1-D unique), else a unique over rows."""
     m, w = bits.shape
+    if w <= 2:                        # up to 16 blocks: mark the keys, no sort (P=4,096)
+        key = bits[:, 0].astype(np.int64)
+        if w == 2:
+            key |= bits[:, 1].astype(np.int64) << 8
+        seen = np.zeros(1 << (8 * w), dtype=bool)
+        seen[key] = True
+        keys = np.flatnonzero(seen)
+        rows = np.stack([(keys >> (8 * i)) & 0xFF for i in range(w)], axis=1).astype(np.uint8)
+        return rows, (np.cumsum(seen) - 1)[key]
     if w <= 8:
         wide = np.zeros((m, 8), dtype=np.uint8)
         wide[:, :w] = bits
