@@ -496,3 +496,16 @@ def test_a_table_of_rows_refuses_kinds_it_does_not_know():
     assert again.digest() == t.digest()
     with pytest.raises(ValueError, match="kinds 0-3"):
         ir.ProgramTable(4, t.rank, t.step, np.where(t.kind == 2, 7, t.kind), t.a, t.b, t.c)
+
+
+def test_a_head_split_the_shape_refuses_is_refused_on_every_call():
+    """The simulator keeps a plan's program columns for the next call (other presets); the
+    head-split check runs on every call, not only on the one that derived them."""
+    from fringe.cost.hardware import Shape
+    p = fringe.plan(schedules.get("ulysses"), masks.causal(), seq_len=256, world_size=4,
+                    block_size=32)
+    ok = cost_simulate.simulate(p, "cpu", Shape(heads=8, kv_heads=8))
+    assert ok.step_s > 0
+    for _ in range(2):
+        with pytest.raises(ValueError, match=r"divisible by 4|heads split 4 ways"):
+            cost_simulate.simulate(p, "cpu", Shape(heads=6, kv_heads=6))

@@ -422,13 +422,13 @@ def simulate(plan, hardware: str | Hardware = "cpu", shape: Shape = Shape(), *,
         if key not in cache:
             cache[key] = columns(plan.forward if which == "forward" else plan.backward, L,
                                  shape, plan.block_size)
-            for n in sorted(set(cache[key].splits) | {
-                    int(k) for k in (np.flatnonzero(np.bincount(cache[key].comp[5]))
-                                     if len(cache[key].comp[5]) else ())}):  # small ints
-                if n > 1:
-                    check_head_split(n, shape.heads, shape.kv_heads,
-                                     what=f"schedule {label!r} (heads split {n} ways)")
-        return cache[key]
+        c = cache[key]              # every call: a cached plan is checked as a fresh one
+        for n in sorted(set(c.splits) | {int(k) for k in (
+                np.flatnonzero(np.bincount(c.comp[5])) if len(c.comp[5]) else ())}):
+            if n > 1:               # (splits: small ints)
+                check_head_split(n, shape.heads, shape.kv_heads,
+                                 what=f"schedule {label!r} (heads split {n} ways)")
+        return c
 
     out = dict(steps={}, compute={}, wait={}, sent={}, recv={}, tiles={}, active={})
     peak = np.zeros(P, dtype=np.int64)
