@@ -135,19 +135,20 @@ _H100 = dict(fwd_flops=600e12, bwd_flops=450e12, call_s=5e-6, bwd_call_s=8e-6, m
 #: processes over shared memory measured 0.9-9.5 GB/s and 0.1-2 ms round-trip latency
 #: depending on the load from other processes: 2 GB/s and 0.1 ms are taken. Re-measure with
 #: ``costmodel.calibrate()`` or ``--hardware this`` elsewhere.
-#: ``byte_s`` (host seconds per byte a rank sends or receives) is fitted on whole steps: the
-#: 36 P=2 cells of BENCHMARKS.md's auto section (causal, document, sliding window 512; S=4096
-#: and 8192; ring, zigzag, striped, balanced, allgather, ulysses; 7 rounds at load 2-3), the
-#: busiest rank's CPU seconds per fwd+bwd step against this preset's predicted busiest compute
-#: plus ``byte_s`` x the bytes it moves, one scale per cell: least squares of the log ratios
-#: gives 1.4e-9 (residual 0.042; 0.243 without the term; a per-call term instead of it,
-#: 3.25 ms per call, 0.078). It is what separates ulysses and striped (~100 MB moved per rank
-#: at S=8192) from ring, zigzag, balanced and allgather (2-13 MB on windows and documents):
-#: measured 1.12-1.31x the fastest there, predicted within 3% of it without the term. gloo's
-#: own share, measured by calibrate's round trips (process CPU seconds), is 0.15-0.3e-9; the
-#: rest is the interpreter's copies and the transport threads' share of the 2 cores (not
-#: broken down). In this preset's units (its compute ~1.8x this runner's single-thread CPU
-#: seconds) that is ~0.75 ns per byte of the runner's own time.
+#: ``byte_s`` (host seconds per byte a rank sends or receives) is fitted on whole steps: the 36
+#: P=2 (cell, candidate) points of BENCHMARKS.md's auto section as measured on main at 56a8293 /
+#: 9279c90 (causal, document, sliding window 512; S=4096 and 8192; ring, zigzag, striped,
+#: balanced, allgather, ulysses; 7 rounds at load 2-3), the busiest rank's CPU seconds per
+#: fwd+bwd step against this preset's predicted busiest compute plus ``byte_s`` x the bytes it
+#: moves, one scale per cell: least squares of the log ratios gives 1.4e-9 (residual 0.042;
+#: 0.243 without the term; a per-call term instead of it, 3.25 ms per call, 0.078). It is what
+#: separates ulysses and striped (~100 MB moved per rank at S=8192) from ring, zigzag, balanced
+#: and allgather (2-13 MB on windows and documents): measured 1.12-1.31x the fastest there,
+#: predicted within 3% of it without the term. gloo's own share, measured by calibrate's round
+#: trips (process CPU seconds), is 0.15-0.3e-9; the rest was not broken down (the interpreter's
+#: own copies and the transport threads sharing the 2 cores are the suspects). In this preset's
+#: units (its compute ~1.8x this runner's single-thread CPU seconds) that is ~0.75 ns per byte
+#: of the runner's own time.
 _CPU = dict(fwd_flops=4.5e10, bwd_flops=4.1e10, call_s=1.0e-4, bwd_call_s=1.6e-4, masked=1.25,
             bwd_masked=1.3, causal=0.6, row_s=1.1e-8, latency_s=1.0e-4, bandwidth=2.0e9,
             memory_bytes=None, byte_s=1.4e-9)
