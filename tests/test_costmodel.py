@@ -77,13 +77,22 @@ def test_compute_is_the_sum_of_tile_costs_and_records_match_the_programs():
     p = fringe.plan(schedules.zigzag(), masks.causal() & masks.document(ids), seq_len=256,
                     world_size=4, block_size=8)
     hw = costmodel.HARDWARE["cpu"]
+    assert hw.byte_s > 0
     pred = costmodel.simulate(p, hw, SHAPE)
+    # a rank's busy time: its tiles, plus byte_s per byte it sends or receives (the host side
+    # of moving bytes on a CPU); without byte_s, its tiles alone
+    bare = costmodel.simulate(p, dataclasses.replace(hw, byte_s=0.0), SHAPE)
     for which, progs, cls in (("forward", p.forward, Compute),
                               ("backward", p.backward, GradCompute)):
         cost = costmodel.tile_costs(p, hw, SHAPE, backward=which == "backward")
         for prog in progs:
+            r = prog.rank
             want = sum(cost[op.q, op.kv] for _, op in prog.ops() if isinstance(op, cls))
-            assert pred.compute[which][prog.rank].sum() == pytest.approx(want)
+            assert bare.compute[which][r].sum() == pytest.approx(want)
+            moved = pred.sent[which][r] + pred.recv[which][r]
+            assert moved.sum() > 0
+            np.testing.assert_allclose(pred.compute[which][r],
+                                       bare.compute[which][r] + hw.byte_s * moved, rtol=1e-12)
         recs = pred.records(which)
         assert all(isinstance(r, StepRecord) for r in recs)
         assert len(recs) == sum(len(prog.steps) for prog in progs)
@@ -448,7 +457,7 @@ def test_head_sliced_computes_cost_their_share_of_the_heads():
     shape = costmodel.Shape(batch=1, heads=4, kv_heads=2, head_dim=8, dtype="float32")
     p = fringe.plan(schedules.get("compose:zigzag+ulysses:2"), masks.causal(), seq_len=256,
                     world_size=4, block_size=8)
-    hw = costmodel.HARDWARE["cpu"]
+    hw = dataclasses.replace(costmodel.HARDWARE["cpu"], byte_s=0.0)   # the tiles alone
     pred = costmodel.simulate(p, hw, shape)
     for which, progs, cls in (("forward", p.forward, Compute),
                               ("backward", p.backward, GradCompute)):

@@ -76,7 +76,8 @@ def calibrate(*, heads: int = 8, head_dim: int = 64, dtype: torch.dtype = torch.
     torch threads (ranks on a CPU run with one each; with one thread the CPU time of this
     thread is used, so that other processes on a shared machine do not inflate it), and,
     with ``comm``, round trips of a tiny and a 4 MB tensor between two spawned gloo ranks
-    (a few seconds: process start-up).
+    (a few seconds: process start-up), and the CPU seconds per byte those transfers take
+    on the ranks (``byte_s``, the transport's share).
 
     The result is this process's measurement: :func:`fringe.schedules.auto` refuses it, since
     ranks that measure for themselves can choose different schedules. :func:`shared` measures
@@ -158,14 +159,22 @@ def _kernels(*, heads: int, head_dim: int, dtype: torch.dtype, threads: int,
 
 
 def _gloo_probe(rank: int, world_size: int, size: int = 1 << 20, reps: int = 5):
-    """(latency s, bandwidth B/s) of gloo between ranks 0 and 1 (halved round trips)."""
+    """(latency s, bandwidth B/s, host s/B) of gloo between ranks 0 and 1 (see
+    :func:`_round_trips`)."""
     torch.set_num_threads(1)
     return _round_trips(rank, 1 - rank, None, torch.device("cpu"), size=size, reps=reps)
 
 
 def _round_trips(rank: int, peer: int, group, device, *, size: int = 1 << 20, reps: int = 5):
-    """(latency s, bandwidth B/s) between this rank (0 or 1 of ``group``) and global rank
-    ``peer``: halved round trips of a tiny and a ``size``-float tensor."""
+    """(latency s, bandwidth B/s, host s/B) between this rank (0 or 1 of ``group``) and
+    global rank ``peer``: halved round trips of a tiny and a ``size``-float tensor, and the
+    CPU seconds this process spends per byte it sends or receives in them (its threads and
+    the kernel's, the transport's own included: ``Hardware.byte_s``; the big round trip's
+    less the tiny one's, over the 2 x ``size`` x 4 bytes this end moves).
+
+    The transport's share only: the interpreter's own packing and accumulating of buffers
+    cost more per byte (see the ``cpu`` preset's ``byte_s``, fitted on whole steps).
+    """
     import torch.distributed as dist
 
     def round_trip(x):
@@ -178,7 +187,10 @@ def _round_trips(rank: int, peer: int, group, device, *, size: int = 1 << 20, re
     tiny, big = torch.zeros(1, device=device), torch.zeros(size, device=device)
     lat = _best(lambda: round_trip(tiny), reps) / 2
     t = _best(lambda: round_trip(big), reps) / 2
-    return lat, big.numel() * 4 / max(t - lat, 1e-9)
+    cpu0 = _best(lambda: round_trip(tiny), reps, time.process_time)
+    cpu1 = _best(lambda: round_trip(big), reps, time.process_time)
+    nbytes = big.numel() * big.element_size()
+    return lat, nbytes / max(t - lat, 1e-9), max(cpu1 - cpu0, 0.0) / (2 * nbytes)
 
 
 # --------------------------------------------------------------------------------------------
@@ -320,34 +332,37 @@ def _prefix(ranks: int) -> str:
 
 
 def _pair(group, rank: int):
-    """(latency, bandwidth) between group ranks 0 and 1, measured over ``group``; on rank 0 the
-    worse of the two sides' measurements (rank 1 sends its own), on rank 1 None."""
+    """(latency, bandwidth, host s/B) between group ranks 0 and 1, measured over ``group``; on
+    rank 0 the worse of the two sides' measurements (rank 1 sends its own), on rank 1 None."""
     import torch.distributed as dist
     nccl = dist.get_backend(group) == "nccl"
     device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
     peer = dist.get_global_rank(group or dist.group.WORLD, 1 - rank)
-    lat, bw = _round_trips(rank, peer, group, device)
-    mine = torch.tensor([lat, bw], dtype=torch.float64, device=device)
+    lat, bw, byte_s = _round_trips(rank, peer, group, device)
+    mine = torch.tensor([lat, bw, byte_s], dtype=torch.float64, device=device)
     if rank == 1:
         dist.send(mine, peer, group=group)
         return None
     theirs = torch.empty_like(mine)
     dist.recv(theirs, peer, group=group)
-    return max(lat, float(theirs[0])), min(bw, float(theirs[1]))
+    return max(lat, float(theirs[0])), min(bw, float(theirs[1])), max(byte_s, float(theirs[2]))
 
 
 def _measure(*, name: str, prefix: str, comm: bool, pair, **kw) -> Hardware:
     """A Hardware measured here: the kernels now; the transport from ``pair`` (measured over a
     process group), else between two spawned gloo ranks (``comm``), else the cpu preset's."""
     fields = _kernels(**kw)
-    lat, bw = _CPU["latency_s"], _CPU["bandwidth"]
+    lat, bw, byte_s = _CPU["latency_s"], _CPU["bandwidth"], _CPU["byte_s"]
     what = "gloo from the cpu preset"
     if pair is not None:
-        (lat, bw), what = pair, "round trips between group ranks 0 and 1 over the process group"
+        (lat, bw, byte_s), what = pair, ("round trips between group ranks 0 and 1 over the "
+                                         "process group")
     elif comm:
         res = run(_gloo_probe, world_size=2, timeout_s=60)
-        lat, bw = max(r[0] for r in res), min(r[1] for r in res)
+        lat, bw, byte_s = (max(r[0] for r in res), min(r[1] for r in res),
+                           max(r[2] for r in res))
         what = "gloo round trips between 2 spawned ranks"
     src = f"{prefix}: " + _source(comm=what, **{k: kw[k] for k in ("heads", "head_dim", "dtype",
                                                                    "threads")})
-    return Hardware(name, src, latency_s=lat, bandwidth=bw, memory_bytes=None, **fields)
+    return Hardware(name, src, latency_s=lat, bandwidth=bw, byte_s=byte_s, memory_bytes=None,
+                    **fields)

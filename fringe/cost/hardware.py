@@ -53,6 +53,12 @@ class Hardware:
         inter_latency_s: latency between nodes.
         inter_bandwidth: bytes/s one way per rank between nodes.
         memory_bytes: memory per rank (None: not stated), to flag plans that do not fit.
+        byte_s: seconds of the rank's own time per byte it sends or receives (transfers and
+            collectives alike): the host-side work of moving a byte (the transport's copies,
+            packing and unpacking buffers, accumulating received gradients). On a CPU it runs
+            on the cores that compute, so it adds to the rank's busy time instead of
+            overlapping with its tiles; 0 where the bytes move beside the compute (GPUs:
+            copy engines and a separate stream).
     """
 
     name: str
@@ -72,12 +78,13 @@ class Hardware:
     inter_latency_s: float = 20e-6
     inter_bandwidth: float = 50e9
     memory_bytes: float | None = None
+    byte_s: float = 0.0
 
     def __post_init__(self) -> None:
         for f in ("fwd_flops", "bwd_flops", "bandwidth", "inter_bandwidth"):
             if not getattr(self, f) > 0:
                 raise ValueError(f"Hardware {self.name!r}: {f} must be > 0, got {getattr(self, f)}")
-        for f in ("call_s", "bwd_call_s", "row_s", "latency_s", "inter_latency_s"):
+        for f in ("call_s", "bwd_call_s", "row_s", "latency_s", "inter_latency_s", "byte_s"):
             if getattr(self, f) < 0:
                 raise ValueError(f"Hardware {self.name!r}: {f} must be >= 0, got {getattr(self, f)}")
         if self.node_size < 0:
@@ -128,9 +135,23 @@ _H100 = dict(fwd_flops=600e12, bwd_flops=450e12, call_s=5e-6, bwd_call_s=8e-6, m
 #: processes over shared memory measured 0.9-9.5 GB/s and 0.1-2 ms round-trip latency
 #: depending on the load from other processes: 2 GB/s and 0.1 ms are taken. Re-measure with
 #: ``costmodel.calibrate()`` or ``--hardware this`` elsewhere.
+#: ``byte_s`` (host seconds per byte a rank sends or receives) is fitted on whole steps: the 36
+#: P=2 (cell, candidate) points of BENCHMARKS.md's auto section as measured on main at 56a8293 /
+#: 9279c90 (causal, document, sliding window 512; S=4096 and 8192; ring, zigzag, striped,
+#: balanced, allgather, ulysses; 7 rounds at load 2-3), the busiest rank's CPU seconds per
+#: fwd+bwd step against this preset's predicted busiest compute plus ``byte_s`` x the bytes it
+#: moves, one scale per cell: least squares of the log ratios gives 1.4e-9 (residual 0.042;
+#: 0.243 without the term; a per-call term instead of it, 3.25 ms per call, 0.078). It is what
+#: separates ulysses and striped (~100 MB moved per rank at S=8192) from ring, zigzag, balanced
+#: and allgather (2-13 MB on windows and documents): measured 1.12-1.31x the fastest there,
+#: predicted within 3% of it without the term. gloo's own share, measured by calibrate's round
+#: trips (process CPU seconds), is 0.15-0.3e-9; the rest was not broken down (the interpreter's
+#: own copies and the transport threads sharing the 2 cores are the suspects). In this preset's
+#: units (its compute ~1.8x this runner's single-thread CPU seconds) that is ~0.75 ns per byte
+#: of the runner's own time.
 _CPU = dict(fwd_flops=4.5e10, bwd_flops=4.1e10, call_s=1.0e-4, bwd_call_s=1.6e-4, masked=1.25,
             bwd_masked=1.3, causal=0.6, row_s=1.1e-8, latency_s=1.0e-4, bandwidth=2.0e9,
-            memory_bytes=None)
+            memory_bytes=None, byte_s=1.4e-9)
 
 HARDWARE: dict[str, Hardware] = {
     "h100-nvlink": Hardware("h100-nvlink", "one DGX H100 node (8 GPUs, NVLink 4); H100 datasheet, "

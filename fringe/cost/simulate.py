@@ -25,6 +25,11 @@ Communication, per step (the alpha-beta model; :meth:`Hardware.collective_s` giv
 A head-sliced tile (``C q3·kv5 h1/4``, Ulysses) pays its kernel calls in full and 1/k of the
 pairs and rows; a head-sliced buffer moves 1/k of the query heads (kv: the kv heads they read).
 
+Moving bytes also costs the ranks at both ends their own time: ``Hardware.byte_s`` seconds per
+byte a rank sends or receives in a step are added to its busy time in that step (the host-side
+copies of a CPU transport run on the cores that compute; :func:`_busy`, 0 on the GPU presets).
+A prediction's ``compute`` is that busy time.
+
 The result carries the same :class:`~fringe.runtime.interpreter.StepRecord` values a measured
 run leaves behind, so the reports and figures of :mod:`fringe.render` work for both.
 
@@ -243,8 +248,8 @@ def _counts(index: np.ndarray, weights: np.ndarray, n: int) -> np.ndarray:
                        minlength=n).astype(np.float64, copy=False)
 
 
-def _run(flat: _Flat, hw: Hardware, P: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Event simulation: ``(wait, sent, recv)``, each ``[P, T]``.
+def _run(flat: _Flat, hw: Hardware, P: int) -> tuple[np.ndarray, ...]:
+    """Event simulation: ``(busy, wait, sent, recv)``, each ``[P, T]``.
 
     At each step every active rank issues its transfers and collectives at its clock,
     computes, then waits for all of them (the interpreter's order). A point-to-point
@@ -252,7 +257,8 @@ def _run(flat: _Flat, hw: Hardware, P: int) -> tuple[np.ndarray, np.ndarray, np.
     the busier end's traffic in that step. A collective starts when every member has issued
     it (and finished its earlier collectives of the step: they run one after the other) and
     takes :meth:`Hardware.collective_s`. A step ends when its compute and all its
-    communication are done.
+    communication are done. ``busy``: the step's compute plus the host time of the bytes the
+    rank sends and receives in it (``hw.byte_s`` per byte; see :func:`_busy`).
     """
     T = len(flat.steps)
     src, spos, dst, nbytes = flat.sends
@@ -280,7 +286,8 @@ def _run(flat: _Flat, hw: Hardware, P: int) -> tuple[np.ndarray, np.ndarray, np.
         c_rank, c_pos, c_sent, c_recv, _, waves, c_dur = flat.colls
         sent += _counts(c_rank * T + c_pos, c_sent, P * T).reshape(P, T)
         recv += _counts(c_rank * T + c_pos, c_recv, P * T).reshape(P, T)
-    compute = np.ascontiguousarray(flat.compute.T)                   # [T, P]
+    busy = _busy(flat.compute, sent, recv, hw)
+    compute = np.ascontiguousarray(busy.T)                           # [T, P]
     wait_t = np.zeros((T, P))
     clock = np.zeros(P)
     once_s, once_d = once
@@ -307,7 +314,22 @@ def _run(flat: _Flat, hw: Hardware, P: int) -> tuple[np.ndarray, np.ndarray, np.
         wait_t[i] = done - clock - compute[i]        # exactly 0 where the rank has no step
         clock = done
     del compute
-    return wait_t.T, sent, recv
+    return busy, wait_t.T, sent, recv
+
+
+def _busy(compute: np.ndarray, sent: np.ndarray, recv: np.ndarray, hw: Hardware) -> np.ndarray:
+    """Each rank's busy seconds per step ``[P, T]``: its tiles' compute plus ``hw.byte_s``
+    for every byte it sends or receives in that step (point to point and collectives).
+
+    The host side of moving a byte (the transport's copies, packing a buffer to send,
+    unpacking or accumulating one received) runs on the rank's own cores on a CPU, so it
+    does not overlap with the rank's tiles the way the transfer's flight time does: it adds
+    to them. This is the one place that prices it. The GPU presets set ``byte_s = 0``: their
+    bytes move on copy engines beside the compute stream.
+    """
+    if not hw.byte_s:
+        return compute
+    return compute + hw.byte_s * (sent + recv)
 
 
 @dataclasses.dataclass
@@ -320,7 +342,9 @@ class Prediction:
         shape: the tensor shapes assumed.
         steps: ``{"forward": [T], "backward": [T]}`` global step indices.
         compute, wait, sent, recv, tiles: ``{"forward"/"backward": [P, T]}`` arrays
-            (seconds, seconds, bytes, bytes, count) per rank and step.
+            (seconds, seconds, bytes, bytes, count) per rank and step; ``compute`` is the
+            rank's busy time: its tiles plus the host time of the bytes it moves
+            (``Hardware.byte_s``).
         active: ``{...: [P, T]}`` whether the rank has that step.
         memory: ``[P]`` predicted peak bytes per rank (resident tensors + received buffers
             alive at once, forward or backward, whichever is larger).
@@ -439,9 +463,9 @@ def simulate(plan, hardware: str | Hardware = "cpu", shape: Shape = Shape(), *,
         keys, work = cache["work"]
         fixed, per_heads = _costs(work, L, hw, shape, which == "backward")
         flat = _flatten(c, keys, fixed, per_heads, hw)
-        wait, sent, recv = _run(flat, hw, P)
+        busy, wait, sent, recv = _run(flat, hw, P)
         out["steps"][which] = flat.steps
-        out["compute"][which] = flat.compute
+        out["compute"][which] = busy
         out["wait"][which] = wait
         out["sent"][which] = sent
         out["recv"][which] = recv

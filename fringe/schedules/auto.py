@@ -10,11 +10,11 @@ as data: it imports neither the cost model nor the plan.
 
 >>> p = fringe.plan(schedules.auto(), masks.causal(), seq_len=4096, world_size=2, block_size=256)
 >>> p.schedule.name, p.choice.winner
-('ulysses', 'ulysses')
+('allgather', 'allgather')
 >>> p2 = fringe.plan(schedules.auto(reuse=p), masks.causal(), seq_len=4096, world_size=2,
 ...                  block_size=256)         # next batch: one plan of the last winner, no search
 >>> p2.schedule.name, p2.fingerprint() == p.fingerprint()
-('ulysses', True)
+('allgather', True)
 
 Determinism: every rank must choose the same schedule, so the choice reads only constants
 every rank shares (a preset, or a :class:`~fringe.cost.hardware.Hardware` value the caller
