@@ -42,3 +42,27 @@ def test_live_tile_work_is_the_grid_without_its_empty_tiles():
     np.testing.assert_array_equal(keys, np.flatnonzero(tiles != 0))
     np.testing.assert_array_equal(grid[keys], work)
     assert not grid[tiles == 0].any() and (work[:, 0] > 0).all() and len(keys) < len(tiles)
+
+
+@pytest.mark.parametrize("spec", ["zigzag", "striped", "compose:zigzag+ulysses:4"])
+def test_a_plan_simulated_again_predicts_what_a_fresh_one_does(spec):
+    """The simulator keeps what does not depend on the hardware (the steps, the active cells
+    and the live-buffer peak, derived once from the touches, which it then drops): a second
+    preset on the same plan predicts, bit for bit, what that preset predicts on a fresh plan."""
+    S, P = 8192, 16
+    mask = cost_cli.mask_from_spec("document:9", S)
+
+    def make():
+        return fringe.plan(registry.get(spec), mask, seq_len=S, world_size=P, block_size=64)
+    p = make()
+    cost_simulate.simulate(p, "cpu", SHAPE)
+    assert all(c.touch == () and c.static is not None
+               for k, c in p.cache.simulate.items() if k != "work")
+    again = cost_simulate.simulate(p, "h100-ib", SHAPE)
+    fresh = cost_simulate.simulate(make(), "h100-ib", SHAPE)
+    for which in ("forward", "backward"):
+        for field in ("compute", "wait", "sent", "recv", "tiles", "active", "steps"):
+            np.testing.assert_array_equal(getattr(again, field)[which],
+                                          getattr(fresh, field)[which])
+    np.testing.assert_array_equal(again.memory, fresh.memory)
+    assert again.step_s == fresh.step_s > 0

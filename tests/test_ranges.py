@@ -253,3 +253,15 @@ def test_distinct_carry_rows_are_numpys_unique_rows(w):
         order = np.lexsort(want.T) if w <= 8 else np.arange(len(want))
         assert rows.dtype == np.uint8 and rows.tolist() == want[order].tolist()
         assert (rows[inv] == bits).all() and len(inv) == m
+
+
+def test_narrow_returns_the_very_table_when_every_move_needs_its_whole_chunk():
+    """Causal ring plans move whole chunks: narrow hands back the table it was given (no
+    copy of its columns), and on a mask that narrows, a new ranged table."""
+    for mask, ranged in ((masks.causal(), False), (MASKS["causal_documents"], True)):
+        p = fringe.plan(schedules.ring(), mask, seq_len=S, world_size=4, block_size=BS,
+                        ranges=False)
+        blocks = BlockNeed(4, S // 4 // BS, p.block_map.rects.numpy())
+        out = narrow(list(p.forward), blocks)
+        assert (out[0].table is p.forward[0].table) is not ranged
+        assert ProgramTable.of(out).ranged is ranged
