@@ -598,6 +598,7 @@ def _reads_arrive(tab: ProgramTable, g: _Gen, reads: tuple) -> None:
         return
     NBC = _F * P * g.HS
     h = np.isin(g.xf, [_FAMILY_CODE[f] for f in _INPUTS])
+    h = slice(None) if h.all() else h               # every hop an input's: views
     xb, xd = g.bkey(g.xf[h], g.xc[h], g.xhs[h]), g.xd[h]
     used = np.zeros(NBC, dtype=bool)
     used[rb] = True
@@ -641,8 +642,9 @@ def _general_resend(g: _Gen, T: int, fams: list, reads: tuple, after: int) -> di
     """
     P = g.P
     isin = np.isin(g.xf, fams)
-    xt, xs, xd, xf, xc, xhs = (x[isin] for x in (g.xt, g.xs, g.xd, g.xf, g.xc, g.xhs))
-    xo = g.xro[isin]
+    sel = slice(None) if isin.all() else isin   # every hop (a ring's kv): views, no copies
+    xt, xs, xd, xf, xc, xhs = (x[sel] for x in (g.xt, g.xs, g.xd, g.xf, g.xc, g.xhs))
+    xo = g.xro[sel]
     NBC = _F * P * g.HS                       # buffer codes (family, chunk, head slice)
     big = np.int64(1) << 20
     rr, rt, rb, rp = reads
@@ -671,8 +673,8 @@ def _general_resend(g: _Gen, T: int, fams: list, reads: tuple, after: int) -> di
     owner = np.empty(n, np.int64)
     owner[bid] = uchunk
     try:
-        rows = _resend_parts(P, T, rr, rt, r_bid, xt, xs, xd, x_bid, g.xo[isin], after,
-                             owner=owner, xrng=g.xrng[isin])
+        rows = _resend_parts(P, T, rr, rt, r_bid, xt, xs, xd, x_bid, g.xo[sel], after,
+                             owner=owner, xrng=g.xrng[sel])
     except _Late as e:                      # hops numbered as the table's transfers
         row = np.flatnonzero(isin)
         raise _Late(int(row[e.hop]), int(row[e.arrival])) from None
