@@ -64,20 +64,27 @@ def narrow(programs: Sequence[Program], need: BlockNeed) -> list[Program]:
     s_send, s_recv = _slot_moves(g)
     if not len(hop) and not len(s_send):
         return list(tab.programs())
-    hb = g.bkey(g.xf[hop], g.xc[hop], g.xhs[hop])
-    sb = g.bkey(g.sf[s_send], g.sc[s_send], g.shs[s_send])
-    src = np.concatenate([g.xs[hop], g.kr[g.ss[s_send]]])
-    dst = np.concatenate([g.xd[hop], g.kr[g.ss[s_recv]]])
-    mb = np.concatenate([hb, sb])
-    step = np.concatenate([g.xt[hop], g.kt[g.ss[s_send]]])
+    h = slice(None) if len(hop) == len(g.xf) else hop    # every hop an input's: views
+
+    def cat(a, b):                    # (no copy of the hops' columns where no slot moves)
+        return a if not len(b) else np.concatenate([a, b])
+    mb = cat(g.bkey(g.xf[h], g.xc[h], g.xhs[h]), g.bkey(g.sf[s_send], g.sc[s_send],
+                                                         g.shs[s_send]))
+    src = cat(g.xs[h], g.kr[g.ss[s_send]])
+    dst = cat(g.xd[h], g.kr[g.ss[s_recv]])
+    step = cat(g.xt[h], g.kt[g.ss[s_send]])
     rk, rr, rbits = _reads(g, need)
-    space, ids = _unique(np.concatenate([mb * P + dst, mb * P + src]))
-    K, m = len(space), len(mb)
+    m = len(mb)
+    mb = mb * P
+    space, ids = _unique(np.concatenate([mb + dst, mb + src]))
+    del mb, src, dst                  # (memory: m moves at P=4,096 are 16.8M)
+    K = len(space)
     at_dst, at_src = ids[:m], ids[m:]
     use = np.zeros((K, need.nbytes), dtype=np.uint8)
     u, hit = _lookup(rk * P + rr, space, np.arange(K), -1)
     if hit.any():
         np.bitwise_or.at(use, u[hit], rbits[hit])
+    del space, u, hit, rk, rr, rbits
     live = np.zeros_like(use)
     carry = np.zeros((m, need.nbytes), dtype=np.uint8)
     by_step = _by_step(step, descending=True)
@@ -92,6 +99,7 @@ def narrow(programs: Sequence[Program], need: BlockNeed) -> list[Program]:
             live[frm] |= carry[s]
         else:
             np.bitwise_or.at(live, frm, carry[s])
+    del use, live, by_step, step, at_dst, at_src, ids
     whole = (carry == need.whole()).all(axis=1)
     if whole.all():                   # every move needs its whole chunk: the same table
         return list(tab.programs())
