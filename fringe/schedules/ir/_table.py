@@ -129,8 +129,12 @@ class ProgramTable:
 
         def small(x):                    # int32 where it fits: half the memory at P=1024
             x = np.asarray(x)
-            fits = not len(x) or (int(x.min()) >= -2 ** 31 and int(x.max()) < 2 ** 31)
-            x = np.array(x, dtype=np.int32 if fits else np.int64, order="C", copy=True)
+            lo, hi = (int(x.min()), int(x.max())) if len(x) else (0, 0)
+            fits = lo >= -2 ** 31 and hi < 2 ** 31
+            if lo == hi == 0:            # all zeros (whole heads, ...): fresh zeroed pages,
+                x = np.zeros(len(x), dtype=np.int32)    # not resident until written
+            else:
+                x = np.array(x, dtype=np.int32 if fits else np.int64, order="C", copy=True)
             x.setflags(write=False)      # its own read-only memory: nothing can refill it, so
             return x                     # a check that passed on the table stays true
         self = object.__new__(cls)
