@@ -31,9 +31,13 @@ import time
 
 import torch
 
+from ..api import attention
 from ..launch import run
-from ..masks import BlockKind, causal
+from ..layout import DEFAULT_BLOCK_SIZE
+from ..masks import BlockKind, causal, document
 from ..ops import merge, tile_backward, tile_forward
+from ..plan import plan as make_plan
+from ..schedules import ring
 from . import hardware as _hardware
 from .hardware import _CPU, BWD_FLOPS_PER_PAIR, FWD_FLOPS_PER_PAIR, PER_RANK, SHARED, Hardware
 from .work import _maps_work
@@ -197,7 +201,6 @@ def _round_trips(rank: int, peer: int, group, device, *, size: int = 1 << 20, re
 
 def _check_moved_len(moved_len: int) -> None:
     """Raise unless :func:`_moved` can run on ``moved_len`` tokens (before any communication)."""
-    from ..layout import DEFAULT_BLOCK_SIZE
     unit = 2 * DEFAULT_BLOCK_SIZE
     if not (isinstance(moved_len, int) and moved_len >= 2 * unit and moved_len % unit == 0):
         raise ValueError(f"moved_len={moved_len!r}: byte_s is measured on a ring step over P=2 "
@@ -211,7 +214,6 @@ def _moved_mask(seq_len: int, block_size: int):
     long: each rank's tiles are its diagonal blocks (cheap), and rank 1's first q block needs
     exactly one kv block of rank 0's chunk, which a ranged ring hop moves alone and a whole
     one moves with the rest of the chunk."""
-    from ..masks import document
     half = seq_len // 2
     ids = torch.arange(seq_len) // block_size
     ids[half:half + block_size] = (half - 1) // block_size
@@ -234,11 +236,6 @@ def _moved(group, device, *, seq_len: int, heads: int, head_dim: int, dtype: tor
     ``byte_s = (CPU whole - CPU ranged) / (bytes whole - bytes ranged)``, at least 0.
     """
     import torch.distributed as dist
-
-    from ..api import attention
-    from ..layout import DEFAULT_BLOCK_SIZE
-    from ..plan import plan as make_plan
-    from ..schedules import ring
     rank = dist.get_rank(group)
     mask = _moved_mask(seq_len, DEFAULT_BLOCK_SIZE)
     g = torch.Generator().manual_seed(0)
