@@ -67,12 +67,20 @@ def get_hardware(hardware: str | Hardware) -> Hardware:
 
 def _best(fn, repeats: int, clock=time.perf_counter) -> float:
     """Fastest of ``repeats`` calls after a warm-up, on ``clock``."""
-    fn()
-    best = math.inf
-    for _ in range(repeats):
-        t0 = clock()
+    return _best_of_each([fn], repeats, clock)[0]
+
+
+def _best_of_each(fns, repeats: int, clock=time.perf_counter) -> list[float]:
+    """The fastest call of each of ``fns`` on ``clock``: a warm-up call each, then ``repeats``
+    rounds of one call each, interleaved, so that a change of load hits all of them alike."""
+    for fn in fns:
         fn()
-        best = min(best, clock() - t0)
+    best = [math.inf] * len(fns)
+    for _ in range(repeats):
+        for i, fn in enumerate(fns):
+            t0 = clock()
+            fn()
+            best[i] = min(best[i], clock() - t0)
     return best
 
 
@@ -193,8 +201,8 @@ def _round_trips(rank: int, peer: int, group, device, *, size: int = 1 << 20, re
             dist.recv(x, peer, group=group)
             dist.send(x, peer, group=group)
     tiny, big = torch.zeros(1, device=device), torch.zeros(size, device=device)
-    lat = _best(lambda: round_trip(tiny), reps) / 2
-    t = _best(lambda: round_trip(big), reps) / 2
+    lat, t = (x / 2 for x in _best_of_each([lambda: round_trip(tiny), lambda: round_trip(big)],
+                                           reps))
     nbytes = big.numel() * big.element_size()
     return lat, nbytes / max(t - lat, 1e-9)
 
@@ -230,7 +238,7 @@ def _moved(group, device, *, seq_len: int, heads: int, head_dim: int, dtype: tor
     ``dtype``) twice: planned with ``ranges=True`` (each hop moves the one kv block the mask
     needs, and its dkv back) and ``ranges=False`` (whole chunks). The tiles are the same; only
     the bytes differ (counted by :meth:`fringe.plan.Plan.stats`, sent + received, forward and
-    backward). The steps alternate, a warm-up each, then ``repeats`` rounds; the least
+    backward). The steps alternate (:func:`_best_of_each`, ``repeats`` rounds); the least
     process CPU seconds (every thread: the interpreter's copies, zero-filled receive buffers,
     gradient accumulation, the transport's own threads) of each gives
     ``byte_s = (CPU whole - CPU ranged) / (bytes whole - bytes ranged)``, at least 0.
@@ -251,14 +259,7 @@ def _moved(group, device, *, seq_len: int, heads: int, head_dim: int, dtype: tor
         def step(p=p, ql=ql, kl=kl, vl=vl):
             attention(ql, kl, vl, plan=p, group=group).sum().backward()
         steps.append(step)
-    best = [math.inf, math.inf]
-    for step in steps:                           # warm-up: plans' caches, buffers, allocator
-        step()
-    for _ in range(repeats):                     # interleaved: a change of load hits both
-        for i, step in enumerate(steps):
-            t0 = time.process_time()
-            step()
-            best[i] = min(best[i], time.process_time() - t0)
+    best = _best_of_each(steps, repeats, time.process_time)
     cpu, nbytes = best[1] - best[0], moved[1] - moved[0]
     return max(cpu, 0.0) / nbytes, cpu, float(nbytes)
 
