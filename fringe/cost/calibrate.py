@@ -11,7 +11,9 @@ Two ways to measure:
   ``schedules.auto()`` refuses such a Hardware.
 * :func:`shared`: measured once and the same on every rank (a :class:`Hardware` named
   :data:`SHARED`): under ``torch.distributed``, rank 0 of the group measures the kernels (and
-  the transport between group ranks 0 and 1) or loads ``path``, and broadcasts the constants
+  the transport between group ranks 0 and 1, ``byte_s`` included: the host seconds per byte a
+  rank moves, from fringe's own ring step, see :func:`_moved`) or loads ``path``, and
+  broadcasts the constants
   as text; every rank parses that one text, so every field is bit-identical. With ``path``,
   the constants are saved there (:func:`save`) and later runs load them (:func:`load`)
   instead of measuring again::
