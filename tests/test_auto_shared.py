@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 
+import numpy as np
 import pytest
 import torch
 
@@ -16,8 +17,9 @@ from fringe.cost.hardware import Hardware
 from fringe.launch import run
 
 S, P, BS = 1024, 4, 32
-#: A small kernel timing (H=1, D=8, one repeat): the test checks sharing, not the numbers.
-QUICK = dict(heads=1, head_dim=8, repeats=1)
+#: A small kernel timing (H=1, D=8, one repeat) and byte_s step (S=256): the test checks
+#: sharing, not the numbers.
+QUICK = dict(heads=1, head_dim=8, repeats=1, moved_len=256)
 
 
 def _bits(hw: Hardware) -> tuple:
@@ -62,6 +64,9 @@ def test_ranks_share_bit_identical_constants_and_pick_the_same(tmp_path):
     hw = first["hw"]
     assert hw.name == calibrate.SHARED and "rank 0 of 3" in hw.source
     assert "over the process group" in hw.source               # transport measured on the group
+    # byte_s measured through fringe on the pair, and the source says how (explain() shows it)
+    assert f"byte_s={hw.byte_s:.3g} s/B" in hw.source and "whole kv chunks" in hw.source
+    assert np.isfinite(hw.byte_s) and hw.byte_s >= 0
     # the file rank 0 saved holds the same constants: a later run that loads it picks the same
     assert _bits(calibrate.load(path)) == first["measured"]
     assert _pick(calibrate.load(path)) == first["pick"]

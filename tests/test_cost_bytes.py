@@ -10,11 +10,15 @@ import dataclasses
 
 import numpy as np
 import pytest
+import torch
 
 import fringe
 from fringe import masks, schedules
+from fringe.cost import calibrate
 from fringe.cost.hardware import HARDWARE, Hardware, Shape
 from fringe.cost.simulate import simulate
+from fringe.launch import run
+from fringe.layout import DEFAULT_BLOCK_SIZE
 
 TINY = Shape(batch=1, heads=2, kv_heads=2, head_dim=4, dtype="float32")
 #: the benchmark's shape (benchmarks.compare: H=G=8, D=64, float32)
@@ -100,3 +104,37 @@ def test_causal_p2_keeps_its_near_tie_and_ring_last():
     for n in ("zigzag", "balanced", "allgather", "ulysses"):
         assert pred[n] <= 1.02 * best, (n, pred)
     assert max(pred, key=pred.get) == "ring"
+
+
+def worker_moved(rank: int, world_size: int, moved: dict) -> dict:
+    torch.set_num_threads(1)
+    with fringe.recording() as rec:       # what the runtime itself moved, call by call
+        lat, bw, (byte_s, cpu, nbytes) = calibrate._gloo_probe(rank, world_size, moved)
+    calls = [sum(r.sent_bytes + r.recv_bytes for r in c.forward + c.backward)
+             for c in rec.calls()]
+    return dict(lat=lat, bw=bw, byte_s=byte_s, cpu=cpu, nbytes=nbytes, calls=calls)
+
+
+def test_calibration_measures_byte_s_on_the_bytes_fringe_moves():
+    """calibrate's byte_s: the same ring step (P=2, the same tiles) with whole kv chunks and with
+    block ranges; the extra bytes it divides by are the bytes the runtime moved, by hand too."""
+    BS = DEFAULT_BLOCK_SIZE
+    S, repeats = 4 * BS, 2
+    moved = dict(seq_len=S, heads=1, head_dim=8, dtype=torch.float32, repeats=repeats)
+    res = run(worker_moved, moved, world_size=2, timeout_s=120)
+    # by hand: kv of one token = G*(D+Dv)*4 = 64 B; a whole chunk L = S/2 tokens, a range one
+    # block; each rank moves 3 of them per step (forward kv hop; backward: kv re-sent, dkv
+    # back in float32), rank 0 sending kv and receiving dkv, rank 1 the other way round
+    whole, ranged = 3 * (S // 2) * 64, 3 * BS * 64
+    for r in res:
+        # warm-up then `repeats` rounds, ranged and whole alternating
+        assert r["calls"] == [ranged, whole] * (1 + repeats)
+        assert r["nbytes"] == whole - ranged
+        assert np.isfinite(r["byte_s"]) and r["byte_s"] >= 0
+        assert r["byte_s"] == max(r["cpu"], 0.0) / r["nbytes"]
+        assert r["lat"] > 0 and r["bw"] > 0
+    p = fringe.plan(schedules.ring(), calibrate._moved_mask(S, BS), seq_len=S, world_size=2,
+                    ranges=False)
+    assert p.tiles.shape == (2, 2) and int((p.tiles != 0).sum()) == 3   # one cross tile
+    with pytest.raises(ValueError, match=f"multiple of 2\\*block_size={2 * BS}"):
+        calibrate.calibrate(moved_len=3 * BS)

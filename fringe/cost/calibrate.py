@@ -11,7 +11,9 @@ Two ways to measure:
   ``schedules.auto()`` refuses such a Hardware.
 * :func:`shared`: measured once and the same on every rank (a :class:`Hardware` named
   :data:`SHARED`): under ``torch.distributed``, rank 0 of the group measures the kernels (and
-  the transport between group ranks 0 and 1) or loads ``path``, and broadcasts the constants
+  the transport between group ranks 0 and 1, ``byte_s`` included: the host seconds per byte a
+  rank moves, from fringe's own ring step, see :func:`_moved`) or loads ``path``, and
+  broadcasts the constants
   as text; every rank parses that one text, so every field is bit-identical. With ``path``,
   the constants are saved there (:func:`save`) and later runs load them (:func:`load`)
   instead of measuring again::
@@ -31,9 +33,13 @@ import time
 
 import torch
 
+from ..api import attention
 from ..launch import run
-from ..masks import BlockKind, causal
+from ..layout import DEFAULT_BLOCK_SIZE
+from ..masks import BlockKind, causal, document
 from ..ops import merge, tile_backward, tile_forward
+from ..plan import plan as make_plan
+from ..schedules import ring
 from . import hardware as _hardware
 from .hardware import _CPU, BWD_FLOPS_PER_PAIR, FWD_FLOPS_PER_PAIR, PER_RANK, SHARED, Hardware
 from .work import _maps_work
@@ -42,6 +48,10 @@ __all__ = ["FORMAT", "SHARED", "calibrate", "get_hardware", "load", "save", "sha
 
 #: The ``format`` field of a calibration file (:func:`save`).
 FORMAT = "fringe.cost.Hardware/1"
+
+#: Tokens (S) of the ring step :func:`_moved` times to measure ``byte_s``: whole kv chunks move
+#: ~S/2 tokens per hop, the ranged ones one block, so the larger, the larger the difference.
+MOVED_LEN = 8192
 
 _FULL, _PARTIAL, _EMPTY = int(BlockKind.FULL), int(BlockKind.PARTIAL), int(BlockKind.EMPTY)
 
@@ -59,25 +69,35 @@ def get_hardware(hardware: str | Hardware) -> Hardware:
 
 def _best(fn, repeats: int, clock=time.perf_counter) -> float:
     """Fastest of ``repeats`` calls after a warm-up, on ``clock``."""
-    fn()
-    best = math.inf
-    for _ in range(repeats):
-        t0 = clock()
+    return _best_of_each([fn], repeats, clock)[0]
+
+
+def _best_of_each(fns, repeats: int, clock=time.perf_counter) -> list[float]:
+    """The fastest call of each of ``fns`` on ``clock``: a warm-up call each, then ``repeats``
+    rounds of one call each, interleaved, so that a change of load hits all of them alike."""
+    for fn in fns:
         fn()
-        best = min(best, clock() - t0)
+    best = [math.inf] * len(fns)
+    for _ in range(repeats):
+        for i, fn in enumerate(fns):
+            t0 = clock()
+            fn()
+            best[i] = min(best[i], clock() - t0)
     return best
 
 
 def calibrate(*, heads: int = 8, head_dim: int = 64, dtype: torch.dtype = torch.float32,
-              threads: int = 1, comm: bool = True, repeats: int = 2) -> Hardware:
+              threads: int = 1, comm: bool = True, repeats: int = 2,
+              moved_len: int = MOVED_LEN) -> Hardware:
     """Measure this machine: the fused CPU attention kernel (via fringe's tile ops) and gloo.
 
     Times FULL and masked sub-problems of two sizes, forward and backward, with ``threads``
     torch threads (ranks on a CPU run with one each; with one thread the CPU time of this
     thread is used, so that other processes on a shared machine do not inflate it), and,
-    with ``comm``, round trips of a tiny and a 4 MB tensor between two spawned gloo ranks
-    (a few seconds: process start-up), and the CPU seconds per byte those transfers take
-    on the ranks (``byte_s``, the transport's share).
+    with ``comm``, on two spawned gloo ranks (a few seconds: process start-up): round trips
+    of a tiny and a 4 MB tensor (latency, bandwidth), and ``byte_s``, the host seconds per
+    byte a rank moves, through fringe itself (:func:`_moved`: the same ring step over
+    ``moved_len`` tokens moving whole kv chunks and only the blocks the mask needs).
 
     The result is this process's measurement: :func:`fringe.schedules.auto` refuses it, since
     ranks that measure for themselves can choose different schedules. :func:`shared` measures
@@ -85,9 +105,14 @@ def calibrate(*, heads: int = 8, head_dim: int = 64, dtype: torch.dtype = torch.
 
     Returns:
         A :class:`Hardware` named ``"this"`` whose source says what was measured.
+
+    Raises:
+        ValueError: ``moved_len`` is not a multiple of 2 x the block size, at least twice that.
     """
+    _check_moved_len(moved_len)
     return _measure(name=PER_RANK, prefix="calibrated here", comm=comm, pair=None, heads=heads,
-                    head_dim=head_dim, dtype=dtype, threads=threads, repeats=repeats)
+                    head_dim=head_dim, dtype=dtype, threads=threads, repeats=repeats,
+                    moved_len=moved_len)
 
 
 def _source(*, heads, head_dim, dtype, threads, comm: str) -> str:
@@ -158,23 +183,16 @@ def _kernels(*, heads: int, head_dim: int, dtype: torch.dtype, threads: int,
     return fields
 
 
-def _gloo_probe(rank: int, world_size: int, size: int = 1 << 20, reps: int = 5):
-    """(latency s, bandwidth B/s, host s/B) of gloo between ranks 0 and 1 (see
-    :func:`_round_trips`)."""
+def _gloo_probe(rank: int, world_size: int, moved: dict, size: int = 1 << 20, reps: int = 5):
+    """(latency s, bandwidth B/s, :func:`_moved`'s result) of gloo between ranks 0 and 1."""
     torch.set_num_threads(1)
-    return _round_trips(rank, 1 - rank, None, torch.device("cpu"), size=size, reps=reps)
+    lat, bw = _round_trips(rank, 1 - rank, None, torch.device("cpu"), size=size, reps=reps)
+    return lat, bw, _moved(None, torch.device("cpu"), **moved)
 
 
 def _round_trips(rank: int, peer: int, group, device, *, size: int = 1 << 20, reps: int = 5):
-    """(latency s, bandwidth B/s, host s/B) between this rank (0 or 1 of ``group``) and
-    global rank ``peer``: halved round trips of a tiny and a ``size``-float tensor, and the
-    CPU seconds this process spends per byte it sends or receives in them (its threads and
-    the kernel's, the transport's own included: ``Hardware.byte_s``; the big round trip's
-    less the tiny one's, over the 2 x ``size`` x 4 bytes this end moves).
-
-    The transport's share only: the interpreter's own packing and accumulating of buffers
-    cost more per byte (see the ``cpu`` preset's ``byte_s``, fitted on whole steps).
-    """
+    """(latency s, bandwidth B/s) between this rank (0 or 1 of ``group``) and global rank
+    ``peer``: halved round trips of a tiny and a ``size``-float tensor."""
     import torch.distributed as dist
 
     def round_trip(x):
@@ -185,12 +203,78 @@ def _round_trips(rank: int, peer: int, group, device, *, size: int = 1 << 20, re
             dist.recv(x, peer, group=group)
             dist.send(x, peer, group=group)
     tiny, big = torch.zeros(1, device=device), torch.zeros(size, device=device)
-    lat = _best(lambda: round_trip(tiny), reps) / 2
-    t = _best(lambda: round_trip(big), reps) / 2
-    cpu0 = _best(lambda: round_trip(tiny), reps, time.process_time)
-    cpu1 = _best(lambda: round_trip(big), reps, time.process_time)
+    lat, t = (x / 2 for x in _best_of_each([lambda: round_trip(tiny), lambda: round_trip(big)],
+                                           reps))
     nbytes = big.numel() * big.element_size()
-    return lat, nbytes / max(t - lat, 1e-9), max(cpu1 - cpu0, 0.0) / (2 * nbytes)
+    return lat, nbytes / max(t - lat, 1e-9)
+
+
+def _check_moved_len(moved_len: int) -> None:
+    """Raise unless :func:`_moved` can run on ``moved_len`` tokens (before any communication)."""
+    unit = 2 * DEFAULT_BLOCK_SIZE
+    if not (isinstance(moved_len, int) and moved_len >= 2 * unit and moved_len % unit == 0):
+        raise ValueError(f"moved_len={moved_len!r}: byte_s is measured on a ring step over P=2 "
+                         f"ranks whose whole kv chunks must be longer than one block; use a "
+                         f"multiple of 2*block_size={unit}, at least {2 * unit} (default "
+                         f"{MOVED_LEN})")
+
+
+def _moved_mask(seq_len: int, block_size: int):
+    """Causal documents one block long, but the one across the two ranks' boundary two blocks
+    long: each rank's tiles are its diagonal blocks (cheap), and rank 1's first q block needs
+    exactly one kv block of rank 0's chunk, which a ranged ring hop moves alone and a whole
+    one moves with the rest of the chunk."""
+    half = seq_len // 2
+    ids = torch.arange(seq_len) // block_size
+    ids[half:half + block_size] = (half - 1) // block_size
+    return causal() & document(ids)
+
+
+def _moved(group, device, *, seq_len: int, heads: int, head_dim: int, dtype: torch.dtype,
+           repeats: int) -> tuple[float, float, float]:
+    """This rank's host seconds per byte it moves, measured through fringe: ``(byte_s, extra
+    CPU seconds, extra bytes)``.
+
+    Both members of ``group`` (exactly 2 ranks) run forward + backward of ``schedules.ring()``
+    at P=2 over ``seq_len`` tokens of :func:`_moved_mask` (B=1, H=G=``heads``, D=``head_dim``,
+    ``dtype``) twice: planned with ``ranges=True`` (each hop moves the one kv block the mask
+    needs, and its dkv back) and ``ranges=False`` (whole chunks). The tiles are the same; only
+    the bytes differ (counted by :meth:`fringe.plan.Plan.stats`, sent + received, forward and
+    backward). The steps alternate (:func:`_best_of_each`, ``repeats`` rounds); the least
+    process CPU seconds (every thread: the interpreter's copies, zero-filled receive buffers,
+    gradient accumulation, the transport's own threads) of each gives
+    ``byte_s = (CPU whole - CPU ranged) / (bytes whole - bytes ranged)``, at least 0.
+    """
+    import torch.distributed as dist
+    rank = dist.get_rank(group)
+    mask = _moved_mask(seq_len, DEFAULT_BLOCK_SIZE)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, heads, seq_len, head_dim, generator=g, dtype=dtype)
+               for _ in range(3))
+    steps, moved = [], []
+    for ranges in (True, False):
+        p = make_plan(ring(), mask, seq_len=seq_len, world_size=2, ranges=ranges)
+        row = p.stats(heads=heads, head_dim=head_dim, dtype=dtype).rows[rank]
+        moved.append(row["fwd_sent"] + row["fwd_recv"] + row["bwd_sent"] + row["bwd_recv"])
+        ql, kl, vl = (p.layout.shard(t, rank).to(device).requires_grad_() for t in (q, k, v))
+
+        def step(p=p, ql=ql, kl=kl, vl=vl):
+            attention(ql, kl, vl, plan=p, group=group).sum().backward()
+        steps.append(step)
+    best = _best_of_each(steps, repeats, time.process_time)
+    cpu, nbytes = best[1] - best[0], moved[1] - moved[0]
+    return max(cpu, 0.0) / nbytes, cpu, float(nbytes)
+
+
+def _byte_s_text(res, *, seq_len: int) -> str:
+    """What ``byte_s`` is and how it was measured, from the ranks' :func:`_moved` results."""
+    worst = max(range(len(res)), key=lambda r: res[r][0])
+    byte_s, cpu, nbytes = res[worst]
+    clamp = f" (measured {cpu / nbytes:.3g}, clamped at 0)" if cpu < 0 else ""
+    return (f"byte_s={byte_s:.3g} s/B{clamp}: the busier of the 2 ranks' extra process CPU "
+            f"seconds ({cpu * 1e3:.3g} ms) over the extra bytes it moves "
+            f"({nbytes / 1e6:.3g} MB) when ring at P=2, forward + backward, S={seq_len}, moves "
+            f"whole kv chunks instead of the block ranges the mask needs (same tiles)")
 
 
 # --------------------------------------------------------------------------------------------
@@ -258,13 +342,14 @@ def _from_text(text: str, *, what: str) -> Hardware:
 
 def shared(*, group=None, path: str | os.PathLike | None = None, comm: bool = True,
            heads: int = 8, head_dim: int = 64, dtype: torch.dtype = torch.float32,
-           threads: int = 1, repeats: int = 2) -> Hardware:
+           threads: int = 1, repeats: int = 2, moved_len: int = MOVED_LEN) -> Hardware:
     """One calibration every rank shares: pass it to ``schedules.auto(hardware=...)``.
 
     Under ``torch.distributed`` (initialized), call it on every rank of ``group``: rank 0 of
     the group loads ``path`` if that file exists, else measures (the kernels as
     :func:`calibrate` does; with ``comm``, the transport between group ranks 0 and 1 by
-    round trips over ``group`` itself) and saves to ``path`` if given; then it broadcasts the
+    round trips over ``group`` itself, and ``byte_s`` through fringe on the same two ranks as
+    :func:`calibrate` measures it) and saves to ``path`` if given; then it broadcasts the
     constants as text over ``group`` and every rank parses that text, so the result is
     bit-identical on every rank. Only rank 0 reads or writes the file. Without
     ``torch.distributed``, this process loads ``path`` or measures (and saves): run it once,
@@ -273,25 +358,29 @@ def shared(*, group=None, path: str | os.PathLike | None = None, comm: bool = Tr
     Args:
         group: the process group (None: the default group, when initialized).
         path: a JSON calibration file to load if it exists, else to save to.
-        comm: measure the transport (else take the ``cpu`` preset's latency and bandwidth).
-        heads, head_dim, dtype, threads, repeats: as :func:`calibrate` (the kernel timing).
+        comm: measure the transport (else take the ``cpu`` preset's latency, bandwidth and
+            ``byte_s``).
+        heads, head_dim, dtype, threads, repeats, moved_len: as :func:`calibrate`.
 
     Returns:
         A :class:`Hardware` named :data:`SHARED`, equal (field by field, bit for bit) on every
         rank, and to :func:`load` of ``path``.
 
     Raises:
-        ValueError: ``group`` given without an initialized ``torch.distributed``; or rank 0
-            could not load or measure (every rank raises rank 0's reason).
+        ValueError: ``group`` given without an initialized ``torch.distributed``; ``moved_len``
+            as :func:`calibrate` refuses it; or rank 0 could not load or measure (every rank
+            raises rank 0's reason).
     """
     import torch.distributed as dist
+    _check_moved_len(moved_len)
     on = dist.is_available() and dist.is_initialized()
     if group is not None and not on:
         raise ValueError("shared(group=...) broadcasts over a process group, but "
                          "torch.distributed is not initialized: call "
                          "torch.distributed.init_process_group first, or leave group= out to "
                          "calibrate this process alone (then share the file it saves)")
-    kw = dict(heads=heads, head_dim=head_dim, dtype=dtype, threads=threads, repeats=repeats)
+    kw = dict(heads=heads, head_dim=head_dim, dtype=dtype, threads=threads, repeats=repeats,
+              moved_len=moved_len)
     if not on:
         if path is not None and os.path.exists(path):
             return load(path)
@@ -306,7 +395,7 @@ def shared(*, group=None, path: str | os.PathLike | None = None, comm: bool = Tr
     dist.broadcast_object_list(decision, src=root, group=group)
     pair = None
     if not decision[0] and comm and n >= 2 and rank < 2:
-        pair = _pair(group, rank)
+        pair = _pair(group, rank, **kw)
     msg = [None]
     if rank == 0:
         try:
@@ -331,37 +420,49 @@ def _prefix(ranks: int) -> str:
             f"shared by fringe.cost.calibrate.shared()")
 
 
-def _pair(group, rank: int):
-    """(latency, bandwidth, host s/B) between group ranks 0 and 1, measured over ``group``; on
-    rank 0 the worse of the two sides' measurements (rank 1 sends its own), on rank 1 None."""
+def _pair(group, rank: int, *, heads, head_dim, dtype, repeats, moved_len, **_):
+    """(latency, bandwidth, [:func:`_moved` of both ranks]) between group ranks 0 and 1,
+    measured over ``group`` (over a subgroup of the two when ``group`` has more); on rank 0 the
+    worse of the two sides' latency and bandwidth (rank 1 sends its own), on rank 1 None."""
     import torch.distributed as dist
     nccl = dist.get_backend(group) == "nccl"
     device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
     peer = dist.get_global_rank(group or dist.group.WORLD, 1 - rank)
-    lat, bw, byte_s = _round_trips(rank, peer, group, device)
-    mine = torch.tensor([lat, bw, byte_s], dtype=torch.float64, device=device)
+    lat, bw = _round_trips(rank, peer, group, device)
+    two = group
+    if dist.get_world_size(group) > 2:           # only these two call it: local synchronization
+        two = dist.new_group(sorted([dist.get_rank(), peer]), use_local_synchronization=True)
+    moved = _moved(two, device, seq_len=moved_len, heads=heads, head_dim=head_dim,
+                   dtype=dtype, repeats=repeats)
+    mine = torch.tensor([lat, bw, *moved], dtype=torch.float64, device=device)
     if rank == 1:
         dist.send(mine, peer, group=group)
         return None
     theirs = torch.empty_like(mine)
     dist.recv(theirs, peer, group=group)
-    return max(lat, float(theirs[0])), min(bw, float(theirs[1])), max(byte_s, float(theirs[2]))
+    return (max(lat, float(theirs[0])), min(bw, float(theirs[1])),
+            [moved, tuple(float(x) for x in theirs[2:])])
 
 
-def _measure(*, name: str, prefix: str, comm: bool, pair, **kw) -> Hardware:
+def _measure(*, name: str, prefix: str, comm: bool, pair, moved_len: int, **kw) -> Hardware:
     """A Hardware measured here: the kernels now; the transport from ``pair`` (measured over a
     process group), else between two spawned gloo ranks (``comm``), else the cpu preset's."""
     fields = _kernels(**kw)
     lat, bw, byte_s = _CPU["latency_s"], _CPU["bandwidth"], _CPU["byte_s"]
-    what = "gloo from the cpu preset"
+    what = "gloo and byte_s from the cpu preset"
+    moved = dict(seq_len=moved_len, **{k: kw[k] for k in ("heads", "head_dim", "dtype",
+                                                          "repeats")})
     if pair is not None:
-        (lat, bw, byte_s), what = pair, ("round trips between group ranks 0 and 1 over the "
-                                         "process group")
+        lat, bw, res = pair
+        byte_s = max(r[0] for r in res)
+        what = ("round trips between group ranks 0 and 1 over the process group; "
+                + _byte_s_text(res, seq_len=moved_len))
     elif comm:
-        res = run(_gloo_probe, world_size=2, timeout_s=60)
-        lat, bw, byte_s = (max(r[0] for r in res), min(r[1] for r in res),
-                           max(r[2] for r in res))
-        what = "gloo round trips between 2 spawned ranks"
+        out = run(_gloo_probe, moved, world_size=2, timeout_s=120)
+        lat, bw = max(r[0] for r in out), min(r[1] for r in out)
+        res = [r[2] for r in out]
+        byte_s = max(r[0] for r in res)
+        what = "gloo round trips between 2 spawned ranks; " + _byte_s_text(res, seq_len=moved_len)
     src = f"{prefix}: " + _source(comm=what, **{k: kw[k] for k in ("heads", "head_dim", "dtype",
                                                                    "threads")})
     return Hardware(name, src, latency_s=lat, bandwidth=bw, byte_s=byte_s, memory_bytes=None,

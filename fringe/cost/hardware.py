@@ -144,11 +144,13 @@ _H100 = dict(fwd_flops=600e12, bwd_flops=450e12, call_s=5e-6, bwd_call_s=8e-6, m
 #: 0.243 without the term; a per-call term instead of it, 3.25 ms per call, 0.078). It is what
 #: separates ulysses and striped (~100 MB moved per rank at S=8192) from ring, zigzag, balanced
 #: and allgather (2-13 MB on windows and documents): measured 1.12-1.31x the fastest there,
-#: predicted within 3% of it without the term. gloo's own share, measured by calibrate's round
-#: trips (process CPU seconds), is 0.15-0.3e-9; the rest was not broken down (the interpreter's
-#: own copies and the transport threads sharing the 2 cores are the suspects). In this preset's
-#: units (its compute ~1.8x this runner's single-thread CPU seconds) that is ~0.75 ns per byte
-#: of the runner's own time.
+#: predicted within 3% of it without the term. In this preset's units (its compute ~1.8x this
+#: runner's single-thread CPU seconds) that is ~0.78 ns per byte of the runner's own time.
+#: ``fringe.cost.calibrate`` measures ``byte_s`` through fringe: the same ring step at P=2 with
+#: whole kv chunks and with block ranges (same tiles), the extra process CPU seconds over the
+#: extra bytes: 0.3-0.76 ns/B on this runner (18 calibrations at load 1.7-3.3, median 0.41),
+#: 2-3x gloo's round trips alone (0.1-0.3 ns/B) and about half the fitted figure; the rest of
+#: the fit (ulysses's all-to-alls, striped's calls) is not broken down.
 _CPU = dict(fwd_flops=4.5e10, bwd_flops=4.1e10, call_s=1.0e-4, bwd_call_s=1.6e-4, masked=1.25,
             bwd_masked=1.3, causal=0.6, row_s=1.1e-8, latency_s=1.0e-4, bandwidth=2.0e9,
             memory_bytes=None, byte_s=1.4e-9)
