@@ -49,8 +49,14 @@ def worker_shared(rank: int, world_size: int, path: str, sub_path: str, bad: str
         error = None
     except ValueError as e:
         error = str(e)
+    try:                                    # a folder rank 0 cannot save in: said, not measured
+        calibrate.shared(path=bad + ".d/calib.json", **QUICK)
+        unsaved = None
+    except ValueError as e:
+        unsaved = str(e)
     return dict(measured=_bits(measured), loaded=_bits(loaded), hw=measured,
-                sub=None if in_sub is None else _bits(in_sub), pick=_pick(measured), error=error)
+                sub=None if in_sub is None else _bits(in_sub), pick=_pick(measured), error=error,
+                unsaved=unsaved)
 
 
 def test_ranks_share_bit_identical_constants_and_pick_the_same(tmp_path):
@@ -77,6 +83,7 @@ def test_ranks_share_bit_identical_constants_and_pick_the_same(tmp_path):
     # rank 0 could not read its file: every rank raises rank 0's reason, none waits for it
     for r in res:
         assert "rank 0 could not calibrate" in r["error"] and "is not JSON" in r["error"]
+        assert "rank 0 could not calibrate" in r["unsaved"] and "does not exist" in r["unsaved"]
 
 
 def test_one_process_saves_and_every_later_call_loads(tmp_path, monkeypatch):
@@ -94,6 +101,15 @@ def test_one_process_saves_and_every_later_call_loads(tmp_path, monkeypatch):
     text = fringe.plan(schedules.auto(hardware=again), masks.causal(), seq_len=S,
                        world_size=P, block_size=BS).explain()
     assert "constants: calibration shared by every rank: calibrated once on rank 0" in text
+
+
+def test_a_calibration_that_cannot_be_saved_is_refused_before_measuring(tmp_path,
+                                                                         monkeypatch):
+    def no_measuring(**kw):
+        raise AssertionError("measured although the file could not be saved")
+    monkeypatch.setattr(calibrate, "_kernels", no_measuring)
+    with pytest.raises(ValueError, match="does not exist; create it"):
+        calibrate.shared(path=tmp_path / "missing" / "calib.json", comm=False, **QUICK)
 
 
 def test_per_rank_calibration_is_refused_naming_the_fix(tmp_path):

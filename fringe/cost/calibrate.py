@@ -384,6 +384,8 @@ def shared(*, group=None, path: str | os.PathLike | None = None, comm: bool = Tr
     if not on:
         if path is not None and os.path.exists(path):
             return load(path)
+        if _unwritable(path):
+            raise ValueError(_unwritable(path))
         hw = _measure(name=SHARED, prefix=_prefix(1), comm=comm, pair=None, **kw)
         if path is not None:
             save(hw, path)
@@ -392,7 +394,12 @@ def shared(*, group=None, path: str | os.PathLike | None = None, comm: bool = Tr
     root = dist.get_global_rank(group or dist.group.WORLD, 0)
     # rank 0 decides (load or measure) and tells the others, who may not see its file
     decision = [path is not None and os.path.exists(path)] if rank == 0 else [None]
+    if rank == 0 and not decision[0] and _unwritable(path):
+        decision = [_unwritable(path)]          # before anything is measured or sent
     dist.broadcast_object_list(decision, src=root, group=group)
+    if isinstance(decision[0], str):
+        raise ValueError(f"fringe.cost.calibrate.shared(): rank 0 could not calibrate: "
+                         f"{decision[0]}")
     pair = None
     if not decision[0] and comm and n >= 2 and rank < 2:
         pair = _pair(group, rank, **kw)
@@ -413,6 +420,21 @@ def shared(*, group=None, path: str | os.PathLike | None = None, comm: bool = Tr
     if status != "ok":
         raise ValueError(f"fringe.cost.calibrate.shared(): rank 0 could not calibrate: {text}")
     return _from_text(text, what="the calibration rank 0 broadcast")
+
+
+def _unwritable(path) -> str | None:
+    """Why a calibration could not be saved to ``path`` (None: it can, or no path): said before
+    anything is measured."""
+    if path is None:
+        return None
+    folder = os.path.dirname(os.path.abspath(os.fspath(path)))
+    if not os.path.isdir(folder):
+        return (f"cannot save the calibration to {os.fspath(path)!r}: the folder {folder!r} "
+                f"does not exist; create it or give a path in an existing folder")
+    if not os.access(folder, os.W_OK):
+        return (f"cannot save the calibration to {os.fspath(path)!r}: the folder {folder!r} "
+                f"is not writable; give a path in a folder you can write")
+    return None
 
 
 def _prefix(ranks: int) -> str:
