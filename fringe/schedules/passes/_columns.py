@@ -83,21 +83,17 @@ DENSE_CELLS = 1 << 26
 #: re-sends and pruning work on sorted keys.
 PLANE_CELLS = 1 << 27
 _GENS: list = [None]     # inside shared_columns(): {(id(table), lenient): (table, fields)}
-#: How many tables' columns :func:`shared_columns` keeps: the passes of a plan read one table
-#: after another (prune, narrow, check and reverse the forward, check the backward), each
-#: while it is the newest, so the newest table's columns (both forms) are all that is shared;
-#: keeping older ones kept dead tables and their int64 copies alive (1.3 GB of a 3.4 GB peak
-#: at P=1024 for compose(zigzag, ulysses, 8)).
-_KEEP = 1
 
 
 @contextlib.contextmanager
 def shared_columns():
     """Inside, the passes derive a table's general columns (:class:`_Gen`) once and share
     them: a plan's check, prune and reverse read the same tables, some twice. A table's
-    columns are read-only, so what is derived from them stays true; only the newest
-    :data:`_KEEP` tables' are kept, and they are dropped on exit
-    (the int64 copies are larger than the table). Nests."""
+    columns are read-only, so what is derived from them stays true. Only the newest table's
+    are kept: the passes of a plan read one table after another (prune, narrow, check and
+    reverse the forward, check the backward), each while it is the newest, and keeping older
+    ones kept dead tables and their int64 copies alive (1.3 GB of a 3.4 GB peak at P=1024 for
+    compose(zigzag, ulysses, 8)). They are dropped on exit. Nests."""
     if _GENS[0] is not None:
         yield
         return
@@ -109,8 +105,9 @@ def shared_columns():
 
 
 def _int64(x: np.ndarray) -> np.ndarray:
-    """``x`` as int64; an all-zero column (whole heads) as fresh zeroed pages, which stay off
-    the resident memory until written (16.8M transfer rows at P=4,096: 134 MB each)."""
+    """``x`` as int64; an all-zero column (whole heads: the table keeps those as zeroed pages,
+    ``ProgramTable._of_parts``) as fresh zeroed pages too, off the resident memory until
+    written (16.8M transfer rows at P=4,096: 134 MB each)."""
     if len(x) and x.dtype != np.int64 and not x.any():
         return np.zeros(len(x), dtype=np.int64)
     return np.asarray(x, dtype=np.int64)
@@ -139,10 +136,8 @@ class _Gen:
             if key in cache:
                 self.__dict__.update(cache[key][1])
                 return
-            older = list(dict.fromkeys(k[0] for k in cache if k[0] != key[0]))
-            for t in older[:max(0, len(older) - _KEEP + 1)]:    # oldest first (dict order),
-                for k in [k for k in cache if k[0] == t]:         # before this table's are
-                    del cache[k]                                  # derived
+            for k in [k for k in cache if k[0] != key[0]]:   # other tables', before this
+                del cache[k]                                    # one's are derived
         P = self.P = tab.world_size
         comp, xfer, coll = tab._parts
         i64 = lambda d, ks: [_int64(d[k]) for k in ks]  # noqa: E731
