@@ -109,9 +109,11 @@ def summarize(info: dict, res: dict) -> dict:
     fastest = min(cands, key=lambda n: (med[n], n))
     pick = info["picks"][PRESET]
     copy = pick + COPY
-    # copy / pick: how far apart two identical plans land in this run
+    # copy / pick: how far apart two identical plans land in this run; the noise is that gap
+    # whichever of the two landed faster (the slower over the faster, less one): |copy/pick - 1|
+    # would count a copy 7% faster as 6.5%
     spread = med[copy] / med[pick]
-    noise = abs(spread - 1)
+    noise = max(spread, 1 / spread) - 1
     picks = {}
     for label, p in info["picks"].items():
         ratio = med[p] / med[fastest]
@@ -182,7 +184,8 @@ def markdown(result: dict) -> str:
         f"block size; seconds of the slowest rank, median of the rounds (after a warm-up step "
         f"each; rounds alternate the order of the candidates). Every candidate auto could run is "
         f"timed as a fixed schedule; *copy* is a second, identical plan of the preset's pick "
-        f"(own plan, own tensors): **spread** = copy / pick, the noise floor of the run. Target "
+        f"(own plan, own tensors): **spread** = copy / pick, the noise floor of the run (the gap "
+        f"counted from the faster of the two: max(spread, 1/spread) - 1). Target "
         f"(issue 23): on every P=2 cell pick / fastest ≤ {TARGET}, or within the spread "
         f"(ok / MISS beside the ratio; n/a where P exceeds the cores). *per round*: the median "
         f"over rounds of pick / fastest in the same round; *CPU*: the pick's median CPU "
