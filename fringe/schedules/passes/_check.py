@@ -443,12 +443,13 @@ def _write_steps(P: int, C: int, HS: int, ws: list, rs: list):
             for r, ch, hs, t in ws:
                 _assign_min(avail, r * n + ids[ch * HS + hs], t)
             return lambda r, ch, hs: avail[r * n + ids[ch * HS + hs]]
-    codes = ([ch * HS + hs for _, ch, hs, _ in itertools.chain(ws, rs)]
-             + [ch * HS for _, ch, _, _ in rs])
+    i64 = np.int64                                   # (chunk columns may be int32)
+    codes = ([ch.astype(i64) * HS + hs for _, ch, hs, _ in itertools.chain(ws, rs)]
+             + [ch.astype(i64) * HS for _, ch, _, _ in rs])
     ub = _uniq(np.concatenate(codes)) if codes else np.zeros(0, np.int64)
 
     def key(r, ch, hs):
-        return r * len(ub) + np.searchsorted(ub, ch * HS + hs)
+        return r.astype(i64) * len(ub) + np.searchsorted(ub, ch.astype(i64) * HS + hs)
     if not ws:
         return lambda r, ch, hs: np.full(len(r), never, dtype=np.int64)
     wk, wv = _min_by_key(np.concatenate([key(r, ch, hs) for r, ch, hs, _ in ws]),

@@ -437,16 +437,18 @@ def _general_reverse(tab: ProgramTable, kv: str, pad: int = 0) -> list[Program]:
     Q, KV, OUT = (_FAMILY_CODE[f] for f in (_Q, _KV, _OUT))
     T0 = 1 + max([int(x.max()) for x in (g.ct, g.xt, g.kt) if len(x)] or [-1])
     T = T0 + pad
-    cot = np.array([_FAMILY_CODE[f.cotangent] if f is not Family.ACC else -1 for f in _FAMILIES])
+    cot = np.array([_FAMILY_CODE[f.cotangent] if f is not Family.ACC else -1 for f in _FAMILIES],
+                   dtype=np.int32)
     # adjoints, at twice the forward order (+1: an op that goes with its adjoint)
     bcomp = dict(rank=g.cr, step=T - g.ct, kind=np.full(len(g.cr), ADJOINT_CODE[C_]), q=g.cq, kv=g.ckv,
                  order=2 * g.co, hi=g.chi, hn=g.chn)
-    xs = [dict(step=T - g.xt, src=g.xd, dst=g.xs, fam=cot[g.xf], chunk=g.xc, order=2 * g.xro,
-               rorder=2 * g.xo, hi=g.xhi, hn=g.xhn, rng=g.xrng)]    # the adjoint: same blocks
+    two = np.int64(2)                       # (order columns may be int32)
+    xs = [dict(step=T - g.xt, src=g.xd, dst=g.xs, fam=cot[g.xf], chunk=g.xc, order=two * g.xro,
+               rorder=two * g.xo, hi=g.xhi, hn=g.xhn, rng=g.xrng)]  # the adjoint: same blocks
     o_ = g.xf == OUT                        # the merged (out, lse) goes with its cotangent
     if o_.any():
         xs.append(dict(step=T - g.xt[o_], src=g.xd[o_], dst=g.xs[o_], fam=g.xf[o_],
-                       chunk=g.xc[o_], order=2 * g.xro[o_] + 1, rorder=2 * g.xo[o_] + 1,
+                       chunk=g.xc[o_], order=two * g.xro[o_] + 1, rorder=two * g.xo[o_] + 1,
                        hi=g.xhi[o_], hn=g.xhn[o_], rng=g.xrng[o_]))
     adj = np.array([ir_kinds.index(COLLECTIVE_ADJOINT[k]) for k in ir_kinds])
     n_side = len(g.kr)
@@ -544,7 +546,8 @@ def _general_reverse(tab: ProgramTable, kv: str, pad: int = 0) -> list[Program]:
     except _Late as e:
         _late(tab, e.hop, e.arrival)
     xs.append(extra)
-    bxfer = {k: np.concatenate([x[k] for x in xs]) for k in xs[0]}
+    bxfer = {k: _cat_narrow([x.pop(k) for x in xs]) for k in list(xs[0])}   # (each piece
+    del xs, extra                                                           # freed as it goes)
     bxfer["ranges"] = g.ranges
     bcoll = {k: np.concatenate([x[k] for x in sides]) for k in sides[0]}
     sl = {k: np.concatenate([x[k] for x in slots]) for k in slots[0]}
@@ -552,7 +555,21 @@ def _general_reverse(tab: ProgramTable, kv: str, pad: int = 0) -> list[Program]:
     o = np.argsort((sl["slot_side"] * 2 + sl["slot_dir"]) * n_idx + sl["slot_idx"])
     bcoll.update({k: v[o] for k, v in sl.items()})
     bcoll["groups"], bcoll["ranges"] = g.groups, g.sranges
-    return list(ProgramTable._of_parts(P, bcomp, bxfer, bcoll).programs())
+    return list(ProgramTable._of_parts(P, bcomp, bxfer, bcoll, fresh=True).programs())
+
+
+def _cat_narrow(parts: list) -> np.ndarray:
+    """``np.concatenate(parts)`` as int32 where every value fits (the table keeps it so:
+    :meth:`ProgramTable._of_parts` takes it with ``fresh=True``), else int64; all zeros as
+    fresh zeroed pages. The backward's transfers at P=4,096 are 16.8M rows: int64 pieces,
+    their int64 concatenation and the table's int32 copy were 2.4 GB at once."""
+    n = sum(len(p) for p in parts)
+    ext = [(int(p.min()), int(p.max())) for p in parts if len(p)]
+    lo, hi = min([e[0] for e in ext] or [0]), max([e[1] for e in ext] or [0])
+    if lo == hi == 0:
+        return np.zeros(n, np.int32)
+    fits = lo >= -2 ** 31 and hi < 2 ** 31             # checked: the cast cannot wrap
+    return np.concatenate(parts, dtype=np.int32 if fits else np.int64, casting="unsafe")
 
 
 def _remote_reads(g: _Gen, skip: np.ndarray) -> tuple[np.ndarray, ...]:
@@ -613,7 +630,7 @@ def _reads_arrive(tab: ProgramTable, g: _Gen, reads: tuple) -> None:
         plane[xd * n + ids[xb]] = True
         bad = ~plane[rr * n + ids[rb]]
     else:
-        bad = ~_member(rr * NBC + rb, _uniq(xd * NBC + xb))
+        bad = ~_member(rr * NBC + rb, _uniq(xd.astype(np.int64) * NBC + xb))
     if not bad.any():
         return
     i = np.flatnonzero(bad)[int(np.argmin(rp[bad]))]
