@@ -356,3 +356,28 @@ def test_a_pass_output_concatenates_narrow_without_wrapping():
     assert kept._parts[1]["step"] is not cols2["step"]
     cols2["step"][0] = 5
     assert kept._parts[1]["step"].tolist() == [0, 1, 1]
+
+
+def test_int32_transfer_steps_neither_wrap_nor_overflow():
+    """Transfer steps read as int32 (the table's own columns) give the int64 answer: a write
+    step ``t + 1`` and the "never written" sentinel do not wrap (check would pass programs
+    that read a buffer before it arrives), and a backward ``T - t`` past 2**31 is exact."""
+    from fringe.schedules.ir import Recv, Send
+    kv1, dq = Buffer.of("kv", 1), Buffer.of("dq", 0, (0, 60000))   # HS ~ 1.8e9: sorted keys
+    cases = [[Program(0, (Step(0, (Send(dq, 1),)),)), Program(1, (Step(0, (Recv(dq, 0),)),))],
+             [Program(0, (Step(0, (Compute(0, 1),)), Step(2 ** 31 - 1, (Recv(kv1, 1),)))),
+              Program(1, (Step(0, (Compute(1, 1),)), Step(2 ** 31 - 1, (Send(kv1, 0),))))]]
+    for progs, what in zip(cases, ("sends dq0h0/60000, which is not on rank 0",
+                                   "needs kv1, which is not on rank 0")):
+        tab = ProgramTable.of(progs)
+        assert tab._parts[1]["step"].dtype == np.int32
+        for t in (tab, _wide(tab)):
+            with pytest.raises(ScheduleError, match=what):
+                passes._general_ok(t, None, False, "resend")
+    late = [Program(0, (Step(0, (Recv(kv1, 1),)), Step(2 ** 31 + 5, (Compute(0, 1),)))),
+            Program(1, (Step(0, (Send(kv1, 0), Compute(1, 1))),))]
+    tab = ProgramTable.of(late)
+    assert tab._parts[1]["step"].dtype == np.int32
+    for kv in ("resend", "keep"):
+        assert format_programs(passes._general_reverse(tab, kv)) == format_programs(
+            passes._general_reverse(_wide(tab), kv))

@@ -203,8 +203,8 @@ def _resend_parts(P, T, cr, ct, ckv, xt, xs, xd, xc, xorder, after, owner=None, 
         gu = up[g]
         for lo, hi in zip(starts.tolist(), starts[1:].tolist() + [len(g)]):
             defined[g[lo:hi]] |= defined[gu[lo:hi]]
-    e = np.minimum(np.where(reads >= 0, T - reads, NONE),
-                   np.where(relay_up & defined[np.maximum(up, 0)], T - xt - 1, NONE))
+    e = np.minimum(np.where(reads >= 0, T - reads, NONE),     # (np.int64(T): xt may be int32)
+                   np.where(relay_up & defined[np.maximum(up, 0)], np.int64(T) - xt - 1, NONE))
     emit = np.nonzero(e != NONE)[0]
     key, e = in_key[emit], e[emit]
     del reads, relay_up, late, idx, up, in_key, out_key
@@ -443,11 +443,12 @@ def _general_reverse(tab: ProgramTable, kv: str, pad: int = 0) -> list[Program]:
     bcomp = dict(rank=g.cr, step=T - g.ct, kind=np.full(len(g.cr), ADJOINT_CODE[C_]), q=g.cq, kv=g.ckv,
                  order=2 * g.co, hi=g.chi, hn=g.chn)
     two = np.int64(2)                       # (order columns may be int32)
-    xs = [dict(step=T - g.xt, src=g.xd, dst=g.xs, fam=cot[g.xf], chunk=g.xc, order=two * g.xro,
+    Tx = T if T < 2 ** 31 else np.int64(T)  # (T - an int32 column: a Python int past it raises)
+    xs = [dict(step=Tx - g.xt, src=g.xd, dst=g.xs, fam=cot[g.xf], chunk=g.xc, order=two * g.xro,
                rorder=two * g.xo, hi=g.xhi, hn=g.xhn, rng=g.xrng)]  # the adjoint: same blocks
     o_ = g.xf == OUT                        # the merged (out, lse) goes with its cotangent
     if o_.any():
-        xs.append(dict(step=T - g.xt[o_], src=g.xd[o_], dst=g.xs[o_], fam=g.xf[o_],
+        xs.append(dict(step=Tx - g.xt[o_], src=g.xd[o_], dst=g.xs[o_], fam=g.xf[o_],
                        chunk=g.xc[o_], order=two * g.xro[o_] + 1, rorder=two * g.xo[o_] + 1,
                        hi=g.xhi[o_], hn=g.xhn[o_], rng=g.xrng[o_]))
     adj = np.array([ir_kinds.index(COLLECTIVE_ADJOINT[k]) for k in ir_kinds])
