@@ -381,3 +381,36 @@ def test_int32_transfer_steps_neither_wrap_nor_overflow():
     for kv in ("resend", "keep"):
         assert format_programs(passes._general_reverse(tab, kv)) == format_programs(
             passes._general_reverse(_wide(tab), kv))
+
+
+def _orders_spread(tab: ProgramTable) -> ProgramTable:
+    """``tab`` with every order raised by ``(T - step) * 2**22``: the same programs (orders
+    only rank the ops of one rank's step), orders as large as a plan's row indices at
+    P=4,096 and, across steps, decreasing (a ``ProgramBuilder`` may number them so)."""
+    comp, xfer, coll = (dict(p) for p in tab._parts)
+    T = 1 + max(int(np.max(x["step"])) for x in (comp, xfer, coll) if len(x["step"]))
+
+    def spread(part, col):
+        return (T - np.asarray(part["step"], np.int64)) * (1 << 22) + np.asarray(part[col],
+                                                                                 np.int64)
+    comp["order"] = spread(comp, "order")
+    xfer["order"], xfer["rorder"] = spread(xfer, "order"), spread(xfer, "rorder")
+    coll["order"] = spread(coll, "order")
+    return ProgramTable._of_parts(tab.world_size, comp, xfer, coll)
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_reverse_orders_ops_by_program_order_however_large_the_orders(spec):
+    """The backward's re-sends go in the op rules' order (buffers by first read in program
+    order, then by first hop), keyed by (rank, step, order) with fields as wide as the
+    columns (a packed key with 20-bit fields would let such orders spill into the step
+    field): the same backward however the orders are numbered."""
+    need = _need(8, 3, 0.6)
+    progs = _op_programs(spec, 8, need)
+    tab = ProgramTable.of(progs)
+    big = _orders_spread(tab)
+    assert list(big.programs()) == list(tab.programs())
+    for kv in ("resend", "keep"):
+        want = format_programs(oracle.reverse(progs, kv=kv))
+        assert format_programs(passes._general_reverse(big, kv)) == want, kv
+        assert format_programs(passes._general_reverse(tab, kv)) == want, kv

@@ -15,7 +15,8 @@ from . import _columns
 from ._check import _gen, check
 from ._columns import (_F, _FAMILIES, _FAMILY_CODE, _INPUTS, _KV, _OUT, _Q, _Gen, _slices, _table,
                        gc_paused)
-from ._keys import _assign_min, _by_step, _lookup, _member, _min_by_key, _runs, _spans, _uniq
+from ._keys import (_assign_min, _by_step, _lookup, _member, _min_by_key, _row_keys, _runs,
+                    _spans, _uniq)
 
 
 KV_MODES = ("resend", "keep")
@@ -79,7 +80,8 @@ def _reverse_parts(tab: ProgramTable, kv: str) -> list[Program] | None:
     T = max(int(ct.max()) if len(ct) else -1, int(xt.max()) if len(xt) else -1) + 1
     bcomp = dict(rank=cr, step=T - ct, kind=np.full(len(cr), ADJOINT_CODE[C_], np.int64), q=cq, kv=ckv,
                  order=comp["order"])
-    bx = [dict(step=T - xt, src=xd, dst=xs, fam=np.full(len(xs), _FAMILY_CODE[Family.DKV]),
+    Tx = T if T < 2 ** 31 else np.int64(T)  # (T - an int32 column: a Python int past it raises)
+    bx = [dict(step=Tx - xt, src=xd, dst=xs, fam=np.full(len(xs), _FAMILY_CODE[Family.DKV]),
                chunk=xc, order=xfer["rorder"], rorder=xfer["order"])]
     if kv == "resend":
         after = 1 + max([int(x["order"].max()) for x in (comp, xfer) if len(x["order"])])
@@ -579,8 +581,9 @@ def _remote_reads(g: _Gen, skip: np.ndarray) -> tuple[np.ndarray, ...]:
     buffer code, position in program order: rank, step, order, q before kv)``."""
     P = g.P
     NBC = _F * P * g.HS                       # buffer codes (family, chunk, head slice)
-    big = np.int64(1) << 20
-    pos = ((g.cr * big + g.ct) * big + g.co) * 2
+    # (rank, step, order) as one increasing key: orders are row indices (millions at
+    # P=4,096), so no fixed field width holds them; _row_keys sizes the fields to the columns
+    pos = _row_keys(g.cr, g.ct, g.co) * 2
     side = (g.cq, g.ckv)
     c_reads = [(fam, side[sd]) for fam, sd, w in TILE_TOUCH_CODES[C_] if not w]
     reads = []
@@ -667,7 +670,6 @@ def _general_resend(g: _Gen, T: int, fams: list, reads: tuple, after: int) -> di
     xt, xs, xd, xf, xc, xhs = (x[sel] for x in (g.xt, g.xs, g.xd, g.xf, g.xc, g.xhs))
     xo = g.xro[sel]
     NBC = _F * P * g.HS                       # buffer codes (family, chunk, head slice)
-    big = np.int64(1) << 20
     rr, rt, rb, rp = reads
     if len(fams) < len(_INPUTS):
         keep = np.isin(rb // (P * g.HS), fams)
@@ -681,13 +683,15 @@ def _general_resend(g: _Gen, T: int, fams: list, reads: tuple, after: int) -> di
     id_of = np.cumsum(used) - 1
     n = int(id_of[-1]) + 1
     # buffer ids in emission order: (family name, chunk, first appearance: reads, then hops)
-    first = np.full(n, np.iinfo(np.int64).max)
-    _assign_min(first, id_of[rb], rp)
-    _assign_min(first, id_of[xb], (np.int64(1) << 61) + (xd * big + xt) * big + xo)
+    never = np.iinfo(np.int64).max
+    first_r = np.full(n, never)               # the first read of each buffer (program order)
+    _assign_min(first_r, id_of[rb], rp)
+    first_h = np.full(n, never)               # else its first hop: (dst, step, order)
+    _assign_min(first_h, id_of[xb], _row_keys(xd, xt, xo))
     ub = np.flatnonzero(used)                 # buffer code of each compact id
     fam_rank = np.argsort(np.argsort([f.value for f in _FAMILIES]))
     ufam, uchunk = ub // g.HS // P, ub // g.HS % P
-    emit_order = np.lexsort((first, uchunk, fam_rank[ufam]))
+    emit_order = np.lexsort((first_h, first_r, uchunk, fam_rank[ufam]))
     bid = np.empty(n, np.int64)
     bid[emit_order] = np.arange(n)
     r_bid, x_bid = bid[id_of[rb]], bid[id_of[xb]]
