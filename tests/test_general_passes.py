@@ -282,3 +282,135 @@ def test_lookup_by_search_or_by_a_dense_table(n_keys):
     want = dict(zip(table.tolist(), values.tolist()))
     assert got.tolist() == [want.get(k, -7) for k in keys.tolist()]
     assert hit.tolist() == [k in want for k in keys.tolist()]
+
+
+def _wide(tab: ProgramTable) -> ProgramTable:
+    """``tab`` with its transfer columns as int64 (the passes read the table's own columns,
+    int32 where they fit: :class:`fringe.schedules.passes._columns._Gen`)."""
+    comp, xfer, coll = tab._parts
+    x = {}
+    for k, v in xfer.items():
+        if isinstance(v, np.ndarray):
+            v = np.array(v, dtype=np.int64)
+            v.setflags(write=False)
+        x[k] = v
+    wide = object.__new__(ProgramTable)
+    wide._init(tab.world_size, (dict(comp), x, dict(coll)))
+    return wide
+
+
+@pytest.mark.parametrize("spec,P", [("zigzag", 8), ("ring", 8), ("compose:zigzag+ulysses:2", 8),
+                                    ("allgather", 4), ("compose:ring+ulysses:4", 8)])
+def test_narrow_and_wide_transfer_columns_give_one_answer(spec, P):
+    """The general passes read the table's transfer columns as they are (int32 at any size
+    that fits: 16.8M rows a direction at P=4,096), casting to int64 wherever a product could
+    pass 2**31: the same programs as from int64 columns, ranged ones too."""
+    import torch
+    import fringe
+    from fringe import masks
+    from fringe.masks import BlockKind
+    S = P * 2 * 4 * 16                                  # 4 blocks of 16 a chunk
+    docs = torch.tensor([0] * (S // 3) + [1] * (S // 2) + [2] * (S - S // 3 - S // 2))
+    plan = fringe.plan(schedules.get(spec), masks.causal() & masks.document(docs), seq_len=S,
+                       world_size=P, block_size=16)
+    need = (plan.tiles != BlockKind.EMPTY).numpy()
+    kv = str(getattr(plan.kv, "value", plan.kv))
+    assert ProgramTable.of(plan.forward).ranged          # block ranges: the general passes
+    for progs, backward in ((plan.forward, False), (plan.backward, True)):
+        tab = ProgramTable.of(progs)
+        assert tab._parts[1]["src"].dtype == np.int32          # what production reads
+        wide = _wide(tab)
+        assert wide._parts[1]["src"].dtype == np.int64
+        assert wide.digest() == tab.digest()
+        if not backward:
+            for kv in ("resend", "keep"):
+                assert format_programs(passes._general_reverse(wide, kv)) == format_programs(
+                    passes._general_reverse(tab, kv)), (spec, kv)
+        assert passes._general_ok(wide, need, backward, kv) is True
+        assert passes._general_ok(tab, need, backward, kv) is True
+        less = need & ~np.eye(P, dtype=bool)
+        if not backward and less.any():
+            assert passes._general_prune(wide, less) == passes._general_prune(tab, less)
+
+
+def test_a_pass_output_concatenates_narrow_without_wrapping():
+    """The backward's transfer columns are concatenated as int32 only where every value fits
+    (else int64, exact), all zeros as zeroed pages; ``_of_parts(fresh=True)`` takes such an
+    array as the table's own, read-only."""
+    from fringe.schedules.passes._reverse import _cat_narrow
+    a, b = np.array([1, 2 ** 31 - 1], np.int64), np.array([-2 ** 31], np.int64)
+    got = _cat_narrow([a, b])
+    assert got.dtype == np.int32 and got.tolist() == [1, 2 ** 31 - 1, -2 ** 31]
+    big = _cat_narrow([a, np.array([2 ** 31], np.int64)])
+    assert big.dtype == np.int64 and big.tolist() == [1, 2 ** 31 - 1, 2 ** 31]
+    z = _cat_narrow([np.zeros(3, np.int64), np.zeros(0, np.int64)])
+    assert z.dtype == np.int32 and z.tolist() == [0, 0, 0]
+    step = _cat_narrow([np.array([0, 1], np.int64), np.array([1], np.int64)])
+    cols = dict(step=step, src=np.array([0, 1, 0]), dst=np.array([1, 0, 1]),
+                fam=np.array([1, 1, 1]), chunk=np.array([0, 1, 0]), order=np.array([0, 0, 1]))
+    empty = dict(rank=[], step=[], kind=[], q=[], kv=[], order=[])
+    tab = ProgramTable._of_parts(2, empty, cols, fresh=True)
+    assert tab._parts[1]["step"] is step and not step.flags.writeable
+    cols2 = dict(cols, step=np.array([0, 1, 1], np.int64))
+    kept = ProgramTable._of_parts(2, empty, cols2)          # not fresh: the table's own copy
+    assert kept._parts[1]["step"] is not cols2["step"]
+    cols2["step"][0] = 5
+    assert kept._parts[1]["step"].tolist() == [0, 1, 1]
+
+
+def test_int32_transfer_steps_neither_wrap_nor_overflow():
+    """Transfer steps read as int32 (the table's own columns) give the int64 answer: a write
+    step ``t + 1`` and the "never written" sentinel do not wrap (check would pass programs
+    that read a buffer before it arrives), and a backward ``T - t`` past 2**31 is exact."""
+    from fringe.schedules.ir import Recv, Send
+    kv1, dq = Buffer.of("kv", 1), Buffer.of("dq", 0, (0, 60000))   # HS ~ 1.8e9: sorted keys
+    cases = [[Program(0, (Step(0, (Send(dq, 1),)),)), Program(1, (Step(0, (Recv(dq, 0),)),))],
+             [Program(0, (Step(0, (Compute(0, 1),)), Step(2 ** 31 - 1, (Recv(kv1, 1),)))),
+              Program(1, (Step(0, (Compute(1, 1),)), Step(2 ** 31 - 1, (Send(kv1, 0),))))]]
+    for progs, what in zip(cases, ("sends dq0h0/60000, which is not on rank 0",
+                                   "needs kv1, which is not on rank 0")):
+        tab = ProgramTable.of(progs)
+        assert tab._parts[1]["step"].dtype == np.int32
+        for t in (tab, _wide(tab)):
+            with pytest.raises(ScheduleError, match=what):
+                passes._general_ok(t, None, False, "resend")
+    late = [Program(0, (Step(0, (Recv(kv1, 1),)), Step(2 ** 31 + 5, (Compute(0, 1),)))),
+            Program(1, (Step(0, (Send(kv1, 0), Compute(1, 1))),))]
+    tab = ProgramTable.of(late)
+    assert tab._parts[1]["step"].dtype == np.int32
+    for kv in ("resend", "keep"):
+        assert format_programs(passes._general_reverse(tab, kv)) == format_programs(
+            passes._general_reverse(_wide(tab), kv))
+
+
+def _orders_spread(tab: ProgramTable) -> ProgramTable:
+    """``tab`` with every order raised by ``(T - step) * 2**22``: the same programs (orders
+    only rank the ops of one rank's step), orders as large as a plan's row indices at
+    P=4,096 and, across steps, decreasing (a ``ProgramBuilder`` may number them so)."""
+    comp, xfer, coll = (dict(p) for p in tab._parts)
+    T = 1 + max(int(np.max(x["step"])) for x in (comp, xfer, coll) if len(x["step"]))
+
+    def spread(part, col):
+        return (T - np.asarray(part["step"], np.int64)) * (1 << 22) + np.asarray(part[col],
+                                                                                 np.int64)
+    comp["order"] = spread(comp, "order")
+    xfer["order"], xfer["rorder"] = spread(xfer, "order"), spread(xfer, "rorder")
+    coll["order"] = spread(coll, "order")
+    return ProgramTable._of_parts(tab.world_size, comp, xfer, coll)
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_reverse_orders_ops_by_program_order_however_large_the_orders(spec):
+    """The backward's re-sends go in the op rules' order (buffers by first read in program
+    order, then by first hop), keyed by (rank, step, order) with fields as wide as the
+    columns (a packed key with 20-bit fields would let such orders spill into the step
+    field): the same backward however the orders are numbered."""
+    need = _need(8, 3, 0.6)
+    progs = _op_programs(spec, 8, need)
+    tab = ProgramTable.of(progs)
+    big = _orders_spread(tab)
+    assert list(big.programs()) == list(tab.programs())
+    for kv in ("resend", "keep"):
+        want = format_programs(oracle.reverse(progs, kv=kv))
+        assert format_programs(passes._general_reverse(big, kv)) == want, kv
+        assert format_programs(passes._general_reverse(tab, kv)) == want, kv

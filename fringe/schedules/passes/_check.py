@@ -313,7 +313,7 @@ def _presence_ok(tab: ProgramTable, g: _Gen, backward: bool, kv: str) -> None:
     side = (g.cq, g.ckv)
     writes += [(cr[m], f, side[sd][m], chs[m], ct[m] + 1)
                for f, m, sd, _ in _tile_touches(g.ck, written=True)]
-    writes.append((g.xd, g.xf, g.xc, g.xhs, g.xt + 1))
+    writes.append((g.xd, g.xf, g.xc, g.xhs, g.xt + np.int64(1)))   # (int32 steps: no wrap)
     if backward and kv == "keep":
         writes.append((cr[isg], KV, g.ckv[isg], chs[isg], np.zeros(int(isg.sum()), np.int64)))
     srank, sstep = g.kr[g.ss], g.kt[g.ss]
@@ -443,16 +443,17 @@ def _write_steps(P: int, C: int, HS: int, ws: list, rs: list):
             for r, ch, hs, t in ws:
                 _assign_min(avail, r * n + ids[ch * HS + hs], t)
             return lambda r, ch, hs: avail[r * n + ids[ch * HS + hs]]
-    codes = ([ch * HS + hs for _, ch, hs, _ in itertools.chain(ws, rs)]
-             + [ch * HS for _, ch, _, _ in rs])
+    i64 = np.int64                                   # (chunk columns may be int32)
+    codes = ([ch.astype(i64) * HS + hs for _, ch, hs, _ in itertools.chain(ws, rs)]
+             + [ch.astype(i64) * HS for _, ch, _, _ in rs])
     ub = _uniq(np.concatenate(codes)) if codes else np.zeros(0, np.int64)
 
     def key(r, ch, hs):
-        return r * len(ub) + np.searchsorted(ub, ch * HS + hs)
+        return r.astype(i64) * len(ub) + np.searchsorted(ub, ch.astype(i64) * HS + hs)
     if not ws:
         return lambda r, ch, hs: np.full(len(r), never, dtype=np.int64)
     wk, wv = _min_by_key(np.concatenate([key(r, ch, hs) for r, ch, hs, _ in ws]),
-                         np.concatenate([t for *_, t in ws]))
+                         np.concatenate([t for *_, t in ws]).astype(np.int64, copy=False))
     return lambda r, ch, hs: _lookup(key(r, ch, hs), wk, wv, never)[0]
 
 

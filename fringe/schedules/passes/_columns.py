@@ -143,10 +143,15 @@ class _Gen:
         i64 = lambda d, ks: [_int64(d[k]) for k in ks]  # noqa: E731
         (self.cr, self.ct, self.ck, self.cq, self.ckv, self.co,
          self.chi, self.chn) = i64(comp, ("rank", "step", "kind", "q", "kv", "order", "hi", "hn"))
-        (self.xt, self.xs, self.xd, self.xf, self.xc, self.xo, self.xro,
-         self.xhi, self.xhn) = i64(xfer, ("step", "src", "dst", "fam", "chunk", "order", "rorder",
-                                          "hi", "hn"))
-        self.xrng = np.asarray(xfer["rng"], dtype=np.int64)
+        # The transfer columns are the table's own (read-only, int32 where they fit), not
+        # int64 copies: a plan has millions of transfers (16.8M a direction for zigzag at
+        # P=4,096 on documents), and nine int64 copies held while a table's columns are
+        # shared cost 1.2 GB. Arithmetic that could pass 2**31 casts first: keys through
+        # bkey / rkey / hs (int64 from the first operand), and the passes' own products
+        # (tests/test_general_passes.py checks that int32 columns give the int64 answer).
+        (self.xt, self.xs, self.xd, self.xf, self.xc, self.xo, self.xro, self.xhi, self.xhn,
+         self.xrng) = (xfer[k] for k in ("step", "src", "dst", "fam", "chunk", "order",
+                                          "rorder", "hi", "hn", "rng"))
         self.ranges = xfer["ranges"]                     # the block-range sets rng indexes
         (self.kr, self.kt, self.ko, self.kk, self.kg) = i64(coll, ("rank", "step", "order",
                                                                    "kind", "group"))
@@ -188,6 +193,7 @@ class _Gen:
 
     @staticmethod
     def hs(hi: np.ndarray, hn: np.ndarray) -> np.ndarray:
+        hn = np.asarray(hn, dtype=np.int64)         # hn * (hn - 1) passes 2**31 at 46,341
         return np.where(hn == 0, 0, hn * (hn - 1) // 2 + hi + 1)
 
     @staticmethod
@@ -331,11 +337,11 @@ class _Gen:
 
     def bkey(self, fam, chunk, hs):
         """A buffer as one int: (family, chunk, head slice code)."""
-        return (fam * self.C + chunk) * self.HS + hs
+        return (np.asarray(fam, dtype=np.int64) * self.C + chunk) * self.HS + hs
 
     def rkey(self, rank, fam, chunk, hs):
         """A (rank, buffer) pair as one int."""
-        return ((rank * _F + fam) * self.C + chunk) * self.HS + hs
+        return ((np.asarray(rank, dtype=np.int64) * _F + fam) * self.C + chunk) * self.HS + hs
 
 
 #: The largest dense ``[group, rank]`` member table :func:`_member_pos` allocates.

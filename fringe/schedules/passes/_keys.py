@@ -86,6 +86,8 @@ def _min_by_key(keys: np.ndarray, vals: np.ndarray, reduce=np.minimum):
 
 def _lookup(keys: np.ndarray, table_keys: np.ndarray, values: np.ndarray, default: int):
     """``values`` at ``keys`` in sorted ``table_keys`` (``default`` where absent), hit mask."""
+    if values.dtype.kind in "iu":           # int64 answers: a default such as int64 max must
+        default = np.int64(default)         # not wrap into int32 values
     if not len(table_keys):
         return np.full(len(keys), default, dtype=np.int64), np.zeros(len(keys), dtype=bool)
     lo, span = int(table_keys[0]), int(table_keys[-1]) - int(table_keys[0]) + 1
@@ -119,7 +121,7 @@ def _row_keys(*cols: np.ndarray) -> np.ndarray:
     lo = [int(c.min()) for c in cols]
     span = [int(c.max()) - m + 1 for c, m in zip(cols, lo)]
     if np.prod([float(w) for w in span]) < 2.0 ** 62:
-        key = cols[0] - lo[0]
+        key = np.asarray(cols[0], dtype=np.int64) - lo[0]     # int64 from here (int32 columns)
         for c, m, w in zip(cols[1:], lo[1:], span[1:]):
             key = key * w + (c - m)
         return key

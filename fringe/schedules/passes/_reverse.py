@@ -15,7 +15,8 @@ from . import _columns
 from ._check import _gen, check
 from ._columns import (_F, _FAMILIES, _FAMILY_CODE, _INPUTS, _KV, _OUT, _Q, _Gen, _slices, _table,
                        gc_paused)
-from ._keys import _assign_min, _by_step, _lookup, _member, _min_by_key, _runs, _spans, _uniq
+from ._keys import (_assign_min, _by_step, _lookup, _member, _min_by_key, _row_keys, _runs,
+                    _spans, _uniq)
 
 
 KV_MODES = ("resend", "keep")
@@ -79,7 +80,8 @@ def _reverse_parts(tab: ProgramTable, kv: str) -> list[Program] | None:
     T = max(int(ct.max()) if len(ct) else -1, int(xt.max()) if len(xt) else -1) + 1
     bcomp = dict(rank=cr, step=T - ct, kind=np.full(len(cr), ADJOINT_CODE[C_], np.int64), q=cq, kv=ckv,
                  order=comp["order"])
-    bx = [dict(step=T - xt, src=xd, dst=xs, fam=np.full(len(xs), _FAMILY_CODE[Family.DKV]),
+    Tx = T if T < 2 ** 31 else np.int64(T)  # (T - an int32 column: a Python int past it raises)
+    bx = [dict(step=Tx - xt, src=xd, dst=xs, fam=np.full(len(xs), _FAMILY_CODE[Family.DKV]),
                chunk=xc, order=xfer["rorder"], rorder=xfer["order"])]
     if kv == "resend":
         after = 1 + max([int(x["order"].max()) for x in (comp, xfer) if len(x["order"])])
@@ -203,8 +205,8 @@ def _resend_parts(P, T, cr, ct, ckv, xt, xs, xd, xc, xorder, after, owner=None, 
         gu = up[g]
         for lo, hi in zip(starts.tolist(), starts[1:].tolist() + [len(g)]):
             defined[g[lo:hi]] |= defined[gu[lo:hi]]
-    e = np.minimum(np.where(reads >= 0, T - reads, NONE),
-                   np.where(relay_up & defined[np.maximum(up, 0)], T - xt - 1, NONE))
+    e = np.minimum(np.where(reads >= 0, T - reads, NONE),     # (np.int64(T): xt may be int32)
+                   np.where(relay_up & defined[np.maximum(up, 0)], np.int64(T) - xt - 1, NONE))
     emit = np.nonzero(e != NONE)[0]
     key, e = in_key[emit], e[emit]
     del reads, relay_up, late, idx, up, in_key, out_key
@@ -437,16 +439,19 @@ def _general_reverse(tab: ProgramTable, kv: str, pad: int = 0) -> list[Program]:
     Q, KV, OUT = (_FAMILY_CODE[f] for f in (_Q, _KV, _OUT))
     T0 = 1 + max([int(x.max()) for x in (g.ct, g.xt, g.kt) if len(x)] or [-1])
     T = T0 + pad
-    cot = np.array([_FAMILY_CODE[f.cotangent] if f is not Family.ACC else -1 for f in _FAMILIES])
+    cot = np.array([_FAMILY_CODE[f.cotangent] if f is not Family.ACC else -1 for f in _FAMILIES],
+                   dtype=np.int32)
     # adjoints, at twice the forward order (+1: an op that goes with its adjoint)
     bcomp = dict(rank=g.cr, step=T - g.ct, kind=np.full(len(g.cr), ADJOINT_CODE[C_]), q=g.cq, kv=g.ckv,
                  order=2 * g.co, hi=g.chi, hn=g.chn)
-    xs = [dict(step=T - g.xt, src=g.xd, dst=g.xs, fam=cot[g.xf], chunk=g.xc, order=2 * g.xro,
-               rorder=2 * g.xo, hi=g.xhi, hn=g.xhn, rng=g.xrng)]    # the adjoint: same blocks
+    two = np.int64(2)                       # (order columns may be int32)
+    Tx = T if T < 2 ** 31 else np.int64(T)  # (T - an int32 column: a Python int past it raises)
+    xs = [dict(step=Tx - g.xt, src=g.xd, dst=g.xs, fam=cot[g.xf], chunk=g.xc, order=two * g.xro,
+               rorder=two * g.xo, hi=g.xhi, hn=g.xhn, rng=g.xrng)]  # the adjoint: same blocks
     o_ = g.xf == OUT                        # the merged (out, lse) goes with its cotangent
     if o_.any():
-        xs.append(dict(step=T - g.xt[o_], src=g.xd[o_], dst=g.xs[o_], fam=g.xf[o_],
-                       chunk=g.xc[o_], order=2 * g.xro[o_] + 1, rorder=2 * g.xo[o_] + 1,
+        xs.append(dict(step=Tx - g.xt[o_], src=g.xd[o_], dst=g.xs[o_], fam=g.xf[o_],
+                       chunk=g.xc[o_], order=two * g.xro[o_] + 1, rorder=two * g.xo[o_] + 1,
                        hi=g.xhi[o_], hn=g.xhn[o_], rng=g.xrng[o_]))
     adj = np.array([ir_kinds.index(COLLECTIVE_ADJOINT[k]) for k in ir_kinds])
     n_side = len(g.kr)
@@ -544,7 +549,8 @@ def _general_reverse(tab: ProgramTable, kv: str, pad: int = 0) -> list[Program]:
     except _Late as e:
         _late(tab, e.hop, e.arrival)
     xs.append(extra)
-    bxfer = {k: np.concatenate([x[k] for x in xs]) for k in xs[0]}
+    bxfer = {k: _cat_narrow([x.pop(k) for x in xs]) for k in list(xs[0])}   # (each piece
+    del xs, extra                                                           # freed as it goes)
     bxfer["ranges"] = g.ranges
     bcoll = {k: np.concatenate([x[k] for x in sides]) for k in sides[0]}
     sl = {k: np.concatenate([x[k] for x in slots]) for k in slots[0]}
@@ -552,7 +558,21 @@ def _general_reverse(tab: ProgramTable, kv: str, pad: int = 0) -> list[Program]:
     o = np.argsort((sl["slot_side"] * 2 + sl["slot_dir"]) * n_idx + sl["slot_idx"])
     bcoll.update({k: v[o] for k, v in sl.items()})
     bcoll["groups"], bcoll["ranges"] = g.groups, g.sranges
-    return list(ProgramTable._of_parts(P, bcomp, bxfer, bcoll).programs())
+    return list(ProgramTable._of_parts(P, bcomp, bxfer, bcoll, fresh=True).programs())
+
+
+def _cat_narrow(parts: list) -> np.ndarray:
+    """``np.concatenate(parts)`` as int32 where every value fits (the table keeps it so:
+    :meth:`ProgramTable._of_parts` takes it with ``fresh=True``), else int64; all zeros as
+    fresh zeroed pages. The backward's transfers at P=4,096 are 16.8M rows: int64 pieces,
+    their int64 concatenation and the table's int32 copy were 2.4 GB at once."""
+    n = sum(len(p) for p in parts)
+    ext = [(int(p.min()), int(p.max())) for p in parts if len(p)]
+    lo, hi = min([e[0] for e in ext] or [0]), max([e[1] for e in ext] or [0])
+    if lo == hi == 0:
+        return np.zeros(n, np.int32)
+    fits = lo >= -2 ** 31 and hi < 2 ** 31             # checked: the cast cannot wrap
+    return np.concatenate(parts, dtype=np.int32 if fits else np.int64, casting="unsafe")
 
 
 def _remote_reads(g: _Gen, skip: np.ndarray) -> tuple[np.ndarray, ...]:
@@ -561,8 +581,9 @@ def _remote_reads(g: _Gen, skip: np.ndarray) -> tuple[np.ndarray, ...]:
     buffer code, position in program order: rank, step, order, q before kv)``."""
     P = g.P
     NBC = _F * P * g.HS                       # buffer codes (family, chunk, head slice)
-    big = np.int64(1) << 20
-    pos = ((g.cr * big + g.ct) * big + g.co) * 2
+    # (rank, step, order) as one increasing key: orders are row indices (millions at
+    # P=4,096), so no fixed field width holds them; _row_keys sizes the fields to the columns
+    pos = _row_keys(g.cr, g.ct, g.co) * 2
     side = (g.cq, g.ckv)
     c_reads = [(fam, side[sd]) for fam, sd, w in TILE_TOUCH_CODES[C_] if not w]
     reads = []
@@ -613,7 +634,7 @@ def _reads_arrive(tab: ProgramTable, g: _Gen, reads: tuple) -> None:
         plane[xd * n + ids[xb]] = True
         bad = ~plane[rr * n + ids[rb]]
     else:
-        bad = ~_member(rr * NBC + rb, _uniq(xd * NBC + xb))
+        bad = ~_member(rr * NBC + rb, _uniq(xd.astype(np.int64) * NBC + xb))
     if not bad.any():
         return
     i = np.flatnonzero(bad)[int(np.argmin(rp[bad]))]
@@ -649,7 +670,6 @@ def _general_resend(g: _Gen, T: int, fams: list, reads: tuple, after: int) -> di
     xt, xs, xd, xf, xc, xhs = (x[sel] for x in (g.xt, g.xs, g.xd, g.xf, g.xc, g.xhs))
     xo = g.xro[sel]
     NBC = _F * P * g.HS                       # buffer codes (family, chunk, head slice)
-    big = np.int64(1) << 20
     rr, rt, rb, rp = reads
     if len(fams) < len(_INPUTS):
         keep = np.isin(rb // (P * g.HS), fams)
@@ -663,13 +683,15 @@ def _general_resend(g: _Gen, T: int, fams: list, reads: tuple, after: int) -> di
     id_of = np.cumsum(used) - 1
     n = int(id_of[-1]) + 1
     # buffer ids in emission order: (family name, chunk, first appearance: reads, then hops)
-    first = np.full(n, np.iinfo(np.int64).max)
-    _assign_min(first, id_of[rb], rp)
-    _assign_min(first, id_of[xb], (np.int64(1) << 61) + (xd * big + xt) * big + xo)
+    never = np.iinfo(np.int64).max
+    first_r = np.full(n, never)               # the first read of each buffer (program order)
+    _assign_min(first_r, id_of[rb], rp)
+    first_h = np.full(n, never)               # else its first hop: (dst, step, order)
+    _assign_min(first_h, id_of[xb], _row_keys(xd, xt, xo))
     ub = np.flatnonzero(used)                 # buffer code of each compact id
     fam_rank = np.argsort(np.argsort([f.value for f in _FAMILIES]))
     ufam, uchunk = ub // g.HS // P, ub // g.HS % P
-    emit_order = np.lexsort((first, uchunk, fam_rank[ufam]))
+    emit_order = np.lexsort((first_h, first_r, uchunk, fam_rank[ufam]))
     bid = np.empty(n, np.int64)
     bid[emit_order] = np.arange(n)
     r_bid, x_bid = bid[id_of[rb]], bid[id_of[xb]]
