@@ -158,3 +158,24 @@ def test_the_cli_predicts_auto_on_this_machine_with_one_shared_calibration(tmp_p
     assert main(["predict", "--hardware", "cpu", "--calibration", str(path),
                  "--world-size", str(P), "--seq-len", str(S)]) == 2
     assert "--calibration" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("field, value", [
+    ("byte_s", float("nan")), ("latency_s", float("inf")), ("call_s", float("nan")),
+    ("masked", -1.0), ("causal", 0.0), ("bwd_masked", float("nan")), ("row_s", float("inf")),
+    ("fwd_flops", float("inf")), ("memory_bytes", float("nan")), ("memory_bytes", -1.0),
+    ("memory_bytes", "8e9"), ("byte_s", True), ("bwd_causal", "x"), ("node_size", 2.5),
+    ("name", None)])
+def test_a_calibration_file_edited_by_hand_is_refused_naming_the_field(tmp_path, field, value):
+    """NaN, inf, a negative or zero factor, a string or a bool in a calibration file would
+    predict NaN (auto crashed: IndexError) or a wrong pick (a negative masked factor): load
+    refuses it, naming the field, and so does Hardware itself."""
+    good = dataclasses.replace(fringe.cost.hardware.HARDWARE["cpu"], name=calibrate.SHARED)
+    d = json.loads(calibrate._to_text(good))
+    d["hardware"][field] = value
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps(d))                   # json writes NaN / Infinity as Python does
+    with pytest.raises(ValueError, match=rf"{field}.*run fringe\.cost\.calibrate\.shared"):
+        calibrate.load(path)
+    with pytest.raises(ValueError, match=field):
+        dataclasses.replace(good, **{field: value})
