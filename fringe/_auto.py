@@ -211,7 +211,7 @@ def source_of(hw: Hardware) -> str:
     """Where ``hw``'s constants come from, in words."""
     if hw.name == SHARED:
         return f"calibration shared by every rank: {hw.source}"
-    if HARDWARE.get(hw.name) is hw:
+    if HARDWARE.get(hw.name) == hw:
         if hw.name in MEASURED:
             return f"preset {hw.name!r} calibrated on {hw.source}"
         return (f"preset {hw.name!r}: {hw.source}; GPU presets never checked on a GPU "
@@ -229,7 +229,7 @@ def _shape(marker: Auto, hw: Hardware, num_heads: int | None) -> tuple[Shape, st
                              f"fringe.plan(num_heads={num_heads}): give the same H to both (or "
                              f"leave shape= out to predict for H=G={num_heads})")
         return marker.shape, "given: auto(shape=)"
-    preset = HARDWARE.get(hw.name) is hw
+    preset = HARDWARE.get(hw.name) == hw
     base = CALIBRATION_SHAPES.get(hw.name, OWN_SHAPE) if preset else OWN_SHAPE
     what = (f"the calibration shape of preset {hw.name!r}" if preset
             else "the default shape of calibrate()")

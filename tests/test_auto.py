@@ -72,6 +72,22 @@ def test_ties_within_1e_9_go_to_the_first_name():
     assert "ties go to the first by name" in p.explain()
 
 
+def test_a_copy_of_a_preset_chooses_as_the_preset_does():
+    """A preset that crossed a process boundary (pickled to a launched rank) or was copied is
+    the same constants: it must predict for the preset's shape and pick what the name picks
+    (an identity test made the copy predict for calibrate()'s CPU shape and pick another)."""
+    import pickle
+    for name in ("h100-ib", "cpu"):
+        hw = get_hardware(name)
+        picks = [fringe.plan(schedules.auto(hardware=h), masks.causal(), seq_len=8192,
+                             world_size=8, block_size=256).choice
+                 for h in (name, pickle.loads(pickle.dumps(hw)), copy.deepcopy(hw))]
+        for c in picks[1:]:
+            assert (c.winner, c.shape, c.shape_from, c.source) == (
+                picks[0].winner, picks[0].shape, picks[0].shape_from, picks[0].source)
+        assert "calibration shape of preset" in picks[0].shape_from
+
+
 _CHILD = """
 import torch, fringe
 from fringe import masks, schedules
