@@ -179,3 +179,25 @@ def test_a_calibration_file_edited_by_hand_is_refused_naming_the_field(tmp_path,
         calibrate.load(path)
     with pytest.raises(ValueError, match=field):
         dataclasses.replace(good, **{field: value})
+
+
+def test_a_calibration_path_that_is_a_folder_or_unreadable_is_one_error_line(tmp_path, capsys,
+                                                                           monkeypatch):
+    """`--calibration DIR` (or a file that is not text) is a bad argument: exit 2 with one
+    line, no traceback and nothing measured (it was an IsADirectoryError traceback)."""
+    from fringe.__main__ import main
+
+    def no_measuring(**kw):
+        raise AssertionError("measured although --calibration cannot be loaded")
+    monkeypatch.setattr(calibrate, "_kernels", no_measuring)
+    binary = tmp_path / "calib.bin"
+    binary.write_bytes(b"\xff\xfe\x00garbage")
+    for path, what in ((tmp_path, "is a folder"), (binary, "is not text")):
+        argv = ["predict", "--hardware", "this", "--calibration", str(path), "--schedules",
+                "auto", "--world-size", "2", "--seq-len", "1024", "--mask", "causal"]
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and what in err and err.count("\n") == 1
+        with pytest.raises(ValueError, match=what):
+            calibrate.load(path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["calib.bin"]     # nothing left

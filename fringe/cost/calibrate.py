@@ -306,10 +306,21 @@ def load(path: str | os.PathLike) -> Hardware:
 
     Raises:
         ValueError: the file is not a calibration file of this format, naming what is wrong
-            and the fix (delete it and run :func:`shared` with ``path=`` again).
+            and the fix (delete it and run :func:`shared` with ``path=`` again); ``path`` is a
+            folder or cannot be read.
     """
-    with open(os.fspath(path)) as f:
-        return _from_text(f.read(), what=f"calibration file {os.fspath(path)!r}")
+    what = f"calibration file {os.fspath(path)!r}"
+    fix = "give the path of a file fringe.cost.calibrate.save() or shared(path=...) wrote"
+    if os.path.isdir(path):
+        raise ValueError(f"{what} is a folder, not a file; {fix}")
+    try:
+        with open(os.fspath(path), "rb") as f:
+            text = f.read().decode()
+    except PermissionError as e:
+        raise ValueError(f"{what} cannot be read ({e.strerror}); {fix}") from None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{what} is not text ({e}); {fix}") from None
+    return _from_text(text, what=what)
 
 
 def _to_text(hw: Hardware) -> str:
