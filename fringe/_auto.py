@@ -154,6 +154,8 @@ class Choice:
         """The candidates with their predictions, the winner and why, and the constants."""
         rows, left = [], []
         won = next((c for c in self.candidates if c.name == self.winner), None)
+        # a tie is within TIE of the least (what resolve_kinds broke by name), not of the winner
+        least = min((c.step_s for c in self.candidates if c.runs), default=None)
         for c in self.ranked():
             if not c.runs:
                 left.append(f"  {c.name}: {c.excluded}")
@@ -162,7 +164,7 @@ class Choice:
                 note = "chosen"
             else:
                 slower = c.step_s / won.step_s - 1 if won is not None else float("nan")
-                note = f"+{slower:.1%}" + (" (tie)" if c.step_s <= won.step_s * (1 + TIE)
+                note = f"{slower:+.1%}" + (" (tie)" if c.step_s <= least * (1 + TIE)
                                            else "")
             rows.append([c.name, f"{c.step_s * 1e3:.4g}", f"{c.forward_s * 1e3:.4g}",
                          f"{c.backward_s * 1e3:.4g}", f"{c.forward_bytes / 1e6:.4g}",

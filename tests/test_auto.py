@@ -88,6 +88,24 @@ def test_a_copy_of_a_preset_chooses_as_the_preset_does():
         assert "calibration shape of preset" in picks[0].shape_from
 
 
+def test_explain_marks_as_ties_only_the_candidates_that_tied():
+    """A tie is within TIE of the least prediction (the rule the pick used); explain() marked
+    a candidate within TIE of a winner that was itself a tie above the least, which had not
+    tied, as '(tie)', and printed '+-0.0%' for a tied one faster than the winner."""
+    def cand(name, step):
+        return _auto.Candidate(name, step_s=step, forward_s=step / 2, backward_s=step / 2,
+                               forward_bytes=0.0, balance=1.0, memory_bytes=1.0)
+    rows = (cand("zz", 1.0), cand("aa", 1.0 + 0.9e-9), cand("bb", 1.0 + 1.5e-9))
+    tied = sorted(c.name for c in rows if c.step_s <= 1.0 * (1 + _auto.TIE))
+    assert tied == ["aa", "zz"]
+    choice = _auto.Choice("aa", rows, get_hardware("cpu"), _auto.CALIBRATION_SHAPES["cpu"],
+                          "given", "test", _auto._why("aa", tied, list(rows)))
+    lines = {line.split()[0]: line for line in choice.table().splitlines()
+             if line.split() and line.split()[0] in ("aa", "bb", "zz")}
+    assert lines["zz"].endswith("(tie)") and "+-" not in lines["zz"]
+    assert not lines["bb"].endswith("(tie)") and lines["aa"].endswith("chosen")
+
+
 _CHILD = """
 import torch, fringe
 from fringe import masks, schedules
