@@ -268,6 +268,12 @@ def candidates(world_size: int, *, heads: int | None = None, kv_heads: int | Non
             raise ValueError("schedules.auto(candidates=) cannot list auto itself")
         why = registry.why_not(name, world_size=world_size, heads=heads, kv_heads=kv_heads)
         out.append((name, None, why) if why else (name, sched, None))
+    seen = [n for n, _, _ in out]
+    twice = sorted({n for n in seen if seen.count(n) > 1})
+    if twice:      # the search keys plans and ties by name: one name, one candidate
+        raise ValueError(f"schedules.auto(candidates=) lists {twice} more than once (a spec "
+                         f"and a schedule of that spec, or two schedules of one name): give "
+                         f"each candidate once, hand-made schedules each a name of their own")
     return out
 
 

@@ -268,6 +268,17 @@ def test_candidates_may_be_given_and_a_hand_made_schedule_competes():
     assert p.choice.winner == "zigzag"       # ring-like "mine" is unbalanced on causal
 
 
+def test_a_candidate_listed_twice_is_refused_naming_it():
+    """Plans and ties are kept by name: a hand-made schedule named like a listed one (or one
+    listed twice) made the search lose the winner's plan (KeyError) or keep the wrong one."""
+    from fringe import layout
+    mine = schedules.Schedule("zigzag", layout=layout.contiguous, hops=schedules.ring_hops)
+    for given in (["zigzag", mine], [mine, "zigzag"], ["ring", schedules.ring()]):
+        with pytest.raises(ValueError, match="more than once"):
+            fringe.plan(schedules.auto(candidates=given), MASKS["causal"], seq_len=S,
+                        world_size=P, block_size=BS)
+
+
 def test_candidates_over_the_presets_memory_cannot_run():
     # the same search with no memory limit, then with a limit below the unlimited winner's
     # predicted peak: what is over it is listed as unable to run and never picked
