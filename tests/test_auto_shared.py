@@ -201,3 +201,28 @@ def test_a_calibration_path_that_is_a_folder_or_unreadable_is_one_error_line(tmp
         with pytest.raises(ValueError, match=what):
             calibrate.load(path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["calib.bin"]     # nothing left
+
+
+def worker_settings_differ(rank: int, world_size: int, which: str) -> str | None:
+    torch.set_num_threads(1)
+    kw = dict(QUICK)
+    kw.update({"comm": dict(comm=rank == 0), "heads": dict(heads=1 + rank),
+               "moved_len": dict(moved_len=256 * (1 + rank))}[which])
+    try:
+        calibrate.shared(**kw)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_ranks_given_different_settings_all_raise_before_measuring():
+    """shared() with comm=/heads=/moved_len= differing between ranks: rank 0 waited in the
+    pair measurement for a rank that never came (a gloo timeout, 30 min by default); now every
+    rank raises at once, naming the setting."""
+    import time
+    t0 = time.perf_counter()
+    for which in ("comm", "heads"):
+        res = run(worker_settings_differ, which, world_size=2, timeout_s=60)
+        for r in res:
+            assert r is not None and "different settings" in r and which in r
+    assert time.perf_counter() - t0 < 50

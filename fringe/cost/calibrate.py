@@ -379,8 +379,9 @@ def shared(*, group=None, path: str | os.PathLike | None = None, comm: bool = Tr
 
     Raises:
         ValueError: ``group`` given without an initialized ``torch.distributed``; ``moved_len``
-            as :func:`calibrate` refuses it; or rank 0 could not load or measure (every rank
-            raises rank 0's reason).
+            as :func:`calibrate` refuses it; ranks given different settings (``comm``,
+            ``heads``, ...: every rank raises, naming them); or rank 0 could not load or
+            measure (every rank raises rank 0's reason).
     """
     import torch.distributed as dist
     _check_moved_len(moved_len)
@@ -403,6 +404,19 @@ def shared(*, group=None, path: str | os.PathLike | None = None, comm: bool = Tr
         return hw
     rank, n = dist.get_rank(group), dist.get_world_size(group)
     root = dist.get_global_rank(group or dist.group.WORLD, 0)
+    # ranks 0 and 1 measure together (comm) on tensors these settings size: if a rank was
+    # given other settings, every rank says so now (rank 0 would wait on rank 1 in _pair)
+    mine = dict(comm=bool(comm), **{k: (str(v) if k == "dtype" else v) for k, v in kw.items()})
+    every = [None] * n
+    dist.all_gather_object(every, mine, group=group)
+    differ = [r for r in range(n) if every[r] != every[0]]
+    if differ:
+        keys = sorted(k for k in mine if any(every[r][k] != every[0][k] for r in differ))
+        raise ValueError(f"fringe.cost.calibrate.shared(): the ranks of the group were given "
+                         f"different settings ({', '.join(keys)}): rank 0 has "
+                         f"{ {k: every[0][k] for k in keys} }, rank {differ[0]} "
+                         f"{ {k: every[differ[0]][k] for k in keys} }; call it with the same "
+                         f"arguments on every rank (only path= may differ: rank 0's is used)")
     # rank 0 decides (load or measure) and tells the others, who may not see its file
     decision = [path is not None and os.path.exists(path)] if rank == 0 else [None]
     if rank == 0 and not decision[0] and _unwritable(path):
