@@ -128,6 +128,8 @@ class Choice:
         search_s: wall seconds the search took (planning and simulating every candidate).
         kinds: with several layer kinds (``fringe.hf.plans``), ``(kind, number of layers)``
             for each, in the order of :attr:`Candidate.parts`; empty for one plan.
+        searched: the call the search predicted for (mask, S, P, block), which a reused
+            choice's table describes, not the reusing call's; empty when unknown.
     """
 
     winner: str
@@ -140,6 +142,7 @@ class Choice:
     reused: str | None = None
     search_s: float = 0.0
     kinds: tuple[tuple[str, int], ...] = ()
+    searched: str = ""
 
     def ranked(self) -> list[Candidate]:
         """The candidates that can run, fastest first (ties by name), then those that cannot
@@ -174,8 +177,10 @@ class Choice:
         lines = [f"schedules.auto() chose {self.winner}" + (f" · {title}" if title else "")]
         if self.reused is not None:
             lines.append(f"reused the choice of an earlier plan ({self.reused}): planned it "
-                         f"again with no search" + ("; the table is that search's" if rows
-                                                    else "; that plan kept no table"))
+                         f"again with no search" + (
+                             "; the table and why are that search's"
+                             + (f", predicted for {self.searched}" if self.searched else "")
+                             if rows else "; that plan kept no table"))
         if rows:
             lines.append(tabulate(rows, headers=["candidate", "step ms", "fwd ms", "bwd ms",
                                                  "fwd MB/rank", "balance", "mem MB/rank"]
@@ -387,7 +392,8 @@ def resolve_kinds(marker: Auto, plan_kinds: Callable[[Schedule], Sequence[PlanLi
     winner = tied[0]
     choice = Choice(winner, tuple(rows), hw, shape, shape_from, source_of(hw),
                     _why(winner, tied, ran), search_s=time.perf_counter() - t0,
-                    kinds=tuple((str(k), int(n)) for k, n in kinds))
+                    kinds=tuple((str(k), int(n)) for k, n in kinds),
+                    searched=_sizes(plans[winner][0]))
     for p in plans[winner]:
         p.cache.auto = choice
     return plans[winner]
@@ -433,6 +439,15 @@ def _why(winner: str, tied: list[str], ran: list[Candidate]) -> str:
     r = rest[0]
     return (f"least predicted step time, {w.step_s * 1e3:.4g} ms, {1 - w.step_s / r.step_s:.1%} "
             f"below the runner-up {r.name} ({r.step_s * 1e3:.4g} ms)")
+
+
+def _sizes(p: PlanLike) -> str:
+    """The call a plan was made for, in words (what :meth:`fringe.Plan.explain` titles)."""
+    try:
+        return (f"{getattr(p.mask_mod, '__name__', 'mask')} · S={p.seq_len} "
+                f"P={p.world_size} block={p.block_size}")
+    except AttributeError:
+        return ""
 
 
 def _name(s: Schedule) -> str:

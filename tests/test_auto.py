@@ -182,6 +182,24 @@ def test_reuse_plans_exactly_one_schedule_and_no_search(monkeypatch):
     assert planned == _planned(full.choice) and len(planned) == 12
 
 
+def test_a_reused_choice_says_which_call_its_table_predicted_for():
+    """auto(reuse=) for another mask and length prints the earlier search's table and why
+    under the new plan's title: explain() says they were predicted for the earlier call (the
+    one that searched, through a chain of reuses), not for this one."""
+    first = fringe.plan(schedules.auto(), masks.causal(), seq_len=S, world_size=P,
+                        block_size=BS)
+    then = masks.sliding_window(64)
+    again = fringe.plan(schedules.auto(reuse=first), then, seq_len=2 * S, world_size=P,
+                        block_size=BS)
+    twice = fringe.plan(schedules.auto(reuse=again), then, seq_len=2 * S, world_size=P,
+                        block_size=BS)
+    searched = f"causal · S={S} P={P} block={BS}"
+    for p in (again, twice):
+        text = p.explain()
+        assert f"S={2 * S} P={P}" in text.splitlines()[0]
+        assert f"the table and why are that search's, predicted for {searched}" in text
+
+
 @pytest.mark.parametrize("mask", ["causal", "documents"])
 def test_the_auto_plan_computes_dense_attention_exactly(mask):
     m = masks.causal() if mask == "causal" else masks.causal() & masks.document(DOCS[::4])
