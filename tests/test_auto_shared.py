@@ -192,14 +192,15 @@ def test_a_calibration_path_that_is_a_folder_or_unreadable_is_one_error_line(tmp
     monkeypatch.setattr(calibrate, "_kernels", no_measuring)
     binary = tmp_path / "calib.bin"
     binary.write_bytes(b"\xff\xfe\x00garbage")
-    for path, what in ((tmp_path, "is a folder"), (binary, "is not text")):
+    for path, what in ((tmp_path, "is a folder"), (binary, "is not text"),
+                       (f"{tmp_path / 'new'}/", "names a folder")):
         argv = ["predict", "--hardware", "this", "--calibration", str(path), "--schedules",
                 "auto", "--world-size", "2", "--seq-len", "1024", "--mask", "causal"]
         assert main(argv) == 2
         err = capsys.readouterr().err
         assert err.startswith("error: ") and what in err and err.count("\n") == 1
         with pytest.raises(ValueError, match=what):
-            calibrate.load(path)
+            calibrate.shared(path=path, comm=False, **QUICK)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["calib.bin"]     # nothing left
 
 

@@ -452,6 +452,9 @@ def _unwritable(path) -> str | None:
     anything is measured."""
     if path is None:
         return None
+    if os.fspath(path).endswith((os.sep, "/")) or os.path.isdir(path):
+        return (f"cannot save the calibration to {os.fspath(path)!r}: it names a folder; give "
+                f"a file name (e.g. {os.path.join(os.fspath(path), 'calib.json')!r})")
     folder = os.path.dirname(os.path.abspath(os.fspath(path)))
     if not os.path.isdir(folder):
         return (f"cannot save the calibration to {os.fspath(path)!r}: the folder {folder!r} "
