@@ -122,6 +122,11 @@ def test_per_rank_calibration_is_refused_naming_the_fix(tmp_path):
         schedules.auto(hardware="this")
     with pytest.raises(ValueError, match="torch.distributed is not initialized"):
         calibrate.shared(group=object())
+    # a file of one process's own calibration is not a shared one: shared(path=) says so
+    # (it returned the Hardware named 'this', which auto then refused, blaming calibrate())
+    calibrate.save(own, tmp_path / "own.json")
+    with pytest.raises(ValueError, match="holds a per-process calibration"):
+        calibrate.shared(path=tmp_path / "own.json", comm=False, **QUICK)
     # a file that is not a calibration says so and how to fix it
     for text, what in (("[1, 2]", "not a calibration file"),
                        (json.dumps({"format": calibrate.FORMAT, "hardware": {"name": "x"}}),

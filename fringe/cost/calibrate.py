@@ -395,7 +395,7 @@ def shared(*, group=None, path: str | os.PathLike | None = None, comm: bool = Tr
               moved_len=moved_len)
     if not on:
         if path is not None and os.path.exists(path):
-            return load(path)
+            return _load_shared(path)
         if _unwritable(path):
             raise ValueError(_unwritable(path))
         hw = _measure(name=SHARED, prefix=_prefix(1), comm=comm, pair=None, **kw)
@@ -432,7 +432,7 @@ def shared(*, group=None, path: str | os.PathLike | None = None, comm: bool = Tr
     if rank == 0:
         try:
             if decision[0]:
-                hw = load(path)
+                hw = _load_shared(path)
             else:
                 hw = _measure(name=SHARED, prefix=_prefix(n), comm=comm, pair=pair, **kw)
                 if path is not None:
@@ -445,6 +445,19 @@ def shared(*, group=None, path: str | os.PathLike | None = None, comm: bool = Tr
     if status != "ok":
         raise ValueError(f"fringe.cost.calibrate.shared(): rank 0 could not calibrate: {text}")
     return _from_text(text, what="the calibration rank 0 broadcast")
+
+
+def _load_shared(path) -> Hardware:
+    """:func:`load`, refusing a file that holds one process's own calibration
+    (:func:`calibrate`, named ``"this"``): shared() returns constants named :data:`SHARED`,
+    and ``schedules.auto()`` would refuse that one later, blaming calibrate()."""
+    hw = load(path)
+    if hw.name == PER_RANK:
+        raise ValueError(f"calibration file {os.fspath(path)!r} holds a per-process "
+                         f"calibration (fringe.cost.calibrate.calibrate(), named "
+                         f"{PER_RANK!r}), not a shared one; delete it and run "
+                         f"fringe.cost.calibrate.shared(path=...) to measure and save again")
+    return hw
 
 
 def _unwritable(path) -> str | None:
