@@ -128,6 +128,8 @@ class Choice:
         search_s: wall seconds the search took (planning and simulating every candidate).
         kinds: with several layer kinds (``fringe.hf.plans``), ``(kind, number of layers)``
             for each, in the order of :attr:`Candidate.parts`; empty for one plan.
+        searched: the call the search predicted for (mask, S, P, block), which a reused
+            choice's table describes, not the reusing call's; empty when unknown.
     """
 
     winner: str
@@ -140,6 +142,7 @@ class Choice:
     reused: str | None = None
     search_s: float = 0.0
     kinds: tuple[tuple[str, int], ...] = ()
+    searched: str = ""
 
     def ranked(self) -> list[Candidate]:
         """The candidates that can run, fastest first (ties by name), then those that cannot
@@ -154,6 +157,8 @@ class Choice:
         """The candidates with their predictions, the winner and why, and the constants."""
         rows, left = [], []
         won = next((c for c in self.candidates if c.name == self.winner), None)
+        # a tie is within TIE of the least (what resolve_kinds broke by name), not of the winner
+        least = min((c.step_s for c in self.candidates if c.runs), default=None)
         for c in self.ranked():
             if not c.runs:
                 left.append(f"  {c.name}: {c.excluded}")
@@ -162,7 +167,7 @@ class Choice:
                 note = "chosen"
             else:
                 slower = c.step_s / won.step_s - 1 if won is not None else float("nan")
-                note = f"+{slower:.1%}" + (" (tie)" if c.step_s <= won.step_s * (1 + TIE)
+                note = f"{slower:+.1%}" + (" (tie)" if c.step_s <= least * (1 + TIE)
                                            else "")
             rows.append([c.name, f"{c.step_s * 1e3:.4g}", f"{c.forward_s * 1e3:.4g}",
                          f"{c.backward_s * 1e3:.4g}", f"{c.forward_bytes / 1e6:.4g}",
@@ -172,8 +177,10 @@ class Choice:
         lines = [f"schedules.auto() chose {self.winner}" + (f" · {title}" if title else "")]
         if self.reused is not None:
             lines.append(f"reused the choice of an earlier plan ({self.reused}): planned it "
-                         f"again with no search" + ("; the table is that search's" if rows
-                                                    else "; that plan kept no table"))
+                         f"again with no search" + (
+                             "; the table and why are that search's"
+                             + (f", predicted for {self.searched}" if self.searched else "")
+                             if rows else "; that plan kept no table"))
         if rows:
             lines.append(tabulate(rows, headers=["candidate", "step ms", "fwd ms", "bwd ms",
                                                  "fwd MB/rank", "balance", "mem MB/rank"]
@@ -211,7 +218,7 @@ def source_of(hw: Hardware) -> str:
     """Where ``hw``'s constants come from, in words."""
     if hw.name == SHARED:
         return f"calibration shared by every rank: {hw.source}"
-    if HARDWARE.get(hw.name) is hw:
+    if HARDWARE.get(hw.name) == hw:
         if hw.name in MEASURED:
             return f"preset {hw.name!r} calibrated on {hw.source}"
         return (f"preset {hw.name!r}: {hw.source}; GPU presets never checked on a GPU "
@@ -229,7 +236,7 @@ def _shape(marker: Auto, hw: Hardware, num_heads: int | None) -> tuple[Shape, st
                              f"fringe.plan(num_heads={num_heads}): give the same H to both (or "
                              f"leave shape= out to predict for H=G={num_heads})")
         return marker.shape, "given: auto(shape=)"
-    preset = HARDWARE.get(hw.name) is hw
+    preset = HARDWARE.get(hw.name) == hw
     base = CALIBRATION_SHAPES.get(hw.name, OWN_SHAPE) if preset else OWN_SHAPE
     what = (f"the calibration shape of preset {hw.name!r}" if preset
             else "the default shape of calibrate()")
@@ -266,6 +273,12 @@ def candidates(world_size: int, *, heads: int | None = None, kv_heads: int | Non
             raise ValueError("schedules.auto(candidates=) cannot list auto itself")
         why = registry.why_not(name, world_size=world_size, heads=heads, kv_heads=kv_heads)
         out.append((name, None, why) if why else (name, sched, None))
+    seen = [n for n, _, _ in out]
+    twice = sorted({n for n in seen if seen.count(n) > 1})
+    if twice:      # the search keys plans and ties by name: one name, one candidate
+        raise ValueError(f"schedules.auto(candidates=) lists {twice} more than once (a spec "
+                         f"and a schedule of that spec, or two schedules of one name): give "
+                         f"each candidate once, hand-made schedules each a name of their own")
     return out
 
 
@@ -379,7 +392,8 @@ def resolve_kinds(marker: Auto, plan_kinds: Callable[[Schedule], Sequence[PlanLi
     winner = tied[0]
     choice = Choice(winner, tuple(rows), hw, shape, shape_from, source_of(hw),
                     _why(winner, tied, ran), search_s=time.perf_counter() - t0,
-                    kinds=tuple((str(k), int(n)) for k, n in kinds))
+                    kinds=tuple((str(k), int(n)) for k, n in kinds),
+                    searched=_sizes(plans[winner][0]))
     for p in plans[winner]:
         p.cache.auto = choice
     return plans[winner]
@@ -425,6 +439,15 @@ def _why(winner: str, tied: list[str], ran: list[Candidate]) -> str:
     r = rest[0]
     return (f"least predicted step time, {w.step_s * 1e3:.4g} ms, {1 - w.step_s / r.step_s:.1%} "
             f"below the runner-up {r.name} ({r.step_s * 1e3:.4g} ms)")
+
+
+def _sizes(p: PlanLike) -> str:
+    """The call a plan was made for, in words (what :meth:`fringe.Plan.explain` titles)."""
+    try:
+        return (f"{getattr(p.mask_mod, '__name__', 'mask')} · S={p.seq_len} "
+                f"P={p.world_size} block={p.block_size}")
+    except AttributeError:
+        return ""
 
 
 def _name(s: Schedule) -> str:

@@ -72,6 +72,40 @@ def test_ties_within_1e_9_go_to_the_first_name():
     assert "ties go to the first by name" in p.explain()
 
 
+def test_a_copy_of_a_preset_chooses_as_the_preset_does():
+    """A preset that crossed a process boundary (pickled to a launched rank) or was copied is
+    the same constants: it must predict for the preset's shape and pick what the name picks
+    (an identity test made the copy predict for calibrate()'s CPU shape and pick another)."""
+    import pickle
+    for name in ("h100-ib", "cpu"):
+        hw = get_hardware(name)
+        picks = [fringe.plan(schedules.auto(hardware=h), masks.causal(), seq_len=8192,
+                             world_size=8, block_size=256).choice
+                 for h in (name, pickle.loads(pickle.dumps(hw)), copy.deepcopy(hw))]
+        for c in picks[1:]:
+            assert (c.winner, c.shape, c.shape_from, c.source) == (
+                picks[0].winner, picks[0].shape, picks[0].shape_from, picks[0].source)
+        assert "calibration shape of preset" in picks[0].shape_from
+
+
+def test_explain_marks_as_ties_only_the_candidates_that_tied():
+    """A tie is within TIE of the least prediction (the rule the pick used); explain() marked
+    a candidate within TIE of a winner that was itself a tie above the least, which had not
+    tied, as '(tie)', and printed '+-0.0%' for a tied one faster than the winner."""
+    def cand(name, step):
+        return _auto.Candidate(name, step_s=step, forward_s=step / 2, backward_s=step / 2,
+                               forward_bytes=0.0, balance=1.0, memory_bytes=1.0)
+    rows = (cand("zz", 1.0), cand("aa", 1.0 + 0.9e-9), cand("bb", 1.0 + 1.5e-9))
+    tied = sorted(c.name for c in rows if c.step_s <= 1.0 * (1 + _auto.TIE))
+    assert tied == ["aa", "zz"]
+    choice = _auto.Choice("aa", rows, get_hardware("cpu"), _auto.CALIBRATION_SHAPES["cpu"],
+                          "given", "test", _auto._why("aa", tied, list(rows)))
+    lines = {line.split()[0]: line for line in choice.table().splitlines()
+             if line.split() and line.split()[0] in ("aa", "bb", "zz")}
+    assert lines["zz"].endswith("(tie)") and "+-" not in lines["zz"]
+    assert not lines["bb"].endswith("(tie)") and lines["aa"].endswith("chosen")
+
+
 _CHILD = """
 import torch, fringe
 from fringe import masks, schedules
@@ -146,6 +180,24 @@ def test_reuse_plans_exactly_one_schedule_and_no_search(monkeypatch):
     planned.clear()                                      # a full search plans every candidate
     full = real_plan(schedules.auto(), m, seq_len=S, world_size=P, block_size=BS)
     assert planned == _planned(full.choice) and len(planned) == 12
+
+
+def test_a_reused_choice_says_which_call_its_table_predicted_for():
+    """auto(reuse=) for another mask and length prints the earlier search's table and why
+    under the new plan's title: explain() says they were predicted for the earlier call (the
+    one that searched, through a chain of reuses), not for this one."""
+    first = fringe.plan(schedules.auto(), masks.causal(), seq_len=S, world_size=P,
+                        block_size=BS)
+    then = masks.sliding_window(64)
+    again = fringe.plan(schedules.auto(reuse=first), then, seq_len=2 * S, world_size=P,
+                        block_size=BS)
+    twice = fringe.plan(schedules.auto(reuse=again), then, seq_len=2 * S, world_size=P,
+                        block_size=BS)
+    searched = f"causal · S={S} P={P} block={BS}"
+    for p in (again, twice):
+        text = p.explain()
+        assert f"S={2 * S} P={P}" in text.splitlines()[0]
+        assert f"the table and why are that search's, predicted for {searched}" in text
 
 
 @pytest.mark.parametrize("mask", ["causal", "documents"])
@@ -232,6 +284,17 @@ def test_candidates_may_be_given_and_a_hand_made_schedule_competes():
                     MASKS["causal"], seq_len=S, world_size=P, block_size=BS)
     assert [c.name for c in p.choice.candidates] == ["mine", "zigzag", "striped:4"]
     assert p.choice.winner == "zigzag"       # ring-like "mine" is unbalanced on causal
+
+
+def test_a_candidate_listed_twice_is_refused_naming_it():
+    """Plans and ties are kept by name: a hand-made schedule named like a listed one (or one
+    listed twice) made the search lose the winner's plan (KeyError) or keep the wrong one."""
+    from fringe import layout
+    mine = schedules.Schedule("zigzag", layout=layout.contiguous, hops=schedules.ring_hops)
+    for given in (["zigzag", mine], [mine, "zigzag"], ["ring", schedules.ring()]):
+        with pytest.raises(ValueError, match="more than once"):
+            fringe.plan(schedules.auto(candidates=given), MASKS["causal"], seq_len=S,
+                        world_size=P, block_size=BS)
 
 
 def test_candidates_over_the_presets_memory_cannot_run():

@@ -122,6 +122,11 @@ def test_per_rank_calibration_is_refused_naming_the_fix(tmp_path):
         schedules.auto(hardware="this")
     with pytest.raises(ValueError, match="torch.distributed is not initialized"):
         calibrate.shared(group=object())
+    # a file of one process's own calibration is not a shared one: shared(path=) says so
+    # (it returned the Hardware named 'this', which auto then refused, blaming calibrate())
+    calibrate.save(own, tmp_path / "own.json")
+    with pytest.raises(ValueError, match="holds a per-process calibration"):
+        calibrate.shared(path=tmp_path / "own.json", comm=False, **QUICK)
     # a file that is not a calibration says so and how to fix it
     for text, what in (("[1, 2]", "not a calibration file"),
                        (json.dumps({"format": calibrate.FORMAT, "hardware": {"name": "x"}}),
@@ -158,3 +163,72 @@ def test_the_cli_predicts_auto_on_this_machine_with_one_shared_calibration(tmp_p
     assert main(["predict", "--hardware", "cpu", "--calibration", str(path),
                  "--world-size", str(P), "--seq-len", str(S)]) == 2
     assert "--calibration" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("field, value", [
+    ("byte_s", float("nan")), ("latency_s", float("inf")), ("call_s", float("nan")),
+    ("masked", -1.0), ("causal", 0.0), ("bwd_masked", float("nan")), ("row_s", float("inf")),
+    ("fwd_flops", float("inf")), ("memory_bytes", float("nan")), ("memory_bytes", -1.0),
+    ("memory_bytes", "8e9"), ("byte_s", True), ("bwd_causal", "x"), ("node_size", 2.5),
+    ("name", None)])
+def test_a_calibration_file_edited_by_hand_is_refused_naming_the_field(tmp_path, field, value):
+    """NaN, inf, a negative or zero factor, a string or a bool in a calibration file would
+    predict NaN (auto crashed: IndexError) or a wrong pick (a negative masked factor): load
+    refuses it, naming the field, and so does Hardware itself."""
+    good = dataclasses.replace(fringe.cost.hardware.HARDWARE["cpu"], name=calibrate.SHARED)
+    d = json.loads(calibrate._to_text(good))
+    d["hardware"][field] = value
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps(d))                   # json writes NaN / Infinity as Python does
+    with pytest.raises(ValueError, match=rf"{field}.*run fringe\.cost\.calibrate\.shared"):
+        calibrate.load(path)
+    with pytest.raises(ValueError, match=field):
+        dataclasses.replace(good, **{field: value})
+
+
+def test_a_calibration_path_that_is_a_folder_or_unreadable_is_one_error_line(tmp_path, capsys,
+                                                                           monkeypatch):
+    """`--calibration DIR` (or a file that is not text) is a bad argument: exit 2 with one
+    line, no traceback and nothing measured (it was an IsADirectoryError traceback)."""
+    from fringe.__main__ import main
+
+    def no_measuring(**kw):
+        raise AssertionError("measured although --calibration cannot be loaded")
+    monkeypatch.setattr(calibrate, "_kernels", no_measuring)
+    binary = tmp_path / "calib.bin"
+    binary.write_bytes(b"\xff\xfe\x00garbage")
+    for path, what in ((tmp_path, "is a folder"), (binary, "is not text"),
+                       (f"{tmp_path / 'new'}/", "names a folder")):
+        argv = ["predict", "--hardware", "this", "--calibration", str(path), "--schedules",
+                "auto", "--world-size", "2", "--seq-len", "1024", "--mask", "causal"]
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and what in err and err.count("\n") == 1
+        with pytest.raises(ValueError, match=what):
+            calibrate.shared(path=path, comm=False, **QUICK)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["calib.bin"]     # nothing left
+
+
+def worker_settings_differ(rank: int, world_size: int, which: str) -> str | None:
+    torch.set_num_threads(1)
+    kw = dict(QUICK)
+    kw.update({"comm": dict(comm=rank == 0), "heads": dict(heads=1 + rank),
+               "moved_len": dict(moved_len=256 * (1 + rank))}[which])
+    try:
+        calibrate.shared(**kw)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_ranks_given_different_settings_all_raise_before_measuring():
+    """shared() with comm=/heads=/moved_len= differing between ranks: rank 0 waited in the
+    pair measurement for a rank that never came (a gloo timeout, 30 min by default); now every
+    rank raises at once, naming the setting."""
+    import time
+    t0 = time.perf_counter()
+    for which in ("comm", "heads"):
+        res = run(worker_settings_differ, which, world_size=2, timeout_s=60)
+        for r in res:
+            assert r is not None and "different settings" in r and which in r
+    assert time.perf_counter() - t0 < 50

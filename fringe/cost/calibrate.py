@@ -306,10 +306,21 @@ def load(path: str | os.PathLike) -> Hardware:
 
     Raises:
         ValueError: the file is not a calibration file of this format, naming what is wrong
-            and the fix (delete it and run :func:`shared` with ``path=`` again).
+            and the fix (delete it and run :func:`shared` with ``path=`` again); ``path`` is a
+            folder or cannot be read.
     """
-    with open(os.fspath(path)) as f:
-        return _from_text(f.read(), what=f"calibration file {os.fspath(path)!r}")
+    what = f"calibration file {os.fspath(path)!r}"
+    fix = "give the path of a file fringe.cost.calibrate.save() or shared(path=...) wrote"
+    if os.path.isdir(path):
+        raise ValueError(f"{what} is a folder, not a file; {fix}")
+    try:
+        with open(os.fspath(path), "rb") as f:
+            text = f.read().decode()
+    except PermissionError as e:
+        raise ValueError(f"{what} cannot be read ({e.strerror}); {fix}") from None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{what} is not text ({e}); {fix}") from None
+    return _from_text(text, what=what)
 
 
 def _to_text(hw: Hardware) -> str:
@@ -368,8 +379,9 @@ def shared(*, group=None, path: str | os.PathLike | None = None, comm: bool = Tr
 
     Raises:
         ValueError: ``group`` given without an initialized ``torch.distributed``; ``moved_len``
-            as :func:`calibrate` refuses it; or rank 0 could not load or measure (every rank
-            raises rank 0's reason).
+            as :func:`calibrate` refuses it; ranks given different settings (``comm``,
+            ``heads``, ...: every rank raises, naming them); or rank 0 could not load or
+            measure (every rank raises rank 0's reason).
     """
     import torch.distributed as dist
     _check_moved_len(moved_len)
@@ -383,7 +395,7 @@ def shared(*, group=None, path: str | os.PathLike | None = None, comm: bool = Tr
               moved_len=moved_len)
     if not on:
         if path is not None and os.path.exists(path):
-            return load(path)
+            return _load_shared(path)
         if _unwritable(path):
             raise ValueError(_unwritable(path))
         hw = _measure(name=SHARED, prefix=_prefix(1), comm=comm, pair=None, **kw)
@@ -392,6 +404,19 @@ def shared(*, group=None, path: str | os.PathLike | None = None, comm: bool = Tr
         return hw
     rank, n = dist.get_rank(group), dist.get_world_size(group)
     root = dist.get_global_rank(group or dist.group.WORLD, 0)
+    # ranks 0 and 1 measure together (comm) on tensors these settings size: if a rank was
+    # given other settings, every rank says so now (rank 0 would wait on rank 1 in _pair)
+    mine = dict(comm=bool(comm), **{k: (str(v) if k == "dtype" else v) for k, v in kw.items()})
+    every = [None] * n
+    dist.all_gather_object(every, mine, group=group)
+    differ = [r for r in range(n) if every[r] != every[0]]
+    if differ:
+        keys = sorted(k for k in mine if any(every[r][k] != every[0][k] for r in differ))
+        raise ValueError(f"fringe.cost.calibrate.shared(): the ranks of the group were given "
+                         f"different settings ({', '.join(keys)}): rank 0 has "
+                         f"{ {k: every[0][k] for k in keys} }, rank {differ[0]} "
+                         f"{ {k: every[differ[0]][k] for k in keys} }; call it with the same "
+                         f"arguments on every rank (only path= may differ: rank 0's is used)")
     # rank 0 decides (load or measure) and tells the others, who may not see its file
     decision = [path is not None and os.path.exists(path)] if rank == 0 else [None]
     if rank == 0 and not decision[0] and _unwritable(path):
@@ -407,7 +432,7 @@ def shared(*, group=None, path: str | os.PathLike | None = None, comm: bool = Tr
     if rank == 0:
         try:
             if decision[0]:
-                hw = load(path)
+                hw = _load_shared(path)
             else:
                 hw = _measure(name=SHARED, prefix=_prefix(n), comm=comm, pair=pair, **kw)
                 if path is not None:
@@ -422,11 +447,27 @@ def shared(*, group=None, path: str | os.PathLike | None = None, comm: bool = Tr
     return _from_text(text, what="the calibration rank 0 broadcast")
 
 
+def _load_shared(path) -> Hardware:
+    """:func:`load`, refusing a file that holds one process's own calibration
+    (:func:`calibrate`, named ``"this"``): shared() returns constants named :data:`SHARED`,
+    and ``schedules.auto()`` would refuse that one later, blaming calibrate()."""
+    hw = load(path)
+    if hw.name == PER_RANK:
+        raise ValueError(f"calibration file {os.fspath(path)!r} holds a per-process "
+                         f"calibration (fringe.cost.calibrate.calibrate(), named "
+                         f"{PER_RANK!r}), not a shared one; delete it and run "
+                         f"fringe.cost.calibrate.shared(path=...) to measure and save again")
+    return hw
+
+
 def _unwritable(path) -> str | None:
     """Why a calibration could not be saved to ``path`` (None: it can, or no path): said before
     anything is measured."""
     if path is None:
         return None
+    if os.fspath(path).endswith((os.sep, "/")) or os.path.isdir(path):
+        return (f"cannot save the calibration to {os.fspath(path)!r}: it names a folder; give "
+                f"a file name (e.g. {os.path.join(os.fspath(path), 'calib.json')!r})")
     folder = os.path.dirname(os.path.abspath(os.fspath(path)))
     if not os.path.isdir(folder):
         return (f"cannot save the calibration to {os.fspath(path)!r}: the folder {folder!r} "

@@ -11,6 +11,8 @@ Legend: B batch · H query heads · G kv heads · L tokens per rank · D head di
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 
 import numpy as np
 
@@ -81,14 +83,32 @@ class Hardware:
     byte_s: float = 0.0
 
     def __post_init__(self) -> None:
-        for f in ("fwd_flops", "bwd_flops", "bandwidth", "inter_bandwidth"):
-            if not getattr(self, f) > 0:
+        for f in ("name", "source"):
+            if not isinstance(getattr(self, f), str):
+                raise ValueError(f"Hardware {f} must be a str, got {getattr(self, f)!r}")
+        # every constant a finite real number (a NaN or inf predicts NaN or inf step times,
+        # which no comparison orders; a bool is no constant): a calibration file edited by
+        # hand, or a measurement gone wrong, is refused here, naming the field
+        for f in ("fwd_flops", "bwd_flops", "call_s", "bwd_call_s", "masked", "causal",
+                  "bwd_masked", "bwd_causal", "row_s", "latency_s", "bandwidth",
+                  "inter_latency_s", "inter_bandwidth", "memory_bytes", "byte_s"):
+            v = getattr(self, f)
+            if v is None and f in ("bwd_masked", "bwd_causal", "memory_bytes"):
+                continue
+            if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v):
+                raise ValueError(f"Hardware {self.name!r}: {f} must be a finite number, got "
+                                 f"{v!r}")
+        for f in ("fwd_flops", "bwd_flops", "bandwidth", "inter_bandwidth", "masked", "causal",
+                  "bwd_masked", "bwd_causal", "memory_bytes"):
+            if getattr(self, f) is not None and not getattr(self, f) > 0:
                 raise ValueError(f"Hardware {self.name!r}: {f} must be > 0, got {getattr(self, f)}")
         for f in ("call_s", "bwd_call_s", "row_s", "latency_s", "inter_latency_s", "byte_s"):
             if getattr(self, f) < 0:
                 raise ValueError(f"Hardware {self.name!r}: {f} must be >= 0, got {getattr(self, f)}")
-        if self.node_size < 0:
-            raise ValueError(f"Hardware {self.name!r}: node_size must be >= 0 (0 = one node)")
+        if (isinstance(self.node_size, bool) or not isinstance(self.node_size, numbers.Integral)
+                or self.node_size < 0):
+            raise ValueError(f"Hardware {self.name!r}: node_size must be an integer >= 0 (0 = one "
+                             f"node), got {self.node_size!r}")
 
     def collective_s(self, n, nbytes, intra):
         """Seconds of collectives over ``n`` members moving ``nbytes`` (arrays), ``intra``:
