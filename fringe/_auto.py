@@ -66,13 +66,12 @@ SINGLE = ("ring", "zigzag", "striped", "balanced", "allgather", "ulysses")
 COMPOSE_OUTERS = ("zigzag", "ring", "balanced")
 COMPOSE_INNERS = ("ulysses", "zigzag")
 GROUP_SIZES = (2, 4, 8)
-#: The shape each preset's constants were measured or quoted for (``cpu``: what
-#: :func:`fringe.cost.calibrate.calibrate` times by default; the H100 presets: FlashAttention-3's
-#: head dim 128 in bfloat16, on the Llama-3-like default :class:`Shape`).
-CALIBRATION_SHAPES = {"cpu": Shape(heads=8, kv_heads=8, head_dim=64, dtype="float32"),
-                      "h100-nvlink": Shape(), "h100-ib": Shape()}
-#: For a :class:`Hardware` of the caller's own (e.g. from ``calibrate()``): calibrate's default.
-OWN_SHAPE = CALIBRATION_SHAPES["cpu"]
+#: The shape each preset's constants were measured or quoted for (``Hardware.shape``: ``cpu``
+#: what :func:`fringe.cost.calibrate.calibrate` times by default; the H100 presets
+#: FlashAttention-3's head dim 128 in bfloat16, on the Llama-3-like default :class:`Shape`).
+CALIBRATION_SHAPES = {name: hw.shape for name, hw in HARDWARE.items()}
+#: For a :class:`Hardware` that records no shape (``shape=None``): calibrate's default.
+OWN_SHAPE = Shape(heads=8, kv_heads=8, head_dim=64, dtype="float32")
 #: Presets whose constants were measured on the machine they describe; the others are datasheet
 #: and paper numbers never checked on a GPU.
 MEASURED = ("cpu",)
@@ -237,9 +236,10 @@ def _shape(marker: Auto, hw: Hardware, num_heads: int | None) -> tuple[Shape, st
                              f"leave shape= out to predict for H=G={num_heads})")
         return marker.shape, "given: auto(shape=)"
     preset = HARDWARE.get(hw.name) == hw
-    base = CALIBRATION_SHAPES.get(hw.name, OWN_SHAPE) if preset else OWN_SHAPE
+    base = hw.shape if hw.shape is not None else OWN_SHAPE
     what = (f"the calibration shape of preset {hw.name!r}" if preset
-            else "the default shape of calibrate()")
+            else "the shape its constants were measured for" if hw.shape is not None
+            else "the default shape of calibrate() (the Hardware records none)")
     if num_heads is None:
         return base, what
     return (dataclasses.replace(base, heads=num_heads, kv_heads=num_heads),

@@ -300,7 +300,10 @@ def test_a_candidate_listed_twice_is_refused_naming_it():
 def test_candidates_over_the_presets_memory_cannot_run():
     # the same search with no memory limit, then with a limit below the unlimited winner's
     # predicted peak: what is over it is listed as unable to run and never picked
-    hw = dataclasses.replace(get_hardware("h100-ib"), name="roomy", memory_bytes=None)
+    # (H=G=8, D=64, float32: a shape where the winner is not the leanest candidate; a replaced
+    # preset otherwise keeps the preset's shape)
+    hw = dataclasses.replace(get_hardware("h100-ib"), name="roomy", memory_bytes=None,
+                             shape=_auto.OWN_SHAPE)
     free = fringe.plan(schedules.auto(hardware=hw), MASKS["causal"], seq_len=S, world_size=P,
                        block_size=BS).choice
     mem = {c.name: c.memory_bytes for c in free.candidates if c.step_s is not None}

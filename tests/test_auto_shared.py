@@ -232,3 +232,52 @@ def test_ranks_given_different_settings_all_raise_before_measuring():
         for r in res:
             assert r is not None and "different settings" in r and which in r
     assert time.perf_counter() - t0 < 50
+
+
+def test_auto_predicts_for_the_shape_the_constants_were_measured_for(tmp_path):
+    """A calibration records the tensors it timed (Hardware.shape) and keeps them through its
+    file; auto predicts for that shape when not given shape=, and a preset changed with
+    dataclasses.replace keeps the preset's (both fell back to calibrate()'s H=8 D=64 float32,
+    saying so only in explain()). A file without the shape is refused, naming the fix."""
+    from fringe.cost.hardware import HARDWARE, Shape
+    path = tmp_path / "calib.json"
+    hw = calibrate.shared(path=path, comm=False, heads=2, head_dim=8, dtype=torch.float64,
+                          repeats=1, moved_len=256)
+    want = Shape(heads=2, kv_heads=2, head_dim=8, dtype="float64")
+    assert hw.shape == want and calibrate.load(path).shape == want
+    p = fringe.plan(schedules.auto(hardware=hw), masks.causal(), seq_len=S, world_size=P,
+                    block_size=BS)
+    assert p.choice.shape == want
+    assert "the shape its constants were measured for" in p.explain()
+    roomy = dataclasses.replace(HARDWARE["h100-ib"], memory_bytes=80e9)
+    q = fringe.plan(schedules.auto(hardware=roomy), masks.causal(), seq_len=S, world_size=P,
+                    block_size=BS)
+    assert q.choice.shape == HARDWARE["h100-ib"].shape == Shape()
+    old = json.loads(path.read_text())
+    del old["hardware"]["shape"]                     # a file written before shapes were kept
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    with pytest.raises(ValueError, match=r"missing \['shape'\].*delete it and run"):
+        calibrate.load(tmp_path / "old.json")
+
+
+def test_a_saved_calibration_is_readable_as_open_makes_files_and_leaves_nothing_else(
+        tmp_path, monkeypatch):
+    """save() writes beside the file and renames: the file gets open()'s mode (0666 less the
+    umask, so other users' ranks can read it; mkstemp's 0600 hid it) and no temporary file
+    stays, also when the rename fails."""
+    import os
+    from fringe.cost.hardware import HARDWARE
+    path = tmp_path / "calib.json"
+    calibrate.save(HARDWARE["cpu"], path)
+    umask = os.umask(0)
+    os.umask(umask)
+    assert (path.stat().st_mode & 0o777) == 0o666 & ~umask
+    assert [p.name for p in tmp_path.iterdir()] == ["calib.json"]
+    assert calibrate.load(path) == HARDWARE["cpu"]
+
+    def refuse(src, dst):
+        raise OSError("disk full")
+    monkeypatch.setattr(os, "replace", refuse)
+    with pytest.raises(OSError, match="disk full"):
+        calibrate.save(HARDWARE["h100-ib"], tmp_path / "other.json")
+    assert [p.name for p in tmp_path.iterdir()] == ["calib.json"]

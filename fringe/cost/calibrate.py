@@ -28,7 +28,6 @@ import json
 import math
 import os
 import platform
-import tempfile
 import time
 
 import torch
@@ -41,7 +40,8 @@ from ..ops import merge, tile_backward, tile_forward
 from ..plan import plan as make_plan
 from ..schedules import ring
 from . import hardware as _hardware
-from .hardware import _CPU, BWD_FLOPS_PER_PAIR, FWD_FLOPS_PER_PAIR, PER_RANK, SHARED, Hardware
+from .hardware import (_CPU, BWD_FLOPS_PER_PAIR, FWD_FLOPS_PER_PAIR, PER_RANK, SHARED, Hardware,
+                       Shape)
 from .work import _maps_work
 
 __all__ = ["FORMAT", "SHARED", "calibrate", "get_hardware", "load", "save", "shared"]
@@ -290,7 +290,10 @@ def save(hw: Hardware, path: str | os.PathLike) -> None:
         raise TypeError(f"save() takes a fringe.cost.hardware.Hardware, got {type(hw).__name__}")
     text = _to_text(hw)
     path = os.fspath(path)
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), suffix=".tmp")
+    # a fresh name beside it, created as open() creates files (0666 less the umask: other
+    # users' ranks may read it; mkstemp's 0600 hid it from them)
+    tmp = f"{os.path.abspath(path)}.{os.getpid()}.{os.urandom(4).hex()}.tmp"
+    fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666)
     try:
         with os.fdopen(fd, "w") as f:
             f.write(text)
@@ -346,6 +349,8 @@ def _from_text(text: str, *, what: str) -> Hardware:
         raise ValueError(f"{what} does not hold the fields of a Hardware (missing {missing}, "
                          f"unknown {unknown}); {fix}")
     try:
+        if isinstance(fields["shape"], dict):           # what dataclasses.asdict wrote
+            fields = dict(fields, shape=Shape(**fields["shape"]))
         return Hardware(**fields)
     except (TypeError, ValueError) as e:
         raise ValueError(f"{what}: {e}; {fix}") from None
@@ -528,5 +533,7 @@ def _measure(*, name: str, prefix: str, comm: bool, pair, moved_len: int, **kw) 
         what = "gloo round trips between 2 spawned ranks; " + _byte_s_text(res, seq_len=moved_len)
     src = f"{prefix}: " + _source(comm=what, **{k: kw[k] for k in ("heads", "head_dim", "dtype",
                                                                    "threads")})
+    shape = Shape(heads=kw["heads"], kv_heads=kw["heads"], head_dim=kw["head_dim"],
+                  dtype=str(kw["dtype"]).removeprefix("torch."))    # what it timed
     return Hardware(name, src, latency_s=lat, bandwidth=bw, byte_s=byte_s, memory_bytes=None,
-                    **fields)
+                    shape=shape, **fields)

@@ -32,6 +32,71 @@ PER_RANK = "this"
 SHARED = "shared"
 
 
+_DTYPES = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2}
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """The tensors a plan runs on: ``q [B, H, L, D]``, ``k [B, G, L, D]``, ``v [B, G, L, Dv]``.
+
+    The default is one Llama-3-8B-like attention layer: H=32, G=8, D=128, bfloat16.
+    ``v_head_dim`` (Dv) None means D; MLA (DeepSeek-V3) has a v head dim smaller than D.
+    """
+
+    batch: int = 1
+    heads: int = 32
+    kv_heads: int = 8
+    head_dim: int = 128             # D of a Llama-3-70B-like layer (not a block size)
+    dtype: str = "bfloat16"
+    v_head_dim: int | None = None   # Dv of v and out (None: head_dim)
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype {self.dtype!r} is not one of {sorted(_DTYPES)}")
+        for f in ("batch", "heads", "kv_heads", "head_dim"):
+            if getattr(self, f) < 1:
+                raise ValueError(f"Shape.{f} must be >= 1, got {getattr(self, f)}")
+        if self.heads % self.kv_heads:
+            raise ValueError(f"heads={self.heads} must be a multiple of kv_heads={self.kv_heads}")
+        if self.v_head_dim is not None and self.v_head_dim < 1:
+            raise ValueError(f"Shape.v_head_dim must be >= 1 (or None: head_dim), got "
+                             f"{self.v_head_dim}")
+
+    @property
+    def itemsize(self) -> int:
+        return _DTYPES[self.dtype]
+
+    @property
+    def acc_itemsize(self) -> int:
+        """Accumulators (out/lse, dq, dkv) are float32, float64 for float64."""
+        return 8 if self.dtype == "float64" else 4
+
+    def buffer_bytes(self, kind: str, L: int, *, split: int = 1) -> int:
+        """Bytes of one buffer of ``kind`` (kv, dkv, q, dq, out, dout) holding ``L`` tokens.
+
+        With ``split=k``, one head slice of k (``q3h1/4``): H/k query heads, and for kv the
+        kv heads those read (G/k of them, or one when k % G == 0, as the interpreter holds
+        them).
+
+        Raises:
+            ValueError: H and G cannot be split k ways (:func:`check_head_split`).
+        """
+        B, H, G, D = self.batch, self.heads, self.kv_heads, self.head_dim
+        Dv = D if self.v_head_dim is None else self.v_head_dim
+        if split != 1:
+            check_head_split(split, H, G, what=f"a head slice of {split} (H={H}, G={G})")
+            H, G = H // split, (G // split if G % split == 0 else 1)
+        if kind == "kv":                     # k and v: G·(D + Dv) per token
+            return B * G * L * (D + Dv) * self.itemsize
+        if kind == "dkv":
+            return B * G * L * (D + Dv) * self.acc_itemsize
+        if kind == "q":
+            return B * H * L * D * self.itemsize
+        if kind == "dq":
+            return B * H * L * D * self.acc_itemsize
+        return B * H * L * (Dv + 1) * self.acc_itemsize     # a partial out + lse
+
+
 @dataclasses.dataclass(frozen=True)
 class Hardware:
     """What one rank can compute and move, as data (with where the numbers come from).
@@ -61,6 +126,10 @@ class Hardware:
             on the cores that compute, so it adds to the rank's busy time instead of
             overlapping with its tiles; 0 where the bytes move beside the compute (GPUs:
             copy engines and a separate stream).
+        shape: the tensors the constants were measured or quoted for (``calibrate()``
+            records what it timed; the presets say theirs): what ``schedules.auto()``
+            predicts for when it is not given ``shape=``. None: not recorded (calibrate()'s
+            default, H=G=8, D=64, float32, is assumed).
     """
 
     name: str
@@ -81,8 +150,12 @@ class Hardware:
     inter_bandwidth: float = 50e9
     memory_bytes: float | None = None
     byte_s: float = 0.0
+    shape: Shape | None = None
 
     def __post_init__(self) -> None:
+        if self.shape is not None and not isinstance(self.shape, Shape):
+            raise ValueError(f"Hardware {self.name!r}: shape must be a Shape or None, got "
+                             f"{self.shape!r}")
         for f in ("name", "source"):
             if not isinstance(getattr(self, f), str):
                 raise ValueError(f"Hardware {f} must be a str, got {getattr(self, f)!r}")
@@ -178,12 +251,14 @@ _CPU = dict(fwd_flops=4.5e10, bwd_flops=4.1e10, call_s=1.0e-4, bwd_call_s=1.6e-4
 HARDWARE: dict[str, Hardware] = {
     "h100-nvlink": Hardware("h100-nvlink", "one DGX H100 node (8 GPUs, NVLink 4); H100 datasheet, "
                             "FlashAttention-3 paper", node_size=8, inter_latency_s=10e-6,
-                            inter_bandwidth=360e9, **_H100),
+                            inter_bandwidth=360e9, shape=Shape(), **_H100),
     "h100-ib": Hardware("h100-ib", "DGX H100 nodes of 8 over InfiniBand NDR 400 Gb/s per GPU; "
                         "H100 datasheet, FlashAttention-3 paper, ConnectX-7 spec",
-                        node_size=8, inter_latency_s=20e-6, inter_bandwidth=45e9, **_H100),
+                        node_size=8, inter_latency_s=20e-6, inter_bandwidth=45e9, shape=Shape(),
+                        **_H100),
     "cpu": Hardware("cpu", "this repository's 2-core CPU runner, gloo over shared memory; "
-                    "measured by costmodel.calibrate() (re-run it for your machine)", **_CPU),
+                    "measured by costmodel.calibrate() (re-run it for your machine)",
+                    shape=Shape(heads=8, kv_heads=8, head_dim=64, dtype="float32"), **_CPU),
 }
 
 
@@ -222,68 +297,3 @@ def check_head_split(n: int, num_heads: int, kv_heads: int, *, what: str = "") -
     raise ValueError(f"{who} needs the kv heads G={kv_heads} to split {n} ways (G % {n} == 0) "
                      f"or to be replicated across the {n} ranks ({n} % G == 0); G={kv_heads} is "
                      f"neither: use G dividing or divisible by {n}")
-
-
-_DTYPES = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2}
-
-
-@dataclasses.dataclass(frozen=True)
-class Shape:
-    """The tensors a plan runs on: ``q [B, H, L, D]``, ``k [B, G, L, D]``, ``v [B, G, L, Dv]``.
-
-    The default is one Llama-3-8B-like attention layer: H=32, G=8, D=128, bfloat16.
-    ``v_head_dim`` (Dv) None means D; MLA (DeepSeek-V3) has a v head dim smaller than D.
-    """
-
-    batch: int = 1
-    heads: int = 32
-    kv_heads: int = 8
-    head_dim: int = 128             # D of a Llama-3-70B-like layer (not a block size)
-    dtype: str = "bfloat16"
-    v_head_dim: int | None = None   # Dv of v and out (None: head_dim)
-
-    def __post_init__(self) -> None:
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"dtype {self.dtype!r} is not one of {sorted(_DTYPES)}")
-        for f in ("batch", "heads", "kv_heads", "head_dim"):
-            if getattr(self, f) < 1:
-                raise ValueError(f"Shape.{f} must be >= 1, got {getattr(self, f)}")
-        if self.heads % self.kv_heads:
-            raise ValueError(f"heads={self.heads} must be a multiple of kv_heads={self.kv_heads}")
-        if self.v_head_dim is not None and self.v_head_dim < 1:
-            raise ValueError(f"Shape.v_head_dim must be >= 1 (or None: head_dim), got "
-                             f"{self.v_head_dim}")
-
-    @property
-    def itemsize(self) -> int:
-        return _DTYPES[self.dtype]
-
-    @property
-    def acc_itemsize(self) -> int:
-        """Accumulators (out/lse, dq, dkv) are float32, float64 for float64."""
-        return 8 if self.dtype == "float64" else 4
-
-    def buffer_bytes(self, kind: str, L: int, *, split: int = 1) -> int:
-        """Bytes of one buffer of ``kind`` (kv, dkv, q, dq, out, dout) holding ``L`` tokens.
-
-        With ``split=k``, one head slice of k (``q3h1/4``): H/k query heads, and for kv the
-        kv heads those read (G/k of them, or one when k % G == 0, as the interpreter holds
-        them).
-
-        Raises:
-            ValueError: H and G cannot be split k ways (:func:`check_head_split`).
-        """
-        B, H, G, D = self.batch, self.heads, self.kv_heads, self.head_dim
-        Dv = D if self.v_head_dim is None else self.v_head_dim
-        if split != 1:
-            check_head_split(split, H, G, what=f"a head slice of {split} (H={H}, G={G})")
-            H, G = H // split, (G // split if G % split == 0 else 1)
-        if kind == "kv":                     # k and v: G·(D + Dv) per token
-            return B * G * L * (D + Dv) * self.itemsize
-        if kind == "dkv":
-            return B * G * L * (D + Dv) * self.acc_itemsize
-        if kind == "q":
-            return B * H * L * D * self.itemsize
-        if kind == "dq":
-            return B * H * L * D * self.acc_itemsize
-        return B * H * L * (Dv + 1) * self.acc_itemsize     # a partial out + lse
