@@ -179,6 +179,16 @@ def _instances(cols: _Cols, at, hw: Hardware) -> tuple:
     return rank, pos, sent, recv, inst, waves, dur
 
 
+#: The most bytes of dense ``[rank, buffer]`` first / last step tables :func:`_live_peak`
+#: allocates (int16 steps where they fit): zigzag at P=4,096 on documents needs 268 MB, where
+#: compacting its 33.6M (rank, buffer) keys by a sort took 1.1 GB at once. Past it: the sort.
+LIVE_DENSE_BYTES = 1 << 29
+#: Live (rank, buffer) pairs :func:`_live_peak` turns into step bins at a time.
+LIVE_PIECE = 1 << 22
+#: Up to this many ``[rank, buffer]`` cells :func:`_live_peak` bins every cell at once.
+LIVE_SMALL = 1 << 22
+
+
 def _live_peak(P: int, T: int, touch: list, size_of: np.ndarray) -> np.ndarray:
     """Peak bytes of other ranks' buffers alive at once on each rank: a buffer lives from the
     first step it arrives or is written there to the last step an op touches it. ``touch``:
@@ -192,7 +202,8 @@ def _live_peak(P: int, T: int, touch: list, size_of: np.ndarray) -> np.ndarray:
         used[t[2]] = True
     ids = np.flatnonzero(used)                        # the buffers touched anywhere
     NB = len(ids)
-    if P * NB > 1 << 26:                              # compact the keys (large sliced plans)
+    step_bytes = 2 if T < (1 << 15) - 1 else 8
+    if P * NB * 2 * step_bytes > LIVE_DENSE_BYTES:    # compact the keys (large sliced plans)
         remap = np.cumsum(used) - 1
         keys = [t[0].astype(np.int64) * NB + remap[t[2]] for t in touch]
         uniq, inv = np.unique(np.concatenate(keys), return_inverse=True)
@@ -222,7 +233,7 @@ def _live_peak(P: int, T: int, touch: list, size_of: np.ndarray) -> np.ndarray:
             np.minimum.at(first, key, pos)
         np.maximum.at(last, key, pos)
     n_bins = P * (T + 1)
-    if uniq is None and nk <= 1 << 22:                # dense (rank, buffer): no index arrays
+    if uniq is None and nk <= LIVE_SMALL:            # dense (rank, buffer): no index arrays
         F = first.reshape(P, NB).astype(np.int64)
         E = np.maximum(last.reshape(P, NB), first.reshape(P, NB)).astype(np.int64)
         row = (np.arange(P, dtype=np.int64) * (T + 1))[:, None]
@@ -230,13 +241,19 @@ def _live_peak(P: int, T: int, touch: list, size_of: np.ndarray) -> np.ndarray:
         E += row + 1                                  # not alive: past its row, weight 0
         sz = np.where(first.reshape(P, NB) < T, size_of[ids].astype(np.float64)[None, :], 0.0)
         sz, F, E = sz.reshape(-1), F.reshape(-1), E.reshape(-1)
-    else:
-        at = np.flatnonzero(first < T)
-        full_key = at if uniq is None else uniq[at]
-        lr, lb = full_key // NB, ids[full_key % NB]
-        F = lr * (T + 1) + first[at].astype(np.int64)
-        E = lr * (T + 1) + np.maximum(last[at], first[at]).astype(np.int64) + 1
-        sz = size_of[lb].astype(np.float64)
+    else:                                             # the live (rank, buffer) pairs, in
+        alive = np.flatnonzero(first < T)             # pieces (millions at P=4,096)
+        delta = np.zeros(n_bins)
+        for lo in range(0, len(alive), LIVE_PIECE):
+            at = alive[lo:lo + LIVE_PIECE]
+            full_key = at if uniq is None else uniq[at]
+            lr, lb = full_key // NB, ids[full_key % NB]
+            F = lr * (T + 1) + first[at].astype(np.int64)
+            E = lr * (T + 1) + np.maximum(last[at], first[at]).astype(np.int64) + 1
+            sz = size_of[lb].astype(np.float64)       # whole bytes: sums exact in any order
+            np.add.at(delta, F, sz)
+            np.subtract.at(delta, E, sz)
+        return np.cumsum(delta.reshape(P, T + 1), axis=1).max(axis=1).round().astype(np.int64)
     delta = (np.bincount(F, weights=sz, minlength=n_bins)[:n_bins]
              - np.bincount(E, weights=sz, minlength=n_bins)[:n_bins])
     return np.cumsum(delta.reshape(P, T + 1), axis=1).max(axis=1).round().astype(np.int64)
