@@ -121,3 +121,34 @@ def test_over_the_budget_through_the_shell():
     assert r.returncode == 2, r.stderr
     assert r.stderr.count("error:") == 1 and "Traceback" not in r.stderr
     assert "--max-memory" in r.stderr and r.stdout == ""
+
+
+def test_the_estimate_counts_the_simulators_timelines_and_transfers():
+    """A ring that forwards every kv chunk through nearly every rank (zigzag on many short
+    documents) holds far more transfers than tiles: the check before simulate counts the
+    [P, T] cells and the transfer rows, and bounds what simulate allocates (traced)."""
+    from fringe.cost import cli as cost_cli
+    from fringe.cost.simulate import simulate
+    from fringe.schedules.ir import ProgramTable
+    S, P = 1 << 20, 1024                                 # (below, fixed costs of ~30 MB lead)
+    p = make_plan(registry.get("zigzag"), costmodel.mask_from_spec("document:4000", S),
+                  seq_len=S, world_size=P)
+    cells, moves = cost_cli._timeline_size(p)
+    fwd, bwd = (ProgramTable.of(x)._parts for x in (p.forward, p.backward))
+    T = 1 + max(int(x[k]["step"].max()) for x in (fwd, bwd) for k in (0, 1)
+                if len(x[k]["step"]))
+    assert cells == P * T and moves == max(len(fwd[1]["step"]), len(bwd[1]["step"]))
+    live = int((torch.as_tensor(p.tiles) != int(BlockKind.EMPTY)).sum())
+    assert moves > 4 * live                              # transfers, not tiles, set the size
+    work, _ = costmodel.tile_work_bytes(p)
+    need = (work + cost_cli.BYTES_PER_TILE * live + cost_cli.BYTES_PER_CELL * cells
+            + cost_cli.BYTES_PER_TRANSFER * moves)
+    with pytest.raises(MemoryError, match=f"{moves:,} transfers of the timelines"):
+        cost_cli.check_memory(p, (need - 1, "test"), what="predicting")
+    tracemalloc.start()
+    try:
+        simulate(p, "h100-ib")
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak <= need, (peak, need)
