@@ -281,3 +281,40 @@ def test_a_saved_calibration_is_readable_as_open_makes_files_and_leaves_nothing_
     with pytest.raises(OSError, match="disk full"):
         calibrate.save(HARDWARE["h100-ib"], tmp_path / "other.json")
     assert [p.name for p in tmp_path.iterdir()] == ["calib.json"]
+
+
+def _measure_or_load(path: str, out: str) -> None:
+    """One process calling shared(path=) with no process group: writes whether it measured
+    and the constants it got (exact bits) to ``out``."""
+    from fringe.cost import calibrate as cal
+    measured = []
+    kernels = cal._kernels
+
+    def counted(**kw):
+        measured.append(1)
+        return kernels(**kw)
+    cal._kernels = counted
+    hw = cal.shared(path=path, comm=False, **QUICK)
+    with open(out, "w") as f:
+        json.dump({"measured": len(measured), "bits": [str(x) for x in _bits(hw)]}, f)
+
+
+def test_processes_started_together_measure_once_and_share_the_file(tmp_path):
+    """shared(path=) in several processes at once, before any process group (every rank of
+    a launcher): they take turns on the folder, so one measures and saves and the others load
+    that file: the same constants everywhere (each measured its own before, and ranks then
+    disagreed at their first attention call). No lock file is left."""
+    import multiprocessing as mp
+    path = tmp_path / "calib.json"
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_measure_or_load, args=(str(path), str(tmp_path / f"{i}.out")))
+             for i in range(3)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+        assert p.exitcode == 0
+    got = [json.loads((tmp_path / f"{i}.out").read_text()) for i in range(3)]
+    assert sum(g["measured"] for g in got) == 1
+    assert all(g["bits"] == got[0]["bits"] for g in got)
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["0.out", "1.out", "2.out", "calib.json"]

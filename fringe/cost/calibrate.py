@@ -23,6 +23,7 @@ Two ways to measure:
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -369,7 +370,9 @@ def shared(*, group=None, path: str | os.PathLike | None = None, comm: bool = Tr
     constants as text over ``group`` and every rank parses that text, so the result is
     bit-identical on every rank. Only rank 0 reads or writes the file. Without
     ``torch.distributed``, this process loads ``path`` or measures (and saves): run it once,
-    then every rank's ``shared(path=...)`` or :func:`load` reads the same file.
+    then every rank's ``shared(path=...)`` or :func:`load` reads the same file. Processes on
+    one machine that call it at once take turns on the file's folder (``flock``): the first
+    measures and saves, the others load that file.
 
     Args:
         group: the process group (None: the default group, when initialized).
@@ -403,9 +406,12 @@ def shared(*, group=None, path: str | os.PathLike | None = None, comm: bool = Tr
             return _load_shared(path)
         if _unwritable(path):
             raise ValueError(_unwritable(path))
-        hw = _measure(name=SHARED, prefix=_prefix(1), comm=comm, pair=None, **kw)
-        if path is not None:
-            save(hw, path)
+        with _folder_lock(path):     # processes started together: one measures, the rest load
+            if path is not None and os.path.exists(path):
+                return _load_shared(path)
+            hw = _measure(name=SHARED, prefix=_prefix(1), comm=comm, pair=None, **kw)
+            if path is not None:
+                save(hw, path)
         return hw
     rank, n = dist.get_rank(group), dist.get_world_size(group)
     root = dist.get_global_rank(group or dist.group.WORLD, 0)
@@ -450,6 +456,29 @@ def shared(*, group=None, path: str | os.PathLike | None = None, comm: bool = Tr
     if status != "ok":
         raise ValueError(f"fringe.cost.calibrate.shared(): rank 0 could not calibrate: {text}")
     return _from_text(text, what="the calibration rank 0 broadcast")
+
+
+@contextlib.contextmanager
+def _folder_lock(path):
+    """Hold an exclusive ``flock`` on the folder of ``path`` (nothing when ``path`` is None or
+    the platform has no ``fcntl``): processes on one machine that each call ``shared(path=)``
+    before any process group exists (every rank of a launcher, say) take turns, so the first
+    measures and saves and the others load its file instead of each measuring its own. The
+    lock is the folder's own (no lock file to leave behind) and the kernel drops it when its
+    holder exits, however it exits."""
+    try:
+        import fcntl
+    except ImportError:                 # (not on Linux or macOS: no turns, each measures)
+        fcntl = None
+    if path is None or fcntl is None:
+        yield
+        return
+    fd = os.open(os.path.dirname(os.path.abspath(os.fspath(path))), os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)                    # (closing drops the lock)
 
 
 def _load_shared(path) -> Hardware:
