@@ -375,3 +375,29 @@ def test_the_ring_chain_shortcuts_equal_the_general_passes_on_edge_shapes():
             assert format_programs(fast) == format_programs(_reverse._general_reverse(tab, kv))
         assert _check._parts_ok(tab, None, False, "resend") is True
         _check._general_ok(tab, None, False, "resend")
+
+
+def _two_rank(peer=1, q=1, step=1, blocks=None, heads=None) -> list[Program]:
+    """Rank 0 sends kv0 to rank 1, which computes q1·kv0 (fields as given)."""
+    return [Program(0, (Step(0, (Compute(0, 0), Send(_kv(0), peer, blocks))),)),
+            Program(1, (Step(0, (Compute(1, 1), Recv(_kv(0), 0, blocks))),
+                        Step(step, (Compute(q, 0, heads),) + (
+                            () if heads is None else (Compute(q, 0, (1, 2)),)))))]
+
+
+@pytest.mark.parametrize("field,kw", [
+    ("q", dict(q=1.5)), ("step", dict(step=1.5)), ("block", dict(blocks=((0.9, 4),))),
+    ("block", dict(blocks=((0, 3.99),))), ("block", dict(blocks=(("0", "4"),))),
+    ("heads", dict(heads=(0.5, 2)))])
+def test_a_non_integer_op_field_is_refused_not_truncated(field, kw):
+    """A compute's chunk, a step index, a block range or a head slice that is not an integer
+    was truncated (q=1.5 ran as q1, step 1.5 as step 1, blocks (0.9, 4) as [0:4], heads
+    (0.5, 2) as h0/2): refused instead."""
+    with pytest.raises((ValueError, TypeError), match="integer|int"):
+        progs = _two_rank(**kw)
+        fringe.plan(Schedule("f", layout=_layout.contiguous, programs_fn=lambda P: progs),
+                    masks.causal(), seq_len=32, world_size=2, block_size=BLOCK)
+    progs = _two_rank(peer=np.int64(1), q=np.int32(1), step=np.int8(1),   # numpy ints are ints
+                      blocks=((np.int16(0), np.uint8(4)),))
+    fringe.plan(Schedule("f", layout=_layout.contiguous, programs_fn=lambda P: progs),
+                masks.causal(), seq_len=32, world_size=2, block_size=BLOCK)

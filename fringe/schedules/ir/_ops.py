@@ -4,6 +4,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import itertools
+import operator
 import re
 from typing import Sequence, Union
 
@@ -71,7 +72,12 @@ class _Tile(_Op):
     def __post_init__(self) -> None:
         if self.heads is not None:
             _check_heads(self, self.heads)
-            object.__setattr__(self, "heads", (int(self.heads[0]), int(self.heads[1])))
+            try:                        # (0.5, 2) is refused, not truncated to h0/2
+                heads = (operator.index(self.heads[0]), operator.index(self.heads[1]))
+            except TypeError:
+                raise ValueError(f"{type(self).__name__}: heads (i, n) must be integers, got "
+                                 f"{self.heads!r}") from None
+            object.__setattr__(self, "heads", heads)
 
     def _bufs(self, pairs) -> tuple[Buffer, ...]:
         """This head-sliced tile's buffers of the rule's ``(family, side)`` pairs."""
@@ -141,11 +147,11 @@ def _check_blocks(op, blocks):
     adjacent ones merged (None: the whole chunk)."""
     if blocks is None:
         return None
-    try:
-        pairs = sorted((int(lo), int(hi)) for lo, hi in blocks)
+    try:                                # operator.index: 1.5 or "1" is refused, not truncated
+        pairs = sorted((operator.index(lo), operator.index(hi)) for lo, hi in blocks)
     except (TypeError, ValueError):
         raise ValueError(f"{type(op).__name__}: blocks must be None (the whole chunk) or "
-                         f"(lo, hi) block ranges, got {blocks!r}") from None
+                         f"(lo, hi) block ranges of integers, got {blocks!r}") from None
     out: list = []
     for lo, hi in pairs:
         if not 0 <= lo < hi:

@@ -442,16 +442,29 @@ class ProgramTable:
                 xfer.append((key[0], key[1], key[2], _FAMILY_CODE[fam], ch, a, *(h or (0, 0)), b,
                              g))
 
-        def cols(rows, names):
-            arr = np.array(rows, dtype=np.int64).reshape(-1, len(names))
+        def cols(rows, names, where):
+            arr = np.array(rows)            # its dtype says whether every field is an integer
+            if rows and not (arr.dtype.kind == "i" or arr.dtype.kind == "b" or (
+                    arr.dtype.kind == "u" and int(arr.max()) < 2 ** 63)):
+                for row in rows:            # a float (1.5 ran as 1) or an int past int64
+                    for n, v in zip(names, row):
+                        if not isinstance(v, (int, np.integer)) or not -2 ** 63 <= v < 2 ** 63:
+                            raise ScheduleError(f"{where(row)}: {n} is {v!r}; op fields (ranks, "
+                                                f"steps, chunks, peers) are integers in int64")
+            arr = arr.astype(np.int64).reshape(-1, len(names))
             return {n: arr[:, i] for i, n in enumerate(names)}
-        c = cols(comp, ("rank", "step", "kind", "q", "kv", "order", "hi", "hn"))
+
+        def at(r, t):
+            return f"rank {r}, step {t}"
+        c = cols(comp, ("rank", "step", "kind", "q", "kv", "order", "hi", "hn"),
+                 lambda row: at(row[0], row[1]))
         x = cols(xfer, ("step", "src", "dst", "fam", "chunk", "order", "hi", "hn", "rorder",
-                        "rng"))
+                        "rng"), lambda row: at(row[1], row[0]))
         x["ranges"] = tuple(range_ids)
-        k = cols(sides, ("rank", "step", "order", "kind", "group"))
+        k = cols(sides, ("rank", "step", "order", "kind", "group"), lambda row: at(row[0], row[1]))
         k.update(cols(slots, ("slot_side", "slot_dir", "slot_idx", "slot_fam", "slot_chunk",
-                              "slot_hi", "slot_hn", "slot_rng")))
+                              "slot_hi", "slot_hn", "slot_rng"),
+                      lambda row: at(*sides[row[0]][:2])))
         k["groups"] = tuple(groups)
         k["ranges"] = tuple(slot_ranges)
         return cls._of_parts(P, c, x, k)
