@@ -72,6 +72,16 @@ def test_transfers_and_head_slices_as_columns():
     (lambda b: b.collective("AG", step=0, group=(0, 1), src=0, dst=2, chunk=0), "member indices"),
     (lambda b: b.transfers(step=0, src=0, dst=1, family="zz", chunk=0), "family must be"),
     (lambda b: b.allgather(step=0, group=(0, 1), chunk=[0, 1], want=np.ones((3, 3))), "want must"),
+    # not integers: these were truncated (q=1.5 ran as q1, step 0.5 as step 0)
+    (lambda b: b.computes(rank=1, step=0, q=1.5, kv=0), "must be integers"),
+    (lambda b: b.computes(rank=1, step=[0.5], q=1, kv=0), "must be integers"),
+    (lambda b: b.computes(rank=1, step=0, q=1, kv=0, heads=(0.5, 2)), "must be integers"),
+    (lambda b: b.transfers(step=0, src=0, dst=1.9, chunk=0), "must be integers"),
+    (lambda b: b.collective("AG", step=0.5, group=(0, 1), src=0, dst=1, chunk=0),
+     "must be integers"),
+    (lambda b: b.collective("AG", step=0, group=(0, 1.5), src=0, dst=1, chunk=0),
+     "must be integers"),
+    (lambda b: b.allgather(step=0, group=(0, 1), chunk=[0, 1.5]), "must be integers"),
 ])
 def test_builder_names_what_is_wrong(call, match):
     with pytest.raises(ValueError, match=match):

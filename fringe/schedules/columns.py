@@ -33,10 +33,19 @@ def _family(x) -> int:
         raise ValueError(f"family must be one of {[f.value for f in Family]}, got {x!r}") from None
 
 
+def _ints(x) -> np.ndarray:
+    """``x`` as int64, refusing what is not an integer (``step=1.5`` was truncated to 1)."""
+    a = np.asarray(x)
+    if a.dtype.kind not in "iub" or (a.dtype.kind == "u" and a.size and int(a.max()) >= 2 ** 63):
+        raise ValueError(f"ProgramBuilder: ranks, steps, chunks and head slices must be "
+                         f"integers (int64), got {x!r}")
+    return a.astype(np.int64)
+
+
 def _heads(heads, n: int) -> tuple[np.ndarray, np.ndarray]:
     if heads is None:
         return np.zeros(n, np.int64), np.zeros(n, np.int64)
-    hi, hn = (np.broadcast_to(np.asarray(x, dtype=np.int64), (n,)) for x in heads)
+    hi, hn = (np.broadcast_to(_ints(x), (n,)) for x in heads)
     if ((hn < 1) | (hi < 0) | (hi >= hn)).any():
         raise ValueError("heads=(hi, hn) must hold 0 <= hi < hn")
     return hi, hn
@@ -107,7 +116,7 @@ class ProgramBuilder:
     def computes(self, *, rank, step, q, kv, heads=None, gradient: bool = False) -> None:
         """Tiles ``C q·kv`` (or ``G`` with ``gradient=True``) on ``rank`` at ``step``; arrays
         broadcast. ``heads=(hi, hn)``: head slice hi of hn (default: all heads)."""
-        r, t, a, b = np.broadcast_arrays(*(np.asarray(x, dtype=np.int64) for x in (rank, step, q, kv)))
+        r, t, a, b = np.broadcast_arrays(*(_ints(x) for x in (rank, step, q, kv)))
         r, t, a, b = (x.ravel() for x in (r, t, a, b))
         self._ranks(r, a, b, what="computes")
         hi, hn = _heads(heads, len(r))
@@ -117,7 +126,7 @@ class ProgramBuilder:
     def transfers(self, *, step, src, dst, family: str = "kv", chunk, heads=None) -> None:
         """Point-to-point moves of buffer ``family`` + ``chunk`` from ``src`` to ``dst`` at
         ``step`` (a send on src and its receive on dst); arrays broadcast."""
-        t, s, d, c = np.broadcast_arrays(*(np.asarray(x, dtype=np.int64) for x in (step, src, dst, chunk)))
+        t, s, d, c = np.broadcast_arrays(*(_ints(x) for x in (step, src, dst, chunk)))
         t, s, d, c = (x.ravel() for x in (t, s, d, c))
         self._ranks(s, d, c, what="transfers")
         if (s == d).any():
@@ -127,7 +136,7 @@ class ProgramBuilder:
         self._xfer.append((t, s, d, np.full(len(t), _family(family)), c, o, hi, hn, o))
 
     def _group(self, group: Sequence[int]) -> tuple[int, ...]:
-        group = tuple(map(int, group))
+        group = tuple(map(int, _ints(tuple(group))))
         if len(set(group)) != len(group) or min(group) < 0 or max(group) >= self.world_size:
             raise ValueError(f"group must be distinct ranks in [0, {self.world_size}), got {group}")
         return group
@@ -141,7 +150,7 @@ class ProgramBuilder:
         if kind not in COLL_KINDS:
             raise ValueError(f"kind must be one of {COLL_KINDS}, got {kind!r}")
         group = self._group(group)
-        si, di, c = (np.asarray(x, dtype=np.int64) for x in (src, dst, chunk))
+        si, di, c = (_ints(x) for x in (src, dst, chunk))
         if not si.shape == di.shape == c.shape:
             si, di, c = np.broadcast_arrays(si, di, c)
         si, di, c = si.ravel(), di.ravel(), c.ravel()
@@ -163,6 +172,7 @@ class ProgramBuilder:
              c, hi, hn) -> None:
         """A valid collective's sides, and its slots in (side, direction, index) order
         (:func:`_slot_order`; ``side``: the member)."""
+        step = int(_ints(step))
         g = self._groups.setdefault(group, len(self._groups))
         first, self._n_sides = self._n_sides, self._n_sides + len(group)
         self._sides.append((np.array(group, np.int64), step, self._order(),
@@ -175,7 +185,7 @@ class ProgramBuilder:
         with ``want[i, j]`` (default: all); ``own=False`` leaves own slots empty."""
         group = self._group(group)
         n = len(group)
-        c = np.broadcast_to(np.asarray(chunk, dtype=np.int64), (n,))
+        c = np.broadcast_to(_ints(chunk), (n,))
         self._ranks(c, what="collective")
         if want is None:
             dirs, side, idx, sender = _all_pairs(n, bool(own))
