@@ -504,3 +504,22 @@ def test_gloo_equals_the_virtual_mesh_bit_for_bit_on_ranged_plans():
         for which, progs in (("forward", plan.forward), ("backward", plan.backward)):
             _assert_bytes(progs, {r: res[r][case]["records"][which] for r in range(P)}, **dims)
         _assert_dense(sim, _dense(mask, q, k, v, dout), f"gloo {case}")
+
+
+@pytest.mark.parametrize("name", ["batch_size", "num_heads"])
+def test_the_runtime_refuses_a_batch_or_heads_the_plan_was_not_classified_for(name):
+    """A mask that reads b (or h) classified for one b: its ranges (and skipped tiles) are
+    those of b = 0. ``Runtime.forward`` / ``backward`` ran it on B = 2 and returned wrong
+    numbers (the entry points refused it; the runtime did not)."""
+    i = 0 if name == "batch_size" else 1
+    m = lambda b, h, q, k: (q >= k) & ((q - k < 10) | ((b, h)[i] == 1))     # noqa: E731
+    plan = fringe.plan(fringe.schedules.get("ring"), m, seq_len=32, world_size=2,
+                       block_size=BS, **{name: 1})
+    assert _has_ranges(plan.forward, (Family.KV,))
+    q, k, v, dout = _qkv(32, H=2, G=2, D=4, Dv=4, seed=0)          # B = 2, H = 2
+    with pytest.raises(ValueError, match=f"classified for {name}=1 only"):
+        _run(plan, q, k, v, dout)
+    rt, lay = VirtualRuntime(2), plan.layout
+    qs, ks, vs = (torch.stack([lay.shard(t, r) for r in range(2)]) for t in (q, k, v))
+    with pytest.raises(ValueError, match=f"classified for {name}=1 only"):
+        rt.backward(plan, qs, ks, vs, qs, qs[..., 0], qs, None, None)

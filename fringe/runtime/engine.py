@@ -37,17 +37,22 @@ def check_inputs(q, k, v, *, plan: PlanLike, local: bool) -> None:
                          f"{where}length {want} (S={plan.seq_len}, P={plan.world_size}); "
                          f"re-plan with seq_len={q.shape[-2] * (plan.world_size if local else 1)}"
                          f" or pass tensors of the planned length")
-    for name, val, size in (("batch_size", plan.batch_size, q.shape[0]),
-                            ("num_heads", plan.num_heads, q.shape[1])):
-        if val is not None and val != size:     # a plan accepts only the B / H it classified
-            raise ValueError(f"the plan's mask was classified for {name}={val} only (the value "
-                             f"fringe.plan was given, or 1 when it was not given for a mask that "
-                             f"cannot be proven to ignore b and h), but q has {size}; re-plan "
-                             f"with fringe.plan(..., {name}={size})")
+    check_classified(plan, q.shape[0], q.shape[1])
     for t in plan.score_params:
         if t.device != q.device:
             raise ValueError(f"a score_mod parameter is on {t.device} but q is on {q.device}")
     check_heads(plan, q.shape[1], k.shape[1])
+
+
+def check_classified(plan: PlanLike, B: int, H: int) -> None:
+    """A plan accepts only the B / H its mask was classified for (a block empty for b = 0
+    may be read for b = 1: its tile would be skipped or its blocks not sent)."""
+    for name, val, size in (("batch_size", plan.batch_size, B), ("num_heads", plan.num_heads, H)):
+        if val is not None and val != size:
+            raise ValueError(f"the plan's mask was classified for {name}={val} only (the value "
+                             f"fringe.plan was given, or 1 when it was not given for a mask that "
+                             f"cannot be proven to ignore b and h), but q has {size}; re-plan "
+                             f"with fringe.plan(..., {name}={size})")
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -175,6 +180,7 @@ def forward(plan: PlanLike, ranks: Sequence[int], q: torch.Tensor, k: torch.Tens
     """
     acc = acc_dtype(q.dtype)
     H = q.shape[2]
+    check_classified(plan, q.shape[1], H)       # the entry points check it too; Runtime not
     check_heads(plan, H, k.shape[2])
     like = _shapes(q[0], k[0], v[0])
     states = {}
@@ -239,6 +245,7 @@ def backward(plan: PlanLike, ranks: Sequence[int], q, k, v, out, lse, dout, dlse
     """
     acc = acc_dtype(q.dtype)
     H = q.shape[2]
+    check_classified(plan, q.shape[1], H)       # the entry points check it too; Runtime not
     check_heads(plan, H, k.shape[2])
     states = {}
     params = tuple(plan.score_params)
