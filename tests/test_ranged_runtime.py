@@ -523,3 +523,18 @@ def test_the_runtime_refuses_a_batch_or_heads_the_plan_was_not_classified_for(na
     qs, ks, vs = (torch.stack([lay.shard(t, r) for r in range(2)]) for t in (q, k, v))
     with pytest.raises(ValueError, match=f"classified for {name}=1 only"):
         rt.backward(plan, qs, ks, vs, qs, qs[..., 0], qs, None, None)
+
+
+@pytest.mark.parametrize("S,R", [(32, 2), (128, 2), (96, 3), (32, 1)])
+def test_the_runtime_refuses_inputs_not_stacked_for_its_ranks(S, R):
+    """``Runtime.forward`` took 3 ranks' slices on a 2-rank mesh (dropping one silently) and
+    failed deep inside on other lengths: named instead."""
+    plan = fringe.plan(fringe.schedules.get("ring"), _mask(64, 0), seq_len=64, world_size=2,
+                       block_size=BS)
+    q, k, v, _ = _qkv(S, H=2, G=2, D=4, Dv=4, seed=0)
+    L = S // R
+    qs, ks, vs = (torch.stack([t[..., r * L:(r + 1) * L, :] for r in range(R)]) for t in (q, k, v))
+    with pytest.raises(ValueError, match="the runtime takes"):
+        VirtualRuntime(2).forward(plan, qs, ks, vs)
+    with pytest.raises(ValueError, match="the runtime takes"):
+        VirtualRuntime(2).backward(plan, qs, ks, vs, qs, qs[..., 0], qs, None, None)

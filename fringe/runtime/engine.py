@@ -55,6 +55,20 @@ def check_classified(plan: PlanLike, B: int, H: int) -> None:
                              f"with fringe.plan(..., {name}={size})")
 
 
+def check_stacked(plan: PlanLike, ranks: Sequence[int], q, k, v) -> None:
+    """What the runtime is handed directly (``Runtime.forward`` / ``backward``): one slice of
+    q, k, v per driven rank, each of the plan's local length, and ranks of the plan."""
+    L, P = plan.local_len, plan.world_size
+    if any(not 0 <= r < P for r in ranks):
+        raise ValueError(f"ranks {list(ranks)} are not all ranks of the plan (world size {P})")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != 5 or t.shape[0] != len(ranks) or t.shape[-2] != L:
+            raise ValueError(f"{name} has shape {tuple(t.shape)}; the runtime takes [R, B, heads, "
+                             f"L, D] with R = {len(ranks)} (the ranks it drives) and L = {L} (the "
+                             f"plan's local length, S={plan.seq_len} / P={P})")
+    check_classified(plan, q.shape[1], q.shape[2])
+
+
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
     """Accumulation dtype for out/lse/gradients: float64 stays, everything else float32."""
     return torch.float64 if dtype == torch.float64 else torch.float32
@@ -180,7 +194,7 @@ def forward(plan: PlanLike, ranks: Sequence[int], q: torch.Tensor, k: torch.Tens
     """
     acc = acc_dtype(q.dtype)
     H = q.shape[2]
-    check_classified(plan, q.shape[1], H)       # the entry points check it too; Runtime not
+    check_stacked(plan, ranks, q, k, v)         # the entry points check it too; Runtime not
     check_heads(plan, H, k.shape[2])
     like = _shapes(q[0], k[0], v[0])
     states = {}
@@ -245,7 +259,7 @@ def backward(plan: PlanLike, ranks: Sequence[int], q, k, v, out, lse, dout, dlse
     """
     acc = acc_dtype(q.dtype)
     H = q.shape[2]
-    check_classified(plan, q.shape[1], H)       # the entry points check it too; Runtime not
+    check_stacked(plan, ranks, q, k, v)         # the entry points check it too; Runtime not
     check_heads(plan, H, k.shape[2])
     states = {}
     params = tuple(plan.score_params)
