@@ -176,8 +176,15 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, plan: PlanLi
         if where == _op.VIRTUAL or torch.compiler.is_compiling():
             raise problem
         _op.fail_everywhere(where, timeout_s, q, k, v, sinks, f"{type(problem).__name__}: {problem}")
-    out, lse, _ = Attention.apply(q, k, v, sinks, batch, plan.handle, where, timeout_s,
-                                  plan.kv == "keep", plan.reads_batch, *plan.score_params)
+    args = (q, k, v, sinks, batch, plan.handle, where, timeout_s, plan.kv == "keep",
+            plan.reads_batch, *plan.score_params)
+    if torch.compiler.is_compiling() and not (torch.is_grad_enabled() and any(
+            t is not None and t.requires_grad for t in (q, k, v, sinks, *plan.score_params))):
+        # nothing to differentiate: the op itself. dynamo (torch 2.13) inlines a Function's
+        # forward then, and passes its ctx as the first argument when forward takes *params
+        out, lse, _ = Attention.forward(*args)
+    else:
+        out, lse, _ = Attention.apply(*args)
     if sinks is not None:
         out, lse = apply_sinks(out, lse, sinks)
     return out, lse
