@@ -163,6 +163,36 @@ def test_a_document_mask_edited_in_place_before_planning_raises():
                     block_size=BLOCK)
 
 
+class _Docs:
+    """Document ids held by an object whose method (or the object itself) is the mask_mod:
+    :func:`fringe.plan` cannot snapshot those, so it must guard them."""
+
+    def __init__(self) -> None:
+        self.ids = torch.tensor([0] * (S // 2) + [1] * (S // 2))
+
+    def mask(self, b, h, q_idx, kv_idx):
+        return (self.ids[q_idx] == self.ids[kv_idx]) & (q_idx >= kv_idx)
+
+    __call__ = mask
+
+
+@pytest.mark.parametrize("how", ["bound method", "callable object"])
+def test_refilling_ids_a_method_mask_reads_raises(how):
+    """A mask_mod that is a bound method (or a callable object) reading ``self.ids``: the plan
+    keeps it as is (no snapshot), so refilling the ids in place (next batch's documents) left
+    the old block classification under the new mask: off by ~2.5 from both the old and the
+    new dense answer, no error. Now the next call raises."""
+    docs = _Docs()
+    plan = fringe.plan(schedules.zigzag(), docs.mask if how == "bound method" else docs,
+                       seq_len=S, world_size=P, block_size=BLOCK)
+    q, k, v = make_qkv(B=1, H=2, G=2, S=S, D=4, seed=17)
+    want, _ = reference.attention(q, k, v, mask_mod=docs.mask)
+    assert_close(fringe.simulate.attention(q, k, v, plan=plan), want, **TOL)
+    docs.ids.copy_(torch.tensor([0] * 5 + [1] * (S - 5)))
+    with pytest.raises(ValueError, match="mask_mod holds was edited in place"):
+        fringe.simulate.attention(q, k, v, plan=plan)
+
+
 def test_shard_takes_the_rank_or_the_group_not_both():
     lay = layout.zigzag(S, P, block_size=BLOCK)
     x = torch.arange(S, dtype=torch.float64).view(1, S, 1)
