@@ -258,3 +258,34 @@ def test_shard_by_a_permuted_device_mesh_reads_the_mesh_coordinate():
     for g in (0, 1):                                 # global rank 0 is plan rank 1
         assert "rank 1 of 2 got invalid input" in res[g][5], res[g][5]
         assert "plan.tiles was edited in place" in res[g][5], res[g][5]
+
+
+def worker_edit_between_forward_and_backward(rank, world_size):
+    """Plan state edited on rank 0 only between the forward and the backward."""
+    import time
+    doc, plan, (q, k, v), _ = _case()
+    plan = fringe.plan(schedules.zigzag(), masks.causal() & packing.document_mask(doc),
+                       seq_len=S, world_size=world_size, block_size=BLOCK)
+    x = [plan.layout.shard(t, rank).clone().requires_grad_() for t in (q, k, v)]
+    out = fringe.attention(*x, plan=plan, timeout_s=60)
+    if rank == 0:
+        plan.tiles.fill_(int(masks.BlockKind.FULL))
+    start = time.monotonic()
+    try:
+        out.sum().backward()
+        err = ""
+    except Exception as e:      # noqa: BLE001 - the type is part of the answer
+        err = f"{type(e).__name__}: {e}"
+    return err, time.monotonic() - start
+
+
+def test_plan_edited_on_one_rank_before_the_backward_raises_on_every_rank():
+    """The backward ran no agreement: the rank with the edited plan raised alone and its
+    peer waited out its timeout (CommTimeout after 60 s here, 300 s by default). Now the
+    backward exchanges the same check as the forward: every rank raises rank 0's reason."""
+    with Workers(2, timeout_s=120, threads=1) as w:
+        res = w.run(worker_edit_between_forward_and_backward)
+    for err, took in res:
+        assert err.startswith("ValueError: rank 0 of 2 got invalid input"), err
+        assert "plan.tiles was edited in place" in err, err
+        assert took < 30, took
