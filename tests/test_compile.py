@@ -168,6 +168,25 @@ def test_compiles_without_gradients(params):
     assert torch.equal(f(q, k, v), want) and cnt.frame_count == 2     # one per grad mode
 
 
+def test_a_parameter_swapped_by_functional_call_raises_instead_of_a_zero_gradient():
+    """torch.func.grad of torch.func.functional_call(model, params, ...): the score_mod reads
+    the swapped-in params, the op routed the gradient to the Parameter fringe.plan captured,
+    and grad(...)["rel"] came back all zeros with no error. Now the call raises; the forward
+    value (nothing to differentiate) and plain autograd stay as they were."""
+    model = Tiny(torch.float64)
+    x, plan = _batch(0, torch.float64), _plan(model, 0)
+    params = {n: p.detach() for n, p in model.named_parameters()}
+    with torch.no_grad():
+        assert torch.equal(torch.func.functional_call(model, params, (x, plan)), model(x, plan))
+    loss = lambda ps: torch.func.functional_call(model, ps, (x, plan)).square().sum()  # noqa: E731
+    with pytest.raises(ValueError, match="not the plan's score_params"):
+        torch.func.grad(loss)(params)
+    with pytest.raises(ValueError, match="not the plan's score_params"):
+        loss({n: p.clone().requires_grad_() for n, p in params.items()}).backward()
+    model(x, plan).square().sum().backward()
+    assert model.rel.grad.abs().sum() > 0
+
+
 def test_inductor_float32_matches_eager():
     """The one inductor case: forward and backward of the model within 1e-5 of eager."""
     model = Tiny(torch.float32)
