@@ -325,9 +325,9 @@ def attention_backward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out
                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     """``(dq, dk, dv, dparams)``: the plan's backward programs (``reverse(plan)``)."""
     p: PlanLike = resolve(plan)
-    p.check_unchanged()     # the forward's check must not outlive an edit made since
     H = q.shape[-3]
     if where == VIRTUAL:
+        p.check_unchanged()     # the forward's check must not outlive an edit made since
         rt = VirtualRuntime(p.world_size)
         args = [_stack(p, x) for x in (q, k, v, out)] + [_stack_rows(p, lse), _stack(p, dout),
                                                          _stack_rows(p, dlse)]
@@ -335,6 +335,9 @@ def attention_backward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out
         group = _group(where)
         pending = _PENDING[_key(where, group)]
         rt = pending.pop() if pending else DistRuntime(group, timeout_s=timeout_s)
+        # every backward too: a plan edited on one rank since the forward makes every rank
+        # raise that rank's reason, instead of its peers waiting for a CommTimeout
+        rt.agree(p, q, k, v)
         args = [x.unsqueeze(0) for x in (q, k, v, out, lse, dout, dlse)]
     kept = _unpack(p, rt.ranks, kept, k, v, H)
     # tile backwards that use autograd (score_mod parameters, FlexAttention's backward, any

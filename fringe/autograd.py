@@ -176,8 +176,15 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, plan: PlanLi
         if where == _op.VIRTUAL or torch.compiler.is_compiling():
             raise problem
         _op.fail_everywhere(where, timeout_s, q, k, v, sinks, f"{type(problem).__name__}: {problem}")
-    out, lse, _ = Attention.apply(q, k, v, sinks, batch, plan.handle, where, timeout_s,
-                                  plan.kv == "keep", plan.reads_batch, *plan.score_params)
+    args = (q, k, v, sinks, batch, plan.handle, where, timeout_s, plan.kv == "keep",
+            plan.reads_batch, *plan.score_params)
+    if torch.compiler.is_compiling() and not (torch.is_grad_enabled() and any(
+            t is not None and t.requires_grad for t in (q, k, v, sinks, *plan.score_params))):
+        # nothing to differentiate: the op itself. dynamo (torch 2.13) inlines a Function's
+        # forward then, and passes its ctx as the first argument when forward takes *params
+        out, lse, _ = Attention.forward(*args)
+    else:
+        out, lse, _ = Attention.apply(*args)
     if sinks is not None:
         out, lse = apply_sinks(out, lse, sinks)
     return out, lse
@@ -199,6 +206,10 @@ def _entry_problem(q, k, v, plan: PlanLike, sinks, batch=None) -> Exception | No
         return TypeError(f"batch_digest must be a 0-d int64 CPU tensor (packing.Shard.batch_digest "
                          f"as fringe.hf.model_inputs carries it), got "
                          f"{getattr(batch, 'shape', type(batch).__name__)}")
+    if plan.score_params and torch.is_grad_enabled() and not torch.compiler.is_compiling():
+        problem = _stray_params(plan)
+        if problem is not None:
+            return problem
     # one meta tensor among real ones would send the call to the op's fake (shape-only) kernel:
     # empty outputs, no agreement, no error
     given = [(n, t) for n, t in (("q", q), ("k", k), ("v", v), ("sinks", sinks),
@@ -209,6 +220,25 @@ def _entry_problem(q, k, v, plan: PlanLike, sinks, batch=None) -> Exception | No
         return ValueError(f"q, k, v, sinks and the plan's score_mod parameters must be on one "
                           f"device, got {devs}; move them")
     return None
+
+
+def _stray_params(plan: PlanLike) -> Exception | None:
+    """A tensor that requires grad which the score_mod reads now but the plan does not route
+    (``torch.func.functional_call`` or a stateless reparametrization swapped the parameter
+    after :func:`fringe.plan` captured it): its gradient would come back zero, silently."""
+    from .plan import captured_params       # the plan layer: imported at call time only
+    known = {id(t) for t in plan.score_params}
+    stray = [t for t in captured_params(plan.score_mod, seq_len=plan.seq_len)
+             if id(t) not in known]
+    if not stray:
+        return None
+    return ValueError(
+        f"the score_mod reads {len(stray)} tensor(s) that require grad but are not the plan's "
+        f"score_params (shapes {[tuple(t.shape) for t in stray]}): a parameter was swapped after "
+        f"fringe.plan captured it (torch.func.functional_call, a stateless reparametrization, "
+        f"or requires_grad_() set later), so its gradient would silently be zero. Build the plan "
+        f"where the score_mod reads the tensors to differentiate, pass score_params= to "
+        f"fringe.plan, or differentiate the module's own parameters with torch.autograd")
 
 
 def apply_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor, *, head_dim: int = 1):

@@ -15,6 +15,7 @@ import functools
 import hashlib
 import math
 import operator
+import types
 import warnings
 from typing import Callable
 
@@ -522,6 +523,10 @@ def _captured_tensors(obj, where: str, memo: dict, depth: int):
         yield from _captured_tensors(obj.mod, name, memo, depth + 1)
         for c in obj.children:
             yield from _captured_tensors(c, where, memo, depth + 1)
+    elif isinstance(obj, types.MethodType):     # a bound method: its function and instance
+        yield from _captured_tensors(obj.__func__, where, memo, depth + 1)
+        yield from _captured_tensors(getattr(obj.__self__, "__dict__", None), where, memo,
+                                     depth + 1)
     elif callable(obj) and hasattr(obj, "__code__"):
         for c in getattr(obj, "__closure__", None) or ():
             try:
@@ -542,6 +547,9 @@ def _captured_tensors(obj, where: str, memo: dict, depth: int):
     elif type(obj) is dict:
         for v in obj.values():
             yield from _captured_tensors(v, where, memo, depth + 1)
+    elif callable(obj) and not isinstance(obj, type) and type(vars(obj) if hasattr(
+            obj, "__dict__") else None) is dict:          # a callable instance: its attributes
+        yield from _captured_tensors(vars(obj), where, memo, depth + 1)
 
 
 def _document_leaves(m):

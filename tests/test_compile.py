@@ -143,6 +143,50 @@ def test_captured_parameter_and_sinks_get_the_dense_gradient_under_compile():
         assert_close(a, b, **exact, msg=lambda m: f"{name}: {m}")
 
 
+@pytest.mark.parametrize("params", [0, 2])
+def test_compiles_without_gradients(params):
+    """Inference (torch.no_grad, or inputs that need no gradient) compiles too: fullgraph, bitwise
+    eager. (dynamo inlines the Function's forward then and used to pass its
+    ctx as q: InternalTorchDynamoError for a forward taking *params with 0 or >= 2 of them.)"""
+    ws = [torch.randn(H, dtype=torch.float64, requires_grad=True) for _ in range(params)]
+
+    def score_mod(s, b, h, q_idx, kv_idx):
+        for w in ws:
+            s = s + w[h] * (q_idx - kv_idx)
+        return s
+    plan = fringe.plan(schedules.zigzag(), masks.causal(), seq_len=S, world_size=P,
+                       block_size=BLOCK, score_mod=score_mod if params else None)
+    assert len(plan.score_params) == params
+    q, k, v = (torch.randn(B, h, S, D, generator=torch.Generator().manual_seed(n),
+                           dtype=torch.float64) for n, h in enumerate((H, G, G)))
+    cnt = CompileCounterWithBackend("aot_eager")
+    f = torch.compile(lambda q, k, v: fringe.simulate.attention(q, k, v, plan=plan),
+                      backend=cnt, fullgraph=True)
+    with torch.no_grad():
+        want = fringe.simulate.attention(q, k, v, plan=plan)
+        assert torch.equal(f(q, k, v), want)
+    assert torch.equal(f(q, k, v), want) and cnt.frame_count == 2     # one per grad mode
+
+
+def test_a_parameter_swapped_by_functional_call_raises_instead_of_a_zero_gradient():
+    """torch.func.grad of torch.func.functional_call(model, params, ...): the score_mod reads
+    the swapped-in params, the op routed the gradient to the Parameter fringe.plan captured,
+    and grad(...)["rel"] came back all zeros with no error. Now the call raises; the forward
+    value (nothing to differentiate) and plain autograd stay as they were."""
+    model = Tiny(torch.float64)
+    x, plan = _batch(0, torch.float64), _plan(model, 0)
+    params = {n: p.detach() for n, p in model.named_parameters()}
+    with torch.no_grad():
+        assert torch.equal(torch.func.functional_call(model, params, (x, plan)), model(x, plan))
+    loss = lambda ps: torch.func.functional_call(model, ps, (x, plan)).square().sum()  # noqa: E731
+    with pytest.raises(ValueError, match="not the plan's score_params"):
+        torch.func.grad(loss)(params)
+    with pytest.raises(ValueError, match="not the plan's score_params"):
+        loss({n: p.clone().requires_grad_() for n, p in params.items()}).backward()
+    model(x, plan).square().sum().backward()
+    assert model.rel.grad.abs().sum() > 0
+
+
 def test_inductor_float32_matches_eager():
     """The one inductor case: forward and backward of the model within 1e-5 of eager."""
     model = Tiny(torch.float32)

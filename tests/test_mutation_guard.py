@@ -163,6 +163,36 @@ def test_a_document_mask_edited_in_place_before_planning_raises():
                     block_size=BLOCK)
 
 
+class _Docs:
+    """Document ids held by an object whose method (or the object itself) is the mask_mod:
+    :func:`fringe.plan` cannot snapshot those, so it must guard them."""
+
+    def __init__(self) -> None:
+        self.ids = torch.tensor([0] * (S // 2) + [1] * (S // 2))
+
+    def mask(self, b, h, q_idx, kv_idx):
+        return (self.ids[q_idx] == self.ids[kv_idx]) & (q_idx >= kv_idx)
+
+    __call__ = mask
+
+
+@pytest.mark.parametrize("how", ["bound method", "callable object"])
+def test_refilling_ids_a_method_mask_reads_raises(how):
+    """A mask_mod that is a bound method (or a callable object) reading ``self.ids``: the plan
+    keeps it as is (no snapshot), so refilling the ids in place (next batch's documents) left
+    the old block classification under the new mask: off by ~2.5 from both the old and the
+    new dense answer, no error. Now the next call raises."""
+    docs = _Docs()
+    plan = fringe.plan(schedules.zigzag(), docs.mask if how == "bound method" else docs,
+                       seq_len=S, world_size=P, block_size=BLOCK)
+    q, k, v = make_qkv(B=1, H=2, G=2, S=S, D=4, seed=17)
+    want, _ = reference.attention(q, k, v, mask_mod=docs.mask)
+    assert_close(fringe.simulate.attention(q, k, v, plan=plan), want, **TOL)
+    docs.ids.copy_(torch.tensor([0] * 5 + [1] * (S - 5)))
+    with pytest.raises(ValueError, match="mask_mod holds was edited in place"):
+        fringe.simulate.attention(q, k, v, plan=plan)
+
+
 def test_shard_takes_the_rank_or_the_group_not_both():
     lay = layout.zigzag(S, P, block_size=BLOCK)
     x = torch.arange(S, dtype=torch.float64).view(1, S, 1)
@@ -228,3 +258,34 @@ def test_shard_by_a_permuted_device_mesh_reads_the_mesh_coordinate():
     for g in (0, 1):                                 # global rank 0 is plan rank 1
         assert "rank 1 of 2 got invalid input" in res[g][5], res[g][5]
         assert "plan.tiles was edited in place" in res[g][5], res[g][5]
+
+
+def worker_edit_between_forward_and_backward(rank, world_size):
+    """Plan state edited on rank 0 only between the forward and the backward."""
+    import time
+    doc, plan, (q, k, v), _ = _case()
+    plan = fringe.plan(schedules.zigzag(), masks.causal() & packing.document_mask(doc),
+                       seq_len=S, world_size=world_size, block_size=BLOCK)
+    x = [plan.layout.shard(t, rank).clone().requires_grad_() for t in (q, k, v)]
+    out = fringe.attention(*x, plan=plan, timeout_s=60)
+    if rank == 0:
+        plan.tiles.fill_(int(masks.BlockKind.FULL))
+    start = time.monotonic()
+    try:
+        out.sum().backward()
+        err = ""
+    except Exception as e:      # noqa: BLE001 - the type is part of the answer
+        err = f"{type(e).__name__}: {e}"
+    return err, time.monotonic() - start
+
+
+def test_plan_edited_on_one_rank_before_the_backward_raises_on_every_rank():
+    """The backward ran no agreement: the rank with the edited plan raised alone and its
+    peer waited out its timeout (CommTimeout after 60 s here, 300 s by default). Now the
+    backward exchanges the same check as the forward: every rank raises rank 0's reason."""
+    with Workers(2, timeout_s=120, threads=1) as w:
+        res = w.run(worker_edit_between_forward_and_backward)
+    for err, took in res:
+        assert err.startswith("ValueError: rank 0 of 2 got invalid input"), err
+        assert "plan.tiles was edited in place" in err, err
+        assert took < 30, took
