@@ -3,7 +3,7 @@
 Two batches with the same documents give the same plans, so a data loader seeded by global
 rank instead of dp rank (each CP rank cutting its shard from a different batch) agreed on
 everything and trained on nonsense with no error. ``packing.shard_batch`` now records a digest
-of the global batch (input_ids, shifted labels, document ids) in the Shard;
+of the global batch (input_ids, shifted labels, document ids, RoPE positions) in the Shard;
 ``fringe.hf.model_inputs`` carries it into every attention call, which compares it across
 the CP ranks in the same per-call agreement exchange, before any attention data moves.
 """
@@ -144,3 +144,23 @@ def test_the_digest_is_of_the_global_batch_not_the_shard():
                                                      cu_seqlens=CU), plans)[fringe.hf.KWARG]
     assert ctx.batch_digest.dim() == 0 and ctx.batch_digest.dtype == torch.int64
     assert int(ctx.batch_digest) == d[0]
+
+
+def test_the_digest_covers_the_rope_positions():
+    """Ranks whose batches differ only in their RoPE positions (``restart_positions`` set
+    differently, or position_ids offset on one rank) ran with no error and a loss that is
+    neither batch's: the positions are part of the batch the digest compares. The same
+    positions given as cu_seqlens or as position_ids keep one digest."""
+    model = tiny_llama(S)
+    doc = packing.doc_ids_from_cu_seqlens(CU)
+    plans = fringe.hf.plans(model, schedules.zigzag(), packing.document_mask(doc),
+                            seq_len=S, world_size=2, block_size=BS)
+    ids = _batch(0)
+    base = packing.shard_batch(ids, ids, plan=plans.plans, rank=0, cu_seqlens=CU).batch_digest
+    pos = packing.positions_in_document(doc)
+    assert packing.shard_batch(ids, ids, plan=plans.plans, rank=1,
+                               position_ids=pos).batch_digest == base
+    assert packing.shard_batch(ids, ids, plan=plans.plans, rank=1, cu_seqlens=CU,
+                               restart_positions=False).batch_digest != base
+    assert packing.shard_batch(ids, ids, plan=plans.plans, rank=1,
+                               position_ids=pos + 7).batch_digest != base

@@ -35,8 +35,8 @@ class Shard:
             length and B, as digests): :func:`fringe.hf.model_inputs` checks it against the
             plans. None for a shard built by hand (then read from the fields above).
         batch_digest: a 48-bit digest (blake2b) of the global batch the shard was cut from:
-            its ``input_ids``, next-token targets (after shifting and padding) and document
-            ids, as :func:`shard_batch` saw them. :func:`fringe.hf.model_inputs` carries it
+            its ``input_ids``, next-token targets (after shifting and padding), document
+            ids and RoPE positions, as :func:`shard_batch` saw them. :func:`fringe.hf.model_inputs` carries it
             into every attention call, whose agreement exchange compares it across the CP
             ranks: ranks that sharded different global batches (a loader seeded by global
             rank instead of dp rank) all raise, even when the batches' documents, and so the
@@ -79,13 +79,15 @@ class Shard:
 
 
 def _batch_digest(input_ids: torch.Tensor, targets: torch.Tensor | None,
-                 doc_ids: torch.Tensor) -> int:
+                 doc_ids: torch.Tensor, positions: torch.Tensor) -> int:
     """A 48-bit blake2b digest of a global batch: its token ids, next-token targets (None: no
-    labels) and document ids, with their shapes and dtypes (:attr:`Shard.batch_digest`).
+    labels), document ids and RoPE positions, with their shapes and dtypes
+    (:attr:`Shard.batch_digest`).
     Hashes the tensors' bytes on the CPU (device tensors are copied first): at S=1M (three
     8 MiB int64 tensors) about 80 ms on a loaded 2-core CPU, blake2b's own speed there."""
     h = hashlib.blake2b(digest_size=6)
-    for name, t in (("input_ids", input_ids), ("targets", targets), ("doc_ids", doc_ids)):
+    for name, t in (("input_ids", input_ids), ("targets", targets), ("doc_ids", doc_ids),
+                    ("position_ids", positions)):
         if t is None:
             h.update(f"{name}:none;".encode())
             continue
@@ -277,4 +279,4 @@ def shard_batch(input_ids: torch.Tensor, labels: torch.Tensor | None = None, *, 
     return Shard(input_ids=lay.shard(ids, rank, dim=1), shift_labels=tgt,
                  position_ids=lay.shard(rope.contiguous(), rank, dim=1), doc_ids=doc,
                  num_items=num, layout_fingerprint=lay.fingerprint(), rank=rank,
-                 real_len=real_len, batch=key, batch_digest=_batch_digest(ids, shifted, doc))
+                 real_len=real_len, batch=key, batch_digest=_batch_digest(ids, shifted, doc, rope))
