@@ -147,6 +147,11 @@ def test_already_shifted_labels_are_not_shifted_again():
     naive = torch.cat([ids[:, 1:], ids.new_full((2, 1), IGN)], dim=1)
     with pytest.raises(ValueError, match="shift=False"):
         packing.shard_batch(ids, naive, plan=plan, rank=0, cu_seqlens=cus)
+    # shifted with the last position filled by the loader (EOS / pad id, not ignore_index):
+    # it has no next token to compare with, so it must not hide the shift (it was shifted twice)
+    filled = torch.cat([ids[:, 1:], ids.new_full((2, 1), 0)], dim=1)
+    with pytest.raises(ValueError, match="shift=False"):
+        packing.shard_batch(ids, filled, plan=plan, rank=0, cu_seqlens=cus)
     sh = packing.shard_batch(ids, naive, plan=plan, rank=0, cu_seqlens=cus, shift=False)
     assert sh.num_items == int((naive != IGN).sum()) == 2 * (S - 1)   # as given: 126
     with pytest.raises(TypeError, match="shift must be True"):

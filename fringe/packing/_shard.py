@@ -122,14 +122,17 @@ def _check_padding(plans: list, real_len: int, padded: int) -> None:
 
 
 def _check_unshifted(ids: torch.Tensor, lab: torch.Tensor, ignore_index: int) -> None:
-    """Raise if ``lab`` is plainly ``ids`` shifted already: every label that is not ignored
-    is the next token (``lab[:, i] == ids[:, i+1]``, none at the last position) and some
-    differ from ``ids`` itself (so they are not ``labels = input_ids``)."""
+    """Raise if ``lab`` is plainly ``ids`` shifted already: every label that is not ignored,
+    before the last position, is the next token (``lab[:, i] == ids[:, i+1]``) and some
+    differ from ``ids`` itself (so they are not ``labels = input_ids``). The last position has
+    no next token to compare with, so whatever it holds (ignored, or an EOS / pad id filled in
+    by the loader) does not decide."""
+    lab = lab[:, :-1]
     keep = lab != ignore_index
-    if not bool(keep.any()) or bool(keep[:, -1].any()):
+    if not bool(keep.any()):
         return
-    nxt = torch.cat([ids[:, 1:], ids[:, -1:]], dim=1)
-    if bool((lab == nxt)[keep].all()) and bool((lab != ids)[keep].any()):
+    nxt, cur = ids[:, 1:], ids[:, :-1]
+    if bool((lab == nxt)[keep].all()) and bool((lab != cur)[keep].any()):
         raise ValueError(
             "shard_batch: the labels are already next-token targets (labels[:, i] == "
             "input_ids[:, i+1] wherever a label is not ignore_index) but shift=True (the "
