@@ -152,6 +152,12 @@ def test_already_shifted_labels_are_not_shifted_again():
     filled = torch.cat([ids[:, 1:], ids.new_full((2, 1), 0)], dim=1)
     with pytest.raises(ValueError, match="shift=False"):
         packing.shard_batch(ids, filled, plan=plan, rank=0, cu_seqlens=cus)
+    # the same batch padded (pad_batch, real_len=S): the padding does not hide it either
+    eos = torch.cat([ids[:, 1:], ids.new_full((2, 1), 31)], dim=1)     # EOS 31, pad id 0
+    padded = packing.pad_batch(ids, eos, length=2 * S, cu_seqlens=cus)
+    with pytest.raises(ValueError, match="shift=False"):
+        packing._shard._check_unshifted(padded["input_ids"], padded["labels"], IGN,
+                                        padded["real_len"])
     sh = packing.shard_batch(ids, naive, plan=plan, rank=0, cu_seqlens=cus, shift=False)
     assert sh.num_items == int((naive != IGN).sum()) == 2 * (S - 1)   # as given: 126
     with pytest.raises(TypeError, match="shift must be True"):

@@ -121,13 +121,15 @@ def _check_padding(plans: list, real_len: int, padded: int) -> None:
                 f"packing.document_mask(doc_ids, real_len={real_len})")
 
 
-def _check_unshifted(ids: torch.Tensor, lab: torch.Tensor, ignore_index: int) -> None:
+def _check_unshifted(ids: torch.Tensor, lab: torch.Tensor, ignore_index: int,
+                     real_len: int | None = None) -> None:
     """Raise if ``lab`` is plainly ``ids`` shifted already: every label that is not ignored,
     before the last position, is the next token (``lab[:, i] == ids[:, i+1]``) and some
     differ from ``ids`` itself (so they are not ``labels = input_ids``). The last position has
     no next token to compare with, so whatever it holds (ignored, or an EOS / pad id filled in
-    by the loader) does not decide."""
-    lab = lab[:, :-1]
+    by the loader) does not decide; nor does the padding after ``real_len`` real tokens."""
+    n = ids.shape[1] if real_len is None else real_len
+    lab, ids = lab[:, :n - 1], ids[:, :n]
     keep = lab != ignore_index
     if not bool(keep.any()):
         return
@@ -266,7 +268,7 @@ def shard_batch(input_ids: torch.Tensor, labels: torch.Tensor | None = None, *, 
         if tuple(lab.shape) != (B, S):
             raise ValueError(f"labels must have the shape of input_ids {(B, S)}, got {tuple(lab.shape)}")
         if shift:
-            _check_unshifted(ids, lab, ignore_index)
+            _check_unshifted(ids, lab, ignore_index, real_len)
             shifted = shift_labels(lab, doc, ignore_index=ignore_index)
             if real_len is not None:    # no target is, or belongs to, a pad token
                 shifted[:, real_len - 1:] = ignore_index
