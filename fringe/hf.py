@@ -460,7 +460,7 @@ def model_inputs(shard, plans: Plans) -> dict:
                          f"(packing.shard_batch(..., plan=plans.plans))")
     _packing.check_batch(plans.plans, shard, where="fringe.hf.model_inputs")
     out = shard.model_inputs()
-    digest = getattr(shard, "batch_digest", None)
+    digest = _packing._run_digest(shard, plans.plans[0], plans.group)
     out[KWARG] = dataclasses.replace(
         plans, batch_fingerprint=shard.layout_fingerprint,
         batch_digest=None if digest is None else torch.tensor(digest, dtype=torch.int64))

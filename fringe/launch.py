@@ -759,9 +759,13 @@ class Workers:
                 cause = (f"{what}, when ranks {missing} did not answer within "
                          f"{self.timeout_s + _COLLECT_SLACK_S:g}s")
                 self._break(cause)
+                # a rank's own exception usually explains why its peers wait: name it
+                failed = "; ".join(f"rank {r} raised {_last_line(errors[r][1]) or errors[r][0]}"
+                                   for r in sorted(errors))
                 raise LaunchError(f"ranks {missing} did not answer {what} within "
-                                  f"{self.timeout_s + _COLLECT_SLACK_S:g}s", kind="timeout",
-                                  errors=errors) from None
+                                  f"{self.timeout_s + _COLLECT_SLACK_S:g}s"
+                                  + (f" (before that: {failed})" if failed else ""),
+                                  kind="timeout", errors=errors) from None
         if errors:
             # lead with a rank's own exception, then a dead process, then the timeouts of its
             # peers that usually follow from either

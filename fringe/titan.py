@@ -456,7 +456,7 @@ def model_inputs(shard: _packing.Shard, plans: Plans, *, device=None) -> dict:
     tokens, positions = shard.input_ids, shard.position_ids
     if device is not None:
         tokens, positions = tokens.to(device), positions.to(device)
-    digest = getattr(shard, "batch_digest", None)
+    digest = _packing._run_digest(shard, plans.plans[0], plans.group)
     bound = dataclasses.replace(
         plans, batch_fingerprint=shard.layout_fingerprint, positions=positions,
         batch_digest=None if digest is None else torch.tensor(digest, dtype=torch.int64))

@@ -44,7 +44,7 @@ from ._documents import (doc_ids_from_cu_seqlens, doc_ids_from_position_ids, doc
 from ._loss import global_token_count, loss_sum, shift_labels, token_weighted_loss
 from ._padding import pad_batch, pad_mask
 from ._real_tokens import real_len_of, real_tokens
-from ._shard import Shard, shard_batch
+from ._shard import Shard, run_digest as _run_digest, shard_batch
 
 __all__ = ["IGNORE_INDEX", "BatchKey", "Shard", "check_batch", "doc_ids_from_cu_seqlens",
            "doc_ids_from_position_ids", "document_mask", "global_token_count", "loss_sum",

@@ -285,3 +285,22 @@ def shard_batch(input_ids: torch.Tensor, labels: torch.Tensor | None = None, *, 
                  position_ids=lay.shard(rope.contiguous(), rank, dim=1), doc_ids=doc,
                  num_items=num, layout_fingerprint=lay.fingerprint(), rank=rank,
                  real_len=real_len, batch=key, batch_digest=_batch_digest(ids, shifted, doc, rope))
+
+
+def run_digest(shard, plan, group) -> int | None:
+    """The batch digest a shard joins the attention agreement with (``fringe.hf`` /
+    ``fringe.titan`` ``model_inputs``): its ``batch_digest``, or ``-2 - shard.rank`` where
+    this process is another plan rank of ``group`` than the one the shard was cut for (a
+    ``rank=`` given the dp coordinate, a group other than the plans'). The agreement then
+    raises on every rank of the group, naming it; the digests alone agree (one batch)."""
+    import torch.distributed as dist
+    digest = getattr(shard, "batch_digest", None)
+    rank = getattr(shard, "rank", None)
+    if (rank is None or plan.world_size <= 1 or not dist.is_available()
+            or not dist.is_initialized()):
+        return digest
+    try:
+        me = plan.layout.rank_in(group)
+    except ValueError:               # not in the group / another size: the agreement says so
+        return digest
+    return digest if me == rank else -2 - int(rank)

@@ -94,7 +94,11 @@ def _describe(field: str, value: int) -> str:
     if field in _DIGESTS:
         return f"digest #{value:012x}"
     if field == _BATCH_FIELD:
-        return "no batch digest" if value < 0 else f"batch digest #{value:012x}"
+        if value == -1:
+            return "no batch digest"
+        if value < 0:                   # packing's run_digest: the shard of another plan rank
+            return f"a shard cut for plan rank {-2 - value}"
+        return f"batch digest #{value:012x}"
     return str(value)
 
 
@@ -464,6 +468,15 @@ class DistRuntime(Runtime):
                              f"attention data moved: {msgs[r]}")
         # a different batch explains any other difference (its documents, hence its plans)
         col = _FIELDS.index(_BATCH_FIELD)
+        # -2 - r: the shard was cut for plan rank r, not this one (``packing._run_digest``)
+        for r, row in enumerate(rows):
+            if row[col] <= -2:
+                raise ValueError(
+                    f"rank {r} of {self.world_size} runs attention on the shard cut for plan rank "
+                    f"{-2 - row[col]} (seen from rank {self.rank}, before any attention data "
+                    f"moved): shard the batch for this process's rank in the plans' group "
+                    f"(shard_batch(..., group=mesh['cp']), or rank= its CP coordinate, not its dp "
+                    f"or global rank)")
         for r, row in enumerate(rows):
             if row[col] != rows[0][col] and min(row[col], rows[0][col]) < 0:
                 raise RankMismatch(

@@ -1,0 +1,27 @@
+"""A call that times out because a peer waits for a rank that already raised must name
+that rank's exception (the root cause), not only the waiting ranks."""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from fringe import launch
+from fringe.launch import LaunchError, Workers
+
+
+def raise_or_wait(rank, world_size):
+    if rank == 1:
+        raise ValueError("rank 1 fails mid-step")
+    time.sleep(60)          # a peer blocked in a collective the failed rank never joins
+    return rank
+
+
+def test_timeout_names_the_rank_that_raised(monkeypatch):
+    monkeypatch.setattr(launch, "_COLLECT_SLACK_S", 1.0)
+    with pytest.raises(LaunchError) as info:
+        with Workers(2, timeout_s=15, threads=1) as w:
+            w.run(raise_or_wait)
+    msg = str(info.value)
+    assert "ranks [0] did not answer" in msg, msg
+    assert "rank 1 raised ValueError: rank 1 fails mid-step" in msg, msg
