@@ -5,6 +5,7 @@ import dataclasses
 import hashlib
 
 import torch
+import torch.distributed as dist
 
 from ._batch_key import BatchKey, _plans_of, check_batch
 from ._common import IGNORE_INDEX, _int_tensor
@@ -293,7 +294,6 @@ def run_digest(shard, plan, group) -> int | None:
     this process is another plan rank of ``group`` than the one the shard was cut for (a
     ``rank=`` given the dp coordinate, a group other than the plans'). The agreement then
     raises on every rank of the group, naming it; the digests alone agree (one batch)."""
-    import torch.distributed as dist
     digest = getattr(shard, "batch_digest", None)
     rank = getattr(shard, "rank", None)
     if (rank is None or plan.world_size <= 1 or not dist.is_available()
