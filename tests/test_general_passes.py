@@ -337,7 +337,16 @@ def test_a_pass_output_concatenates_narrow_without_wrapping():
     """The backward's transfer columns are concatenated as int32 only where every value fits
     (else int64, exact), all zeros as zeroed pages; ``_of_parts(fresh=True)`` takes such an
     array as the table's own, read-only."""
-    from fringe.schedules.passes._reverse import _cat_narrow
+    from fringe.schedules.ir import column_dtype, concat_column as _cat_narrow, step_scalar
+    for lo, hi in ((0, 0), (-1, 0), (-2 ** 31, 2 ** 31 - 1), (0, 2 ** 31), (-2 ** 31 - 1, 0)):
+        col = ProgramTable._of_parts(1, dict(rank=[], step=[], kind=[], q=[], kv=[], order=[]),
+                                     dict(step=[lo, hi], src=[0, 0], dst=[0, 0], fam=[1, 1],
+                                          chunk=[0, 0], order=[0, 1]))._parts[1]["step"]
+        want = column_dtype(lo, hi)      # one rule: the table's width is the pass outputs'
+        assert col.dtype == (want or np.int32) == _cat_narrow([np.array([lo, hi])]).dtype
+    t32 = np.array([0, 7], np.int32)
+    assert (step_scalar(2 ** 31) - t32).tolist() == [2 ** 31, 2 ** 31 - 7]
+    assert (step_scalar(9) - t32).dtype == np.int32
     a, b = np.array([1, 2 ** 31 - 1], np.int64), np.array([-2 ** 31], np.int64)
     got = _cat_narrow([a, b])
     assert got.dtype == np.int32 and got.tolist() == [1, 2 ** 31 - 1, -2 ** 31]

@@ -93,7 +93,8 @@ from ._rules import (ADJOINT_CODE as ADJOINT_CODE, C_ as C_, COLL_KINDS as COLL_
                      RULES as RULES, S_ as S_, TILE_TOUCH_CODES as TILE_TOUCH_CODES,
                      TILE_TOUCHES as TILE_TOUCHES, OpRule as OpRule)
 from ._table import (ProgramTable as ProgramTable, ScheduleError as ScheduleError,
-                     _no_coll as _no_coll, buffer_of as buffer_of)
+                     _no_coll as _no_coll, buffer_of as buffer_of, column_dtype as column_dtype,
+                     concat_column as concat_column, step_scalar as step_scalar)
 
 # ``_collective``: pickles written when the IR was one module name it here (a Collective
 # unpickles through it), as they name the classes re-exported above.

@@ -131,10 +131,8 @@ class ProgramTable:
 
         def small(x, take=False):        # int32 where it fits: half the memory at P=1024
             x = np.asarray(x)
-            lo, hi = (int(x.min()), int(x.max())) if len(x) else (0, 0)
-            fits = lo >= -2 ** 31 and hi < 2 ** 31
-            want = np.int32 if fits else np.int64
-            if lo == hi == 0:            # all zeros (whole heads, ...): fresh zeroed pages,
+            want = column_dtype(*((int(x.min()), int(x.max())) if len(x) else (0, 0)))
+            if want is None:             # all zeros (whole heads, ...): fresh zeroed pages,
                 x = np.zeros(len(x), dtype=np.int32)    # not resident until written
             elif take and x.dtype == want and x.base is None and x.flags.c_contiguous:
                 pass                     # the caller's fresh array: ours now
@@ -490,6 +488,38 @@ def _unmatched(programs, sends: dict, recvs: dict):
                     raise ScheduleError(f"rank {r}, step {t}: '{op}' has no matching {missing} "
                                         f"on rank {peer} in the same step\n{marked(prog, t)}")
     raise AssertionError("unreachable: sends and receives differ but no op says so")
+
+
+def column_dtype(lo: int, hi: int):
+    """How wide a table column holding values in ``[lo, hi]`` is: int32 where they fit (half
+    the memory: 16.8M transfer rows a direction at P=4,096), else int64; None when every
+    value is 0 (fresh zeroed pages, not resident until written). The one rule for it:
+    :meth:`ProgramTable._of_parts` and the passes that build columns it takes (``fresh``)."""
+    import numpy as np
+    if lo == hi == 0:
+        return None
+    return np.int32 if lo >= -2 ** 31 and hi < 2 ** 31 else np.int64
+
+
+def concat_column(parts: list):
+    """``np.concatenate(parts)`` at the table's width for its values (:func:`column_dtype`),
+    one array and no wider copy on the way: a pass's output column that
+    :meth:`ProgramTable._of_parts` takes as it is (``fresh=True``)."""
+    import numpy as np
+    n = sum(len(p) for p in parts)
+    ext = [(int(p.min()), int(p.max())) for p in parts if len(p)]
+    want = column_dtype(min([e[0] for e in ext] or [0]), max([e[1] for e in ext] or [0]))
+    if want is None:
+        return np.zeros(n, np.int32)
+    return np.concatenate(parts, dtype=want, casting="unsafe")   # checked: it cannot wrap
+
+
+def step_scalar(T: int):
+    """``T`` as a scalar an int32 step column can be subtracted from (``T - step``, the
+    reverse's step rule): a Python int, or an int64 past 2**31 (NumPy raises on a Python int
+    that does not fit the column's int32, where int64 gives the wider result)."""
+    import numpy as np
+    return T if T < 2 ** 31 else np.int64(T)
 
 
 def _table_of_parts(world_size: int, parts) -> ProgramTable:

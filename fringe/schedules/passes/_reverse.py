@@ -10,7 +10,7 @@ import numpy as np
 
 from ..ir import (ADJOINT_CODE, C_, COLL_KINDS as ir_kinds, COLLECTIVE_ADJOINT, OWN_SLOT_IN_PLACE,
                   TILE_TOUCH_CODES, Buffer, Collective, Family, GradCompute, Program, ProgramTable,
-                  Recv, ScheduleError, Send, marked)
+                  Recv, ScheduleError, Send, concat_column, marked, step_scalar)
 from . import _columns
 from ._check import _gen, check
 from ._columns import (_F, _FAMILIES, _FAMILY_CODE, _INPUTS, _KV, _OUT, _Q, _Gen, _slices, _table,
@@ -80,7 +80,7 @@ def _reverse_parts(tab: ProgramTable, kv: str) -> list[Program] | None:
     T = max(int(ct.max()) if len(ct) else -1, int(xt.max()) if len(xt) else -1) + 1
     bcomp = dict(rank=cr, step=T - ct, kind=np.full(len(cr), ADJOINT_CODE[C_], np.int64), q=cq, kv=ckv,
                  order=comp["order"])
-    Tx = T if T < 2 ** 31 else np.int64(T)  # (T - an int32 column: a Python int past it raises)
+    Tx = step_scalar(T)
     bx = [dict(step=Tx - xt, src=xd, dst=xs, fam=np.full(len(xs), _FAMILY_CODE[Family.DKV]),
                chunk=xc, order=xfer["rorder"], rorder=xfer["order"])]
     if kv == "resend":
@@ -445,7 +445,7 @@ def _general_reverse(tab: ProgramTable, kv: str, pad: int = 0) -> list[Program]:
     bcomp = dict(rank=g.cr, step=T - g.ct, kind=np.full(len(g.cr), ADJOINT_CODE[C_]), q=g.cq, kv=g.ckv,
                  order=2 * g.co, hi=g.chi, hn=g.chn)
     two = np.int64(2)                       # (order columns may be int32)
-    Tx = T if T < 2 ** 31 else np.int64(T)  # (T - an int32 column: a Python int past it raises)
+    Tx = step_scalar(T)
     xs = [dict(step=Tx - g.xt, src=g.xd, dst=g.xs, fam=cot[g.xf], chunk=g.xc, order=two * g.xro,
                rorder=two * g.xo, hi=g.xhi, hn=g.xhn, rng=g.xrng)]  # the adjoint: same blocks
     o_ = g.xf == OUT                        # the merged (out, lse) goes with its cotangent
@@ -549,7 +549,7 @@ def _general_reverse(tab: ProgramTable, kv: str, pad: int = 0) -> list[Program]:
     except _Late as e:
         _late(tab, e.hop, e.arrival)
     xs.append(extra)
-    bxfer = {k: _cat_narrow([x.pop(k) for x in xs]) for k in list(xs[0])}   # (each piece
+    bxfer = {k: concat_column([x.pop(k) for x in xs]) for k in list(xs[0])}   # (each piece
     del xs, extra                                                           # freed as it goes)
     bxfer["ranges"] = g.ranges
     bcoll = {k: np.concatenate([x[k] for x in sides]) for k in sides[0]}
@@ -559,20 +559,6 @@ def _general_reverse(tab: ProgramTable, kv: str, pad: int = 0) -> list[Program]:
     bcoll.update({k: v[o] for k, v in sl.items()})
     bcoll["groups"], bcoll["ranges"] = g.groups, g.sranges
     return list(ProgramTable._of_parts(P, bcomp, bxfer, bcoll, fresh=True).programs())
-
-
-def _cat_narrow(parts: list) -> np.ndarray:
-    """``np.concatenate(parts)`` as int32 where every value fits (the table keeps it so:
-    :meth:`ProgramTable._of_parts` takes it with ``fresh=True``), else int64; all zeros as
-    fresh zeroed pages. The backward's transfers at P=4,096 are 16.8M rows: int64 pieces,
-    their int64 concatenation and the table's int32 copy were 2.4 GB at once."""
-    n = sum(len(p) for p in parts)
-    ext = [(int(p.min()), int(p.max())) for p in parts if len(p)]
-    lo, hi = min([e[0] for e in ext] or [0]), max([e[1] for e in ext] or [0])
-    if lo == hi == 0:
-        return np.zeros(n, np.int32)
-    fits = lo >= -2 ** 31 and hi < 2 ** 31             # checked: the cast cannot wrap
-    return np.concatenate(parts, dtype=np.int32 if fits else np.int64, casting="unsafe")
 
 
 def _remote_reads(g: _Gen, skip: np.ndarray) -> tuple[np.ndarray, ...]:
