@@ -521,3 +521,25 @@ def test_balanced_orders_of_weighted_maps_and_block_work_are_pinned():
     work = torch.arange(64, dtype=torch.float64) % 7
     assert _order_digest(layout.balanced(1024, 4, block_size=16, block_work=work)) == \
         "a163828ee8412782"
+
+
+def test_rotated_tops_is_the_gathered_rotation_max():
+    """The laps' rotation search sums windows a block at a time; it must give, bit for bit,
+    the max over ranks of every rotation gathered as a [P, P] index (ties: the same argmin)."""
+    import numpy as np
+    from fringe.layout import _balanced
+    rng = np.random.default_rng(7)
+    for P in (1, 2, 5, 64, 300):
+        for tie in (False, True):
+            tot, piece = rng.random(P) * 10, rng.random(P)
+            if tie:
+                tot, piece = np.round(tot), np.round(piece * 3)
+            shift = (np.arange(P)[None, :] - np.arange(P)[:, None]) % P
+            want = (tot[None, :] + piece[shift]).max(axis=1)
+            old = _balanced.ROT_CELLS
+            try:
+                _balanced.ROT_CELLS = 7 * P      # several blocks, the last one short
+                got = _balanced._rotated_tops(tot, piece)
+            finally:
+                _balanced.ROT_CELLS = old
+            assert np.array_equal(got, want) and np.argmin(got) == np.argmin(want)
