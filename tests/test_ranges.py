@@ -265,3 +265,24 @@ def test_narrow_returns_the_very_table_when_every_move_needs_its_whole_chunk():
         out = narrow(list(p.forward), blocks)
         assert (out[0].table is p.forward[0].table) is not ranged
         assert ProgramTable.of(out).ranged is ranged
+
+
+def test_narrow_words_are_the_packed_rows():
+    """narrow ORs block bits as one word per row where a row fits 8 bytes: for every row
+    width the words round-trip and OR / gather exactly as the uint8 rows do."""
+    import numpy as np
+    from fringe.schedules.passes._narrow import _unwords, _words
+    rng = np.random.default_rng(3)
+    for w in range(1, 11):
+        a = rng.integers(0, 256, (50, w), dtype=np.uint8)
+        b = rng.integers(0, 256, (50, w), dtype=np.uint8)
+        wa, wb = _words(a), _words(b)
+        assert (wa.ndim == 1) == (w <= 8)
+        assert np.array_equal(_unwords(wa, w), a)
+        assert np.array_equal(_unwords(wa | wb, w), a | b)
+        idx = rng.integers(0, 50, 80)
+        acc = np.zeros_like(wa)
+        np.bitwise_or.at(acc, idx[:50] % 50, wb[idx[:50]])
+        ref = np.zeros_like(a)
+        np.bitwise_or.at(ref, idx[:50] % 50, b[idx[:50]])
+        assert np.array_equal(_unwords(acc, w), ref)
