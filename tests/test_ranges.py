@@ -268,10 +268,10 @@ def test_narrow_returns_the_very_table_when_every_move_needs_its_whole_chunk():
 
 
 def test_narrow_words_are_the_packed_rows():
-    """narrow ORs block bits as one word per row where a row fits 8 bytes: for every row
+    """narrow and covered take block bits as one word per row where a row fits 8 bytes: for every row
     width the words round-trip and OR / gather exactly as the uint8 rows do."""
     import numpy as np
-    from fringe.schedules.passes._narrow import _unwords, _words
+    from fringe.schedules.passes._blocks import _unwords, _words
     rng = np.random.default_rng(3)
     for w in range(1, 11):
         a = rng.integers(0, 256, (50, w), dtype=np.uint8)
@@ -280,6 +280,9 @@ def test_narrow_words_are_the_packed_rows():
         assert (wa.ndim == 1) == (w <= 8)
         assert np.array_equal(_unwords(wa, w), a)
         assert np.array_equal(_unwords(wa | wb, w), a | b)
+        lost = wa & ~wb                  # covered's "wanted but not held"
+        assert np.array_equal(lost != 0 if lost.ndim == 1 else lost.any(axis=1),
+                              (a & ~b).any(axis=1))
         idx = rng.integers(0, 50, 80)
         acc = np.zeros_like(wa)
         np.bitwise_or.at(acc, idx[:50] % 50, wb[idx[:50]])

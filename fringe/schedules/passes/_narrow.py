@@ -7,7 +7,7 @@ from typing import Sequence
 import numpy as np
 
 from ..ir import C_, TILE_TOUCH_CODES, Program, ProgramTable
-from ._blocks import BlockNeed, _inputs
+from ._blocks import BlockNeed, _inputs, _unwords, _words
 from ._check import _gen
 from ._columns import _table, gc_paused
 from ._keys import _by_step, _lookup, _row_keys, _runs, _unique
@@ -131,28 +131,6 @@ def narrow(programs: Sequence[Program], need: BlockNeed) -> list[Program]:
         s_rng[s_recv] = rng[nh:]
         c["slot_rng"], c["ranges"] = s_rng, ranges
     return list(ProgramTable._of_parts(P, comp, x, c).programs())
-
-
-def _words(bits: np.ndarray) -> np.ndarray:
-    """Packed bit rows ``[n, w]`` (uint8) as one unsigned word per row where ``w <= 8``
-    (zero-padded to 1, 2, 4 or 8 bytes): OR and gathers of words are those of the rows, with
-    1-D indexing (narrow's step loop gathers 16.8M rows at P=4,096). Wider rows as they are."""
-    n, w = bits.shape
-    if w > 8:
-        return bits
-    W = 1 << (w - 1).bit_length() if w > 1 else 1
-    if W != w:
-        wide = np.zeros((n, W), dtype=np.uint8)
-        wide[:, :w] = bits
-        bits = wide
-    return np.ascontiguousarray(bits).view(np.dtype(f"u{W}")).reshape(n)
-
-
-def _unwords(words: np.ndarray, w: int) -> np.ndarray:
-    """The packed bit rows ``[n, w]`` of :func:`_words`' words."""
-    if words.ndim == 2:
-        return words
-    return words.view(np.uint8).reshape(len(words), -1)[:, :w]
 
 
 def _distinct_rows(bits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
