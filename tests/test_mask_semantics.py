@@ -11,6 +11,7 @@ import subprocess
 import sys
 import warnings
 
+import numpy as np
 import pytest
 import torch
 from torch.nn.attention.flex_attention import create_mask
@@ -306,6 +307,32 @@ def test_plan_is_not_changed_by_refilling_the_callers_doc_ids():
     q, k, v = make_qkv(B=1, H=2, G=1, S=S, D=4, seed=3)
     want, _ = reference.attention(q, k, v, mask_mod=M.causal() & M.document(first))
     for plan in (p, p2):
+        out = fringe.simulate.attention(q, k, v, plan=plan)
+        torch.testing.assert_close(out, want, **tolerances(torch.float64))
+
+
+def test_plan_is_not_changed_by_editing_a_numpy_array_list_or_dict_its_mask_reads():
+    """A mask closing over a numpy array, or a list / dict of numbers, edited after planning:
+    snapshot copied only containers holding tensors, so the plan's tiles read the new values
+    in its PARTIAL blocks under the old block classification: equal to neither dense answer,
+    no error. Now the plan owns copies."""
+    S, P, bs = 32, 2, 4
+    arr = np.array([0] * 9 + [1] * (S - 9))
+    cut = [9]
+    cfg = {"cut": 9}
+    cases = [
+        (lambda b, h, q, kv: torch.from_numpy(arr)[q] == torch.from_numpy(arr)[kv],
+         lambda: arr.__setitem__(slice(None), np.arange(S) // 10)),
+        (lambda b, h, q, kv: (q < cut[0]) == (kv < cut[0]), lambda: cut.__setitem__(0, 14)),
+        (lambda b, h, q, kv: (q < cfg["cut"]) == (kv < cfg["cut"]),
+         lambda: cfg.__setitem__("cut", 14)),
+    ]
+    q, k, v = make_qkv(B=1, H=2, G=1, S=S, D=4, seed=3)
+    for mask, edit in cases:
+        plan = fringe.plan(schedules.zigzag(), M.as_mask(mask, bh_invariant=True), seq_len=S,
+                           world_size=P, block_size=bs)
+        want, _ = reference.attention(q, k, v, mask_mod=mask)
+        edit()
         out = fringe.simulate.attention(q, k, v, plan=plan)
         torch.testing.assert_close(out, want, **tolerances(torch.float64))
 

@@ -5,6 +5,7 @@ import dataclasses
 import functools
 import types
 
+import numpy as np
 import torch
 
 from ._eval import _cached, _remember
@@ -23,12 +24,15 @@ def snapshot(mask_mod):
     * A plain Python function whose closure cells or defaults hold tensors is rebuilt as a
       new function (same code and globals, attributes such as ``bh_invariant`` copied)
       whose cells hold clones. Cells holding functions, Masks, ``functools.partial``
-      objects, tuples, lists or dicts are snapshotted recursively.
+      objects, tuples, lists or dicts are snapshotted recursively; lists, dicts and numpy
+      arrays are always copied (editing the caller's ``cut[0]`` or ``ids_np`` in place
+      changes no plan).
     * Tensors that require grad are **not** cloned: a score_mod's learnable bias must stay
       the live parameter (its values are meant to change, and get gradients).
-    * Other callables (bound methods, objects with ``__call__``) and module globals the
-      function reads by name are returned / left as they are: those cannot be copied
-      safely, so refilling them in place still changes the mask.
+    * Other callables (bound methods, objects with ``__call__``), other objects a closure
+      holds (``batch`` of ``batch.ids``) and module globals the function reads by name are
+      returned / left as they are: those cannot be copied safely, so refilling them in place
+      still changes the mask (:func:`fringe.plan` guards the tensors such objects hold).
 
     Objects with nothing to copy are returned unchanged (the same object). Cost: one copy
     of each captured tensor that does not require grad, per call.
@@ -59,14 +63,16 @@ def _snap(obj, memo: dict):
         if f is not obj.func or any(a is not b for a, b in zip(args, obj.args)) or \
                 any(kw[k] is not obj.keywords[k] for k in kw):
             out = functools.partial(f, *args, **kw)
-    elif type(obj) in (tuple, list):
+    elif isinstance(obj, np.ndarray):     # no version counter to guard: copy it
+        out = obj.copy()
+    elif type(obj) is tuple:
         items = [_snap(v, memo) for v in obj]
         if any(a is not b for a, b in zip(items, obj)):
-            out = type(obj)(items)
+            out = tuple(items)
+    elif type(obj) is list:               # mutable: the caller may edit it, so always a copy
+        out = [_snap(v, memo) for v in obj]
     elif type(obj) is dict:
-        items = {k: _snap(v, memo) for k, v in obj.items()}
-        if any(items[k] is not obj[k] for k in items):
-            out = items
+        out = {k: _snap(v, memo) for k, v in obj.items()}
     memo[key] = out
     return out
 
