@@ -23,6 +23,7 @@ import torch
 
 from . import _auto, masks as _masks
 from .masks._blockmap import _paint
+from .masks._snapshot import global_data
 from ._handle import new_handle
 from ._stats import PlanStats, _OpCounts, _op_counts  # noqa: F401 (re-exported)
 from .layout import DEFAULT_BLOCK_SIZE, Layout
@@ -539,6 +540,9 @@ def _captured_tensors(obj, where: str, memo: dict, depth: int):
             yield from _captured_tensors(v, where, memo, depth + 1)
         for v in (getattr(obj, "__kwdefaults__", None) or {}).values():
             yield from _captured_tensors(v, where, memo, depth + 1)
+        if isinstance(obj, types.FunctionType):  # globals it reads: snapshots, objects to guard
+            for v in global_data(obj).values():
+                yield from _captured_tensors(v, where, memo, depth + 1)
     elif isinstance(obj, functools.partial):
         for v in (obj.func, *obj.args, *obj.keywords.values()):
             yield from _captured_tensors(v, where, memo, depth + 1)

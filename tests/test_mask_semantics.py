@@ -337,6 +337,35 @@ def test_plan_is_not_changed_by_editing_a_numpy_array_list_or_dict_its_mask_read
         torch.testing.assert_close(out, want, **tolerances(torch.float64))
 
 
+_GLOBAL_IDS = torch.tensor([0] * 9 + [1] * 23)       # a module-level batch buffer
+
+
+def _global_doc_mask(b, h, q_idx, kv_idx):                  # the attention-gym idiom
+    return _GLOBAL_IDS[q_idx] == _GLOBAL_IDS[kv_idx]
+
+
+def test_plan_is_not_changed_by_refilling_or_rebinding_a_global_its_mask_reads():
+    """A mask_mod reading a module-level tensor by name: snapshot left globals as they were,
+    so refilling it in place (or rebinding the name) for the next batch ran the new ids in
+    the plan's PARTIAL blocks under the old block classification: off by ~1 from both dense
+    answers, no error. Now the plan's copy reads its own snapshot of the globals it names."""
+    global _GLOBAL_IDS
+    S, P, bs = 32, 2, 4
+    q, k, v = make_qkv(B=1, H=2, G=1, S=S, D=4, seed=3)
+    for edit in ("refill", "rebind"):
+        _GLOBAL_IDS = torch.tensor([0] * 9 + [1] * (S - 9))
+        plan = fringe.plan(schedules.zigzag(), _global_doc_mask, seq_len=S, world_size=P,
+                           block_size=bs)
+        want, _ = reference.attention(q, k, v, mask_mod=_global_doc_mask)
+        new = torch.tensor([0] * 10 + [1] * 6 + [2] * (S - 16))
+        if edit == "refill":
+            _GLOBAL_IDS.copy_(new)
+        else:
+            _GLOBAL_IDS = new
+        out = fringe.simulate.attention(q, k, v, plan=plan)
+        torch.testing.assert_close(out, want, **tolerances(torch.float64))
+
+
 # ----------------------------------------------------------------------------- digests
 
 
