@@ -456,6 +456,26 @@ def test_fn_digest_follows_code_constants_and_captured_tensors():
     assert M.fn_digest(Opaque()) == M.fn_digest(Opaque())           # by type, marked opaque
 
 
+_GLOBAL_SLOPES = torch.tensor([0.5, 0.25])
+
+
+def _global_alibi(score, b, h, q, kv):                     # a module-level table, by name
+    return score - _GLOBAL_SLOPES[h] * (q - kv).abs()
+
+
+def test_fn_digest_follows_the_globals_a_score_mod_reads():
+    """A score_mod reading a module-level tensor by name: fn_digest hashed only the name, so
+    ranks whose tables differ (a global drawn without a seed, or refilled on one rank) agreed
+    and each ran its own score_mod on its own rows, no error. Now data globals are hashed."""
+    global _GLOBAL_SLOPES
+    d = M.fn_digest(_global_alibi)
+    _GLOBAL_SLOPES = _GLOBAL_SLOPES.clone()
+    assert M.fn_digest(_global_alibi) == d                          # equal values, equal digest
+    _GLOBAL_SLOPES[1] = 0.125
+    assert M.fn_digest(_global_alibi) != d
+    _GLOBAL_SLOPES = torch.tensor([0.5, 0.25])
+
+
 _CROSS_PROCESS = r"""
 import torch
 from fringe import masks as M
