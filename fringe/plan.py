@@ -23,6 +23,7 @@ import torch
 
 from . import _auto, masks as _masks
 from .masks._blockmap import _paint
+from .masks._snapshot import global_data
 from ._handle import new_handle
 from ._stats import PlanStats, _OpCounts, _op_counts  # noqa: F401 (re-exported)
 from .layout import DEFAULT_BLOCK_SIZE, Layout
@@ -499,7 +500,8 @@ def _covered(plan: Plan) -> list[tuple[str, torch.Tensor]]:
     seen = {id(t) for _, t in out}
     for what, fn in (("mask_mod", plan.mask_mod), ("score_mod", plan.score_mod)):
         for where, t in _captured_tensors(fn, what, {}, 0):
-            if id(t) not in seen and not t.requires_grad:
+            # inference tensors keep no version counter: an object's cannot be guarded
+            if id(t) not in seen and not t.requires_grad and not t.is_inference():
                 seen.add(id(t))
                 out.append((f"a tensor its {where} holds", t))
     return out
@@ -538,6 +540,9 @@ def _captured_tensors(obj, where: str, memo: dict, depth: int):
             yield from _captured_tensors(v, where, memo, depth + 1)
         for v in (getattr(obj, "__kwdefaults__", None) or {}).values():
             yield from _captured_tensors(v, where, memo, depth + 1)
+        if isinstance(obj, types.FunctionType):  # globals it reads: snapshots, objects to guard
+            for v in global_data(obj).values():
+                yield from _captured_tensors(v, where, memo, depth + 1)
     elif isinstance(obj, functools.partial):
         for v in (obj.func, *obj.args, *obj.keywords.values()):
             yield from _captured_tensors(v, where, memo, depth + 1)
@@ -547,8 +552,10 @@ def _captured_tensors(obj, where: str, memo: dict, depth: int):
     elif type(obj) is dict:
         for v in obj.values():
             yield from _captured_tensors(v, where, memo, depth + 1)
-    elif callable(obj) and not isinstance(obj, type) and type(vars(obj) if hasattr(
-            obj, "__dict__") else None) is dict:          # a callable instance: its attributes
+    elif not isinstance(obj, (type, types.ModuleType)) and type(vars(obj) if hasattr(
+            obj, "__dict__") else None) is dict:
+        # an object (a callable instance, or one a closure reads such as ``batch.ids``):
+        # its attributes; snapshot cannot copy it, so its tensors are guarded instead
         yield from _captured_tensors(vars(obj), where, memo, depth + 1)
 
 

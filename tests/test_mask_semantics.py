@@ -11,6 +11,7 @@ import subprocess
 import sys
 import warnings
 
+import numpy as np
 import pytest
 import torch
 from torch.nn.attention.flex_attention import create_mask
@@ -310,6 +311,61 @@ def test_plan_is_not_changed_by_refilling_the_callers_doc_ids():
         torch.testing.assert_close(out, want, **tolerances(torch.float64))
 
 
+def test_plan_is_not_changed_by_editing_a_numpy_array_list_or_dict_its_mask_reads():
+    """A mask closing over a numpy array, or a list / dict of numbers, edited after planning:
+    snapshot copied only containers holding tensors, so the plan's tiles read the new values
+    in its PARTIAL blocks under the old block classification: equal to neither dense answer,
+    no error. Now the plan owns copies."""
+    S, P, bs = 32, 2, 4
+    arr = np.array([0] * 9 + [1] * (S - 9))
+    cut = [9]
+    cfg = {"cut": 9}
+    cases = [
+        (lambda b, h, q, kv: torch.from_numpy(arr)[q] == torch.from_numpy(arr)[kv],
+         lambda: arr.__setitem__(slice(None), np.arange(S) // 10)),
+        (lambda b, h, q, kv: (q < cut[0]) == (kv < cut[0]), lambda: cut.__setitem__(0, 14)),
+        (lambda b, h, q, kv: (q < cfg["cut"]) == (kv < cfg["cut"]),
+         lambda: cfg.__setitem__("cut", 14)),
+    ]
+    q, k, v = make_qkv(B=1, H=2, G=1, S=S, D=4, seed=3)
+    for mask, edit in cases:
+        plan = fringe.plan(schedules.zigzag(), M.as_mask(mask, bh_invariant=True), seq_len=S,
+                           world_size=P, block_size=bs)
+        want, _ = reference.attention(q, k, v, mask_mod=mask)
+        edit()
+        out = fringe.simulate.attention(q, k, v, plan=plan)
+        torch.testing.assert_close(out, want, **tolerances(torch.float64))
+
+
+_GLOBAL_IDS = torch.tensor([0] * 9 + [1] * 23)       # a module-level batch buffer
+
+
+def _global_doc_mask(b, h, q_idx, kv_idx):                  # the attention-gym idiom
+    return _GLOBAL_IDS[q_idx] == _GLOBAL_IDS[kv_idx]
+
+
+def test_plan_is_not_changed_by_refilling_or_rebinding_a_global_its_mask_reads():
+    """A mask_mod reading a module-level tensor by name: snapshot left globals as they were,
+    so refilling it in place (or rebinding the name) for the next batch ran the new ids in
+    the plan's PARTIAL blocks under the old block classification: off by ~1 from both dense
+    answers, no error. Now the plan's copy reads its own snapshot of the globals it names."""
+    global _GLOBAL_IDS
+    S, P, bs = 32, 2, 4
+    q, k, v = make_qkv(B=1, H=2, G=1, S=S, D=4, seed=3)
+    for edit in ("refill", "rebind"):
+        _GLOBAL_IDS = torch.tensor([0] * 9 + [1] * (S - 9))
+        plan = fringe.plan(schedules.zigzag(), _global_doc_mask, seq_len=S, world_size=P,
+                           block_size=bs)
+        want, _ = reference.attention(q, k, v, mask_mod=_global_doc_mask)
+        new = torch.tensor([0] * 10 + [1] * 6 + [2] * (S - 16))
+        if edit == "refill":
+            _GLOBAL_IDS.copy_(new)
+        else:
+            _GLOBAL_IDS = new
+        out = fringe.simulate.attention(q, k, v, plan=plan)
+        torch.testing.assert_close(out, want, **tolerances(torch.float64))
+
+
 # ----------------------------------------------------------------------------- digests
 
 
@@ -398,6 +454,26 @@ def test_fn_digest_follows_code_constants_and_captured_tensors():
             return score
 
     assert M.fn_digest(Opaque()) == M.fn_digest(Opaque())           # by type, marked opaque
+
+
+_GLOBAL_SLOPES = torch.tensor([0.5, 0.25])
+
+
+def _global_alibi(score, b, h, q, kv):                     # a module-level table, by name
+    return score - _GLOBAL_SLOPES[h] * (q - kv).abs()
+
+
+def test_fn_digest_follows_the_globals_a_score_mod_reads():
+    """A score_mod reading a module-level tensor by name: fn_digest hashed only the name, so
+    ranks whose tables differ (a global drawn without a seed, or refilled on one rank) agreed
+    and each ran its own score_mod on its own rows, no error. Now data globals are hashed."""
+    global _GLOBAL_SLOPES
+    d = M.fn_digest(_global_alibi)
+    _GLOBAL_SLOPES = _GLOBAL_SLOPES.clone()
+    assert M.fn_digest(_global_alibi) == d                          # equal values, equal digest
+    _GLOBAL_SLOPES[1] = 0.125
+    assert M.fn_digest(_global_alibi) != d
+    _GLOBAL_SLOPES = torch.tensor([0.5, 0.25])
 
 
 _CROSS_PROCESS = r"""

@@ -9,6 +9,9 @@ the mesh coordinate (sharding by ``dist.get_rank()`` on a permuted DeviceMesh is
 """
 from __future__ import annotations
 
+import dataclasses
+import types
+
 import pytest
 import torch
 from torch.testing import assert_close
@@ -191,6 +194,40 @@ def test_refilling_ids_a_method_mask_reads_raises(how):
     docs.ids.copy_(torch.tensor([0] * 5 + [1] * (S - 5)))
     with pytest.raises(ValueError, match="mask_mod holds was edited in place"):
         fringe.simulate.attention(q, k, v, plan=plan)
+
+
+@pytest.mark.parametrize("holder", ["namespace", "dataclass"])
+def test_refilling_ids_an_object_in_a_closure_holds_raises(holder):
+    """A lambda reading ``batch.ids`` of an object it closes over (a SimpleNamespace or a
+    dataclass holding the batch): snapshot cannot copy the object and the guard walked only
+    callables, so refilling the ids in place left the old block classification under the new
+    ids in the PARTIAL blocks: equal to neither dense answer, no error. Now the call raises."""
+    ids = torch.tensor([0] * 9 + [1] * (S - 9))          # a boundary inside a block: PARTIAL
+    batch = types.SimpleNamespace(ids=ids) if holder == "namespace" else _Batch(ids)
+    mask = lambda b, h, q_idx, kv_idx: batch.ids[q_idx] == batch.ids[kv_idx]   # noqa: E731
+    plan = fringe.plan(schedules.zigzag(), mask, seq_len=S, world_size=P, block_size=BLOCK)
+    q, k, v = make_qkv(B=1, H=2, G=2, S=S, D=4, seed=17)
+    batch.ids.copy_(torch.tensor([0] * 10 + [1] * 6 + [2] * (S - 16)))
+    with pytest.raises(ValueError, match="mask_mod holds was edited in place"):
+        fringe.simulate.attention(q, k, v, plan=plan)
+
+
+def test_an_object_holding_an_inference_tensor_still_plans():
+    """Inference tensors keep no version counter: guarding the objects a closure reads must
+    skip them rather than fail every plan with torch's RuntimeError."""
+    with torch.inference_mode():
+        ids = torch.tensor([0] * 9 + [1] * (S - 9))
+    batch = types.SimpleNamespace(ids=ids)
+    mask = lambda b, h, q_idx, kv_idx: batch.ids[q_idx] == batch.ids[kv_idx]   # noqa: E731
+    plan = fringe.plan(schedules.zigzag(), mask, seq_len=S, world_size=P, block_size=BLOCK)
+    q, k, v = make_qkv(B=1, H=2, G=2, S=S, D=4, seed=17)
+    want, _ = reference.attention(q, k, v, mask_mod=mask)
+    assert_close(fringe.simulate.attention(q, k, v, plan=plan), want, **TOL)
+
+
+@dataclasses.dataclass
+class _Batch:
+    ids: torch.Tensor
 
 
 def test_shard_takes_the_rank_or_the_group_not_both():

@@ -14,6 +14,7 @@ from ._blockmap import BlockMap
 from ._eval import _eval_pairs, _method
 from ._kinds import _PARTIAL
 from ._mask import Mask
+from ._snapshot import global_data
 
 _DIGEST_CHUNK_ELEMS = 1 << 22  # token pairs per chunk when a plain leaf is digested by value
 
@@ -148,11 +149,14 @@ def fn_digest(fn) -> str:
     dtype and shape only: their values legitimately change during training and are kept
     in sync by data parallelism.
 
-    Not covered: module globals the code reads by name (only the name is digested), the
-    state of objects it cannot look into — bound methods (the function's code is digested,
-    the instance only by its type) and callable instances (type's qualified name, marked
-    opaque) — and anything reached through them. Ranks that run the same program with the
-    same arguments agree; a rank whose global or attribute differs is not detected.
+    Module globals the code reads by name are covered where they hold data (tensors,
+    numbers, containers: :func:`fringe.masks.snapshot` copies those); globals holding
+    callables, classes or modules by name only. Not covered: the state of objects it cannot
+    look into — bound methods (the function's code is digested, the instance only by its
+    type), callable instances (type's qualified name, marked opaque) and the globals of
+    functions it calls by name — and anything reached through them. Ranks that run the same
+    program with the same arguments agree; a rank whose attribute, or global read through
+    such an object or function, differs is not detected.
 
     Returns:
         a 40-character hex string, equal across processes for equal functions.
@@ -246,6 +250,10 @@ def _obj_digest(hs: _Hasher, obj, seen: set, depth: int) -> None:  # noqa: C901 
                 except ValueError:
                     hs.put("empty-cell", "")
                     continue
+                _obj_digest(hs, v, seen, depth + 1)
+            data = global_data(obj)             # module-level data it reads by name
+            hs.put("globals", "\0".join(data))
+            for v in data.values():
                 _obj_digest(hs, v, seen, depth + 1)
         elif isinstance(obj, functools.partial):
             hs.put("partial", len(obj.args))

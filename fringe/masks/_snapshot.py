@@ -5,6 +5,7 @@ import dataclasses
 import functools
 import types
 
+import numpy as np
 import torch
 
 from ._eval import _cached, _remember
@@ -23,15 +24,24 @@ def snapshot(mask_mod):
     * A plain Python function whose closure cells or defaults hold tensors is rebuilt as a
       new function (same code and globals, attributes such as ``bh_invariant`` copied)
       whose cells hold clones. Cells holding functions, Masks, ``functools.partial``
-      objects, tuples, lists or dicts are snapshotted recursively.
+      objects, tuples, lists or dicts are snapshotted recursively; lists, dicts and numpy
+      arrays are always copied (editing the caller's ``cut[0]`` or ``ids_np`` in place
+      changes no plan).
     * Tensors that require grad are **not** cloned: a score_mod's learnable bias must stay
       the live parameter (its values are meant to change, and get gradients).
-    * Other callables (bound methods, objects with ``__call__``) and module globals the
-      function reads by name are returned / left as they are: those cannot be copied
-      safely, so refilling them in place still changes the mask.
+    * Module globals the function reads by name and that hold data (not callables, classes
+      or modules; see :func:`global_data`) are snapshotted the same way: the copy reads a
+      copy of its globals dict in which those names hold their snapshots (refilling or
+      rebinding a module-level ``doc_ids`` or ``WINDOW`` for the next batch changes no plan).
+    * Other callables (bound methods, objects with ``__call__``, functions called through a
+      global name) and other objects a closure or global holds (``batch`` of ``batch.ids``)
+      are returned / left as they are: those cannot be copied safely, so refilling them in
+      place still changes the mask (:func:`fringe.plan` guards the tensors such objects
+      hold, and those of the objects a function's cells and global data hold).
 
-    Objects with nothing to copy are returned unchanged (the same object). Cost: one copy
-    of each captured tensor that does not require grad, per call.
+    Objects with nothing to copy (no tensors, arrays, lists, dicts or global data) are
+    returned unchanged (the same object). Cost: one copy of each captured tensor that does
+    not require grad, per call.
     """
     return _snap(mask_mod, {})
 
@@ -59,14 +69,16 @@ def _snap(obj, memo: dict):
         if f is not obj.func or any(a is not b for a, b in zip(args, obj.args)) or \
                 any(kw[k] is not obj.keywords[k] for k in kw):
             out = functools.partial(f, *args, **kw)
-    elif type(obj) in (tuple, list):
+    elif isinstance(obj, np.ndarray):     # no version counter to guard: copy it
+        out = obj.copy()
+    elif type(obj) is tuple:
         items = [_snap(v, memo) for v in obj]
         if any(a is not b for a, b in zip(items, obj)):
-            out = type(obj)(items)
+            out = tuple(items)
+    elif type(obj) is list:               # mutable: the caller may edit it, so always a copy
+        out = [_snap(v, memo) for v in obj]
     elif type(obj) is dict:
-        items = {k: _snap(v, memo) for k, v in obj.items()}
-        if any(items[k] is not obj[k] for k in items):
-            out = items
+        out = {k: _snap(v, memo) for k, v in obj.items()}
     memo[key] = out
     return out
 
@@ -84,14 +96,19 @@ def _snap_function(fn: types.FunctionType, memo: dict):
     new_defaults = None if defaults is None else tuple(_snap(v, memo) for v in defaults)
     kwdefaults = fn.__kwdefaults__
     new_kwdefaults = None if kwdefaults is None else {k: _snap(v, memo) for k, v in kwdefaults.items()}
-    changed = any(a is not b for a, b in zip(new_contents, contents)) or \
+    # module globals the code reads by name (``doc_ids[q_idx]`` of a module-level tensor that
+    # the training loop refills or rebinds): the copy reads a dict with those snapshotted
+    # (numbers and strings too: rebinding ``WINDOW = 64`` must not reach the plan either)
+    glob = fn.__globals__
+    new_glob = {n: _snap(v, memo) for n, v in global_data(fn).items()}
+    changed = bool(new_glob) or any(a is not b for a, b in zip(new_contents, contents)) or \
         (defaults is not None and any(a is not b for a, b in zip(new_defaults, defaults))) or \
         (kwdefaults is not None and any(new_kwdefaults[k] is not kwdefaults[k] for k in kwdefaults))
     if not changed:
         return fn
     closure = tuple(types.CellType() if v is _EMPTY_CELL else types.CellType(v) for v in new_contents)
-    new = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, new_defaults,
-                             closure if cells else None)
+    new = types.FunctionType(fn.__code__, {**glob, **new_glob} if new_glob else glob,
+                             fn.__name__, new_defaults, closure if cells else None)
     new.__kwdefaults__ = new_kwdefaults
     new.__dict__.update(fn.__dict__)
     new.__qualname__, new.__module__, new.__doc__ = fn.__qualname__, fn.__module__, fn.__doc__
@@ -103,6 +120,22 @@ def _snap_function(fn: types.FunctionType, memo: dict):
 
 
 _EMPTY_CELL = object()
+
+
+def global_data(fn: types.FunctionType) -> dict:
+    """The module globals ``fn`` reads by name that hold data (tensors, arrays, containers,
+    objects): not callables, classes or modules, whose globals are not followed (that would
+    walk the libraries they come from). Names are those of ``fn``'s code and the code nested
+    in it (lambdas, comprehensions); attribute names are listed there too, and only names
+    bound in ``fn.__globals__`` are kept."""
+    names, todo = set(), [fn.__code__]
+    while todo:
+        code = todo.pop()
+        names.update(code.co_names)
+        todo.extend(c for c in code.co_consts if isinstance(c, types.CodeType))
+    glob = fn.__globals__
+    return {n: glob[n] for n in sorted(names) if n in glob and not callable(glob[n])
+            and not isinstance(glob[n], types.ModuleType)}
 
 
 def _snap_mask(m: Mask, memo: dict) -> Mask:
