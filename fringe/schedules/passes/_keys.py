@@ -40,14 +40,10 @@ def _by_step(s: np.ndarray, *, descending: bool = False) -> np.ndarray:
 
 
 def _assign_min(arr: np.ndarray, idx: np.ndarray, val: np.ndarray) -> None:
-    """``arr[idx] = min(arr[idx], val)`` over repeated indices, by a plain assignment when
-    that is already the minimum (checked), else by ``np.minimum.at``."""
-    arr[idx] = np.minimum(arr[idx], val)
-    if len(idx) and not (arr[idx] <= val).all():
-        o = _by_step(val, descending=True)      # the smallest last: the last assignment wins
-        arr[idx[o]] = np.minimum(arr[idx[o]], val[o])
-        if not (arr[idx] <= val).all():
-            np.minimum.at(arr, idx, val)
+    """``arr[idx] = min(arr[idx], val)`` over repeated indices: ``np.minimum.at``, which
+    NumPy 2 runs as a 1-D loop (0.4 s on 16.8M random indices, where an assignment, a
+    check and a sorted retry took 2.8-12 s)."""
+    np.minimum.at(arr, idx, val)
 
 
 def _unique(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
