@@ -132,7 +132,10 @@ class AttentionBackward(torch.autograd.Function):
             raise NotImplementedError("fringe attention cannot vmap over score_mod parameters")
         tensors = (q, k, v, out, lse, dout, dlse)
         consts = (handle, where, timeout_s, reads_batch)
-        if reads_batch or params:
+        # out and lse unbatched: the forward ran once, unvmapped (jacrev, vmap over a vjp's
+        # cotangents), so its kept kv buffers hold its batch B, not the folded N*B: per slice
+        unfolded_kept = kept.numel() > 0 and d[3] is None and d[4] is None
+        if reads_batch or params or unfolded_kept:
             cols = [_slices(x, bd, n) for x, bd in zip(tensors, d[:7])]
             kcol = _slices(kept, d[7], n)
             res = [AttentionBackward.apply(*(c[i] for c in cols), kcol[i], *consts, *params)

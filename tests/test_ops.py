@@ -525,6 +525,33 @@ def test_sdpa_matches_reference(dtype, heads, mask):
     assert_close(got_g, want_g, **tol)
 
 
+def _head_dim_strided(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s values with stride 2 along D (the fused CPU op read such tensors as if D were
+    contiguous: wrong numbers, no error)."""
+    return torch.stack([t, t], dim=-1)[..., 0]
+
+
+@pytest.mark.parametrize("mask", ["none", "causal"])
+def test_sdpa_inputs_strided_along_the_head_dim_match_reference(mask):
+    sdpa = ops.KERNELS["sdpa"]
+    if not sdpa.available("cpu")[0]:
+        pytest.skip(sdpa.available("cpu")[1])
+    q, k, v = make_qkv(B=1, H=4, G=2, S=12, D=8, seed=11)
+    pos = torch.arange(12)
+    kw = dict(q_pos=pos, kv_pos=pos, mask_mod=make_mask(mask, 12, 0), scale=0.4)
+    out, lse = tile_forward(q, k, v, kernel="reference", **kw)
+    dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(2), dtype=q.dtype)
+    want_g = tile_backward(q, k, v, out, lse, dout, kernel="reference", **kw)
+    for which in range(4):              # q, k, v, out: one strided at a time
+        args = [q, k, v, out]
+        args[which] = _head_dim_strided(args[which])
+        assert args[which].stride(-1) == 2
+        if which < 3:
+            assert_close(tile_forward(*args[:3], kernel="sdpa", **kw), (out, lse), **TIGHT)
+        got_g = tile_backward(*args, lse, _head_dim_strided(dout), kernel="sdpa", **kw)
+        assert_close(got_g, want_g, **TIGHT)
+
+
 def test_sdpa_with_score_mod_delegates_to_reference():
     q, k, v = make_qkv(B=1, H=2, G=1, S=5, D=4, seed=2)
     pos = torch.arange(5)

@@ -160,6 +160,23 @@ def test_torch_func_vmap_over_an_extra_leading_dimension(kv):
     assert_close(got, want, **EXACT)
 
 
+@pytest.mark.parametrize("kv", ["resend", "keep"])
+def test_vmap_over_cotangents_of_one_forward_matches_dense(kv):
+    """jacrev / vmap(vjp): the forward runs once, unbatched, and only the backward is vmapped
+    (its cotangents carry the vmapped dim). With kv="keep" the kept kv buffers belong to that
+    unbatched forward, so they cannot be folded with the cotangents' batch (was a shape error
+    in the view of the kept buffers)."""
+    p = _plan(kv=kv)
+    q, k, v = make_qkv(B=1, H=2, G=2, S=32, D=4, seed=3)
+    out, vjp = torch.func.vjp(lambda q, k, v: fringe.simulate.attention(q, k, v, plan=p), q, k, v)
+    _, ref_vjp = torch.func.vjp(
+        lambda q, k, v: reference.attention(q, k, v, mask_mod=masks.causal())[0], q, k, v)
+    cts = torch.randn((3, *out.shape), generator=torch.Generator().manual_seed(4),
+                      dtype=out.dtype)
+    for a, b in zip(torch.func.vmap(vjp)(cts), torch.func.vmap(ref_vjp)(cts)):
+        assert_close(a, b, **EXACT)
+
+
 def test_double_backward_says_it_is_unsupported():
     p = _plan()
     q, k, v = make_qkv(B=1, H=2, G=1, S=32, D=4, seed=1, requires_grad=True)

@@ -18,6 +18,8 @@ Measured on torch 2.13 CPU (``_scaled_dot_product_flash_attention_for_cpu``):
 - it accepts G < H (GQA, kv head ``h // (H/G)``) natively in forward and backward; the
   self-test checks this and we expand k/v (inside this kernel only) if it ever stops holding;
 - its ``_backward`` op accepts the GLOBAL merged out/lse (flash-attention style);
+- it reads q, k, v and out as if their head dim D had stride 1: a transposed or
+  ``[..., ::2]`` view gives wrong numbers, no error -> such inputs are copied (``_unit_stride``);
 - it needs one head size ("Q/K/V should have the same head size"): for MLA (Dv != D) q and k,
   or v, out and dout, get zero columns up to max(D, Dv) for the op call only, and out, dq, dk,
   dv are cut back (exact: a zero column adds 0 to every score, to ``delta`` and to ``dp``).
@@ -192,7 +194,7 @@ class SdpaKernel:
     def _forward(self, q, k, v, *, q_pos, kv_pos, mask, scale, causal=False):
         H = q.shape[1]
         Dv = v.shape[-1]
-        q, k, v = _equal_heads(q, k, v)
+        q, k, v = _equal_heads(*_unit_stride(q, k, v))
         kk, vv = self._kv(k, v, H)
         op = getattr(torch.ops.aten, _FWD)
         out, lse = op(q, kk, vv, 0.0, causal, attn_mask=self._bias(mask, q.dtype), scale=scale)
@@ -209,15 +211,15 @@ class SdpaKernel:
                   causal=False):
         B, H, Lq, Dqk = q.shape
         G, Dv = k.shape[1], v.shape[-1]
-        q, k, v = _equal_heads(q, k, v)
+        q, k, v = _equal_heads(*_unit_stride(q, k, v))
         D = q.shape[-1]
         kk, vv = self._kv(k, v, H)
         ct = compute_dtype(q.dtype)
         lse = lse.to(ct)
         dead = torch.isneginf(lse)
         lse = torch.where(dead, torch.zeros_like(lse), lse).contiguous()
-        out = _pad_last(out.to(q.dtype), D)       # zero columns: delta and dp unchanged
-        dout = _pad_last(dout.to(q.dtype), D)
+        out, dout = _unit_stride(_pad_last(out.to(q.dtype), D),   # zero columns: delta and
+                                 _pad_last(dout.to(q.dtype), D))  # dp unchanged
         pad = False
         if dlse is not None:
             out, pad = _fold_dlse(out, dout, dlse.to(ct).masked_fill(dead, 0.0), ct)
@@ -235,6 +237,14 @@ class SdpaKernel:
             dk = dk.reshape(B, G, H // G, Lk, Dqk).sum(2)
             dv = dv.reshape(B, G, H // G, Lk, Dv).sum(2)
         return dq, dk, dv
+
+
+def _unit_stride(*ts: torch.Tensor) -> tuple:
+    """The tensors with stride 1 along the head dim (a copy only where it is not): measured on
+    torch 2.13, the fused CPU ops read q, k, v and out as if D were contiguous, so a transposed
+    or ``[..., ::2]`` view gives wrong numbers with no error. Other strides (head-, token- or
+    batch-major, expanded dims) they read correctly."""
+    return tuple(t if t.shape[-1] == 1 or t.stride(-1) == 1 else t.contiguous() for t in ts)
 
 
 def _pad_last(t: torch.Tensor, D: int) -> torch.Tensor:

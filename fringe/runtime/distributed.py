@@ -32,6 +32,10 @@ from .engine import Runtime, check_inputs
 
 #: Used when neither ``timeout_s=`` nor ``FRINGE_TIMEOUT`` is given.
 DEFAULT_TIMEOUT_S = 300.0
+#: The largest timeout accepted (about 31 years). Measured on torch 2.13 gloo: from 1e10 s up,
+#: a wait may end at once in a CommTimeout (a deadline past int64 nanoseconds overflows), and
+#: above ~8.6e13 s ``datetime.timedelta`` itself raises OverflowError.
+_MAX_TIMEOUT_S = 1e9
 
 
 class CommTimeout(RuntimeError):
@@ -63,6 +67,11 @@ def resolve_timeout(timeout_s=None) -> float:
     if not math.isfinite(timeout_s) or timeout_s <= 0:
         raise ValueError(f"{src} must be a finite number of seconds > 0, got {timeout_s!r} "
                          f"(a peer that never answers must end in an error, not a hang)")
+    if timeout_s > _MAX_TIMEOUT_S:
+        raise ValueError(f"{src} must be a finite number of seconds > 0 and at most "
+                         f"{_MAX_TIMEOUT_S:g} (larger ones overflow inside torch: an immediate "
+                         f"timeout or an OverflowError), got {timeout_s!r}; 1e9 (about 31 years) "
+                         f"waits practically forever")
     return float(timeout_s)
 
 
