@@ -211,6 +211,8 @@ def test_compose_rejects_what_cannot_work_and_names_what_works():
         schedules.compose(schedules.ring(), inner, inner_size=2)
     with pytest.raises(ValueError, match="outer schedule must move sequence chunks"):
         schedules.compose(inner, schedules.ring(), inner_size=2)
+    with pytest.raises(ValueError, match="inner schedule cannot be schedules.auto()"):
+        schedules.get("compose:ring+auto:2")        # (it failed at plan time, as a layout)
     with pytest.raises(ValueError, match="inner_size must be an int >= 1"):
         schedules.compose(schedules.ring(), schedules.ring(), inner_size=0)
     with pytest.raises(TypeError, match="takes two schedules"):

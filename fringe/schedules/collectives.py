@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from .. import layout as _layout
-from .base import COMPOSE, Schedule, Spec
+from .base import AUTO, COMPOSE, Schedule, Spec
 from .ir import (_FAMILY_CODE, C_, COLL_KINDS, Buffer, Collective, Compute, Family, Program,
                  ProgramTable, Recv, Send, _no_coll, steps_of)
 from .passes import _keep_hops
@@ -675,6 +675,11 @@ def compose(outer: Schedule, inner: Schedule, *, inner_size: int) -> Schedule:
     if inner.kind == COMPOSE:
         raise ValueError(f"compose: the inner schedule cannot itself be composed, got "
                          f"{inner.name!r}; {works}")
+    if inner.kind == AUTO:
+        raise ValueError(f"compose: the inner schedule cannot be schedules.auto(), which "
+                         f"fringe.plan resolves to one schedule; name the inner schedule, or "
+                         f"pass auto(candidates=['{COMPOSE}:zigzag+ulysses:2', ...]) to "
+                         f"fringe.plan. {works}")
     if isinstance(inner_size, bool) or not isinstance(inner_size, int) or inner_size < 1:
         raise ValueError(f"inner_size must be an int >= 1, got {inner_size!r}")
     k = inner_size
