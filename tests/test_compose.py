@@ -211,6 +211,8 @@ def test_compose_rejects_what_cannot_work_and_names_what_works():
         schedules.compose(schedules.ring(), inner, inner_size=2)
     with pytest.raises(ValueError, match="outer schedule must move sequence chunks"):
         schedules.compose(inner, schedules.ring(), inner_size=2)
+    with pytest.raises(ValueError, match="inner schedule cannot be schedules.auto()"):
+        schedules.get("compose:ring+auto:2")        # (it failed at plan time, as a layout)
     with pytest.raises(ValueError, match="inner_size must be an int >= 1"):
         schedules.compose(schedules.ring(), schedules.ring(), inner_size=0)
     with pytest.raises(TypeError, match="takes two schedules"):
@@ -224,6 +226,27 @@ def test_compose_rejects_what_cannot_work_and_names_what_works():
                     block_size=4)
     assert schedules.collectives.inner_size_of(inner) == 2
     assert schedules.collectives.inner_size_of(schedules.ring()) is None
+
+
+@pytest.mark.parametrize("spec,P,block,S,pad", [
+    ("compose:zigzag+ulysses:5", 5, 2, 10, 20),     # outer over m=1 group alone says 12
+    ("compose:allgather:3+ulysses:3", 3, 4, 36, 48),  # ... says 40 (40 % 12 != 0)
+    ("compose:zigzag+zigzag:3", 6, 2, 16, 24),      # inner on S/m=8 tokens says 12 (for S/m)
+    ("compose:zigzag+balanced:2", 4, 2, 20, 24)])
+def test_compose_layout_errors_give_a_length_the_whole_2d_layout_accepts(spec, P, block, S, pad):
+    """The outer layout sees m groups and the inner one S/m tokens: their own remedies are for
+    that part, not for S on P ranks; the error names P and a length that plans."""
+    sched = schedules.get(spec)
+    with pytest.raises(ValueError) as e:
+        fringe.plan(sched, masks.causal(), seq_len=S, world_size=P, block_size=block)
+    msg = str(e.value)
+    assert f"on P={P} ranks" in msg and msg.count("pad the sequence to") == 1, msg
+    assert f"pad the sequence to {pad} tokens" in msg, msg
+    fringe.plan(sched, masks.causal(), seq_len=pad, world_size=P, block_size=block)
+    u = P * block                            # and the smallest: every rank holds whole blocks
+    for n in range(-(-S // u) * u, pad, u):
+        with pytest.raises(ValueError):
+            fringe.plan(sched, masks.causal(), seq_len=n, world_size=P, block_size=block)
 
 
 def test_compose_docstring_shows_the_double_ring_grid():

@@ -158,6 +158,20 @@ def test_head_slices_computed_from_a_buffer_that_arrived_whole_are_refused_by_na
              for r in range(P)]
     with pytest.raises(ScheduleError, match="needs kv3, which is not on rank 0"):
         passes.reverse(never)
+    # prune and narrow count a head slice's read as a read of the whole buffer it is cut
+    # from: they keep the hop (they dropped it, and check then blamed a program never written
+    # for a kv3h0/2 "not on rank 0 yet"), so fringe.plan says what reverse says
+    assert format_programs(passes.prune(progs, need)) == format_programs(progs) == \
+        format_programs(oracle.prune(progs, need))
+    import fringe
+    from fringe import layout
+    from fringe.schedules import Schedule
+    L = 4
+    sched = Schedule("ring in head slices", layout=layout.contiguous, programs_fn=lambda n: progs)
+    for ranges in (True, False):
+        with pytest.raises(NotImplementedError, match="a head slice of kv3, which arrived whole"):
+            fringe.plan(sched, lambda b, h, q, kv: (q // L - kv // L) % P <= 1, seq_len=P * L,
+                        world_size=P, block_size=2, ranges=ranges)
 
 
 def test_a_fetch_before_step_0_adds_a_prologue_step_as_the_oracle_does():

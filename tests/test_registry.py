@@ -84,6 +84,12 @@ def test_which_schedules_run_here():
     assert registry.why_not("compose:zigzag+ulysses:2", world_size=4, heads=2, kv_heads=1) is None
     assert "multiple of 2" in registry.why_not("compose:zigzag+ulysses:2", world_size=3)
     assert "H % 4 == 0" in registry.why_not("compose:ring+ulysses:4", world_size=4, heads=2)
+    # a pair compose() refuses is not cleared: why_not says what get() would raise
+    for spec, why in (("compose:ulysses+ring:2", "outer schedule must move sequence chunks"),
+                      ("compose:ring+compose:ring+ring:2:2", "cannot itself be composed")):
+        assert why in registry.why_not(spec, world_size=4, heads=4, kv_heads=4)
+        with pytest.raises(ValueError, match=why):
+            schedules.get(spec)
 
 
 def test_the_constraints_agree_with_planning_and_running():

@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from .. import layout as _layout
-from .base import COMPOSE, Schedule, Spec
+from .base import AUTO, COMPOSE, Schedule, Spec
 from .ir import (_FAMILY_CODE, C_, COLL_KINDS, Buffer, Collective, Compute, Family, Program,
                  ProgramTable, Recv, Send, _no_coll, steps_of)
 from .passes import _keep_hops
@@ -574,6 +574,27 @@ def inner_size_of(schedule: Schedule) -> int | None:
     return schedule.inner_size
 
 
+def _reason(e: ValueError) -> str:
+    """A sub-layout's error without its own remedy (a length for that part, not for S)."""
+    return str(e).split("; pad the sequence to")[0]
+
+
+def _fitting_len(layout_of, seq_len: int, world_size: int, *, block_size: int,
+                 mask_aware: bool, tries: int = 64) -> int | None:
+    """The smallest multiple of P*block_size >= ``seq_len`` that ``layout_of`` accepts (every
+    rank holds whole blocks, so nothing in between can), or None within ``tries`` of them."""
+    unit = world_size * block_size
+    start = -(-seq_len // unit) * unit
+    for n in range(start, start + tries * unit, unit):
+        work = torch.ones(n // block_size, dtype=torch.int64) if mask_aware else None
+        try:
+            layout_of(n, world_size, block_size=block_size, block_work=work)
+        except ValueError:
+            continue
+        return n
+    return None
+
+
 def compose(outer: Schedule, inner: Schedule, *, inner_size: int) -> Schedule:
     """2D context parallelism: ``inner`` inside groups of ``inner_size`` consecutive ranks,
     ``outer`` across the groups.
@@ -654,6 +675,11 @@ def compose(outer: Schedule, inner: Schedule, *, inner_size: int) -> Schedule:
     if inner.kind == COMPOSE:
         raise ValueError(f"compose: the inner schedule cannot itself be composed, got "
                          f"{inner.name!r}; {works}")
+    if inner.kind == AUTO:
+        raise ValueError(f"compose: the inner schedule cannot be schedules.auto(), which "
+                         f"fringe.plan resolves to one schedule; name the inner schedule, or "
+                         f"pass auto(candidates=['{COMPOSE}:zigzag+ulysses:2', ...]) to "
+                         f"fringe.plan. {works}")
     if isinstance(inner_size, bool) or not isinstance(inner_size, int) or inner_size < 1:
         raise ValueError(f"inner_size must be an int >= 1, got {inner_size!r}")
     k = inner_size
@@ -665,13 +691,14 @@ def compose(outer: Schedule, inner: Schedule, *, inner_size: int) -> Schedule:
                          f"(dataclasses.replace(s, kind='user', spec=None)), or use "
                          f"schedules.ulysses()")
 
-    def make(seq_len: int, world_size: int, *, block_size: int, block_work=None):
-        if world_size % k:
-            raise ValueError(f"compose(..., inner_size={k}) needs world_size divisible by {k}, "
-                             f"got P={world_size}; use P = {k} x (number of groups)")
+    def layout_of(seq_len: int, world_size: int, *, block_size: int, block_work=None):
         m = world_size // k
-        lay = (outer.make_layout(seq_len, m, block_size=block_size, block_work=block_work)
-               if outer.mask_aware else outer.make_layout(seq_len, m, block_size=block_size))
+        try:
+            lay = (outer.make_layout(seq_len, m, block_size=block_size, block_work=block_work)
+                   if outer.mask_aware else outer.make_layout(seq_len, m, block_size=block_size))
+        except ValueError as e:
+            raise ValueError(f"the {outer.name} layout across the m={m} groups (its P is m) "
+                             f"says: {_reason(e)}") from e
         if heads:
             return _layout.from_order(lay.order, world_size, kind=f"{lay.kind}x{k}",
                                       block_size=block_size)
@@ -687,14 +714,30 @@ def compose(outer: Schedule, inner: Schedule, *, inner_size: int) -> Schedule:
                 elif g == 0:
                     il = inner.make_layout(Sm, k, block_size=block_size)
             except ValueError as e:
-                raise ValueError(f"{name}: each of the m={m} groups holds S/m={Sm} tokens, "
-                                 f"split over its k={k} ranks by the {inner.name} layout, "
-                                 f"which says: {e} (pad S so that S/m fits)") from e
+                raise ValueError(f"each of the m={m} groups holds S/m={Sm} tokens, split over "
+                                 f"its k={k} ranks by the {inner.name} layout, which says: "
+                                 f"{_reason(e)}") from e
             kinds.add(il.kind)
             parts.append(groups[g][il.order])
         return _layout.from_order(torch.cat(parts), world_size,
                                   kind=f"{lay.kind}x{k}:{'/'.join(sorted(kinds))}",
                                   block_size=block_size)
+
+    def make(seq_len: int, world_size: int, *, block_size: int, block_work=None):
+        if world_size % k:
+            raise ValueError(f"compose(..., inner_size={k}) needs world_size divisible by {k}, "
+                             f"got P={world_size}; use P = {k} x (number of groups)")
+        try:
+            return layout_of(seq_len, world_size, block_size=block_size, block_work=block_work)
+        except ValueError as e:
+            pad = _fitting_len(layout_of, seq_len, world_size, block_size=block_size,
+                               mask_aware=outer.mask_aware or inner.mask_aware)
+            fix = (f"pad the sequence to {pad} tokens (the next length this 2D layout "
+                   f"accepts on P={world_size} ranks; fringe.packing.pad_batch)" if pad else
+                   "pad the sequence so that every part fits")
+            raise ValueError(f"{name} cannot lay out S={seq_len} tokens on P={world_size} "
+                             f"ranks (m={world_size // k} groups of k={k}): {_reason(e)}; {fix}"
+                             ) from e
 
     name = f"compose({outer.name}, {inner.name}, inner_size={k})"
     build = (functools.partial(_composed_programs, outer, k) if heads else

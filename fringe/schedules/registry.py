@@ -250,6 +250,10 @@ def _why_not(sp: Spec, *, world_size, heads, kv_heads) -> str | None:
         if world_size is not None and world_size % k:
             return (f"{sp} puts {k} ranks in a group: world_size={world_size} is not a "
                     f"multiple of {k}")
+        try:                    # a pair compose() refuses (ulysses outside, compose inside)
+            _build(sp)
+        except ValueError as e:
+            return str(e)
         return (_why_not(sp.inner, world_size=k, heads=heads, kv_heads=kv_heads)
                 or _why_not(sp.outer, world_size=None if world_size is None else world_size // k,
                             heads=heads, kv_heads=kv_heads))

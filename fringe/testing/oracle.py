@@ -93,8 +93,9 @@ def prune(programs: Sequence[Program], need: torch.Tensor) -> list[Program]:
                 continue
             if isinstance(op, (Compute, GradCompute)):
                 changed[r] = changed[r] or not kept(op)
-                if kept(op):
-                    uses.update((prog.rank, b) for b in op.reads())
+                if kept(op):      # a head slice is read from it or its whole-heads parent
+                    uses.update((prog.rank, x) for b in op.reads()
+                                for x in ((b,) if b.heads is None else (b, b.parent)))
             elif isinstance(op, Send) and op.buf.family in _INPUTS:
                 moves[op.buf].append((t, prog.rank, op.peer))
                 changed[r] = True

@@ -17,13 +17,16 @@ def _reads(g, need: BlockNeed):
     """Each compute's reads of input buffers as ``(buffer key, rank, packed bits)``."""
     c = g.ck == C_
     keys, ranks, bits = [], [], []
+    hs = g.chs[c]                     # a head slice is read from it or its whole-heads parent
+    slices = (hs, np.zeros_like(hs)) if hs.any() else (hs,)
     for fam, side, w in TILE_TOUCH_CODES[C_]:
         if w:
             continue
         chunk = (g.cq, g.ckv)[side]
-        keys.append(g.bkey(fam, chunk[c], g.chs[c]))
-        ranks.append(g.cr[c])
-        bits.append(need.bits(g.cq[c], g.ckv[c], side))
+        for h in slices:
+            keys.append(g.bkey(fam, chunk[c], h))
+            ranks.append(g.cr[c])
+            bits.append(need.bits(g.cq[c], g.ckv[c], side))
     return np.concatenate(keys), np.concatenate(ranks), np.concatenate(bits)
 
 

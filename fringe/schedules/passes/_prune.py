@@ -88,8 +88,10 @@ def _general_prune(tab: ProgramTable, ok: np.ndarray) -> list[Program]:
                              g.bkey(g.sf[slot], g.sc[slot], g.shs[slot])])
         ub, inv = _unique(hb)
         u_key = []                          # (buffer, rank) a kept compute reads
-        for fam, ch in ((f, (g.cq, g.ckv)[sd]) for f, sd in c_reads):
-            i, hit = _lookup(g.bkey(fam, ch, g.chs), ub, np.arange(len(ub)), 0)
+        # a head slice is read from the slice or from its whole-heads parent (hs 0)
+        slices = (g.chs, np.zeros_like(g.chs)) if g.chs.any() else (g.chs,)
+        for fam, ch, hs in ((f, (g.cq, g.ckv)[sd], hs) for f, sd in c_reads for hs in slices):
+            i, hit = _lookup(g.bkey(fam, ch, hs), ub, np.arange(len(ub)), 0)
             hit &= keep_c
             u_key.append(i[hit] * P + g.cr[hit])
         u_key = np.concatenate(u_key)
