@@ -36,7 +36,8 @@ Nothing outlives its launcher:
   ``fringe-launch-<owner pid>-*`` and every launch first removes those whose owner is dead
   (:func:`sweep_stale_dirs`).
 * **A broken pool says so.** After a rank dies, a call times out, a rank raises a
-  communication failure (``CommTimeout``, ``TimeoutError``, ``torch.distributed.DistError``)
+  communication failure (``CommTimeout``, ``TimeoutError``, ``torch.distributed.DistError``,
+  or gloo's timeouts and lost peers, plain RuntimeErrors raised inside torch.distributed)
   or a call is interrupted, the process group can no longer be trusted: the pool stops its
   workers and every later ``run`` raises :class:`LaunchError` naming the cause. ``close()``
   and ``start()`` (or a new :class:`Workers`) give a fresh pool.
@@ -81,6 +82,10 @@ _DIR_PATTERN = re.compile(re.escape(DIR_PREFIX) + r"(\d+)-")
 #: Exceptions (matched by class name anywhere in the MRO) after which the process group
 #: cannot be trusted: a peer may be half-way through a transfer.
 _BREAKING = frozenset({"CommTimeout", "TimeoutError", "DistError"})
+#: gloo reports a timeout or a lost peer as a plain RuntimeError; where it is not raised inside
+#: torch.distributed (``work.wait(timeout=...)`` in user code), its message says what it is.
+_COMM_MESSAGE = re.compile(r"gloo|nccl|timed out|pair closure|connection (reset|closed)", re.I)
+_TORCH_DISTRIBUTED = os.sep + os.path.join("torch", "distributed") + os.sep
 _COLLECT_SLACK_S = 30.0     # the parent waits timeout_s + this before declaring a call lost
 _DEAD_GRACE_S = 2.0         # a dead rank's last message may still be in the queue
 #: Default ``peer_grace_s``: how long the other ranks have to answer once one rank reported a
@@ -131,7 +136,17 @@ def _watch_parent(lifeline) -> None:
 
 
 def _breaks_pool(e: BaseException) -> bool:
-    return any(c.__name__ in _BREAKING for c in type(e).__mro__)
+    """Whether ``e`` leaves the process group untrustworthy: a communication failure by class
+    name (:data:`_BREAKING`), or a RuntimeError raised inside torch.distributed or worded as
+    one (gloo's timeouts and lost peers: after a timeout gloo closes the pair, and a wait
+    abandoned half-way leaves a collective that the next call would be matched with)."""
+    if any(c.__name__ in _BREAKING for c in type(e).__mro__):
+        return True
+    if not isinstance(e, RuntimeError):
+        return False
+    frames = traceback.extract_tb(e.__traceback__)
+    return (any(_TORCH_DISTRIBUTED in f.filename for f in frames)
+            or bool(_COMM_MESSAGE.search(str(e))))
 
 
 def _redirect_stderr(stderr) -> None:

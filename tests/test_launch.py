@@ -471,3 +471,37 @@ def test_a_rank_that_dies_carries_its_last_stderr_lines_into_the_error(pool):
     assert "some warning nobody reads" in err.remote_traceback
     assert "rank 1 exited with code 7" in w.broken
     assert _wait_gone(pids) == [] and os.listdir(root) == []
+
+
+def rank_1_raises_before_a_collective(rank: int, world_size: int):
+    """Rank 1 raises before an all-reduce that rank 0 waits in; rank 0 then fails with gloo's
+    own timeout, a plain RuntimeError out of torch.distributed (a group with a 1 s timeout
+    keeps it short)."""
+    import datetime
+
+    import torch.distributed as dist
+    group = dist.new_group(timeout=datetime.timedelta(seconds=1))
+    if rank == 1:
+        raise ValueError("bad input on rank 1, before the all-reduce")
+    dist.all_reduce(torch.ones(1), group=group)
+    return rank
+
+
+def test_a_gloo_failure_breaks_the_pool_and_the_rank_that_raised_leads(pool):
+    healthy, root = pool
+    w = healthy()
+    pids = w.pids
+    with pytest.raises(LaunchError) as info:
+        w.run(rank_1_raises_before_a_collective)
+    err = info.value
+    # the root cause leads, not the peer's timeout that followed it
+    assert err.kind == "ValueError" and err.rank == 1, str(err)
+    assert str(err).startswith("rank 1 failed with ValueError"), str(err)
+    assert err.errors[0][0] == "RuntimeError" and "Timed out" in err.errors[0][1]
+    # gloo closes the pair after a timeout: the pool says so instead of failing every later
+    # call with "Application timeout caused pair closure"
+    assert w.broken is not None and "rank_1_raises_before_a_collective" in w.broken
+    with pytest.raises(LaunchError, match="broken since") as info:
+        w.run(ranks_and_pids)
+    assert info.value.kind == "broken"
+    assert _wait_gone(pids) == [] and os.listdir(root) == []
