@@ -31,10 +31,10 @@ Nothing outlives its launcher:
 * **Temporary directories go on every path that runs cleanup code**: ``close()``, an
   exception in ``start()``, garbage collection, interpreter exit (atexit), and SIGTERM /
   SIGHUP (a handler, installed only where the signal's action is still the default, stops
-  the workers, removes the directories and then dies of the same signal, so the exit status
-  is the conventional one). Nothing runs after SIGKILL, so directories are named
-  ``fringe-launch-<owner pid>-*`` and every launch first removes those whose owner is dead
-  (:func:`sweep_stale_dirs`).
+  the workers, removes the directories, multiprocessing's ``pymp-*`` one included, and then
+  dies of the same signal, so the exit status is the conventional one). Nothing runs after
+  SIGKILL, so directories are named ``fringe-launch-<owner pid>-*`` and every launch first
+  removes those whose owner is dead (:func:`sweep_stale_dirs`).
 * **A broken pool says so.** After a rank dies, a call times out, a rank raises a
   communication failure (``CommTimeout``, ``TimeoutError``, ``torch.distributed.DistError``,
   or gloo's timeouts and lost peers, plain RuntimeErrors raised inside torch.distributed)
@@ -71,7 +71,7 @@ import weakref
 from typing import Any, Callable
 
 import torch.multiprocessing as mp
-from multiprocessing import process as _mp_process
+from multiprocessing import process as _mp_process, util as _mp_util
 from multiprocessing.reduction import ForkingPickler
 
 #: Exit status of a worker whose parent is gone (its lifeline pipe reached EOF).
@@ -531,8 +531,16 @@ def _release_all(force: bool = False) -> None:
 
 
 def _on_signal(signum: int, frame) -> None:
-    """Stop every pool, remove its directory, then die of the same signal (exit status 128+n)."""
+    """Stop every pool, remove its directory, then die of the same signal (exit status 128+n).
+
+    Dying of the signal skips interpreter exit, so multiprocessing's own temporary directory
+    (``pymp-*``: the socket through which sent tensors' file descriptors are shared) is
+    removed here too, as its exit hook would have."""
     _release_all(force=True)
+    try:
+        shutil.rmtree(_mp_util.get_temp_dir(), ignore_errors=True)
+    except Exception:                   # noqa: BLE001 — best effort on the way out
+        pass
     signal.signal(signum, signal.SIG_DFL)
     os.kill(os.getpid(), signum)
     os._exit(128 + signum)              # not reached where the default action is to terminate

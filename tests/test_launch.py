@@ -34,7 +34,7 @@ PARENT = textwrap.dedent("""
     import json, os, sys, time
     from fringe.launch import Workers, run
 
-    def hold(rank, world_size):
+    def hold(rank, world_size, x=None):
         # one write per line (below PIPE_BUF, so atomic): the ranks share the parent's stdout
         sys.stdout.write(json.dumps({"rank": rank, "pid": os.getpid()}) + "\\n")
         sys.stdout.flush()
@@ -42,7 +42,10 @@ PARENT = textwrap.dedent("""
 
     if __name__ == "__main__":
         if sys.argv[1] == "run":
-            run(hold, world_size=2, timeout_s=600)  # blocked here, as a launcher is
+            # a tensor argument: sending it starts multiprocessing's fd sharer (its socket
+            # in a pymp-* directory of TMPDIR, removed at exit)
+            import torch
+            run(hold, torch.zeros(2), world_size=2, timeout_s=600)  # blocked here
         else:
             w = Workers(2, timeout_s=600)
             w.start()
@@ -152,6 +155,8 @@ def test_sigterm_to_a_run_launcher_stops_its_workers_and_removes_its_dir(parents
     assert proc.returncode == -signal.SIGTERM      # it still dies of the signal (shell: 143)
     assert not os.path.exists(info["dir"])         # the handler removed it before dying
     assert _wait_gone(info["pids"]) == []
+    # ... and multiprocessing's directory too (dying of the signal skips its exit hook)
+    assert os.listdir(info["tmp"]) == []
 
 
 def test_sigkill_to_a_pool_launcher_stops_its_workers_and_the_next_launch_sweeps(parents):
