@@ -18,6 +18,9 @@ an interactive session cannot launch functions (or pass objects) defined in it. 
 checked in this process before anything is spawned or sent, and the error says what to move
 where. Notebooks should use the in-process virtual mesh (:mod:`fringe.simulate`) instead.
 
+Each worker's environment names its own rank (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
+``LOCAL_WORLD_SIZE``, as torchrun sets them), whatever this process's say.
+
 A worker that dies says why: each worker's stderr passes through this process (to our
 stderr, as before) and its last lines travel in the :class:`LaunchError`.
 
@@ -167,6 +170,11 @@ def _worker(rank: int, world_size: int, store: str, backend: str, timeout_s: flo
         _redirect_stderr(stderr)
     # Ctrl-C reaches the whole process group: the parent handles it (and stops us)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # what torchrun sets, for this rank: code on a rank that reads the environment (a data
+    # loader, torchtitan, HF) must not see the launcher's own variables (it may run under
+    # torchrun itself) and take another rank's data
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world_size))
     import torch
     import torch.distributed as dist
     torch.set_num_threads(threads)

@@ -36,7 +36,9 @@ PARENT = textwrap.dedent("""
 
     def hold(rank, world_size, x=None):
         # one write per line (below PIPE_BUF, so atomic): the ranks share the parent's stdout
-        sys.stdout.write(json.dumps({"rank": rank, "pid": os.getpid()}) + "\\n")
+        env = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK",
+                                              "LOCAL_WORLD_SIZE")}
+        sys.stdout.write(json.dumps({"rank": rank, "pid": os.getpid(), "env": env}) + "\\n")
         sys.stdout.flush()
         time.sleep(600)
 
@@ -115,7 +117,9 @@ def parents(tmp_path_factory):
     for name, mode in (("term", "run"), ("kill", "workers")):
         tmp = root / name
         tmp.mkdir()
-        env = dict(os.environ, TMPDIR=str(tmp), PYTHONUNBUFFERED="1")
+        # a launcher that itself runs under torchrun: its rank variables are not the workers'
+        env = dict(os.environ, TMPDIR=str(tmp), PYTHONUNBUFFERED="1", RANK="5", WORLD_SIZE="8",
+                   LOCAL_RANK="5", LOCAL_WORLD_SIZE="8")
         with open(root / f"{mode}.stderr", "wb") as err:     # a file: it never fills up
             procs[name] = subprocess.Popen([sys.executable, str(script), mode],
                                            stdout=subprocess.PIPE, stderr=err, env=env, cwd=root)
@@ -127,11 +131,12 @@ def parents(tmp_path_factory):
                 assert sorted(h["pid"] for h in held) == sorted(pool["pids"])
                 pids, directory = pool["pids"], pool["dir"]
             else:
-                pids = [h["pid"] for h in _read_lines(proc, 2)]
+                held = _read_lines(proc, 2)
+                pids = [h["pid"] for h in held]
                 dirs = list(tmp.glob(f"fringe-launch-{proc.pid}-*"))
                 assert len(dirs) == 1, dirs
                 directory = str(dirs[0])
-            infos[name] = dict(pids=pids, dir=directory, proc=proc, tmp=tmp)
+            infos[name] = dict(pids=pids, dir=directory, proc=proc, tmp=tmp, held=held)
         yield infos
     finally:
         for name, proc in procs.items():         # only if a test failed half-way
@@ -142,6 +147,16 @@ def parents(tmp_path_factory):
             for pid in infos.get(name, {}).get("pids", []):
                 if not _gone(pid):
                     os.kill(pid, signal.SIGKILL)
+
+
+def test_each_worker_environment_names_its_own_rank(parents):
+    # code on a rank that reads RANK / LOCAL_RANK (torchtitan, HF, a data loader) must see
+    # that rank, not the launcher's own torchrun variables
+    for name in ("term", "kill"):
+        for held in parents[name]["held"]:
+            r = held["rank"]
+            assert held["env"] == {"RANK": str(r), "WORLD_SIZE": "2", "LOCAL_RANK": str(r),
+                                   "LOCAL_WORLD_SIZE": "2"}, (name, held)
 
 
 def test_sigterm_to_a_run_launcher_stops_its_workers_and_removes_its_dir(parents):
