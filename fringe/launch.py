@@ -163,9 +163,26 @@ def _redirect_stderr(stderr) -> None:
     stderr.close()
 
 
+def _mp_temp_dir_in(directory: str) -> None:
+    """Make multiprocessing's temporary directory (``pymp-*``: the socket through which the
+    tensors of a result are shared) a subdirectory of the pool's ``directory``, so that it goes
+    with it where this worker cannot remove it itself (stopped by SIGTERM, ``os._exit``, its
+    parent SIGKILLed). Left where it is when the socket's path would pass the 108-byte
+    limit of a unix socket address."""
+    if len(os.path.join(directory, "pymp-12345678", "listener-12345678")) >= 100:
+        return
+    saved = tempfile.tempdir
+    tempfile.tempdir = directory
+    try:
+        _mp_util.get_temp_dir()         # made now, and kept for this process
+    finally:
+        tempfile.tempdir = saved
+
+
 def _worker(rank: int, world_size: int, store: str, backend: str, timeout_s: float,
             tasks, answers, threads: int, lifeline, stderr=None) -> None:
     _watch_parent(lifeline)
+    _mp_temp_dir_in(os.path.dirname(store))
     if stderr is not None:
         _redirect_stderr(stderr)
     # Ctrl-C reaches the whole process group: the parent handles it (and stops us)

@@ -507,10 +507,18 @@ def rank_1_raises_before_a_collective(rank: int, world_size: int):
     return rank
 
 
-def test_a_gloo_failure_breaks_the_pool_and_the_rank_that_raised_leads(pool):
+def tensor_result(rank: int, world_size: int):
+    return torch.full((2,), float(rank))
+
+
+def test_a_gloo_failure_breaks_the_pool_and_the_rank_that_raised_leads(pool, monkeypatch):
     healthy, root = pool
+    monkeypatch.setenv("TMPDIR", str(root))        # the workers' too (restarted here)
     w = healthy()
     pids = w.pids
+    # a tensor result: each worker shares it through a socket in multiprocessing's pymp-*
+    # directory, which must go with the pool when its workers are stopped
+    assert [t.tolist() for t in w.run(tensor_result)] == [[0.0, 0.0], [1.0, 1.0]]
     with pytest.raises(LaunchError) as info:
         w.run(rank_1_raises_before_a_collective)
     err = info.value
