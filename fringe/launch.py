@@ -634,6 +634,7 @@ class Workers:
         self._res: _Resources | None = None
         self._broken: str | None = None
         self._calls = 0
+        self._call_lock = threading.Lock()     # one call at a time: answers carry its id
         self._finalizer = None
 
     def __enter__(self) -> Workers:
@@ -719,6 +720,7 @@ class Workers:
 
     def run(self, fn: Callable, *args: Any, **kwargs: Any) -> list:
         """Call ``fn(rank, world_size, *args, **kwargs)`` on every rank; results by rank.
+        Calls from several threads run one after another, each getting its own results.
 
         Raises:
             LaunchError: a rank failed (``kind`` is its exception type), died, stayed silent
@@ -742,18 +744,20 @@ class Workers:
                                "or call start()")
 
     def _run_payloads(self, fn: Callable, payloads: list[bytes]) -> list:
-        self._check_usable()
-        self._calls += 1
-        try:
-            for q, payload in zip(self._tasks, payloads):
-                q.put((self._calls, payload))
-            return self._collect(self._calls, what=f"call {self._calls} ({_name(fn)})")
-        except LaunchError:
-            raise
-        except BaseException as e:      # interrupted half-way: the ranks' state is unknown
-            self._break(f"call {self._calls} ({_name(fn)}) was interrupted by "
-                        f"{type(e).__name__}")
-            raise
+        with self._call_lock:           # calls from several threads run one after another
+            self._check_usable()
+            self._calls += 1
+            call = self._calls
+            try:
+                for q, payload in zip(self._tasks, payloads):
+                    q.put((call, payload))
+                return self._collect(call, what=f"call {call} ({_name(fn)})")
+            except LaunchError:
+                raise
+            except BaseException as e:  # interrupted half-way: the ranks' state is unknown
+                self._break(f"call {call} ({_name(fn)}) was interrupted by "
+                            f"{type(e).__name__}")
+                raise
 
     def _break(self, cause: str) -> None:
         """Stop the pool (a stopped or hung worker included) and remember why."""

@@ -477,6 +477,32 @@ def test_a_stopped_rank_is_named_and_reaped_after_a_peer_times_out(pool):
     assert [r for r, _ in w.run(ranks_and_pids)] == [0, 1]
 
 
+def echo_arg_slowly(rank: int, world_size: int, x):
+    time.sleep(0.2)
+    return rank, x
+
+
+def test_calls_from_two_threads_each_get_their_own_results(pool):
+    import threading
+    healthy, root = pool
+    w = healthy()
+    results = {}
+
+    def call(x):
+        try:
+            results[x] = w.run(echo_arg_slowly, x)
+        except LaunchError as e:
+            results[x] = e
+    threads = [threading.Thread(target=call, args=(x,)) for x in ("a", "b")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    # each caller its own answers (one took the other's, and the other timed out)
+    assert results == {x: [(0, x), (1, x)] for x in ("a", "b")}, results
+    assert w.broken is None
+
+
 def test_a_rank_that_dies_carries_its_last_stderr_lines_into_the_error(pool):
     healthy, root = pool
     w = healthy()
