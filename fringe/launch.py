@@ -18,6 +18,9 @@ an interactive session cannot launch functions (or pass objects) defined in it. 
 checked in this process before anything is spawned or sent, and the error says what to move
 where. Notebooks should use the in-process virtual mesh (:mod:`fringe.simulate`) instead.
 
+Each worker's environment names its own rank (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
+``LOCAL_WORLD_SIZE``, as torchrun sets them), whatever this process's say.
+
 A worker that dies says why: each worker's stderr passes through this process (to our
 stderr, as before) and its last lines travel in the :class:`LaunchError`.
 
@@ -31,12 +34,13 @@ Nothing outlives its launcher:
 * **Temporary directories go on every path that runs cleanup code**: ``close()``, an
   exception in ``start()``, garbage collection, interpreter exit (atexit), and SIGTERM /
   SIGHUP (a handler, installed only where the signal's action is still the default, stops
-  the workers, removes the directories and then dies of the same signal, so the exit status
-  is the conventional one). Nothing runs after SIGKILL, so directories are named
-  ``fringe-launch-<owner pid>-*`` and every launch first removes those whose owner is dead
-  (:func:`sweep_stale_dirs`).
+  the workers, removes the directories, multiprocessing's ``pymp-*`` one included, and then
+  dies of the same signal, so the exit status is the conventional one). Nothing runs after
+  SIGKILL, so directories are named ``fringe-launch-<owner pid>-*`` and every launch first
+  removes those whose owner is dead (:func:`sweep_stale_dirs`).
 * **A broken pool says so.** After a rank dies, a call times out, a rank raises a
-  communication failure (``CommTimeout``, ``TimeoutError``, ``torch.distributed.DistError``)
+  communication failure (``CommTimeout``, ``TimeoutError``, ``torch.distributed.DistError``,
+  or gloo's timeouts and lost peers, plain RuntimeErrors raised inside torch.distributed)
   or a call is interrupted, the process group can no longer be trusted: the pool stops its
   workers and every later ``run`` raises :class:`LaunchError` naming the cause. ``close()``
   and ``start()`` (or a new :class:`Workers`) give a fresh pool.
@@ -70,7 +74,7 @@ import weakref
 from typing import Any, Callable
 
 import torch.multiprocessing as mp
-from multiprocessing import process as _mp_process
+from multiprocessing import process as _mp_process, util as _mp_util
 from multiprocessing.reduction import ForkingPickler
 
 #: Exit status of a worker whose parent is gone (its lifeline pipe reached EOF).
@@ -81,6 +85,10 @@ _DIR_PATTERN = re.compile(re.escape(DIR_PREFIX) + r"(\d+)-")
 #: Exceptions (matched by class name anywhere in the MRO) after which the process group
 #: cannot be trusted: a peer may be half-way through a transfer.
 _BREAKING = frozenset({"CommTimeout", "TimeoutError", "DistError"})
+#: gloo reports a timeout or a lost peer as a plain RuntimeError; where it is not raised inside
+#: torch.distributed (``work.wait(timeout=...)`` in user code), its message says what it is.
+_COMM_MESSAGE = re.compile(r"gloo|nccl|timed out|pair closure|connection (reset|closed)", re.I)
+_TORCH_DISTRIBUTED = os.sep + os.path.join("torch", "distributed") + os.sep
 _COLLECT_SLACK_S = 30.0     # the parent waits timeout_s + this before declaring a call lost
 _DEAD_GRACE_S = 2.0         # a dead rank's last message may still be in the queue
 #: Default ``peer_grace_s``: how long the other ranks have to answer once one rank reported a
@@ -131,7 +139,17 @@ def _watch_parent(lifeline) -> None:
 
 
 def _breaks_pool(e: BaseException) -> bool:
-    return any(c.__name__ in _BREAKING for c in type(e).__mro__)
+    """Whether ``e`` leaves the process group untrustworthy: a communication failure by class
+    name (:data:`_BREAKING`), or a RuntimeError raised inside torch.distributed or worded as
+    one (gloo's timeouts and lost peers: after a timeout gloo closes the pair, and a wait
+    abandoned half-way leaves a collective that the next call would be matched with)."""
+    if any(c.__name__ in _BREAKING for c in type(e).__mro__):
+        return True
+    if not isinstance(e, RuntimeError):
+        return False
+    frames = traceback.extract_tb(e.__traceback__)
+    return (any(_TORCH_DISTRIBUTED in f.filename for f in frames)
+            or bool(_COMM_MESSAGE.search(str(e))))
 
 
 def _redirect_stderr(stderr) -> None:
@@ -145,13 +163,35 @@ def _redirect_stderr(stderr) -> None:
     stderr.close()
 
 
+def _mp_temp_dir_in(directory: str) -> None:
+    """Make multiprocessing's temporary directory (``pymp-*``: the socket through which the
+    tensors of a result are shared) a subdirectory of the pool's ``directory``, so that it goes
+    with it where this worker cannot remove it itself (stopped by SIGTERM, ``os._exit``, its
+    parent SIGKILLed). Left where it is when the socket's path would pass the 108-byte
+    limit of a unix socket address."""
+    if len(os.path.join(directory, "pymp-12345678", "listener-12345678")) >= 100:
+        return
+    saved = tempfile.tempdir
+    tempfile.tempdir = directory
+    try:
+        _mp_util.get_temp_dir()         # made now, and kept for this process
+    finally:
+        tempfile.tempdir = saved
+
+
 def _worker(rank: int, world_size: int, store: str, backend: str, timeout_s: float,
             tasks, answers, threads: int, lifeline, stderr=None) -> None:
     _watch_parent(lifeline)
+    _mp_temp_dir_in(os.path.dirname(store))
     if stderr is not None:
         _redirect_stderr(stderr)
     # Ctrl-C reaches the whole process group: the parent handles it (and stops us)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # what torchrun sets, for this rank: code on a rank that reads the environment (a data
+    # loader, torchtitan, HF) must not see the launcher's own variables (it may run under
+    # torchrun itself) and take another rank's data
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world_size))
     import torch
     import torch.distributed as dist
     torch.set_num_threads(threads)
@@ -516,8 +556,16 @@ def _release_all(force: bool = False) -> None:
 
 
 def _on_signal(signum: int, frame) -> None:
-    """Stop every pool, remove its directory, then die of the same signal (exit status 128+n)."""
+    """Stop every pool, remove its directory, then die of the same signal (exit status 128+n).
+
+    Dying of the signal skips interpreter exit, so multiprocessing's own temporary directory
+    (``pymp-*``: the socket through which sent tensors' file descriptors are shared) is
+    removed here too, as its exit hook would have."""
     _release_all(force=True)
+    try:
+        shutil.rmtree(_mp_util.get_temp_dir(), ignore_errors=True)
+    except Exception:                   # noqa: BLE001 — best effort on the way out
+        pass
     signal.signal(signum, signal.SIG_DFL)
     os.kill(os.getpid(), signum)
     os._exit(128 + signum)              # not reached where the default action is to terminate
@@ -586,6 +634,7 @@ class Workers:
         self._res: _Resources | None = None
         self._broken: str | None = None
         self._calls = 0
+        self._call_lock = threading.Lock()     # one call at a time: answers carry its id
         self._finalizer = None
 
     def __enter__(self) -> Workers:
@@ -671,6 +720,7 @@ class Workers:
 
     def run(self, fn: Callable, *args: Any, **kwargs: Any) -> list:
         """Call ``fn(rank, world_size, *args, **kwargs)`` on every rank; results by rank.
+        Calls from several threads run one after another, each getting its own results.
 
         Raises:
             LaunchError: a rank failed (``kind`` is its exception type), died, stayed silent
@@ -694,18 +744,20 @@ class Workers:
                                "or call start()")
 
     def _run_payloads(self, fn: Callable, payloads: list[bytes]) -> list:
-        self._check_usable()
-        self._calls += 1
-        try:
-            for q, payload in zip(self._tasks, payloads):
-                q.put((self._calls, payload))
-            return self._collect(self._calls, what=f"call {self._calls} ({_name(fn)})")
-        except LaunchError:
-            raise
-        except BaseException as e:      # interrupted half-way: the ranks' state is unknown
-            self._break(f"call {self._calls} ({_name(fn)}) was interrupted by "
-                        f"{type(e).__name__}")
-            raise
+        with self._call_lock:           # calls from several threads run one after another
+            self._check_usable()
+            self._calls += 1
+            call = self._calls
+            try:
+                for q, payload in zip(self._tasks, payloads):
+                    q.put((call, payload))
+                return self._collect(call, what=f"call {call} ({_name(fn)})")
+            except LaunchError:
+                raise
+            except BaseException as e:  # interrupted half-way: the ranks' state is unknown
+                self._break(f"call {call} ({_name(fn)}) was interrupted by "
+                            f"{type(e).__name__}")
+                raise
 
     def _break(self, cause: str) -> None:
         """Stop the pool (a stopped or hung worker included) and remember why."""

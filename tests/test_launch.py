@@ -34,15 +34,20 @@ PARENT = textwrap.dedent("""
     import json, os, sys, time
     from fringe.launch import Workers, run
 
-    def hold(rank, world_size):
+    def hold(rank, world_size, x=None):
         # one write per line (below PIPE_BUF, so atomic): the ranks share the parent's stdout
-        sys.stdout.write(json.dumps({"rank": rank, "pid": os.getpid()}) + "\\n")
+        env = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK",
+                                              "LOCAL_WORLD_SIZE")}
+        sys.stdout.write(json.dumps({"rank": rank, "pid": os.getpid(), "env": env}) + "\\n")
         sys.stdout.flush()
         time.sleep(600)
 
     if __name__ == "__main__":
         if sys.argv[1] == "run":
-            run(hold, world_size=2, timeout_s=600)  # blocked here, as a launcher is
+            # a tensor argument: sending it starts multiprocessing's fd sharer (its socket
+            # in a pymp-* directory of TMPDIR, removed at exit)
+            import torch
+            run(hold, torch.zeros(2), world_size=2, timeout_s=600)  # blocked here
         else:
             w = Workers(2, timeout_s=600)
             w.start()
@@ -112,7 +117,9 @@ def parents(tmp_path_factory):
     for name, mode in (("term", "run"), ("kill", "workers")):
         tmp = root / name
         tmp.mkdir()
-        env = dict(os.environ, TMPDIR=str(tmp), PYTHONUNBUFFERED="1")
+        # a launcher that itself runs under torchrun: its rank variables are not the workers'
+        env = dict(os.environ, TMPDIR=str(tmp), PYTHONUNBUFFERED="1", RANK="5", WORLD_SIZE="8",
+                   LOCAL_RANK="5", LOCAL_WORLD_SIZE="8")
         with open(root / f"{mode}.stderr", "wb") as err:     # a file: it never fills up
             procs[name] = subprocess.Popen([sys.executable, str(script), mode],
                                            stdout=subprocess.PIPE, stderr=err, env=env, cwd=root)
@@ -124,11 +131,12 @@ def parents(tmp_path_factory):
                 assert sorted(h["pid"] for h in held) == sorted(pool["pids"])
                 pids, directory = pool["pids"], pool["dir"]
             else:
-                pids = [h["pid"] for h in _read_lines(proc, 2)]
+                held = _read_lines(proc, 2)
+                pids = [h["pid"] for h in held]
                 dirs = list(tmp.glob(f"fringe-launch-{proc.pid}-*"))
                 assert len(dirs) == 1, dirs
                 directory = str(dirs[0])
-            infos[name] = dict(pids=pids, dir=directory, proc=proc, tmp=tmp)
+            infos[name] = dict(pids=pids, dir=directory, proc=proc, tmp=tmp, held=held)
         yield infos
     finally:
         for name, proc in procs.items():         # only if a test failed half-way
@@ -139,6 +147,16 @@ def parents(tmp_path_factory):
             for pid in infos.get(name, {}).get("pids", []):
                 if not _gone(pid):
                     os.kill(pid, signal.SIGKILL)
+
+
+def test_each_worker_environment_names_its_own_rank(parents):
+    # code on a rank that reads RANK / LOCAL_RANK (torchtitan, HF, a data loader) must see
+    # that rank, not the launcher's own torchrun variables
+    for name in ("term", "kill"):
+        for held in parents[name]["held"]:
+            r = held["rank"]
+            assert held["env"] == {"RANK": str(r), "WORLD_SIZE": "2", "LOCAL_RANK": str(r),
+                                   "LOCAL_WORLD_SIZE": "2"}, (name, held)
 
 
 def test_sigterm_to_a_run_launcher_stops_its_workers_and_removes_its_dir(parents):
@@ -152,6 +170,8 @@ def test_sigterm_to_a_run_launcher_stops_its_workers_and_removes_its_dir(parents
     assert proc.returncode == -signal.SIGTERM      # it still dies of the signal (shell: 143)
     assert not os.path.exists(info["dir"])         # the handler removed it before dying
     assert _wait_gone(info["pids"]) == []
+    # ... and multiprocessing's directory too (dying of the signal skips its exit hook)
+    assert os.listdir(info["tmp"]) == []
 
 
 def test_sigkill_to_a_pool_launcher_stops_its_workers_and_the_next_launch_sweeps(parents):
@@ -457,6 +477,32 @@ def test_a_stopped_rank_is_named_and_reaped_after_a_peer_times_out(pool):
     assert [r for r, _ in w.run(ranks_and_pids)] == [0, 1]
 
 
+def echo_arg_slowly(rank: int, world_size: int, x):
+    time.sleep(0.2)
+    return rank, x
+
+
+def test_calls_from_two_threads_each_get_their_own_results(pool):
+    import threading
+    healthy, root = pool
+    w = healthy()
+    results = {}
+
+    def call(x):
+        try:
+            results[x] = w.run(echo_arg_slowly, x)
+        except LaunchError as e:
+            results[x] = e
+    threads = [threading.Thread(target=call, args=(x,)) for x in ("a", "b")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    # each caller its own answers (one took the other's, and the other timed out)
+    assert results == {x: [(0, x), (1, x)] for x in ("a", "b")}, results
+    assert w.broken is None
+
+
 def test_a_rank_that_dies_carries_its_last_stderr_lines_into_the_error(pool):
     healthy, root = pool
     w = healthy()
@@ -470,4 +516,46 @@ def test_a_rank_that_dies_carries_its_last_stderr_lines_into_the_error(pool):
                            "could not map its shard (a stand-in for a C++ abort))"), str(err)
     assert "some warning nobody reads" in err.remote_traceback
     assert "rank 1 exited with code 7" in w.broken
+    assert _wait_gone(pids) == [] and os.listdir(root) == []
+
+
+def rank_1_raises_before_a_collective(rank: int, world_size: int):
+    """Rank 1 raises before an all-reduce that rank 0 waits in; rank 0 then fails with gloo's
+    own timeout, a plain RuntimeError out of torch.distributed (a group with a 1 s timeout
+    keeps it short)."""
+    import datetime
+
+    import torch.distributed as dist
+    group = dist.new_group(timeout=datetime.timedelta(seconds=1))
+    if rank == 1:
+        raise ValueError("bad input on rank 1, before the all-reduce")
+    dist.all_reduce(torch.ones(1), group=group)
+    return rank
+
+
+def tensor_result(rank: int, world_size: int):
+    return torch.full((2,), float(rank))
+
+
+def test_a_gloo_failure_breaks_the_pool_and_the_rank_that_raised_leads(pool, monkeypatch):
+    healthy, root = pool
+    monkeypatch.setenv("TMPDIR", str(root))        # the workers' too (restarted here)
+    w = healthy()
+    pids = w.pids
+    # a tensor result: each worker shares it through a socket in multiprocessing's pymp-*
+    # directory, which must go with the pool when its workers are stopped
+    assert [t.tolist() for t in w.run(tensor_result)] == [[0.0, 0.0], [1.0, 1.0]]
+    with pytest.raises(LaunchError) as info:
+        w.run(rank_1_raises_before_a_collective)
+    err = info.value
+    # the root cause leads, not the peer's timeout that followed it
+    assert err.kind == "ValueError" and err.rank == 1, str(err)
+    assert str(err).startswith("rank 1 failed with ValueError"), str(err)
+    assert err.errors[0][0] == "RuntimeError" and "Timed out" in err.errors[0][1]
+    # gloo closes the pair after a timeout: the pool says so instead of failing every later
+    # call with "Application timeout caused pair closure"
+    assert w.broken is not None and "rank_1_raises_before_a_collective" in w.broken
+    with pytest.raises(LaunchError, match="broken since") as info:
+        w.run(ranks_and_pids)
+    assert info.value.kind == "broken"
     assert _wait_gone(pids) == [] and os.listdir(root) == []
