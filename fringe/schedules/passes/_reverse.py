@@ -269,20 +269,25 @@ def _arrive_once(tab: ProgramTable, g: _Gen, brought: np.ndarray) -> None:
     P = g.P
     inputs = [_FAMILY_CODE[f] for f in _INPUTS]
     h = np.isin(g.xf, inputs)
+    h = slice(None) if h.all() else h       # every hop an input's (rings): the columns, no copy
     ss = g.ss[brought]
-    r = np.concatenate([g.xd[h], g.kr[ss]])
+
+    def arrivals(x, y):                     # (16.8M hops at P=4,096: no concatenation of
+        return x[h] if not len(y) else np.concatenate([x[h], y])    # views with nothing)
+    r = arrivals(g.xd, g.kr[ss])
     if not len(r):
         return
-    f = np.concatenate([g.xf[h], g.sf[brought]])
-    c = np.concatenate([g.xc[h], g.sc[brought]])
-    hs = np.concatenate([g.xhs[h], g.shs[brought]])
-    t = np.concatenate([g.xt[h], g.kt[ss]])
-    b = g.bkey(f, c, hs)
+    f = arrivals(g.xf, g.sf[brought])
+    c = arrivals(g.xc, g.sc[brought])
+    t = arrivals(g.xt, g.kt[ss])
+    b = g.bkey(f, c, arrivals(g.xhs, g.shs[brought]))
     used = np.zeros(_F * P * g.HS, dtype=bool)
     used[b] = True
     ids = np.cumsum(used) - 1
     n = int(ids[-1]) + 1
-    key = r * n + ids[b]
+    key = ids[b]
+    del b
+    key += r * np.int64(n)                  # (r may be int32: the product in int64)
     again = c == r                          # at its owner
     if P * n <= _columns.PLANE_CELLS:                # distinct cells fewer than arrivals
         seen = np.zeros(P * n, dtype=bool)
@@ -296,9 +301,10 @@ def _arrive_once(tab: ProgramTable, g: _Gen, brought: np.ndarray) -> None:
         dup = np.zeros(len(key), dtype=bool)
         dup[o[1:]] = key[o[1:]] == key[o[:-1]]
         again |= dup
-    hi_a = np.concatenate([g.xhi[h], g.shi[brought]])
-    hn_a = np.concatenate([g.xhn[h], g.shn[brought]])
-    overlap = _overlapping_heads(r * (_F * P) + f * P + c, t, hi_a, hn_a) & ~again
+    hi_a = arrivals(g.xhi, g.shi[brought])
+    hn_a = arrivals(g.xhn, g.shn[brought])
+    overlap = (_overlapping_heads(r * np.int64(_F * P) + f * np.int64(P) + c, t, hi_a, hn_a)
+               & ~again if hn_a.any() else np.zeros(len(r), dtype=bool))
     if not (again | overlap).any():
         return
     i = min(np.flatnonzero(again | overlap).tolist(), key=lambda i: (int(r[i]), int(t[i])))
