@@ -160,18 +160,24 @@ def covered(programs: Sequence[Program], need: BlockNeed, *, backward: bool = Fa
             _fault(tab, int(rank[row]), int(step[row]),
                    f"a transfer moves blocks up to {top} of a chunk of {n} blocks "
                    f"(L / block_size); block ranges lie in [0, {n})")
-    hop = np.flatnonzero(np.isin(g.xf, _inputs()))
+    is_hop = np.isin(g.xf, _inputs())
+    hop = slice(None) if is_hop.all() else np.flatnonzero(is_hop)   # views where all are (rings)
     bits_x = np.concatenate([_bits_of(g.ranges, n), need.whole()[None]])    # -1: whole
     bits_s = np.concatenate([_bits_of(g.sranges, n), need.whole()[None]])
     own = g.sidx == g.me[g.ss]
     recv = np.flatnonzero((g.sdir == 1) & np.isin(g.sf, _inputs()) & ~own)
     sent = np.flatnonzero((g.sdir == 0) & np.isin(g.sf, _inputs()) & ~own)
-    got_key = np.concatenate([g.bkey(g.xf[hop], g.xc[hop], g.xhs[hop]) * P + g.xd[hop],
-                              g.bkey(g.sf[recv], g.sc[recv], g.shs[recv]) * P + g.kr[g.ss[recv]]])
+    def cat(a, b):                    # (no copy of the hops' rows where no slot brings one)
+        return a if not len(b) else np.concatenate([a, b])
+    got_key = g.bkey(g.xf[hop], g.xc[hop], g.xhs[hop]) * P
+    got_key += g.xd[hop]
+    got_key = cat(got_key, g.bkey(g.sf[recv], g.sc[recv], g.shs[recv]) * P + g.kr[g.ss[recv]])
     space, ids = _unique(got_key)
+    del got_key
     bits_x, bits_s = _words(bits_x), _words(bits_s)       # one word per row where it fits
     held = np.zeros((len(space),) + bits_x.shape[1:], dtype=bits_x.dtype)   # what arrived
-    np.bitwise_or.at(held, ids, np.concatenate([bits_x[g.xrng[hop]], bits_s[g.srng[recv]]]))
+    np.bitwise_or.at(held, ids, cat(bits_x[g.xrng[hop]], bits_s[g.srng[recv]]))
+    del ids
 
     def missing(want, have):          # rows of blocks wanted but not held
         lost = want & ~have
@@ -195,7 +201,7 @@ def covered(programs: Sequence[Program], need: BlockNeed, *, backward: bool = Fa
                    f"{'q' if side == Q_SIDE else 'kv'} buffer that the ranged transfers to "
                    f"rank {int(g.cr[j])} do not bring (they would be read as zeros)")
     # moved on by a rank that does not own the buffer: only blocks that arrived there
-    fwd = hop[g.xs[hop] != g.xc[hop]]
+    fwd = np.flatnonzero(is_hop & (g.xs != g.xc))
     s_fwd = sent[g.sc[sent] != g.kr[g.ss[sent]]]
     for rows, key, moved, rank, step, what in (
             (fwd, g.bkey(g.xf[fwd], g.xc[fwd], g.xhs[fwd]) * P + g.xs[fwd], bits_x[g.xrng[fwd]],
