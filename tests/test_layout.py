@@ -118,3 +118,23 @@ def test_layout_package_docstring_runs_and_the_primitives_do_not_import_the_solv
     tree = ast.parse(pathlib.Path(_layout.__file__).read_text())
     imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
     assert not any(m and "_balanced" in m for m in imported), imported
+
+
+@pytest.mark.parametrize("order, err, match", [
+    # a negative entry indexes from the end: [-1, 1, 2, 0] passed as a permutation of range(4)
+    # and rank 0 then held position -1 (RoPE, the mask and shard all read it)
+    (torch.tensor([-1, 1, 2, 0]), ValueError, r"permutation of range\(4\), but it holds -1"),
+    (torch.tensor([0, 1, 2, 7]), ValueError, r"holds 7, outside \[0, 4\)"),
+    (torch.tensor([0, 0, 1, 2]), ValueError, r"position 0 appears 2 times and position 3 not"),
+    # a bool tensor is a boolean index: all True passed, and the order became [1, 1, 1, 1]
+    (torch.ones(4, dtype=torch.bool), TypeError, r"integer tensor .* got dtype torch.bool"),
+    (torch.tensor([0.5, 1.0, 2.0, 3.0]), TypeError, r"got dtype torch.float32"),   # not truncated
+])
+def test_an_order_that_is_not_a_permutation_is_refused(order, err, match):
+    with pytest.raises(err, match=match):
+        layout.Layout("custom", order, 2)
+    if order.dtype != torch.bool:
+        with pytest.raises(err, match=match):
+            layout.from_order(order, 2, block_size=1)
+    assert layout.from_order([3, 2, 1, 0], 2, block_size=1).positions(0).tolist() == [3, 2]
+

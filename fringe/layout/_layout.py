@@ -42,12 +42,23 @@ class Layout:
             raise ValueError(f"layout order must be 1-D [S], got shape {tuple(self.order.shape)}")
         if S % P:
             raise ValueError(f"S={S} tokens cannot be split into P={P} equal shards")
-        check = torch.zeros(S, dtype=torch.bool)
-        check[self.order] = True
-        if not bool(check.all()):
-            raise ValueError(f"layout order must be a permutation of range({S})")
+        dt = self.order.dtype
+        if dt == torch.bool or dt.is_floating_point or dt.is_complex:
+            raise TypeError(f"layout order must be an integer tensor of global positions (a "
+                            f"permutation of range({S})), got dtype {dt}; build it with "
+                            f"torch.randperm / torch.arange or pass ints")
         # own a copy: a layout must not alias the caller's tensor (nor hand out its own)
-        order = self.order.detach().to(torch.int64, copy=True).contiguous()
+        order = self.order.detach().to("cpu", torch.int64, copy=True).contiguous()
+        lo, hi = (int(order.min()), int(order.max())) if S else (0, 0)
+        if lo < 0 or hi >= S:       # a negative entry would index from the end and pass below
+            raise ValueError(f"layout order must be a permutation of range({S}), but it holds "
+                             f"{lo if lo < 0 else hi}, outside [0, {S})")
+        count = torch.bincount(order, minlength=S)
+        if bool((count != 1).any()):
+            dup, miss = int((count > 1).nonzero()[0]), int((count == 0).nonzero()[0])
+            raise ValueError(f"layout order must be a permutation of range({S}), but position "
+                             f"{dup} appears {int(count[dup])} times and position {miss} not at "
+                             f"all; every global position must be held by exactly one rank")
         object.__setattr__(self, "order", order)
         object.__setattr__(self, "_order_version", order._version)
 
@@ -276,7 +287,7 @@ def striped(seq_len: int, world_size: int, *, stripe: int = 1,
 def from_order(order: torch.Tensor, world_size: int, *, kind: str = "custom",
                block_size: int = DEFAULT_BLOCK_SIZE) -> Layout:
     """A user-defined layout from an explicit permutation (``order[r*L:(r+1)*L]`` → rank r)."""
-    order = torch.as_tensor(order, dtype=torch.int64)
+    order = torch.as_tensor(order)          # Layout refuses a non-integer dtype (no truncation)
     _check(order.numel(), world_size)
     if order.numel() % (world_size * block_size):
         raise _granularity_error(order.numel(), world_size * block_size,
