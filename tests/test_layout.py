@@ -138,3 +138,14 @@ def test_an_order_that_is_not_a_permutation_is_refused(order, err, match):
             layout.from_order(order, 2, block_size=1)
     assert layout.from_order([3, 2, 1, 0], 2, block_size=1).positions(0).tolist() == [3, 2]
 
+
+def test_unshard_refuses_shards_of_the_wrong_length_even_when_the_total_is_right():
+    lay = layout.zigzag(16, 2, block_size=2)
+    x = torch.arange(16.0).view(1, 16, 1)
+    s0, s1 = lay.shard(x, 0, dim=1), lay.shard(x, 1, dim=1)
+    bad = [s0[:, :7], torch.cat([s0[:, 7:], s1], dim=1)]          # 7 + 9 = 16 tokens
+    with pytest.raises(ValueError, match=r"shard 0 has 7 tokens along dim 1, but every rank "
+                                         r"holds L=S/P=8"):
+        lay.unshard(bad, dim=1)
+    assert torch.equal(lay.unshard([s0, s1], dim=1), x)
+

@@ -180,6 +180,12 @@ class Layout:
             raise ValueError(f"unshard needs {self.world_size} shards (one per rank), "
                              f"got {len(shards)}")
         self._check_unchanged()
+        for r, t in enumerate(shards):      # equal totals can hide unequal shards
+            if t.shape[dim] != self.local_len:
+                raise ValueError(f"unshard: shard {r} has {t.shape[dim]} tokens along dim {dim}, "
+                                 f"but every rank holds L=S/P={self.local_len} (S={self.seq_len}, "
+                                 f"P={self.world_size}); pass each rank's shard as "
+                                 f"layout.shard(x, rank, dim={dim}) made it, in rank order")
         cat = torch.cat(list(shards), dim=dim)
         self._check_len(cat, dim)
         inverse = torch.empty_like(self.order)
