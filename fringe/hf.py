@@ -410,7 +410,9 @@ def _padded_len(schedule, seq_len: int, world_size: int, layout, plan_kwargs: di
             return seq_len
         except ValueError:
             pass
-    return padded_len(seq_len, world_size, block_size=bs, tp_size=tp)
+    spec = getattr(schedule, "spec", None)          # striped:N also needs whole stripes
+    stripe = spec.arg if spec is not None and spec.name == "striped" else None
+    return padded_len(seq_len, world_size, block_size=bs, tp_size=tp, stripe=stripe)
 
 
 def _balanced_layout(schedule, kind_masks, counts, *, seq_len, world_size, plan_kwargs):

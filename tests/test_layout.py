@@ -149,3 +149,27 @@ def test_unshard_refuses_shards_of_the_wrong_length_even_when_the_total_is_right
         lay.unshard(bad, dim=1)
     assert torch.equal(lay.unshard([s0, s1], dim=1), x)
 
+
+def test_striped_with_its_own_stripe_takes_the_padded_length_it_is_told_about():
+    """``padded_len`` promises a length the layouts accept; a stripe that is not the block
+    size needs whole stripes too (``stripe=``), and the striped error names a length that
+    both of its conditions accept (S=112 was told "pad to 114", then refused again)."""
+    import fringe
+    from fringe import schedules
+    from fringe.hf import _padded_len
+    with pytest.raises(ValueError, match=r"S=112 is not divisible by lcm\(stripe\*P, P\*block\)="
+                                         r"lcm\(3\*2, 2\*4\)=24; pad the sequence to 120"):
+        layout.striped(112, 2, stripe=3, block_size=4)
+    layout.striped(120, 2, stripe=3, block_size=4)
+    for P in (2, 3, 4, 5):
+        for bs, stripe in ((4, 3), (2, 5), (4, 6), (4, None)):
+            S = fringe.padded_len(100, P, block_size=bs, stripe=stripe)
+            for make in (layout.contiguous, layout.zigzag, layout.striped):
+                make(S, P, block_size=bs)
+            lay = layout.striped(S, P, stripe=stripe or bs, block_size=bs)
+            assert torch.equal(torch.cat([lay.positions(r) for r in range(P)]).sort().values,
+                               torch.arange(S))
+            sched = schedules.striped(stripe)       # fringe.hf.plans pads to a length it takes
+            n = _padded_len(sched, 100, P, None, {"block_size": bs})
+            assert n in (100, S)
+            sched.make_layout(n, P, block_size=bs)

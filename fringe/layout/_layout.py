@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import math
 import operator
 
 import torch
@@ -280,12 +281,14 @@ def striped(seq_len: int, world_size: int, *, stripe: int = 1,
     _check(seq_len, world_size)
     if stripe < 1:
         raise ValueError(f"stripe must be >= 1 token, got {stripe}")
-    unit = stripe * world_size
+    P = world_size
+    unit = math.lcm(stripe * P, P * block_size)     # whole stripes and whole blocks per rank
     if seq_len % unit:
-        raise _granularity_error(seq_len, unit, f"stripe*P={stripe}*{world_size}")
-    if (seq_len // world_size) % block_size:
-        raise _granularity_error(seq_len, world_size * block_size, f"P*block={world_size}*{block_size}")
-    stripes = torch.arange(seq_len).view(seq_len // unit, world_size, stripe)
+        what = (f"stripe*P={stripe}*{P}" if unit == stripe * P else
+                f"P*block={P}*{block_size}" if unit == P * block_size else
+                f"lcm(stripe*P, P*block)=lcm({stripe}*{P}, {P}*{block_size})")
+        raise _granularity_error(seq_len, unit, what)
+    stripes = torch.arange(seq_len).view(seq_len // (stripe * P), P, stripe)
     order = stripes.transpose(0, 1).reshape(-1)
     return Layout(f"striped({stripe})" if stripe != 1 else "striped", order, world_size)
 
