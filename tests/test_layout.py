@@ -173,3 +173,8 @@ def test_striped_with_its_own_stripe_takes_the_padded_length_it_is_told_about():
             n = _padded_len(sched, 100, P, None, {"block_size": bs})
             assert n in (100, S)
             sched.make_layout(n, P, block_size=bs)
+    for spec in ("compose:striped:5+ring:2", "compose:ring+striped:3:2"):   # every part's stripe
+        sched = schedules.get(spec)
+        n = _padded_len(sched, 100, 4, None, {"block_size": 2})
+        assert n in (160, 144)
+        sched.make_layout(n, 4, block_size=2)
