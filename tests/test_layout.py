@@ -67,6 +67,9 @@ def test_striped_round_robin():
     (lambda: layout.striped(30, 4, stripe=4, block_size=4),
      r"S=30 is not divisible by stripe\*P=4\*4=16; pad the sequence to 32"),
     (lambda: layout.contiguous(64, 0), r"world_size must be >= 1"),
+    (lambda: layout.striped(64, 2, block_size=0), r"block_size must be >= 1, got 0"),
+    (lambda: layout.from_order(torch.arange(8), 2, block_size=0), r"block_size must be >= 1"),
+    (lambda: layout.zigzag(16, 2.0, block_size=2), r"world_size must be an int >= 1, got 2.0"),
     (lambda: layout.from_order(torch.tensor([0, 0, 1, 2]), 2, block_size=1),
      r"permutation of range\(4\)"),
 ])

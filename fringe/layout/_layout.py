@@ -244,16 +244,21 @@ def _granularity_error(S: int, unit: int, what: str) -> ValueError:
                       f"tokens (or choose a smaller block size)")
 
 
-def _check(S: int, P: int) -> None:
-    if P < 1:
-        raise ValueError(f"world_size must be >= 1, got {P}")
-    if S < 1:
-        raise ValueError(f"seq_len must be >= 1, got {S}")
+def _check(S: int, P: int, block_size: int = 1) -> None:
+    for name, v in (("world_size", P), ("seq_len", S), ("block_size", block_size)):
+        try:
+            ok = not isinstance(v, bool) and operator.index(v) is not None   # ints, numpy/torch ints
+        except TypeError:
+            ok = False
+        if not ok:
+            raise ValueError(f"{name} must be an int >= 1, got {v!r} ({type(v).__name__})")
+        if v < 1:
+            raise ValueError(f"{name} must be >= 1, got {v}")
 
 
 def contiguous(seq_len: int, world_size: int, *, block_size: int = DEFAULT_BLOCK_SIZE) -> Layout:
     """Rank r holds ``[r*L, (r+1)*L)``. Needs ``S % (P*block_size) == 0``."""
-    _check(seq_len, world_size)
+    _check(seq_len, world_size, block_size)
     if seq_len % (world_size * block_size):
         raise _granularity_error(seq_len, world_size * block_size, f"P*block={world_size}*{block_size}")
     return Layout("contiguous", torch.arange(seq_len), world_size)
@@ -261,7 +266,7 @@ def contiguous(seq_len: int, world_size: int, *, block_size: int = DEFAULT_BLOCK
 
 def zigzag(seq_len: int, world_size: int, *, block_size: int = DEFAULT_BLOCK_SIZE) -> Layout:
     """2P chunks; rank r holds chunks r and 2P-1-r. Needs ``S % (2*P*block_size) == 0``."""
-    _check(seq_len, world_size)
+    _check(seq_len, world_size, block_size)
     unit = 2 * world_size * block_size
     if seq_len % unit:
         raise _granularity_error(seq_len, unit, f"2*P*block=2*{world_size}*{block_size}")
@@ -278,7 +283,7 @@ def striped(seq_len: int, world_size: int, *, stripe: int = 1,
 
     Needs ``S % (stripe*P) == 0`` and the local length to be a multiple of ``block_size``.
     """
-    _check(seq_len, world_size)
+    _check(seq_len, world_size, block_size)
     if stripe < 1:
         raise ValueError(f"stripe must be >= 1 token, got {stripe}")
     P = world_size
@@ -297,7 +302,7 @@ def from_order(order: torch.Tensor, world_size: int, *, kind: str = "custom",
                block_size: int = DEFAULT_BLOCK_SIZE) -> Layout:
     """A user-defined layout from an explicit permutation (``order[r*L:(r+1)*L]`` → rank r)."""
     order = torch.as_tensor(order)          # Layout refuses a non-integer dtype (no truncation)
-    _check(order.numel(), world_size)
+    _check(order.numel(), world_size, block_size)
     if order.numel() % (world_size * block_size):
         raise _granularity_error(order.numel(), world_size * block_size,
                                  f"P*block={world_size}*{block_size}")
