@@ -794,6 +794,7 @@ def plan(schedule: Schedule, mask_mod: Callable | None = None, *, seq_len: int,
         if not isinstance(layout, Layout):
             raise TypeError(f"layout must be a fringe.Layout (e.g. another plan's .layout), got "
                             f"{type(layout).__name__}")
+        layout._check_unchanged()   # an order edited in place may not even be a permutation
         lay = layout
     elif schedule.mask_aware:      # classify in sequence order once, deal blocks, permute
         natural = _masks.classify(mask_mod, torch.arange(seq_len), torch.arange(seq_len),

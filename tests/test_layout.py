@@ -181,3 +181,15 @@ def test_striped_with_its_own_stripe_takes_the_padded_length_it_is_told_about():
         n = _padded_len(sched, 100, 4, None, {"block_size": 2})
         assert n in (160, 144)
         sched.make_layout(n, 4, block_size=2)
+
+
+def test_a_plan_refuses_a_layout_edited_in_place_before_it_was_planned():
+    """An edit before planning was recorded as the plan's state (its guard reads the version
+    then), so the plan classified a non-permutation and failed only inside the run."""
+    import fringe
+    from fringe import masks, schedules
+    lay = layout.zigzag(16, 2, block_size=2)
+    lay.order[0] = 5                                     # position 5 twice, 0 nowhere
+    with pytest.raises(ValueError, match=r"edited in place after the layout was built"):
+        fringe.plan(schedules.ring(), masks.causal(), seq_len=16, world_size=2, block_size=2,
+                    layout=lay)
