@@ -193,3 +193,25 @@ def test_a_plan_refuses_a_layout_edited_in_place_before_it_was_planned():
     with pytest.raises(ValueError, match=r"edited in place after the layout was built"):
         fringe.plan(schedules.ring(), masks.causal(), seq_len=16, world_size=2, block_size=2,
                     layout=lay)
+
+
+def test_a_layout_edited_in_place_cannot_be_copied_into_a_fresh_one():
+    """deepcopy / pickle recorded the copy's version anew, so an edited layout (or a plan over
+    it) came out looking unedited: a plan copied after a swap ran on its old classification
+    with the new order (error 1.7 against dense, no exception)."""
+    import copy
+    import pickle
+
+    import fringe
+    from fringe import masks, schedules
+    lay = layout.zigzag(16, 2, block_size=2)
+    copy.deepcopy(lay).positions(0)                              # an unedited one copies
+    p = fringe.plan(schedules.ring(), masks.causal(), seq_len=16, world_size=2, block_size=2)
+    o = p.layout.order
+    a, b = int(o[0]), int(o[15])
+    o[0], o[15] = b, a                                           # still a permutation
+    for make_copy in (copy.deepcopy, lambda x: pickle.loads(pickle.dumps(x))):
+        with pytest.raises(ValueError, match=r"edited in place after the layout was built"):
+            make_copy(p.layout)
+    with pytest.raises(ValueError, match=r"edited in place after the layout was built"):
+        copy.deepcopy(p)

@@ -64,6 +64,9 @@ class Layout:
         object.__setattr__(self, "_order_version", order._version)
 
     def __getstate__(self) -> dict:
+        """A copy or pickle (and so a copied or pickled plan) of an edited layout would record
+        the edit as its own state: refuse it, as every other use does."""
+        self._check_unchanged()
         state = dict(self.__dict__)
         state.pop("_order_version", None)
         return state
