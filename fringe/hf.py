@@ -64,7 +64,7 @@ from . import packing as _packing
 from .api import attention as _cp_attention
 from .layout import DEFAULT_BLOCK_SIZE
 from .plan import Plan, _from_block_mask, padded_len, plan as _plan
-from .schedules.base import AUTO
+from .schedules.base import AUTO, COMPOSE
 
 __all__ = ["KWARG", "NAME", "LayerPlan", "Plans", "attention_forward", "layer_kinds",
            "mask_function", "model_inputs", "plans", "register"]
@@ -410,7 +410,21 @@ def _padded_len(schedule, seq_len: int, world_size: int, layout, plan_kwargs: di
             return seq_len
         except ValueError:
             pass
-    return padded_len(seq_len, world_size, block_size=bs, tp_size=tp)
+    return padded_len(seq_len, world_size, block_size=bs, tp_size=tp,
+                      stripe=_stripe_of(getattr(schedule, "spec", None)))
+
+
+def _stripe_of(spec) -> int | None:
+    """The stripe a schedule's striped:N parts need whole on every rank (the lcm over a
+    composed schedule's outer and inner), for :func:`fringe.padded_len`; None: none."""
+    if spec is None:
+        return None
+    if spec.name == COMPOSE:
+        parts = [_stripe_of(spec.outer), _stripe_of(spec.inner)]
+    else:
+        parts = [spec.arg if spec.name == "striped" else None]
+    parts = [n for n in parts if n]
+    return math.lcm(*parts) if parts else None
 
 
 def _balanced_layout(schedule, kind_masks, counts, *, seq_len, world_size, plan_kwargs):

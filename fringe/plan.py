@@ -450,7 +450,7 @@ def _cut_at_tiles(bm: _masks.BlockMap, n: int) -> _masks.BlockMap:
 
 
 def padded_len(seq_len: int, world_size: int, *, block_size: int = DEFAULT_BLOCK_SIZE,
-               tp_size: int = 1) -> int:
+               tp_size: int = 1, stripe: int | None = None) -> int:
     """The smallest length >= ``seq_len`` that every built-in layout accepts for P ranks of
     whole blocks, with each rank's L tokens divisible by ``tp_size``.
 
@@ -458,12 +458,21 @@ def padded_len(seq_len: int, world_size: int, *, block_size: int = DEFAULT_BLOCK
     sequence into 2P chunks of whole blocks; sequence parallelism splits L by the TP degree).
     Pad a packed batch to it with :func:`fringe.packing.pad_batch`.
 
+    A striped layout with its own stripe (``schedules.striped(stripe)``, ``"striped:N"``)
+    also needs whole stripes on every rank, ``S % (stripe * P) == 0``, which that length
+    need not meet (the default stripe, the block size, always does): give ``stripe=`` and
+    the unit takes ``stripe * P`` in too.
+
     >>> padded_len(1000, 4, block_size=64, tp_size=3)
     1536
+    >>> padded_len(100, 2, block_size=4), padded_len(100, 2, block_size=4, stripe=3)
+    (112, 144)
     """
     S, P = _size("seq_len", seq_len), _size("world_size", world_size)
     bs, tp = _size("block_size", block_size), _size("tp_size", tp_size)
     unit = math.lcm(2 * P * bs, P * tp)
+    if stripe is not None:
+        unit = math.lcm(unit, P * _size("stripe", stripe))
     return -(-S // unit) * unit
 
 
@@ -785,6 +794,7 @@ def plan(schedule: Schedule, mask_mod: Callable | None = None, *, seq_len: int,
         if not isinstance(layout, Layout):
             raise TypeError(f"layout must be a fringe.Layout (e.g. another plan's .layout), got "
                             f"{type(layout).__name__}")
+        layout._check_unchanged()   # an order edited in place may not even be a permutation
         lay = layout
     elif schedule.mask_aware:      # classify in sequence order once, deal blocks, permute
         natural = _masks.classify(mask_mod, torch.arange(seq_len), torch.arange(seq_len),

@@ -162,7 +162,7 @@ def balanced(seq_len: int, world_size: int, *, block_size: int = DEFAULT_BLOCK_S
             ``hardware="this"``.
         TypeError: ``natural`` of another type.
     """
-    _check(seq_len, world_size)
+    _check(seq_len, world_size, block_size)
     if seq_len % (world_size * block_size):
         raise _granularity_error(seq_len, world_size * block_size,
                                  f"P*block={world_size}*{block_size}")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import math
 import operator
 
 import torch
@@ -42,16 +43,30 @@ class Layout:
             raise ValueError(f"layout order must be 1-D [S], got shape {tuple(self.order.shape)}")
         if S % P:
             raise ValueError(f"S={S} tokens cannot be split into P={P} equal shards")
-        check = torch.zeros(S, dtype=torch.bool)
-        check[self.order] = True
-        if not bool(check.all()):
-            raise ValueError(f"layout order must be a permutation of range({S})")
+        dt = self.order.dtype
+        if dt == torch.bool or dt.is_floating_point or dt.is_complex:
+            raise TypeError(f"layout order must be an integer tensor of global positions (a "
+                            f"permutation of range({S})), got dtype {dt}; build it with "
+                            f"torch.randperm / torch.arange or pass ints")
         # own a copy: a layout must not alias the caller's tensor (nor hand out its own)
-        order = self.order.detach().to(torch.int64, copy=True).contiguous()
+        order = self.order.detach().to("cpu", torch.int64, copy=True).contiguous()
+        lo, hi = (int(order.min()), int(order.max())) if S else (0, 0)
+        if lo < 0 or hi >= S:       # a negative entry would index from the end and pass below
+            raise ValueError(f"layout order must be a permutation of range({S}), but it holds "
+                             f"{lo if lo < 0 else hi}, outside [0, {S})")
+        count = torch.bincount(order, minlength=S)
+        if bool((count != 1).any()):
+            dup, miss = int((count > 1).nonzero()[0]), int((count == 0).nonzero()[0])
+            raise ValueError(f"layout order must be a permutation of range({S}), but position "
+                             f"{dup} appears {int(count[dup])} times and position {miss} not at "
+                             f"all; every global position must be held by exactly one rank")
         object.__setattr__(self, "order", order)
         object.__setattr__(self, "_order_version", order._version)
 
     def __getstate__(self) -> dict:
+        """A copy or pickle (and so a copied or pickled plan) of an edited layout would record
+        the edit as its own state: refuse it, as every other use does."""
+        self._check_unchanged()
         state = dict(self.__dict__)
         state.pop("_order_version", None)
         return state
@@ -169,6 +184,12 @@ class Layout:
             raise ValueError(f"unshard needs {self.world_size} shards (one per rank), "
                              f"got {len(shards)}")
         self._check_unchanged()
+        for r, t in enumerate(shards):      # equal totals can hide unequal shards
+            if t.shape[dim] != self.local_len:
+                raise ValueError(f"unshard: shard {r} has {t.shape[dim]} tokens along dim {dim}, "
+                                 f"but every rank holds L=S/P={self.local_len} (S={self.seq_len}, "
+                                 f"P={self.world_size}); pass each rank's shard as "
+                                 f"layout.shard(x, rank, dim={dim}) made it, in rank order")
         cat = torch.cat(list(shards), dim=dim)
         self._check_len(cat, dim)
         inverse = torch.empty_like(self.order)
@@ -226,16 +247,21 @@ def _granularity_error(S: int, unit: int, what: str) -> ValueError:
                       f"tokens (or choose a smaller block size)")
 
 
-def _check(S: int, P: int) -> None:
-    if P < 1:
-        raise ValueError(f"world_size must be >= 1, got {P}")
-    if S < 1:
-        raise ValueError(f"seq_len must be >= 1, got {S}")
+def _check(S: int, P: int, block_size: int = 1) -> None:
+    for name, v in (("world_size", P), ("seq_len", S), ("block_size", block_size)):
+        try:
+            ok = not isinstance(v, bool) and operator.index(v) is not None   # ints, numpy/torch ints
+        except TypeError:
+            ok = False
+        if not ok:
+            raise ValueError(f"{name} must be an int >= 1, got {v!r} ({type(v).__name__})")
+        if v < 1:
+            raise ValueError(f"{name} must be >= 1, got {v}")
 
 
 def contiguous(seq_len: int, world_size: int, *, block_size: int = DEFAULT_BLOCK_SIZE) -> Layout:
     """Rank r holds ``[r*L, (r+1)*L)``. Needs ``S % (P*block_size) == 0``."""
-    _check(seq_len, world_size)
+    _check(seq_len, world_size, block_size)
     if seq_len % (world_size * block_size):
         raise _granularity_error(seq_len, world_size * block_size, f"P*block={world_size}*{block_size}")
     return Layout("contiguous", torch.arange(seq_len), world_size)
@@ -243,7 +269,7 @@ def contiguous(seq_len: int, world_size: int, *, block_size: int = DEFAULT_BLOCK
 
 def zigzag(seq_len: int, world_size: int, *, block_size: int = DEFAULT_BLOCK_SIZE) -> Layout:
     """2P chunks; rank r holds chunks r and 2P-1-r. Needs ``S % (2*P*block_size) == 0``."""
-    _check(seq_len, world_size)
+    _check(seq_len, world_size, block_size)
     unit = 2 * world_size * block_size
     if seq_len % unit:
         raise _granularity_error(seq_len, unit, f"2*P*block=2*{world_size}*{block_size}")
@@ -260,15 +286,17 @@ def striped(seq_len: int, world_size: int, *, stripe: int = 1,
 
     Needs ``S % (stripe*P) == 0`` and the local length to be a multiple of ``block_size``.
     """
-    _check(seq_len, world_size)
+    _check(seq_len, world_size, block_size)
     if stripe < 1:
         raise ValueError(f"stripe must be >= 1 token, got {stripe}")
-    unit = stripe * world_size
+    P = world_size
+    unit = math.lcm(stripe * P, P * block_size)     # whole stripes and whole blocks per rank
     if seq_len % unit:
-        raise _granularity_error(seq_len, unit, f"stripe*P={stripe}*{world_size}")
-    if (seq_len // world_size) % block_size:
-        raise _granularity_error(seq_len, world_size * block_size, f"P*block={world_size}*{block_size}")
-    stripes = torch.arange(seq_len).view(seq_len // unit, world_size, stripe)
+        what = (f"stripe*P={stripe}*{P}" if unit == stripe * P else
+                f"P*block={P}*{block_size}" if unit == P * block_size else
+                f"lcm(stripe*P, P*block)=lcm({stripe}*{P}, {P}*{block_size})")
+        raise _granularity_error(seq_len, unit, what)
+    stripes = torch.arange(seq_len).view(seq_len // (stripe * P), P, stripe)
     order = stripes.transpose(0, 1).reshape(-1)
     return Layout(f"striped({stripe})" if stripe != 1 else "striped", order, world_size)
 
@@ -276,8 +304,8 @@ def striped(seq_len: int, world_size: int, *, stripe: int = 1,
 def from_order(order: torch.Tensor, world_size: int, *, kind: str = "custom",
                block_size: int = DEFAULT_BLOCK_SIZE) -> Layout:
     """A user-defined layout from an explicit permutation (``order[r*L:(r+1)*L]`` → rank r)."""
-    order = torch.as_tensor(order, dtype=torch.int64)
-    _check(order.numel(), world_size)
+    order = torch.as_tensor(order)          # Layout refuses a non-integer dtype (no truncation)
+    _check(order.numel(), world_size, block_size)
     if order.numel() % (world_size * block_size):
         raise _granularity_error(order.numel(), world_size * block_size,
                                  f"P*block={world_size}*{block_size}")

@@ -97,8 +97,8 @@ def pad_batch(input_ids: torch.Tensor, labels: torch.Tensor | None = None, *,
     nothing.
 
     A layout needs ``S`` to be a multiple of its unit (``P * block_size``; zigzag
-    ``2 * P * block_size``; with sequence parallelism also ``P * tp_size``:
-    :func:`fringe.padded_len` gives the length). The pad tokens get ``pad_id`` and ignored
+    ``2 * P * block_size``; ``striped:N`` also ``N * P``; with sequence parallelism also
+    ``P * tp_size``: :func:`fringe.padded_len` gives the length, with ``stripe=N``). The pad tokens get ``pad_id`` and ignored
     labels (so no target is a pad token and none counts in the loss), and the boundaries
     put them in a document of their own (``cu_seqlens`` gets one more entry,
     ``position_ids`` restart at 0), so no target crosses into them and RoPE positions stay
