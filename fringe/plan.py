@@ -135,7 +135,10 @@ class Plan:
         object.__setattr__(self, "handle", new_handle(self))
 
     def __getstate__(self) -> dict:
-        """The plan's fields, less its handle and cache: a copy or a pickle gets its own."""
+        """The plan's fields, less its handle and cache: a copy or a pickle gets its own
+        (recording its tensors' versions afresh, so a plan edited in place is refused here:
+        its copy would pass every later check)."""
+        self._check_versions()
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
                 if f.name not in _LOCAL_FIELDS}
 
@@ -168,6 +171,10 @@ class Plan:
                 f"other fields than it holds (a replaced mask_mod, kv, layout or programs would "
                 f"run on the old classification: a wrong answer, not an error); call "
                 f"fringe.plan(schedule, mask_mod, ...) with what you changed")
+        self._check_versions()
+
+    def _check_versions(self) -> None:
+        """Raise if a tensor of the plan's state was edited in place since it was built."""
         for what, t, v in self._guard():
             if t._version != v:
                 raise ValueError(

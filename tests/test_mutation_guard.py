@@ -326,3 +326,21 @@ def test_plan_edited_on_one_rank_before_the_backward_raises_on_every_rank():
         assert err.startswith("ValueError: rank 0 of 2 got invalid input"), err
         assert "plan.tiles was edited in place" in err, err
         assert took < 30, took
+
+
+def test_a_plan_edited_in_place_cannot_be_copied_or_pickled_clean():
+    """A copy or pickle records its tensors' versions afresh: copying a plan whose tiles were
+    edited in place would launder the edit (the copy passed check_unchanged and ran the old
+    programs on the edited state); it is refused instead."""
+    import copy
+    import pickle
+    import pytest
+    import torch
+    import fringe
+    from fringe import masks, schedules
+    p = fringe.plan(schedules.get("ring"), masks.causal(), seq_len=16, world_size=2, block_size=2)
+    copy.deepcopy(p).check_unchanged()            # an unedited plan copies fine
+    p.tiles[0, 1] = True
+    for make in (copy.deepcopy, copy.copy, lambda x: pickle.loads(pickle.dumps(x))):
+        with pytest.raises(ValueError, match="edited in place"):
+            make(p)
