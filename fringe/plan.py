@@ -543,8 +543,7 @@ def _captured_tensors(obj, where: str, memo: dict, depth: int):
             yield from _captured_tensors(c, where, memo, depth + 1)
     elif isinstance(obj, types.MethodType):     # a bound method: its function and instance
         yield from _captured_tensors(obj.__func__, where, memo, depth + 1)
-        yield from _captured_tensors(getattr(obj.__self__, "__dict__", None), where, memo,
-                                     depth + 1)
+        yield from _captured_tensors(obj.__self__, where, memo, depth + 1)
     elif callable(obj) and hasattr(obj, "__code__"):
         for c in getattr(obj, "__closure__", None) or ():
             try:
@@ -562,17 +561,24 @@ def _captured_tensors(obj, where: str, memo: dict, depth: int):
     elif isinstance(obj, functools.partial):
         for v in (obj.func, *obj.args, *obj.keywords.values()):
             yield from _captured_tensors(v, where, memo, depth + 1)
-    elif type(obj) in (tuple, list):
+    elif isinstance(obj, (tuple, list)):        # namedtuples too: snapshot does not copy them
         for v in obj:
             yield from _captured_tensors(v, where, memo, depth + 1)
-    elif type(obj) is dict:
+    elif isinstance(obj, dict):
         for v in obj.values():
             yield from _captured_tensors(v, where, memo, depth + 1)
-    elif not isinstance(obj, (type, types.ModuleType)) and type(vars(obj) if hasattr(
-            obj, "__dict__") else None) is dict:
+    elif not isinstance(obj, (type, types.ModuleType)):
         # an object (a callable instance, or one a closure reads such as ``batch.ids``):
-        # its attributes; snapshot cannot copy it, so its tensors are guarded instead
-        yield from _captured_tensors(vars(obj), where, memo, depth + 1)
+        # its attributes, in its __dict__ or its __slots__; snapshot cannot copy it, so its
+        # tensors are guarded instead
+        if type(getattr(obj, "__dict__", None)) is dict:
+            yield from _captured_tensors(vars(obj), where, memo, depth + 1)
+        for cls in type(obj).__mro__:
+            slots = cls.__dict__.get("__slots__", ())
+            for name in ((slots,) if isinstance(slots, str) else slots):
+                if name not in ("__dict__", "__weakref__"):
+                    yield from _captured_tensors(getattr(obj, name, None), where, memo,
+                                                 depth + 1)
 
 
 def _document_leaves(m):
