@@ -296,3 +296,22 @@ def test_check_mask_passes_for_good_masks_and_names_what_breaks():
     with pytest.raises(AssertionError, match=r"schedule=ring P=1 block_size=1 .* block \(0, 1\) "
                                              r"classified EMPTY, dense says FULL"):
         check_mask(liar, world_sizes=(1,), block_sizes=(1,))
+
+
+def test_check_mask_checks_the_gradient_through_lse(monkeypatch):
+    """Defect found (fixed): check_mask compared lse but took gradients through out only, so
+    a backward that drops the lse cotangent (a loss reading lse: z-loss, a merge with other
+    attention) passed it, with dq, dk wrong by O(1). It now backpropagates a loss of out and
+    the finite lse."""
+    import sys
+    from fringe.testing import check_mask
+    engine = sys.modules["fringe.runtime.engine"]
+    real = engine.backward
+
+    def no_dlse(plan, ranks, q, k, v, out, lse, dout, dlse, kept, transport):
+        return real(plan, ranks, q, k, v, out, lse, dout, None, kept, transport)
+    mask = masks.as_mask(lambda b, h, q, kv: (q >= kv) & (q % 7 != 3), bh_invariant=True)
+    assert check_mask(mask, world_sizes=(2,), block_sizes=(4,), schedules=["zigzag"]) == 1
+    monkeypatch.setattr(engine, "backward", no_dlse)
+    with pytest.raises(AssertionError, match=r"schedule=zigzag P=2 block_size=4 .* dq differs"):
+        check_mask(mask, world_sizes=(2,), block_sizes=(4,), schedules=["zigzag"])

@@ -134,7 +134,8 @@ def check_mask(mask_mod, *, seq_len: int | None = None, world_sizes=(1, 2, 3, 4)
 
     For every schedule × world size × block size: the block classification equals the
     block-wise reduction of the dense mask, and context-parallel attention on the virtual
-    mesh (out, lse, dq, dk, dv in float64) equals :func:`fringe.ops.reference.attention`.
+    mesh (out, lse, dq, dk, dv in float64; the gradients of a loss that reads out and the
+    finite lse) equals :func:`fringe.ops.reference.attention`.
     The dense mask is FlexAttention's definition, the mask_mod evaluated per scalar index
     (``masks.evaluate(..., method="vmap")``), so a mod whose broadcast evaluation means
     something else (a reduction such as ``.all()`` over the indices) fails here unless
@@ -226,9 +227,13 @@ def check_mask(mask_mod, *, seq_len: int | None = None, world_sizes=(1, 2, 3, 4)
         return truth[b, h, q_idx, kv_idx]
 
     ref, ref_lse = reference.attention(q, k, v, mask_mod=oracle_mask, score_mod=score_mod)
-    dout = torch.randn(ref.shape, generator=torch.Generator().manual_seed(seed + 1),
-                       dtype=ref.dtype)
-    want = torch.autograd.grad(ref, (q, k, v), dout)
+    gen = torch.Generator().manual_seed(seed + 1)
+    dout = torch.randn(ref.shape, generator=gen, dtype=ref.dtype)
+    dlse = torch.randn(ref_lse.shape, generator=gen, dtype=ref_lse.dtype)
+
+    def loss(out, lse):         # through out and lse (a z-loss, a merge with other attention)
+        return (out * dout).sum() + (torch.where(torch.isfinite(lse), lse, 0) * dlse).sum()
+    want = torch.autograd.grad(loss(ref, ref_lse), (q, k, v))
     tol = tolerances(torch.float64)
     checked = 0
     for name, sched, at in cases:
@@ -251,7 +256,7 @@ def check_mask(mask_mod, *, seq_len: int | None = None, world_sizes=(1, 2, 3, 4)
                                          f"{_masks.BlockKind(int(p.blocks[i, j])).name}, dense "
                                          f"says {_masks.BlockKind(int(kinds[i, j])).name}")
                 out, lse = simulate.attention(q, k, v, plan=p, return_lse=True)
-                got = torch.autograd.grad(out, (q, k, v), dout)
+                got = torch.autograd.grad(loss(out, lse), (q, k, v))
                 for what, a, b in (("out", out, ref), ("lse", lse, ref_lse),
                                    *zip(("dq", "dk", "dv"), got, want)):
                     problem = _difference(a.detach(), b.detach(), tol)
