@@ -213,5 +213,5 @@ def test_a_layout_edited_in_place_cannot_be_copied_into_a_fresh_one():
     for make_copy in (copy.deepcopy, lambda x: pickle.loads(pickle.dumps(x))):
         with pytest.raises(ValueError, match=r"edited in place after the layout was built"):
             make_copy(p.layout)
-    with pytest.raises(ValueError, match=r"edited in place after the layout was built"):
-        copy.deepcopy(p)
+    with pytest.raises(ValueError, match=r"edited in place after the (plan|layout) was built"):
+        copy.deepcopy(p)                     # (the plan's own check names it first)
