@@ -401,3 +401,58 @@ def test_a_non_integer_op_field_is_refused_not_truncated(field, kw):
                       blocks=((np.int16(0), np.uint8(4)),))
     fringe.plan(Schedule("f", layout=_layout.contiguous, programs_fn=lambda P: progs),
                 masks.causal(), seq_len=32, world_size=2, block_size=BLOCK)
+
+
+def _without(progs, rank: int, op_text: str) -> list[Program]:
+    """``progs`` with the op written ``op_text`` left out of ``rank``'s program."""
+    text = str(progs[rank])
+    assert op_text in text, text
+    out = list(progs)
+    out[rank] = Program.parse(text.replace(" | " + op_text, "").replace(op_text + " | ", ""))
+    return out
+
+
+def test_a_gradient_that_never_goes_home_is_named(monkeypatch):
+    """Defect found (fixed): a backward that drops one matched dkv send / receive pair (a
+    reverse bug) passed every check, and dk, dv came out wrong by O(0.5) with no error.
+    check now asks every partial result of another rank's chunk to be sent on after its
+    last write."""
+    import sys
+    plan_mod = sys.modules["fringe.plan"]
+    real = plan_mod.reverse
+
+    def lossy(fwd, **kw):
+        return _without(_without(real(fwd, **kw), 0, "S dkv3→r3"), 3, "R dkv3←r0")
+    good = fringe.plan(fringe.schedules.zigzag(), masks.causal(), seq_len=32, world_size=4,
+                       block_size=2)
+    bad = _without(_without(list(good.backward), 0, "S dkv3→r3"), 3, "R dkv3←r0")
+    for m in (passes, oracle):
+        with pytest.raises(ScheduleError, match=r"rank 0, step 3: dkv3 .* never reaches rank 3"):
+            m.check(bad, need=good.tiles != 0, backward=True)
+    monkeypatch.setattr(plan_mod, "reverse", lossy)
+    with pytest.raises(ScheduleError, match="dkv3 .* never sent on"):
+        fringe.plan(fringe.schedules.zigzag(), masks.causal(), seq_len=32, world_size=4,
+                    block_size=2)
+
+
+def test_a_partial_out_that_never_goes_home_is_named_in_the_forward():
+    """A forward that computes q1·kv0 on rank 0 and keeps out1 there: named by the forward's
+    check (before, only the derived backward's presence check saw it, naming out1 missing
+    from a gradient tile); sent home at the same step it is written, it is still lost."""
+    def lost(P):
+        return [Program(0, (Step(0, (Compute(0, 0), Recv(_Q1, 1))), Step(1, (Compute(1, 0),)))),
+                Program(1, (Step(0, (Compute(1, 1), Send(_Q1, 0))),))]
+
+    def early(P):                   # out1 sent home before its last tile (q1·kv1 at step 2)
+        return [Program(0, (Step(0, (Compute(0, 0), Recv(_Q1, 1), Recv(_kv(1), 1))),
+                            Step(1, (Compute(1, 0),)), Step(2, (Send(_OUT1, 1), Compute(1, 1))))),
+                Program(1, (Step(0, (Send(_Q1, 0), Send(_kv(1), 0))), Step(2, (Recv(_OUT1, 0),))))]
+    for progs, what in (((lost, 1), "never sent on"),
+                        ((early, 2), r"not sent on after it \(last sent at step 2\)")):
+        progs, t = progs
+        for m in (passes, oracle):
+            with pytest.raises(ScheduleError, match=f"rank 0, step {t}: out1 .* {what}"):
+                m.check(progs(2))
+        with pytest.raises(ScheduleError, match="out1 .* never reaches rank 1"):
+            fringe.plan(Schedule("lost", layout=_layout.contiguous, programs_fn=progs),
+                        masks.causal(), seq_len=16, world_size=2, block_size=BLOCK)

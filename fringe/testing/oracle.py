@@ -26,6 +26,7 @@ from ..schedules.ir import (RULES, Buffer, Collective, Compute, Family, GradComp
                             program_from_ops, steps_of)
 from ..plan import _OpCounts
 from ..schedules.passes import Hop, KV_MODES, ScheduleError, _need_array
+from ..schedules.passes._check import _lost_text
 
 _INPUTS = frozenset(f for f, _ in RULES["C"].reads)   # what computes read
 _INPUT_BUFS, _GRADS, _OUTS = _BUFS_OF["input"], _BUFS_OF["gradient"], _BUFS_OF["out"]
@@ -65,6 +66,38 @@ def check(programs: Sequence[Program], *, need: torch.Tensor | None = None,
     _check_presence(programs, backward=backward, kv=kv)
     if need is not None:
         _check_tiles(programs, _need_array(need, P))
+    _check_results_home(programs, backward)
+
+
+def _check_results_home(programs: Sequence[Program], backward: bool) -> None:
+    """A partial result (out in the forward, dq and dkv in the backward) a rank writes for
+    another rank's chunk is sent on at a later step than its last write (a head slice counts
+    as its chunk's buffer)."""
+    results = (Family.DQ, Family.DKV) if backward else (Family.OUT,)
+    faults = []
+    for prog in programs:
+        r = prog.rank
+        wrote, sent = {}, {}
+        for step in prog.steps:
+            for op in step.ops:
+                if type(op) is Collective:
+                    outs, ins = ([b for k, b in enumerate(slots)
+                                  if b is not None and op.group[k] != r]
+                                 for slots in (op.sends, op.recvs))
+                elif isinstance(op, Send):
+                    outs, ins = [op.buf], []
+                else:
+                    outs, ins = [], list(op.writes())
+                for into, bufs in ((sent, outs), (wrote, ins)):
+                    for b in bufs:
+                        if b.family in results and b.chunk != r:
+                            into[(tuple(Family).index(b.family), b.chunk)] = step.index
+        for (f, c), t in wrote.items():
+            if sent.get((f, c), -1) <= t:
+                faults.append((r, t, f, c, sent.get((f, c), -1)))
+    if faults:
+        r, t, f, c, s = min(faults)
+        _fail(programs, r, t, _lost_text(_buf(tuple(Family)[f], c), r, c, s))
 
 
 def prune(programs: Sequence[Program], need: torch.Tensor) -> list[Program]:

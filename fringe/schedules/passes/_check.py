@@ -35,6 +35,8 @@ def check(programs: Sequence[Program], *, need: torch.Tensor | None = None,
       step, or, in the backward with ``kv="keep"``, kept from the forward;
     * with ``need``: every non-empty (q, kv) tile is computed exactly once across ranks
       and no empty tile is computed;
+    * every partial result a rank writes for another rank's chunk (out in the forward; dq and
+      dkv in the backward) is sent on at a step after its last write, towards its owner;
     * with ``blocks`` (a :class:`BlockNeed`), for transfers that move block ranges: the
       ranges lie in the chunk, a compute reads only blocks the ranged transfers brought, and
       a rank forwards only blocks it holds (:func:`covered`). Programs that move ranges are
@@ -69,6 +71,7 @@ def check(programs: Sequence[Program], *, need: torch.Tensor | None = None,
         if fast is False:
             raise RuntimeError("internal error: the ring chain's check rejected programs that "
                                "the general check accepts; please report it with the programs")
+    _results_home_ok(tab, backward)
     tab._passed.add(flags)
     if blocks is not None:
         covered(programs, blocks, backward=backward)
@@ -140,6 +143,81 @@ def _parts_ok(tab: ProgramTable, need: np.ndarray | None, backward: bool, kv: st
         if not np.array_equal(count, need.astype(np.int64)):
             return False
     return True
+
+
+def result_families(backward: bool) -> tuple[Family, ...]:
+    """The families of partial results, which a rank writes for another rank's chunk and must
+    send home: out in the forward; dq and dkv in the backward (where out is an input)."""
+    return (Family.DQ, Family.DKV) if backward else (Family.OUT,)
+
+
+def _results_home_ok(tab: ProgramTable, backward: bool) -> None:
+    """Every partial result (:func:`result_families`) a rank writes for another rank's chunk
+    (a tile it computes, a transfer or collective slot it receives) is sent on at a step after
+    its last write: else it never reaches its owner, whose output or gradient silently lacks it.
+    Checked per (rank, family, chunk), a head slice counting as its chunk's buffer. Raises
+    the op rules' message for the lowest (rank, step of that last write, family, chunk)."""
+    P = tab.world_size
+    comp, xfer, coll = tab._parts
+    i64 = lambda a: np.asarray(a, dtype=np.int64)  # noqa: E731
+    cr, ct, ck = i64(comp["rank"]), i64(comp["step"]), i64(comp["kind"])
+    side = (i64(comp["q"]), i64(comp["kv"]))
+    writes = [(cr[m], np.full(len(cr[m]), f, np.int64), side[sd][m], ct[m])
+              for f, m, sd, _ in _tile_touches(ck, written=True)]
+    xs, xd, xt = i64(xfer["src"]), i64(xfer["dst"]), i64(xfer["step"])
+    xf, xc = i64(xfer["fam"]), i64(xfer["chunk"])
+    writes.append((xd, xf, xc, xt))
+    sends = [(xs, xf, xc, xt)]
+    if len(coll["slot_side"]):
+        ss = i64(coll["slot_side"])
+        srank, sstep = i64(coll["rank"])[ss], i64(coll["step"])[ss]
+        groups = coll["groups"]
+        width = max(len(g) for g in groups)
+        members = np.full((len(groups), width), -1, np.int64)
+        for n, grp in enumerate(groups):
+            members[n, :len(grp)] = grp
+        peer = members[i64(coll["group"])[ss], i64(coll["slot_idx"])]
+        moves = peer != srank                    # an own slot moves nothing
+        sf, sc, sdir = i64(coll["slot_fam"]), i64(coll["slot_chunk"]), i64(coll["slot_dir"])
+        for d, into in ((1, writes), (0, sends)):
+            m = moves & (sdir == d)
+            into.append((srank[m], sf[m], sc[m], sstep[m]))
+    codes = np.array([_FAMILY_CODE[f] for f in result_families(backward)])
+
+    def keyed(entries):
+        r, f, c, t = (np.concatenate(x) for x in zip(*entries))
+        keep = np.isin(f, codes) & (c != r)
+        r, f, c, t = r[keep], f[keep], c[keep], t[keep]
+        return (r * _F + f) * P + c, r, f, c, t    # (chunks < P: the checks above passed)
+    wk, wr, wf, wc, wt = keyed(writes)
+    if not len(wk):
+        return
+    sk, *_, st = keyed(sends)
+    o = np.lexsort((wt, wk))                     # each key's last write: its last row
+    wk, wr, wf, wc, wt = wk[o], wr[o], wf[o], wc[o], wt[o]
+    last = np.append(wk[1:] != wk[:-1], True)
+    wk, wr, wf, wc, wt = wk[last], wr[last], wf[last], wc[last], wt[last]
+    sent = np.full(len(wk), -1, np.int64)        # the key's last send step (-1: none)
+    if len(sk):
+        pos = np.searchsorted(wk, sk)
+        hit = (pos < len(wk)) & (wk[np.minimum(pos, len(wk) - 1)] == sk)
+        np.maximum.at(sent, pos[hit], st[hit])
+    bad = np.flatnonzero(sent <= wt)
+    if not len(bad):
+        return
+    b = bad[np.lexsort((wc[bad], wf[bad], wt[bad], wr[bad]))[0]]
+    r, t, c = int(wr[b]), int(wt[b]), int(wc[b])
+    buf = buffer_of(int(wf[b]), c, 0, 0)
+    _fail(tab, r, t, _lost_text(buf, r, c, int(sent[b])))
+
+
+def _lost_text(buf, rank: int, owner: int, sent: int) -> str:
+    """The message for a partial result written on ``rank`` and not sent on after (``sent``:
+    the step of its last send, -1: never)."""
+    when = "never sent on" if sent < 0 else f"not sent on after it (last sent at step {sent})"
+    return (f"{buf} (a partial result of rank {owner}'s chunk) is written on rank {rank} here "
+            f"and {when}: this part never reaches rank {owner}, whose output or gradient "
+            f"would silently lack it; send it on towards rank {owner} at a later step")
 
 
 def _slot_buffer(tab: ProgramTable, side: int, direction: int, idx: int) -> str | None:
