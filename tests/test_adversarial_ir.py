@@ -287,10 +287,13 @@ def test_moving_q_and_partial_out_home_runs_exactly(kv):
 def test_a_partial_out_sent_home_twice_is_named(again):
     """Defect found (fixed): a partial out sent twice (a step later) was merged twice by its
     owner, so out and every gradient were wrong by O(0.1) with no error (twice in one step
-    failed only mid-run, in the interpreter). reverse now names the second send."""
+    failed only mid-run, in the interpreter). reverse now names the second send, and check
+    does too (the rule that also names a gradient sent on twice)."""
     def progs(P):
         return _move_q(P, again=again)
-    check(progs(2))                               # the forward rules do not see it
+    for m in (passes, oracle):
+        with pytest.raises(ScheduleError, match=r"rank 0, step \d: rank 0 sends out1 again"):
+            m.check(progs(2))
     with pytest.raises(ScheduleError, match=r"rank 0, step \d: rank 0 sends out1 again"):
         fringe.plan(Schedule("twice", layout=_layout.contiguous, programs_fn=progs),
                     masks.causal(), seq_len=16, world_size=2, block_size=BLOCK)
@@ -431,6 +434,31 @@ def test_a_gradient_that_never_goes_home_is_named(monkeypatch):
             m.check(bad, need=good.tiles != 0, backward=True)
     monkeypatch.setattr(plan_mod, "reverse", lossy)
     with pytest.raises(ScheduleError, match="dkv3 .* never sent on"):
+        fringe.plan(fringe.schedules.zigzag(), masks.causal(), seq_len=32, world_size=4,
+                    block_size=2)
+
+
+def test_a_gradient_sent_on_twice_is_named(monkeypatch):
+    """Defect found (fixed): a backward whose last dkv hop is sent again a step later (a
+    reverse bug) passed every check, and its owner added the partial dkv twice: dk, dv wrong
+    by O(0.5) with no error."""
+    import sys
+    plan_mod = sys.modules["fringe.plan"]
+    real = plan_mod.reverse
+
+    def again(progs):
+        out = list(progs)
+        for r, text in ((0, "  t5: S dkv3→r3"), (3, "  t5: R dkv3←r0")):
+            out[r] = Program.parse(f"{progs[r]}\n{text}")
+        return out
+    good = fringe.plan(fringe.schedules.zigzag(), masks.causal(), seq_len=32, world_size=4,
+                       block_size=2)
+    for m in (passes, oracle):
+        with pytest.raises(ScheduleError, match=r"rank 0, step 5: rank 0 sends dkv3 again "
+                                                r"\(first at step 4\)"):
+            m.check(again(good.backward), need=good.tiles != 0, backward=True)
+    monkeypatch.setattr(plan_mod, "reverse", lambda fwd, **kw: again(real(fwd, **kw)))
+    with pytest.raises(ScheduleError, match="sends dkv3 again"):
         fringe.plan(fringe.schedules.zigzag(), masks.causal(), seq_len=32, world_size=4,
                     block_size=2)
 

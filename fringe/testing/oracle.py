@@ -26,7 +26,7 @@ from ..schedules.ir import (RULES, Buffer, Collective, Compute, Family, GradComp
                             program_from_ops, steps_of)
 from ..plan import _OpCounts
 from ..schedules.passes import Hop, KV_MODES, ScheduleError, _need_array
-from ..schedules.passes._check import _lost_text
+from ..schedules.passes._check import _again_text, _lost_text
 
 _INPUTS = frozenset(f for f, _ in RULES["C"].reads)   # what computes read
 _INPUT_BUFS, _GRADS, _OUTS = _BUFS_OF["input"], _BUFS_OF["gradient"], _BUFS_OF["out"]
@@ -72,12 +72,12 @@ def check(programs: Sequence[Program], *, need: torch.Tensor | None = None,
 def _check_results_home(programs: Sequence[Program], backward: bool) -> None:
     """A partial result (out in the forward, dq and dkv in the backward) a rank writes for
     another rank's chunk is sent on at a later step than its last write (a head slice counts
-    as its chunk's buffer)."""
+    as its chunk's buffer), and each such buffer (a head slice its own) is sent once."""
     results = (Family.DQ, Family.DKV) if backward else (Family.OUT,)
-    faults = []
+    faults, again = [], []
     for prog in programs:
         r = prog.rank
-        wrote, sent = {}, {}
+        wrote, sent, sent_at = {}, {}, {}
         for step in prog.steps:
             for op in step.ops:
                 if type(op) is Collective:
@@ -91,13 +91,23 @@ def _check_results_home(programs: Sequence[Program], backward: bool) -> None:
                 for into, bufs in ((sent, outs), (wrote, ins)):
                     for b in bufs:
                         if b.family in results and b.chunk != r:
-                            into[(tuple(Family).index(b.family), b.chunk)] = step.index
+                            f = tuple(Family).index(b.family)
+                            into[(f, b.chunk)] = step.index
+                            if into is sent:
+                                hn, hi = (0, 0) if b.heads is None else b.heads[::-1]
+                                sent_at.setdefault((f, b.chunk, hn, hi, b), []).append(step.index)
         for (f, c), t in wrote.items():
             if sent.get((f, c), -1) <= t:
                 faults.append((r, t, f, c, sent.get((f, c), -1)))
+        for (f, c, hn, hi, b), ts in sent_at.items():
+            if len(ts) > 1:
+                again.append((r, ts[1], f, c, hn, hi, b, ts[0]))
     if faults:
         r, t, f, c, s = min(faults)
         _fail(programs, r, t, _lost_text(_buf(tuple(Family)[f], c), r, c, s))
+    if again:
+        r, t, f, c, _, _, b, first = min(again, key=lambda x: x[:6])
+        _fail(programs, r, t, _again_text(b, r, c, first))
 
 
 def prune(programs: Sequence[Program], need: torch.Tensor) -> list[Program]:

@@ -36,7 +36,8 @@ def check(programs: Sequence[Program], *, need: torch.Tensor | None = None,
     * with ``need``: every non-empty (q, kv) tile is computed exactly once across ranks
       and no empty tile is computed;
     * every partial result a rank writes for another rank's chunk (out in the forward; dq and
-      dkv in the backward) is sent on at a step after its last write, towards its owner;
+      dkv in the backward) is sent on at a step after its last write, towards its owner, and
+      only once (a head slice counts on its own);
     * with ``blocks`` (a :class:`BlockNeed`), for transfers that move block ranges: the
       ranges lie in the chunk, a compute reads only blocks the ranged transfers brought, and
       a rank forwards only blocks it holds (:func:`covered`). Programs that move ranges are
@@ -155,8 +156,10 @@ def _results_home_ok(tab: ProgramTable, backward: bool) -> None:
     """Every partial result (:func:`result_families`) a rank writes for another rank's chunk
     (a tile it computes, a transfer or collective slot it receives) is sent on at a step after
     its last write: else it never reaches its owner, whose output or gradient silently lacks it.
-    Checked per (rank, family, chunk), a head slice counting as its chunk's buffer. Raises
-    the op rules' message for the lowest (rank, step of that last write, family, chunk)."""
+    Checked per (rank, family, chunk), a head slice counting as its chunk's buffer. Then each
+    such buffer (a head slice on its own) is sent once: what arrives is added, so a second
+    send adds it twice. Raises the op rules' message for the lowest (rank, step of that last
+    write or second send, family, chunk, head slice)."""
     P = tab.world_size
     comp, xfer, coll = tab._parts
     i64 = lambda a: np.asarray(a, dtype=np.int64)  # noqa: E731
@@ -166,8 +169,10 @@ def _results_home_ok(tab: ProgramTable, backward: bool) -> None:
               for f, m, sd, _ in _tile_touches(ck, written=True)]
     xs, xd, xt = i64(xfer["src"]), i64(xfer["dst"]), i64(xfer["step"])
     xf, xc = i64(xfer["fam"]), i64(xfer["chunk"])
+    hs = lambda h, n: np.where(n == 0, 0, n * (n - 1) // 2 + h + 1)  # noqa: E731 (as _Gen)
+    xhs = hs(i64(xfer["hi"]), i64(xfer["hn"]))
     writes.append((xd, xf, xc, xt))
-    sends = [(xs, xf, xc, xt)]
+    sends = [(xs, xf, xc, xt, xhs)]
     if len(coll["slot_side"]):
         ss = i64(coll["slot_side"])
         srank, sstep = i64(coll["rank"])[ss], i64(coll["step"])[ss]
@@ -179,20 +184,22 @@ def _results_home_ok(tab: ProgramTable, backward: bool) -> None:
         peer = members[i64(coll["group"])[ss], i64(coll["slot_idx"])]
         moves = peer != srank                    # an own slot moves nothing
         sf, sc, sdir = i64(coll["slot_fam"]), i64(coll["slot_chunk"]), i64(coll["slot_dir"])
-        for d, into in ((1, writes), (0, sends)):
-            m = moves & (sdir == d)
-            into.append((srank[m], sf[m], sc[m], sstep[m]))
+        shs = hs(i64(coll["slot_hi"]), i64(coll["slot_hn"]))
+        m = moves & (sdir == 1)
+        writes.append((srank[m], sf[m], sc[m], sstep[m]))
+        m = moves & (sdir == 0)
+        sends.append((srank[m], sf[m], sc[m], sstep[m], shs[m]))
     codes = np.array([_FAMILY_CODE[f] for f in result_families(backward)])
 
     def keyed(entries):
-        r, f, c, t = (np.concatenate(x) for x in zip(*entries))
+        r, f, c, t, *h = (np.concatenate(x) for x in zip(*entries))
         keep = np.isin(f, codes) & (c != r)
-        r, f, c, t = r[keep], f[keep], c[keep], t[keep]
-        return (r * _F + f) * P + c, r, f, c, t    # (chunks < P: the checks above passed)
+        r, f, c, t, *h = (x[keep] for x in (r, f, c, t, *h))
+        return ((r * _F + f) * P + c, r, f, c, t, *h)   # (chunks < P: the checks above passed)
     wk, wr, wf, wc, wt = keyed(writes)
     if not len(wk):
         return
-    sk, *_, st = keyed(sends)
+    sk, sr, sf_, sc_, st, sh = keyed(sends)
     o = np.lexsort((wt, wk))                     # each key's last write: its last row
     wk, wr, wf, wc, wt = wk[o], wr[o], wf[o], wc[o], wt[o]
     last = np.append(wk[1:] != wk[:-1], True)
@@ -203,12 +210,36 @@ def _results_home_ok(tab: ProgramTable, backward: bool) -> None:
         hit = (pos < len(wk)) & (wk[np.minimum(pos, len(wk) - 1)] == sk)
         np.maximum.at(sent, pos[hit], st[hit])
     bad = np.flatnonzero(sent <= wt)
-    if not len(bad):
-        return
-    b = bad[np.lexsort((wc[bad], wf[bad], wt[bad], wr[bad]))[0]]
-    r, t, c = int(wr[b]), int(wt[b]), int(wc[b])
-    buf = buffer_of(int(wf[b]), c, 0, 0)
-    _fail(tab, r, t, _lost_text(buf, r, c, int(sent[b])))
+    if len(bad):
+        b = bad[np.lexsort((wc[bad], wf[bad], wt[bad], wr[bad]))[0]]
+        r, t, c = int(wr[b]), int(wt[b]), int(wc[b])
+        _fail(tab, r, t, _lost_text(buffer_of(int(wf[b]), c, 0, 0), r, c, int(sent[b])))
+    # each buffer sent once: its owner adds what arrives, so a second send adds it twice
+    o = np.lexsort((st, sh, sk))
+    sk, sr, sf_, sc_, st, sh = (x[o] for x in (sk, sr, sf_, sc_, st, sh))
+    again = np.flatnonzero((sk[1:] == sk[:-1]) & (sh[1:] == sh[:-1])) + 1
+    if len(again):
+        b = again[np.lexsort((sh[again], sc_[again], sf_[again], st[again], sr[again]))[0]]
+        hi, hn = _hs_slice(int(sh[b]))
+        _fail(tab, int(sr[b]), int(st[b]), _again_text(
+            buffer_of(int(sf_[b]), int(sc_[b]), hi, hn), int(sr[b]), int(sc_[b]), int(st[b - 1])))
+
+
+def _hs_slice(code: int) -> tuple[int, int]:
+    """``(hi, hn)`` of a head slice code (0: all heads, else ``hn*(hn-1)/2 + hi + 1``)."""
+    if not code:
+        return 0, 0
+    hn = 1
+    while hn * (hn + 1) // 2 < code:
+        hn += 1
+    return code - 1 - hn * (hn - 1) // 2, hn
+
+
+def _again_text(buf, rank: int, owner: int, first: int) -> str:
+    """The message for a partial result a rank sends on a second time (first at ``first``)."""
+    return (f"rank {rank} sends {buf} again (first at step {first}): it is a partial result "
+            f"of rank {owner}'s chunk, which would be added twice on its way to rank {owner}; "
+            f"send it on once, after its last write")
 
 
 def _lost_text(buf, rank: int, owner: int, sent: int) -> str:
