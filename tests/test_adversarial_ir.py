@@ -484,3 +484,69 @@ def test_a_partial_out_that_never_goes_home_is_named_in_the_forward():
         with pytest.raises(ScheduleError, match="out1 .* never reaches rank 1"):
             fringe.plan(Schedule("lost", layout=_layout.contiguous, programs_fn=progs),
                         masks.causal(), seq_len=16, world_size=2, block_size=BLOCK)
+
+
+def _sliced_out_home(again: bool) -> list[Program]:
+    """_move_q with the tile computed in two head slices, each partial out sent home; again:
+    slice 1 is sent once more a step later."""
+    r0 = ("r0:\n  t0: C q0·kv0 | R q1←r1\n  t1: C q1·kv0 h0/2 | C q1·kv0 h1/2\n"
+          "  t2: S out1h0/2→r1 | S out1h1/2→r1" + ("\n  t3: S out1h1/2→r1" if again else ""))
+    r1 = ("r1:\n  t0: C q1·kv1 | S q1→r0\n  t2: R out1h0/2←r0 | R out1h1/2←r0"
+          + ("\n  t3: R out1h1/2←r0" if again else ""))
+    return [Program.parse(r0), Program.parse(r1)]
+
+
+def test_results_home_head_slices_fast_and_named(monkeypatch):
+    """Head slices of one result are separate buffers for the sent-once rule: two slices
+    sent once each pass, one slice sent twice is named, by the fast path and the sorted one."""
+    from fringe.schedules.passes import _check as chk
+    from fringe.schedules.passes import _columns
+    passes.check(_sliced_out_home(False))
+    oracle.check(_sliced_out_home(False))
+    msgs = []
+    for cells in (None, 0):
+        if cells is not None:
+            monkeypatch.setattr(_columns, "PLANE_CELLS", cells)
+        with pytest.raises(ScheduleError, match=r"rank 0, step 3: rank 0 sends out1h1/2 again"):
+            chk._results_home_ok(ProgramTable.of(_sliced_out_home(True)), False)
+    with pytest.raises(ScheduleError, match=r"rank 0, step 3: rank 0 sends out1h1/2 again"):
+        oracle.check(_sliced_out_home(True))
+
+
+@pytest.mark.parametrize("spec", ["zigzag", "ring", "compose:zigzag+zigzag:2"])
+def test_results_home_fast_path_agrees_with_the_named_rules(spec, monkeypatch):
+    """check runs the results-home rules on dense (family, rank, chunk) arrays and names a
+    fault through the sorted-key rules; both must pass a valid plan and both must name a
+    second send of a result (whole heads and head slices), the sorted rules alone too (past
+    PLANE_CELLS)."""
+    from fringe.schedules.passes import _check as chk
+    from fringe.schedules.passes import _columns
+    p = fringe.plan(fringe.schedules.get(spec), masks.causal(), seq_len=32, world_size=4,
+                    block_size=2, **({} if spec == "zigzag" else {"num_heads": 4}))
+    exercised = []
+    for progs, back in ((p.forward, False), (p.backward, True)):
+        tab = ProgramTable.of(progs)
+        chk._results_home_ok(tab, back)
+        chk._results_home_named(tab, back)
+        sends = [(r, s.index, op) for r, prog in enumerate(progs) for s in prog.steps
+                 for op in s.ops if type(op).__name__ == "Send"
+                 and op.buf.family in chk.result_families(back) and op.buf.chunk != r]
+        if not sends:
+            continue
+        r, t, op = sends[-1]
+        T = 1 + max(s.index for prog in progs for s in prog.steps)
+        twice = list(progs)                      # the same send once more, after the end
+        twice[r] = Program.parse(f"{progs[r]}\n  t{T}: {op.ascii()}")
+        peer = op.peer
+        recv = op.ascii().replace("S ", "R ", 1).replace(f"->r{peer}", f"<-r{r}")
+        twice[peer] = Program.parse(f"{progs[peer]}\n  t{T}: {recv}")
+        exercised.append((spec, back, op.buf.heads is not None))
+        tab2 = ProgramTable.of(twice)
+        with pytest.raises(ScheduleError, match="again") as fast:
+            chk._results_home_ok(tab2, back)
+        monkeypatch.setattr(_columns, "PLANE_CELLS", 0)
+        with pytest.raises(ScheduleError, match="again") as slow:
+            chk._results_home_ok(tab2, back)
+        monkeypatch.undo()
+        assert str(fast.value) == str(slow.value)
+    assert exercised, spec

@@ -154,6 +154,110 @@ def result_families(backward: bool) -> tuple[Family, ...]:
 
 def _results_home_ok(tab: ProgramTable, backward: bool) -> None:
     """Every partial result (:func:`result_families`) a rank writes for another rank's chunk
+    is sent on at a step after its last write, and each such buffer (a head slice on its own)
+    is sent once (:func:`_results_home_named` has the rules in full and names the fault).
+
+    On the columns as they are: the last write and the last send of each (family, rank,
+    chunk) in dense arrays by ``np.maximum.at``, repeats by a dense mark, no sort and no
+    int64 copy of a column (16.8M backward hops at P=4,096); past :data:`PLANE_CELLS`
+    cells, the sorted keys."""
+    P = tab.world_size
+    codes = [_FAMILY_CODE[f] for f in result_families(backward)]
+    cells = len(codes) * P * P
+    comp, xfer, coll = tab._parts
+    steps = [c["step"] for c in (comp, xfer, coll) if len(c["step"])]
+    T = 1 + max([int(x.max()) for x in steps] or [0])
+    if cells > _columns.PLANE_CELLS or T >= 2 ** 31 - 1:
+        return _results_home_named(tab, backward)
+    ix = np.full(_F, -1, np.int64)
+    ix[codes] = np.arange(len(codes))
+    last_w = np.full(cells, -1, np.int32)
+    last_s = np.full(cells, -1, np.int32)
+    i64 = np.int64
+
+    def cell(rank, fam, chunk):
+        """``(rows, cells)`` of the result buffers of another rank's chunk among the rows
+        (``fam`` a code or a column): few temporaries, each family present at a time."""
+        present = ([int(fam)] if not np.ndim(fam) else
+                   np.flatnonzero(np.bincount(fam, minlength=_F)).tolist())
+        rows, out = [], []
+        for fv in present:
+            if ix[fv] < 0:
+                continue
+            sel = chunk != rank
+            if np.ndim(fam) and len(present) > 1:
+                sel &= fam == fv
+            r = slice(None) if sel.all() else np.flatnonzero(sel)
+            c = rank[r].astype(np.int32)             # cells < PLANE_CELLS < 2**31
+            c *= P
+            c += chunk[r]
+            c += int(ix[fv]) * P * P
+            rows.append(np.arange(len(rank))[r] if len(present) > 1 else r)
+            out.append(c)
+        if not out:
+            return np.zeros(0, np.int64), np.zeros(0, np.int32)
+        if len(out) == 1:
+            return rows[0], out[0]
+        return np.concatenate(rows), np.concatenate(out)
+
+    def mark(arr, rank, fam, chunk, step):
+        rows, c = cell(rank, fam, chunk)
+        if len(c):
+            np.maximum.at(arr, c, step[rows])
+    cr, ct, ck = comp["rank"], comp["step"], comp["kind"]
+    side = (comp["q"], comp["kv"])
+    for f, m, sd, _ in _tile_touches(ck, written=True):
+        if ix[f] >= 0:
+            mark(last_w, cr[m], f, side[sd][m], ct[m])
+    xs, xd, xt, xf, xc = (xfer[k] for k in ("src", "dst", "step", "fam", "chunk"))
+    mark(last_w, xd, xf, xc, xt)
+    rows, sent_cells = cell(xs, xf, xc)
+    if len(sent_cells):
+        np.maximum.at(last_s, sent_cells, xt[rows])
+    sends = [(sent_cells, None if not xfer["hn"].any() else (xfer["hi"][rows], xfer["hn"][rows]))]
+    if len(coll["slot_side"]):
+        ss = coll["slot_side"]
+        srank, sstep = coll["rank"][ss], coll["step"][ss]
+        groups = coll["groups"]
+        members = np.full((len(groups), max(len(g) for g in groups)), -1, np.int64)
+        for n, grp in enumerate(groups):
+            members[n, :len(grp)] = grp
+        peer = members[coll["group"][ss], coll["slot_idx"]]
+        moves = peer != srank                    # an own slot moves nothing
+        for d, arr in ((1, last_w), (0, last_s)):
+            m = np.flatnonzero(moves & (coll["slot_dir"] == d))
+            rows, c = cell(srank[m], coll["slot_fam"][m], coll["slot_chunk"][m])
+            if len(c):
+                np.maximum.at(arr, c, sstep[m][rows])
+            if d == 0:
+                sends.append((c, None if not coll["slot_hn"].any() else
+                              (coll["slot_hi"][m][rows], coll["slot_hn"][m][rows])))
+    lost = bool(((last_w >= 0) & (last_s <= last_w)).any())
+    del last_w, last_s
+    again = False
+    if not lost:
+        c = np.concatenate([x for x, _ in sends]) if len(sends) > 1 else sends[0][0]
+        if not len(c):
+            pass
+        elif any(h is not None for _, h in sends):   # head slices: (cell, slice) pairs, sorted
+            hs = np.concatenate([np.zeros(len(x), np.int64) if h is None else
+                                 np.where(h[1] == 0, 0, h[1] * (h[1] - 1) // 2 + h[0] + 1)
+                                 for x, h in sends])
+            k = np.sort(c.astype(np.int64) * (int(hs.max()) + 1) + hs)     # (int32 cells)
+            again = bool((k[1:] == k[:-1]).any())
+        else:
+            seen = np.zeros(cells, dtype=bool)
+            seen[c] = True
+            again = int(np.count_nonzero(seen)) < len(c)
+    if lost or again:
+        _results_home_named(tab, backward)       # names it
+        raise RuntimeError("internal error: check found a partial result not sent home (or "
+                           "sent twice) but cannot name it; please report it with the programs")
+
+
+def _results_home_named(tab: ProgramTable, backward: bool) -> None:
+    """:func:`_results_home_ok`'s rules on sorted int64 keys, naming the first fault (the
+    slow path, taken once the fast one found a fault). Every partial result (:func:`result_families`) a rank writes for another rank's chunk
     (a tile it computes, a transfer or collective slot it receives) is sent on at a step after
     its last write: else it never reaches its owner, whose output or gradient silently lacks it.
     Checked per (rank, family, chunk), a head slice counting as its chunk's buffer. Then each
