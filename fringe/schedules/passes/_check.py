@@ -15,7 +15,8 @@ from ..ir import (C_, COLL_KINDS as ir_kinds, G_, OWN_SLOT_IN_PLACE, Buffer, Fam
                   ProgramTable, ScheduleError, blocks_text, buffer_of)
 from . import _columns
 from ._blocks import BlockNeed, covered
-from ._columns import _F, _FAMILY_CODE, _Gen, _need_array, _table, _tile_touches, gc_paused
+from ._columns import (_F, _FAMILY_CODE, _Gen, _need_array, _slices, _table, _tile_touches,
+                       gc_paused)
 from ._keys import _assign_min, _lookup, _member, _min_by_key, _row_keys, _runs, _uniq, _unique
 from ._locate import _fail, _first_in_order, _located, _where_cols
 
@@ -173,7 +174,6 @@ def _results_home_ok(tab: ProgramTable, backward: bool) -> None:
     ix[codes] = np.arange(len(codes))
     last_w = np.full(cells, -1, np.int32)
     last_s = np.full(cells, -1, np.int32)
-    i64 = np.int64
 
     def cell(rank, fam, chunk):
         """``(rows, cells)`` of the result buffers of another rank's chunk among the rows
@@ -240,8 +240,7 @@ def _results_home_ok(tab: ProgramTable, backward: bool) -> None:
         if not len(c):
             pass
         elif any(h is not None for _, h in sends):   # head slices: (cell, slice) pairs, sorted
-            hs = np.concatenate([np.zeros(len(x), np.int64) if h is None else
-                                 np.where(h[1] == 0, 0, h[1] * (h[1] - 1) // 2 + h[0] + 1)
+            hs = np.concatenate([np.zeros(len(x), np.int64) if h is None else _Gen.hs(*h)
                                  for x, h in sends])
             k = np.sort(c.astype(np.int64) * (int(hs.max()) + 1) + hs)     # (int32 cells)
             again = bool((k[1:] == k[:-1]).any())
@@ -273,7 +272,7 @@ def _results_home_named(tab: ProgramTable, backward: bool) -> None:
               for f, m, sd, _ in _tile_touches(ck, written=True)]
     xs, xd, xt = i64(xfer["src"]), i64(xfer["dst"]), i64(xfer["step"])
     xf, xc = i64(xfer["fam"]), i64(xfer["chunk"])
-    hs = lambda h, n: np.where(n == 0, 0, n * (n - 1) // 2 + h + 1)  # noqa: E731 (as _Gen)
+    hs = _Gen.hs                                 # the head slice code
     xhs = hs(i64(xfer["hi"]), i64(xfer["hn"]))
     writes.append((xd, xf, xc, xt))
     sends = [(xs, xf, xc, xt, xhs)]
@@ -324,19 +323,9 @@ def _results_home_named(tab: ProgramTable, backward: bool) -> None:
     again = np.flatnonzero((sk[1:] == sk[:-1]) & (sh[1:] == sh[:-1])) + 1
     if len(again):
         b = again[np.lexsort((sh[again], sc_[again], sf_[again], st[again], sr[again]))[0]]
-        hi, hn = _hs_slice(int(sh[b]))
+        hi, hn = (int(x[0]) for x in _slices(sh[b:b + 1]))
         _fail(tab, int(sr[b]), int(st[b]), _again_text(
             buffer_of(int(sf_[b]), int(sc_[b]), hi, hn), int(sr[b]), int(sc_[b]), int(st[b - 1])))
-
-
-def _hs_slice(code: int) -> tuple[int, int]:
-    """``(hi, hn)`` of a head slice code (0: all heads, else ``hn*(hn-1)/2 + hi + 1``)."""
-    if not code:
-        return 0, 0
-    hn = 1
-    while hn * (hn + 1) // 2 < code:
-        hn += 1
-    return code - 1 - hn * (hn - 1) // 2, hn
 
 
 def _again_text(buf, rank: int, owner: int, first: int) -> str:
