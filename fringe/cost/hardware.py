@@ -203,13 +203,24 @@ class Hardware:
         bw = np.where(intra, self.bandwidth, self.inter_bandwidth)
         return np.maximum(n - 1, 0) * lat + np.asarray(nbytes, dtype=np.float64) / bw
 
-    def link(self, src: np.ndarray, dst: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(latency, bandwidth) arrays for transfers ``src[i] -> dst[i]``."""
+    def transfer_s(self, src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray) -> np.ndarray:
+        """Seconds of the transfers ``src[i] -> dst[i]`` of ``nbytes[i]`` bytes: latency + bytes /
+        bandwidth of their link (``latency_s`` / ``bandwidth`` when both ends sit in one node of
+        ``node_size`` consecutive ranks, else ``inter_latency_s`` / ``inter_bandwidth``).
+        ``nbytes`` (float64) is overwritten with the result: 16.8M transfers a direction at
+        P=4,096, where per-transfer latency and bandwidth arrays took 268 MB."""
+        out = nbytes
         if not self.node_size:
-            return (np.full(len(src), self.latency_s), np.full(len(src), self.bandwidth))
+            out /= self.bandwidth
+            out += self.latency_s
+            return out
         same = (src // self.node_size) == (dst // self.node_size)
-        return (np.where(same, self.latency_s, self.inter_latency_s),
-                np.where(same, self.bandwidth, self.inter_bandwidth))
+        far = ~same
+        np.divide(out, self.bandwidth, out=out, where=same)
+        np.divide(out, self.inter_bandwidth, out=out, where=far)
+        np.add(out, self.latency_s, out=out, where=same)
+        np.add(out, self.inter_latency_s, out=out, where=far)
+        return out
 
 
 # Sources. H100 SXM: NVIDIA H100 datasheet (NVLink 4: 900 GB/s bidirectional per GPU, so 450 GB/s

@@ -185,7 +185,7 @@ def _instances(cols: _Cols, at, hw: Hardware) -> tuple:
 LIVE_DENSE_BYTES = 1 << 29
 #: Live (rank, buffer) pairs :func:`_live_peak` turns into step bins at a time.
 LIVE_PIECE = 1 << 22
-#: Up to this many ``[rank, buffer]`` cells :func:`_live_peak` bins every cell at once.
+#: ``[rank, buffer]`` cells :func:`_live_peak` bins at a time (whole ranks; dense tables).
 LIVE_SMALL = 1 << 22
 
 
@@ -232,30 +232,37 @@ def _live_peak(P: int, T: int, touch: list, size_of: np.ndarray) -> np.ndarray:
         elif start:
             np.minimum.at(first, key, pos)
         np.maximum.at(last, key, pos)
-    n_bins = P * (T + 1)
-    if uniq is None and nk <= LIVE_SMALL:            # dense (rank, buffer): no index arrays
-        F = first.reshape(P, NB).astype(np.int64)
-        E = np.maximum(last.reshape(P, NB), first.reshape(P, NB)).astype(np.int64)
-        row = (np.arange(P, dtype=np.int64) * (T + 1))[:, None]
-        F += row
-        E += row + 1                                  # not alive: past its row, weight 0
-        sz = np.where(first.reshape(P, NB) < T, size_of[ids].astype(np.float64)[None, :], 0.0)
-        sz, F, E = sz.reshape(-1), F.reshape(-1), E.reshape(-1)
-    else:                                             # the live (rank, buffer) pairs, in
-        alive = np.flatnonzero(first < T)             # pieces (millions at P=4,096)
-        delta = np.zeros(n_bins)
-        for lo in range(0, len(alive), LIVE_PIECE):
-            at = alive[lo:lo + LIVE_PIECE]
-            full_key = at if uniq is None else uniq[at]
-            lr, lb = full_key // NB, ids[full_key % NB]
-            F = lr * (T + 1) + first[at].astype(np.int64)
-            E = lr * (T + 1) + np.maximum(last[at], first[at]).astype(np.int64) + 1
-            sz = size_of[lb].astype(np.float64)       # whole bytes: sums exact in any order
-            np.add.at(delta, F, sz)
-            np.subtract.at(delta, E, sz)
-        return np.cumsum(delta.reshape(P, T + 1), axis=1).max(axis=1).round().astype(np.int64)
-    delta = (np.bincount(F, weights=sz, minlength=n_bins)[:n_bins]
-             - np.bincount(E, weights=sz, minlength=n_bins)[:n_bins])
+    if uniq is None:                                  # dense [rank, buffer]: ranks a block
+        first, last = first.reshape(P, NB), last.reshape(P, NB)     # at a time, no index
+        size = size_of[ids].astype(np.float64)        # arrays (whole bytes: sums exact)
+        R = max(1, LIVE_SMALL // max(NB, 1))
+        peak = np.empty(P, dtype=np.int64)
+        for r0 in range(0, P, R):
+            f, e = first[r0:r0 + R], last[r0:r0 + R]
+            n = len(f)
+            row = (np.arange(n, dtype=np.int64) * (T + 1))[:, None]
+            F = f.astype(np.int64)
+            F += row
+            E = np.maximum(e, f).astype(np.int64)
+            E += row + 1                              # not alive: past its row, weight 0
+            sz = np.where(f < T, size[None, :], 0.0).reshape(-1)
+            n_bins = n * (T + 1)
+            delta = np.bincount(F.reshape(-1), weights=sz, minlength=n_bins)[:n_bins]
+            delta -= np.bincount(E.reshape(-1), weights=sz, minlength=n_bins)[:n_bins]
+            peak[r0:r0 + n] = np.cumsum(delta.reshape(n, T + 1), axis=1).max(axis=1).round()
+        return peak
+    n_bins = P * (T + 1)                              # the live (rank, buffer) pairs, in
+    alive = np.flatnonzero(first < T)                 # pieces (millions at P=4,096)
+    delta = np.zeros(n_bins)
+    for lo in range(0, len(alive), LIVE_PIECE):
+        at = alive[lo:lo + LIVE_PIECE]
+        full_key = uniq[at]
+        lr, lb = full_key // NB, ids[full_key % NB]
+        F = lr * (T + 1) + first[at].astype(np.int64)
+        E = lr * (T + 1) + np.maximum(last[at], first[at]).astype(np.int64) + 1
+        sz = size_of[lb].astype(np.float64)           # whole bytes: sums exact in any order
+        np.add.at(delta, F, sz)
+        np.subtract.at(delta, E, sz)
     return np.cumsum(delta.reshape(P, T + 1), axis=1).max(axis=1).round().astype(np.int64)
 
 
@@ -279,25 +286,31 @@ def _run(flat: _Flat, hw: Hardware, P: int) -> tuple[np.ndarray, ...]:
     """
     T = len(flat.steps)
     src, spos, dst, nbytes = flat.sends
-    ks, kd = src * T + spos, dst * T + spos
+    # the transfers in step order (a radix sort of their step positions), once: every array
+    # per transfer below is made in that order, and the loop reads a step's as one slice
+    per_step = np.bincount(spos, minlength=T)
+    order = np.argsort(spos.astype(np.int16 if T < 1 << 15 else np.int64), kind="stable")
+    src, dst, nbytes = src[order], dst[order], nbytes[order]
+    del order
+    spos = np.repeat(np.arange(T, dtype=src.dtype), per_step)   # sorted: 0, 0, ..., T - 1
+    ks = src * T                                      # (rank, step) cells of the two ends;
+    ks += spos                                        # int32 unless _flatten widened them
+    kd = dst * T
+    kd += spos
+    del spos
     sent = _counts(ks, nbytes, P * T)
     recv = _counts(kd, nbytes, P * T)
-    lat, bw = hw.link(src, dst)
-    dur = lat + np.maximum(sent[ks], recv[kd]) / bw                  # the busier end's link
+    del nbytes
+    dur = sent[ks]
+    np.maximum(dur, recv[kd], out=dur)                # the busier end's bytes, over its link
+    dur = hw.transfer_s(src, dst, dur)
     sent, recv = sent.reshape(P, T), recv.reshape(P, T)
-    order = np.argsort(spos.astype(np.int16 if T < 1 << 15 else np.int64), kind="stable")  # radix
-    src, dst, dur = src[order], dst[order], dur[order]               # by step
-    per_step = np.bincount(spos, minlength=T)
     bounds = np.r_[0, np.cumsum(per_step)].tolist()
     # steps where no rank sends (receives) twice: the latest of its transfers is its only one,
     # so a plain assignment does what np.maximum.at does, without its per-element cost
-    once = []
-    for ends in (src, dst):
-        seen = np.zeros(T * P, dtype=bool)            # (step, rank) cells with a transfer end
-        seen[np.repeat(np.arange(T) * P, per_step) + ends] = True
-        once.append((np.bincount(np.flatnonzero(seen) // P, minlength=T) == per_step).tolist())
-        del seen
-    del order, per_step
+    once = [(np.bincount(k, minlength=P * T).reshape(P, T).max(axis=0) <= 1).tolist()
+            for k in (ks, kd)]
+    del ks, kd, per_step
     waves = {}
     if flat.colls is not None:
         c_rank, c_pos, c_sent, c_recv, _, waves, c_dur = flat.colls

@@ -143,31 +143,41 @@ def _resend_parts(P, T, cr, ct, ckv, xt, xs, xd, xc, xorder, after, owner=None, 
     NONE = np.int64(1) << 40
     own = np.arange(P) if owner is None else owner
     nb = len(own)
-    rk0 = ckv * P + cr                              # (buffer, rank) of each read
-    remote = own[ckv] != cr
-    in0, out0 = xc * P + xd, xc * P + xs
-    if nb * P <= _columns.PLANE_CELLS:
+    n = len(xc)
+    # steps, ranks and hop numbers in int32 where they fit: [buffer, rank] planes and arrays
+    # per hop (16.8M hops at P=4,096: 67 MB each, not 134)
+    it = np.int32 if max(T, n, P) < 2 ** 31 - 1 else np.int64
+    if nb * P <= _columns.PLANE_CELLS:              # (buffer, rank) cells < 2**31: int32 keys
         K = nb * P
 
-        def ix(k):
+        def ix(b, r):
+            k = b.astype(it)
+            k *= it(P)
+            k += r
             return k
+        rk = ix(ckv, cr)
+        remote = own[ckv] != cr
+        in_key, out_key = ix(xc, xd), ix(xc, xs)
     else:                                           # the (buffer, rank) keys that occur
+        rk0 = ckv * P + cr                          # (buffer, rank) of each read
+        remote = own[ckv] != cr
+        in0, out0 = xc * P + xd, xc * P + xs
         space = _uniq(np.concatenate([in0, out0, rk0[remote]]))
         K = len(space) + 1                          # + a sink for keys that do not occur
 
-        def ix(k):
-            return _lookup(k, space, np.arange(len(space)), len(space))[0]
-    in_key, out_key, rk = ix(in0), ix(out0), ix(rk0)
-    n = len(xc)
-    maxread = np.full(K, -1, np.int64)
+        def ix(b, r):
+            return _lookup(b * P + r, space, np.arange(len(space)), len(space))[0]
+        in_key, out_key, rk = ix(xc, xd), ix(xc, xs), ix(ckv, cr)
+        del rk0, in0, out0
+    maxread = np.full(K, -1, it)
     maxread[rk] = np.maximum(maxread[rk], ct)
     if len(rk) and not (maxread[rk] >= ct).all():
-        np.maximum.at(maxread, rk, ct)
-    hop_of = np.full(K, -1, np.int64)               # [buffer, rank]: the hop that brought it
-    hop_of[in_key] = np.arange(n)
+        np.maximum.at(maxread, rk, ct.astype(it))
+    hop_of = np.full(K, -1, it)                     # [buffer, rank]: the hop that brought it
+    hop_of[in_key] = np.arange(n, dtype=it)
     if remote.any() and (hop_of[rk[remote]] < 0).any():
         raise _Unsent()
-    del rk0, remote, rk, in0, out0                  # (memory: hops are 16.8M at P=4,096)
+    del remote, rk                                  # (memory: hops are 16.8M at P=4,096)
     if not n:
         return _no_xfer()
     # each (buffer, rank)'s latest hop onwards (first in program order among the latest)
@@ -176,28 +186,36 @@ def _resend_parts(P, T, cr, ct, ckv, xt, xs, xd, xc, xorder, after, owner=None, 
         o = o[_runs(out_key[o])[1]]
     else:
         o = slice(None)
-    sup_t = np.full(K, -1, np.int64)
-    sup_d = np.full(K, -1, np.int64)
+    sup_t = np.full(K, -1, it)
+    sup_d = np.full(K, -1, it)
     sup_t[out_key[o]] = xt[o]
     sup_d[out_key[o]] = xd[o]
+    del o
     reads = maxread[in_key]                         # per hop: the receiver's last read
     up = hop_of[out_key]                            # per hop: the hop that brought it to src
     del maxread
     # the receiver relays b up: its upstream's latest hop of b went to it, so it re-sends b
-    relay_up = (up >= 0) & (sup_d[out_key] == xd)
+    relay_up = sup_d[out_key] == xd
+    relay_up &= up >= 0
+    del out_key
+    up0 = np.maximum(up, 0)
     if xrng is not None:                            # and holds what its upstream reads
-        relay_up &= xrng[np.maximum(up, 0)] == xrng
-    late = relay_up & (xt[np.maximum(up, 0)] >= xt)
+        relay_up &= xrng[up0] == xrng
+    late = relay_up & (xt[up0] >= xt)
     if late.any():
         i = int(np.flatnonzero(late)[0])
         raise _Late(i, int(up[i]))
+    del late
     # a rank needs b when it reads it, or when it relays b up to a rank that needs it
-    idx = np.arange(n)
+    idx = np.arange(n, dtype=it)
     if (up[relay_up] == idx[relay_up] - 1).all():  # chains in hop order: segmented prefix OR
         seg = np.maximum.accumulate(np.where(relay_up, 0, idx))
-        cs = np.cumsum(reads >= 0)
+        del idx
+        cs = np.cumsum(reads >= 0, dtype=it)
         defined = (cs - np.where(seg > 0, cs[seg - 1], 0)) > 0
+        del seg, cs
     else:                                           # any tree: upstream ranks received b earlier
+        del idx
         defined = reads >= 0
         g = np.nonzero(relay_up)[0]
         g = g[_by_step(xt[g])]
@@ -205,15 +223,21 @@ def _resend_parts(P, T, cr, ct, ckv, xt, xs, xd, xc, xorder, after, owner=None, 
         gu = up[g]
         for lo, hi in zip(starts.tolist(), starts[1:].tolist() + [len(g)]):
             defined[g[lo:hi]] |= defined[gu[lo:hi]]
-    e = np.minimum(np.where(reads >= 0, T - reads, NONE),     # (np.int64(T): xt may be int32)
-                   np.where(relay_up & defined[np.maximum(up, 0)], np.int64(T) - xt - 1, NONE))
+    relay_up &= defined[up0]
+    del up, up0
+    e = np.where(reads >= 0, T - reads.astype(np.int64), NONE)
+    del reads
+    e2 = np.where(relay_up, np.int64(T) - xt - 1, NONE)      # (np.int64(T): xt may be int32)
+    np.minimum(e, e2, out=e)
+    del e2, relay_up
     emit = np.nonzero(e != NONE)[0]
     key, e = in_key[emit], e[emit]
-    del reads, relay_up, late, idx, up, in_key, out_key
-    d = sup_d[key]
+    del in_key
+    d = sup_d[key].astype(np.int64)
     c_ = xc[emit]
-    dh = hop_of[ix(c_ * P + np.maximum(d, 0))]      # the hop that took b on from this rank
-    relay = (d >= 0) & (T - sup_t[key] <= e) & (dh >= 0) & defined[np.maximum(dh, 0)]
+    dh = hop_of[ix(c_, np.maximum(d, 0))]           # the hop that took b on from this rank
+    relay = (d >= 0) & (T - sup_t[key].astype(np.int64) <= e) & (dh >= 0)
+    relay &= defined[np.maximum(dh, 0)]
     if xrng is not None:                            # the rank below holds what this one reads
         relay &= xrng[np.maximum(dh, 0)] == xrng[emit]
     fetch = ~relay
@@ -222,7 +246,8 @@ def _resend_parts(P, T, cr, ct, ckv, xt, xs, xd, xc, xorder, after, owner=None, 
     frm = np.where(relay, d, own[c_])
     u = np.where(relay, T - sup_t[key] - 1, e - 1)
     rows = dict(step=u, src=frm, dst=xd[emit], fam=np.full(len(emit), _FAMILY_CODE[Family.KV]),
-                chunk=c_, order=after + key)        # (buffer, rank) order, as the op rules emit
+                chunk=c_, order=np.int64(after) + key)   # (buffer, rank) order, as the op
+    #                                                  rules emit (int64: key may be int32)
     if xrng is not None:
         rows["rng"] = xrng[emit]
     return rows
