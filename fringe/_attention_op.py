@@ -19,8 +19,12 @@ What crosses the op boundary:
   only, so a new plan of the same shapes (next batch's document ids) does not recompile;
 * where it runs as a string: ``"virtual"`` (every rank in this process, global tensors) or
   ``"dist"`` / ``"dist:<n>"`` (this rank over the default group / a registered group);
-* constants: the timeout, and two booleans read from the plan that fix output structure
-  (``keep``: the kv buffers kept for the backward) and the vmap rule (``reads_batch``).
+* constants: the timeout, two booleans read from the plan that fix output structure
+  (``keep``: the kv buffers kept for the backward) and the vmap rule (``reads_batch``), and
+  ``backward``: whether autograd records this call, so that its backward will run (decided
+  where the call begins, by :func:`fringe.autograd.records`: the rule autograd records a
+  Function by); it joins the agreement, so ranks whose forwards differ in it all raise instead
+  of leaving the training ranks' backward waiting for peers that never send.
 
 Outputs: ``out`` (q's shape and dtype), ``lse`` (``q.shape[:-1]``, float32, float64 for
 float64 input) and ``kept``, the kept kv buffers packed flat (empty unless the plan keeps kv;
@@ -44,8 +48,9 @@ import torch
 
 from ._handle import resolve
 from .runtime.contract import PlanLike
-from .runtime.distributed import (DEFAULT_TIMEOUT_S, DistRuntime, check_sinks, is_device_mesh,
-                                  mesh_ranks, resolve_timeout, subgroup)
+from .runtime.distributed import (BACKWARD, DEFAULT_TIMEOUT_S, FORWARD_ONLY, FORWARD_THEN_BACKWARD,
+                                  DistRuntime, check_sinks, is_device_mesh, mesh_ranks,
+                                  resolve_timeout, subgroup)
 from .runtime.engine import acc_dtype, check_inputs, kept_names
 from .runtime.interpreter import head_range, kv_shape
 from .runtime.virtual import VirtualRuntime
@@ -58,7 +63,8 @@ LAST: dict = {}
 #: open ``fringe.recording()`` blocks
 RECORDERS: list = []
 #: group key -> forward runtimes whose backward has not run yet (LIFO: the backward of a
-#: model runs its layers in reverse; a recomputed forward pushes and pops its own)
+#: model runs its layers in reverse; a recomputed forward pushes and pops its own; a forward
+#: no backward follows pushes nothing)
 _PENDING: dict = collections.defaultdict(lambda: collections.deque(maxlen=1024))
 #: ``"dist:<n>"`` -> a process group or DeviceMesh passed to ``fringe.attention``
 _GROUPS: dict = {}
@@ -281,7 +287,7 @@ def fail_everywhere(where: str, timeout_s, q, k, v, sinks, problem: str) -> None
 def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: list[torch.Tensor],
                  sinks: torch.Tensor | None, batch: torch.Tensor | None, plan: torch.Tensor,
                  where: str,
-                 timeout_s: float | None, keep: bool, reads_batch: bool
+                 timeout_s: float | None, keep: bool, reads_batch: bool, backward: bool
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(out, lse, kept)`` of the plan named by ``plan`` (see the module docstring)."""
     p: PlanLike = resolve(plan)
@@ -295,13 +301,16 @@ def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: list
     else:
         group = _group(where)
         rt = DistRuntime(group, timeout_s=timeout_s)
-        # every call; folds in this rank's input validation (and the batch digest, if any)
-        rt.agree(p, q, k, v, sinks=sinks, batch=batch)
+        # every call; folds in this rank's input validation (and the batch digest, if any) and
+        # whether a backward follows
+        rt.agree(p, q, k, v, sinks=sinks, batch=batch,
+                 phase=FORWARD_THEN_BACKWARD if backward else FORWARD_ONLY)
         out, lse, kept = rt.forward(p, q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0))
         out, lse = out[0], lse[0]
         key = _key(where, group)
         LAST[key] = rt
-        _PENDING[key].append(rt)
+        if backward:
+            _PENDING[key].append(rt)
         for rec in RECORDERS:
             rec.runtimes.append(rt)
     out, lse, flat = _unaliased([out.contiguous(), lse.contiguous(), _pack(kept, k)],
@@ -310,7 +319,7 @@ def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: list
 
 
 @attention_op.register_fake
-def _(q, k, v, params, sinks, batch, plan, where, timeout_s, keep, reads_batch):
+def _(q, k, v, params, sinks, batch, plan, where, timeout_s, keep, reads_batch, backward):
     out = q.new_empty((*q.shape[:-1], v.shape[-1]))            # Dv: v's head dim (MLA)
     lse = q.new_empty(q.shape[:-1], dtype=acc_dtype(q.dtype))
     n = torch.library.get_ctx().new_dynamic_size() if keep else 0
@@ -336,8 +345,9 @@ def attention_backward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out
         pending = _PENDING[_key(where, group)]
         rt = pending.pop() if pending else DistRuntime(group, timeout_s=timeout_s)
         # every backward too: a plan edited on one rank since the forward makes every rank
-        # raise that rank's reason, instead of its peers waiting for a CommTimeout
-        rt.agree(p, q, k, v)
+        # raise that rank's reason, instead of its peers waiting for a CommTimeout; a rank
+        # that skipped this backward and runs a forward instead raises too
+        rt.agree(p, q, k, v, phase=BACKWARD)
         args = [x.unsqueeze(0) for x in (q, k, v, out, lse, dout, dlse)]
     kept = _unpack(p, rt.ranks, kept, k, v, H)
     # tile backwards that use autograd (score_mod parameters, FlexAttention's backward, any

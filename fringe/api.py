@@ -57,8 +57,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, plan: PlanLi
     Raises:
         ValueError: this or another rank got invalid input (every rank raises, naming the
             rank), before any attention data moves.
-        RankMismatch: ranks disagree on shapes, dtype, device, plan content, sinks or the
-            batch digest ("CP ranks sharded different batches").
+        RankMismatch: ranks disagree on shapes, dtype, device, plan content, sinks, the
+            batch digest ("CP ranks sharded different batches") or on whether a backward
+            follows (a rank under ``torch.no_grad()`` while others train: "what follows").
         CommTimeout: a peer stopped answering.
     """
     if group is None:

@@ -41,25 +41,44 @@ def _slices(x, bdim: int | None, n: int) -> list:
     return [x] * n if x is None or bdim is None else list(x.movedim(bdim, 0).unbind(0))
 
 
+def records(args) -> bool:
+    """Whether ``Attention.apply(*args)`` is recorded by autograd here, so its backward will run
+    when the loss is differentiated: grad mode on and some tensor argument requires grad, the
+    rule ``autograd.Function.apply`` itself applies (torch's ``is_executable``; the same rule
+    decides under ``torch.func.grad`` / ``vjp``, whose tensors require grad at their level).
+
+    One level's answer: under ``torch.func.vmap`` the tensors are batched and say False, and
+    the vmap rule's inner call answers for the levels below (``Attention.vmap`` ORs the two).
+    The answer joins the agreement between ranks, so ranks that differ raise before any
+    communication instead of leaving the training ranks' backward waiting for peers that
+    never send.
+    """
+    return torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad
+                                           for a in args)
+
+
 class Attention(torch.autograd.Function):
-    """``(q, k, v, sinks, batch, handle, where, timeout_s, keep, reads_batch, *params) ->
-    (out, lse, kept)``.
+    """``(q, k, v, sinks, batch, handle, where, timeout_s, keep, reads_batch, backward, *params)
+    -> (out, lse, kept)``.
 
     ``params`` are the plan's ``score_params`` (read by the score_mod through its closure;
     passed so autograd routes their gradients). ``sinks`` only reach the op's checks and
     agreement (the caller applies them); ``batch`` (a 0-d int64 digest of the global batch the
-    shard was cut from, or None) only its agreement. lse is differentiable (its cotangent enters every
-    tile's backward); ``kept`` (the kept kv buffers, flat) is not.
+    shard was cut from, or None) only its agreement, and so does ``backward``: :func:`records`
+    of the other arguments, where the call began (it joins the agreement: ranks must agree on
+    whether a backward follows). lse is differentiable (its cotangent enters every tile's
+    backward); ``kept`` (the kept kv buffers, flat) is not.
     """
 
     @staticmethod
-    def forward(q, k, v, sinks, batch, handle, where, timeout_s, keep, reads_batch, *params):
+    def forward(q, k, v, sinks, batch, handle, where, timeout_s, keep, reads_batch, backward,
+                *params):
         return _op.attention_op(q, k, v, list(params), sinks, batch, handle, where, timeout_s,
-                                keep, reads_batch)
+                                keep, reads_batch, backward)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        q, k, v, sinks, batch, handle, where, timeout_s, keep, reads_batch, *params = inputs
+        q, k, v, sinks, batch, handle, where, timeout_s, keep, reads_batch, _, *params = inputs
         out, lse, kept = output
         ctx.save_for_backward(q, k, v, out, lse, kept, handle, *params)
         ctx.consts = (where, timeout_s, reads_batch)
@@ -78,24 +97,27 @@ class Attention(torch.autograd.Function):
         else:
             dq, dk, dv, *dparams = AttentionBackward.apply(q, k, v, out, lse, dout, dlse, kept,
                                                            handle, *ctx.consts, *params)
-        return (dq, dk, dv, None, None, None, None, None, None, None, *dparams)
+        return (dq, dk, dv, None, None, None, None, None, None, None, None, *dparams)
 
     @staticmethod
     def vmap(info, in_dims, q, k, v, sinks, batch, handle, where, timeout_s, keep, reads_batch,
-             *params):
+             backward, *params):
         n = info.batch_size
         qd, kd, vd, sd, bd, hd = in_dims[:6]
-        if hd is not None or any(d is not None for d in in_dims[10:]):
+        if hd is not None or any(d is not None for d in in_dims[11:]):
             raise NotImplementedError("fringe attention cannot vmap over score_mod parameters")
         sinks = sinks if sinks is None or sd is None else sinks.select(sd, 0)   # checks only
         batch = batch if batch is None or bd is None else batch.select(bd, 0)   # agreement only
         consts = (where, timeout_s, keep, reads_batch)
+
+        def apply(q, k, v):     # a backward follows if a level above or one below records
+            args = (q, k, v, sinks, batch, handle, *consts)
+            return Attention.apply(*args, backward or records((*args, *params)), *params)
         if reads_batch or params:
-            res = [Attention.apply(qi, ki, vi, sinks, batch, handle, *consts, *params)
+            res = [apply(qi, ki, vi)
                    for qi, ki, vi in zip(_slices(q, qd, n), _slices(k, kd, n), _slices(v, vd, n))]
             return tuple(torch.stack(parts) for parts in zip(*res)), (0, 0, 0)
-        out, lse, kept = Attention.apply(_fold(q, qd, n), _fold(k, kd, n), _fold(v, vd, n),
-                                         sinks, batch, handle, *consts, *params)
+        out, lse, kept = apply(_fold(q, qd, n), _fold(k, kd, n), _fold(v, vd, n))
         # kept belongs to the folded batch: the backward rule takes it unbatched, as it came
         return (_unfold(out, n), _unfold(lse, n), kept), (0, 0, None)
 
@@ -180,9 +202,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, plan: PlanLi
             raise problem
         _op.fail_everywhere(where, timeout_s, q, k, v, sinks, f"{type(problem).__name__}: {problem}")
     args = (q, k, v, sinks, batch, plan.handle, where, timeout_s, plan.kv == "keep",
-            plan.reads_batch, *plan.score_params)
-    if torch.compiler.is_compiling() and not (torch.is_grad_enabled() and any(
-            t is not None and t.requires_grad for t in (q, k, v, sinks, *plan.score_params))):
+            plan.reads_batch)
+    backward = records((*args, *plan.score_params))
+    args = (*args, backward, *plan.score_params)
+    if torch.compiler.is_compiling() and not backward:
         # nothing to differentiate: the op itself. dynamo (torch 2.13) inlines a Function's
         # forward then, and passes its ctx as the first argument when forward takes *params
         out, lse, _ = Attention.forward(*args)

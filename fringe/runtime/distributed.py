@@ -10,10 +10,12 @@ never sends ends in :class:`CommTimeout` naming the step, buffer and peer, never
 Before anything else, on **every** call, ranks exchange a small int64 vector with one
 all-gather (:meth:`DistRuntime.agree`): the local shapes, dtype and device type, whether
 this rank's inputs passed validation, and one digest per plan component (layout,
-programs, block map, mask content, score_mod, options), per extra input (sinks) and the
-digest of the global batch a shard was cut from (when the call carries one). A
-disagreement raises :class:`RankMismatch` on every rank naming the rank and the
-component; a rank with invalid input makes every rank raise its reason at once. On CUDA
+programs, block map, mask content, score_mod, options), per extra input (sinks), the
+digest of the global batch a shard was cut from (when the call carries one) and what
+follows the exchange on this rank (a forward with no backward, a forward whose backward
+will run, or the backward itself). A disagreement raises :class:`RankMismatch` on every
+rank naming the rank and the component; a rank with invalid input makes every rank raise
+its reason at once. On CUDA
 the vector travels over a gloo side group of the same ranks (created once, with
 ``use_local_synchronization``), so the check adds no device-to-host synchronisation.
 """
@@ -84,9 +86,17 @@ _DV_FIELD = "Dv (v head dim)"       # v's head dim may differ from D (MLA)
 #: the digest of the global batch a shard was cut from (``packing.Shard.batch_digest``), or
 #: -1 where no shard is involved (plain ``fringe.attention``)
 _BATCH_FIELD = "batch digest"
+#: what follows the exchange on this rank (``agree(phase=)``): ranks whose forwards differ in
+#: whether a backward follows would leave the training ranks' backward waiting for peers that
+#: never send, and a backward that meets a forward (a rank skipped it) would run programs that
+#: do not match
+_PHASE_FIELD = "what follows"
+FORWARD_ONLY, FORWARD_THEN_BACKWARD, BACKWARD = 0, 1, 2
+_PHASES = ["a forward with no backward to follow", "a forward whose backward will run",
+           "the backward"]
 _FIELDS = (_SHAPE_FIELDS + [f"plan {f}" for f in _PLAN_FIELDS] + _EXTRA_FIELDS + [_DV_FIELD]
-           + [_BATCH_FIELD])
-_DIGESTS = set(_FIELDS[len(_SHAPE_FIELDS):]) - {_DV_FIELD, _BATCH_FIELD}
+           + [_BATCH_FIELD, _PHASE_FIELD])
+_DIGESTS = set(_FIELDS[len(_SHAPE_FIELDS):]) - {_DV_FIELD, _BATCH_FIELD, _PHASE_FIELD}
 
 
 def _h48(text: str) -> int:
@@ -102,6 +112,8 @@ def _describe(field: str, value: int) -> str:
         return "valid input" if value == 0 else "invalid input"
     if field in _DIGESTS:
         return f"digest #{value:012x}"
+    if field == _PHASE_FIELD:
+        return _PHASES[value] if 0 <= value < len(_PHASES) else f"code {value}"
     if field == _BATCH_FIELD:
         if value == -1:
             return "no batch digest"
@@ -391,7 +403,8 @@ class DistRuntime(Runtime):
         self.timeout_s = resolve_timeout(timeout_s)
         super().__init__([self.rank], self._transport)
 
-    def agree(self, plan: PlanLike | None, q, k, v, *, sinks=None, batch=None, problem: str = "") -> None:
+    def agree(self, plan: PlanLike | None, q, k, v, *, sinks=None, batch=None, problem: str = "",
+              phase: int = FORWARD_ONLY) -> None:
         """All ranks agree on shapes, dtype, device, plan and inputs; raise on every rank if not.
 
         Runs on every call (one all-gather of a short int64 vector, never cached). This
@@ -408,9 +421,16 @@ class DistRuntime(Runtime):
         sharded different global batches: the plans can agree (same documents) while the
         tokens do not, so it is compared here, in the same exchange.
 
+        ``phase``: what follows the exchange on this rank: :data:`FORWARD_ONLY` (a forward
+        that autograd does not record: grad mode off, or no input requires grad),
+        :data:`FORWARD_THEN_BACKWARD` (a forward autograd records, whose backward will run its
+        own exchange) or :data:`BACKWARD`. Ranks that differ would run programs that do not
+        match (a backward waiting for a peer that never sends), so they raise here.
+
         Raises:
             RankMismatch: ranks differ (the message names the rank and the component; for
-                different batch digests: "CP ranks sharded different batches").
+                different batch digests: "CP ranks sharded different batches"; for different
+                phases: "what follows").
             ValueError: some rank's inputs are invalid (the message names the rank).
             CommTimeout: a peer never joined the exchange.
         """
@@ -446,7 +466,7 @@ class DistRuntime(Runtime):
         mine = ([plan.world_size if valid else -1, B, H, G, L, D, code, int(cuda), int(bool(problem))]
                 + [_h48(digests[f]) for f in _PLAN_FIELDS] + [_h48(sink_desc)]
                 + [v.shape[-1] if isinstance(v, torch.Tensor) and v.dim() == 4 else -1]
-                + [-1 if batch is None else int(batch)])
+                + [-1 if batch is None else int(batch), int(phase)])
         # the exchange's group follows the group's backend, never this rank's input (a rank
         # whose q is on another device, or not a tensor, must still meet its peers)
         group = self.group if _cpu_capable(self.group) else _side_group(self.group)
@@ -456,9 +476,12 @@ class DistRuntime(Runtime):
         try:
             work.wait(timeout=datetime.timedelta(seconds=self.timeout_s))
         except RuntimeError as e:
-            raise CommTimeout(f"rank {self.rank}: the agreement exchange before attention did not "
-                              f"complete within {self.timeout_s:g}s; is every rank calling "
-                              f"fringe.attention? ({str(e).splitlines()[0][:200]})") from e
+            what, ask = (("attention's backward", "is every rank running this backward "
+                          "(loss.backward() on every rank)?") if phase == BACKWARD else
+                         ("attention", "is every rank calling fringe.attention?"))
+            raise CommTimeout(f"rank {self.rank}: the agreement exchange before {what} did not "
+                              f"complete within {self.timeout_s:g}s; {ask} "
+                              f"({str(e).splitlines()[0][:200]})") from e
         rows = torch.stack(everyone).tolist()
         if self._ranks is not None:     # rows by plan rank (a mesh may order ranks otherwise)
             glob = [dist.get_global_rank(group, i) if group is not None else i
@@ -475,6 +498,19 @@ class DistRuntime(Runtime):
             raise ValueError(f"rank {r} of {self.world_size} got invalid input for "
                              f"fringe.attention{others}, seen from rank {self.rank} before any "
                              f"attention data moved: {msgs[r]}")
+        # a forward meeting a backward explains any other difference (a backward carries no
+        # batch digest)
+        col = _FIELDS.index(_PHASE_FIELD)
+        for r, row in enumerate(rows):
+            if row[col] != rows[0][col]:
+                raise RankMismatch(
+                    f"rank {r} disagrees with rank 0 on what follows this exchange: rank 0 runs "
+                    f"{_describe(_PHASE_FIELD, rows[0][col])}, rank {r} runs "
+                    f"{_describe(_PHASE_FIELD, row[col])} (seen from rank {self.rank}, before any "
+                    f"attention data moved); the ranks' programs would not match (a backward "
+                    f"waiting for peers that never send). Run every rank in the same grad mode "
+                    f"(torch.no_grad() / inference_mode on all ranks or none, inputs that require "
+                    f"grad on all ranks or none) and call backward on every rank or none")
         # a different batch explains any other difference (its documents, hence its plans)
         col = _FIELDS.index(_BATCH_FIELD)
         # -2 - r: the shard was cut for plan rank r, not this one (``packing._run_digest``)
