@@ -241,6 +241,10 @@ def test_the_chain_shortcut_and_the_sorted_presence_check_name_the_same_faults(m
                 if bad is not None:
                     cases.append((bad, need, backward, kv))
     want = [_verdict(oracle.check, b, need=n, backward=bw, kv=kv) for b, n, bw, kv in cases]
+    with monkeypatch.context() as m:    # the presence check's reads looked up a few at a time
+        m.setattr(passes._check, "LATE_PIECE", 3)
+        assert [_verdict(passes.check, b, need=n, backward=bw, kv=kv)
+                for b, n, bw, kv in cases] == want
     monkeypatch.setattr(passes, "DENSE_CELLS", 0)
     monkeypatch.setattr(passes, "PLANE_CELLS", 0)
     monkeypatch.setattr(passes, "MEMBER_CELLS", 0)

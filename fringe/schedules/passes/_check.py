@@ -582,23 +582,37 @@ def _presence_ok(tab: ProgramTable, g: _Gen, backward: bool, kv: str) -> None:
 
 def _by_family(entries) -> dict:
     """``(rank, fam, chunk, hs, t)`` column tuples (``fam`` an int or a column) split by
-    family: ``{fam: [(k, sel, rank, chunk, hs, t), ...]}``, ``k`` the entry's index and
-    ``sel`` the rows of that family (None: all)."""
+    family: ``{fam: [(k, sel), ...]}``, ``k`` the entry's index and ``sel`` the rows of that
+    family (None: all); :func:`_family_rows` cuts them, one family at a time (a backward's kv
+    re-sends and dkv hops: 16.8M rows each at P=4,096)."""
     out = collections.defaultdict(list)
     for k, (r, f, ch, hs, t) in enumerate(entries):
         if not len(r):
             continue
         if isinstance(f, (int, np.integer)):
-            out[int(f)].append((k, None, r, ch, hs, t))
+            out[int(f)].append((k, None))
             continue
         fvs = np.flatnonzero(np.bincount(f, minlength=_F)).tolist()
         if len(fvs) == 1:                   # one family: the columns as they are
-            out[fvs[0]].append((k, None, r, ch, hs, t))
+            out[fvs[0]].append((k, None))
             continue
         for fv in fvs:
-            sel = np.flatnonzero(f == fv)
-            out[fv].append((k, sel, r[sel], ch[sel], hs[sel], t[sel]))
+            out[fv].append((k, fv))
     return out
+
+
+def _family_rows(entries, k: int, fv) -> tuple:
+    """``(sel, rank, chunk, hs, t)`` of entry ``k``'s rows of family ``fv`` (None: all rows,
+    the columns as they are)."""
+    r, f, ch, hs, t = entries[k]
+    if fv is None:
+        return None, r, ch, hs, t
+    sel = np.flatnonzero(f == fv)
+    return sel, r[sel], ch[sel], hs[sel], t[sel]
+
+
+#: Reads :func:`_late_reads` looks up at a time (its temporaries: 8 bytes a read each).
+LATE_PIECE = 1 << 22
 
 
 def _late_reads(P: int, C: int, HS: int, writes: list, reads: list) -> list | None:
@@ -607,10 +621,15 @@ def _late_reads(P: int, C: int, HS: int, writes: list, reads: list) -> list | No
     does, else per entry of ``reads`` a bool mask of its late reads (None: none)."""
     w_by, r_by = _by_family(writes), _by_family(reads)
     out = None
-    for fam, rs in r_by.items():
-        at = _write_steps(P, C, HS, [w[2:] for w in w_by.get(fam, [])], [x[2:] for x in rs])
-        for k, sel, r, ch, hs, t in rs:
-            late = at(r, ch, hs) > t
+    for fam, rs in r_by.items():            # one family's rows at a time (memory)
+        ws = [_family_rows(writes, k, fv)[1:] for k, fv in w_by.get(fam, [])]
+        rows = [(k, *_family_rows(reads, k, fv)) for k, fv in rs]
+        at = _write_steps(P, C, HS, ws, [x[2:] for x in rows])
+        del ws
+        for k, sel, r, ch, hs, t in rows:
+            late = np.concatenate([at(r[i:i + LATE_PIECE], ch[i:i + LATE_PIECE],
+                                      hs[i:i + LATE_PIECE]) > t[i:i + LATE_PIECE]
+                                   for i in range(0, len(r), LATE_PIECE)] or [np.zeros(0, bool)])
             if not late.any():
                 continue
             li = np.flatnonzero(late)
@@ -622,12 +641,13 @@ def _late_reads(P: int, C: int, HS: int, writes: list, reads: list) -> list | No
             if out[k] is None:
                 out[k] = np.zeros(len(reads[k][0]), dtype=bool)
             out[k][li if sel is None else sel[li]] = True
+        del rows, at
     return out
 
 
 def _write_steps(P: int, C: int, HS: int, ws: list, rs: list):
     """``at(rank, chunk, hs)``: the earliest step buffers of one family are written on a
-    rank (int64 max: never), from writes ``ws`` ``[(rank, chunk, hs, t), ...]``; ``rs``, the
+    rank (its dtype's max: never), from writes ``ws`` ``[(rank, chunk, hs, t), ...]``; ``rs``, the
     reads' ``(rank, chunk, hs, t)``, say which buffers are asked for. A dense ``[rank,
     buffer]`` plane over the buffers that occur (no sort of the millions of compute reads),
     or sorted keys past :data:`PLANE_CELLS`."""
@@ -640,8 +660,10 @@ def _write_steps(P: int, C: int, HS: int, ws: list, rs: list):
             used[ch * HS] = True
         ids = np.cumsum(used) - 1
         n = int(ids[-1]) + 1 if len(ids) else 0
-        if P * n <= _columns.PLANE_CELLS:
-            avail = np.full(P * n, never, dtype=np.int64)
+        if P * n <= _columns.PLANE_CELLS:             # int32 steps where they fit ("never":
+            wide = any(len(t) and int(t.max()) >= 2 ** 31 - 1 for *_, t in ws)   # its max)
+            st = np.int64 if wide else np.int32
+            avail = np.full(P * n, np.iinfo(st).max, dtype=st)
             for r, ch, hs, t in ws:
                 _assign_min(avail, r * n + ids[ch * HS + hs], t)
             return lambda r, ch, hs: avail[r * n + ids[ch * HS + hs]]
