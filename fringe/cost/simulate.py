@@ -293,22 +293,22 @@ def _run(flat: _Flat, hw: Hardware, P: int) -> tuple[np.ndarray, ...]:
     src, dst, nbytes = src[order], dst[order], nbytes[order]
     del order
     spos = np.repeat(np.arange(T, dtype=src.dtype), per_step)   # sorted: 0, 0, ..., T - 1
-    ks = src * T                                      # (rank, step) cells of the two ends;
-    ks += spos                                        # int32 unless _flatten widened them
-    kd = dst * T
-    kd += spos
-    del spos
-    sent = _counts(ks, nbytes, P * T)
-    recv = _counts(kd, nbytes, P * T)
+    ks = spos * P                                     # (step, rank) cells of the two ends,
+    ks += src                                         # step-major: a step's transfers touch
+    kd = spos * P                                     # one row of P cells, not P rows (the
+    kd += dst                                         # sums below stay in cache); int32
+    del spos                                          # unless _flatten widened the columns
+    sent = _counts(ks, nbytes, T * P)
+    recv = _counts(kd, nbytes, T * P)
     del nbytes
     dur = sent[ks]
     np.maximum(dur, recv[kd], out=dur)                # the busier end's bytes, over its link
     dur = hw.transfer_s(src, dst, dur)
-    sent, recv = sent.reshape(P, T), recv.reshape(P, T)
+    sent, recv = sent.reshape(T, P).T, recv.reshape(T, P).T          # [P, T] views
     bounds = np.r_[0, np.cumsum(per_step)].tolist()
     # steps where no rank sends (receives) twice: the latest of its transfers is its only one,
     # so a plain assignment does what np.maximum.at does, without its per-element cost
-    once = [(np.bincount(k, minlength=P * T).reshape(P, T).max(axis=0) <= 1).tolist()
+    once = [(np.bincount(k, minlength=T * P).reshape(T, P).max(axis=1) <= 1).tolist()
             for k in (ks, kd)]
     del ks, kd, per_step
     waves = {}
