@@ -253,7 +253,8 @@ def _gradients_sent_whole(tab, g, need: BlockNeed, bits_x, bits_s, own, missing)
     in a dense array of block words by the 1-D ``np.bitwise_or.at`` (chunk-major: a ring's
     hops of one step touch neighbouring cells), then each send's word against it; the
     transfers a batch at a time, no sort and no int64 copy of a column (16.8M dkv hops at
-    P=4,096). Past :data:`~._columns.PLANE_CELLS` cells, the sorted rule."""
+    P=4,096). Past :data:`~._columns.PLANE_CELLS` cells (or 4 bytes a cell of it), the sorted
+    rule."""
     P, C, HS = g.P, g.C, g.HS
     is_grad = np.zeros(_F, dtype=bool)
     is_grad[_grads()] = True
@@ -261,12 +262,13 @@ def _gradients_sent_whole(tab, g, need: BlockNeed, bits_x, bits_s, own, missing)
     if not len(fams):                 # no gradient moves
         return
     cells = len(fams) * C * HS * P
-    if cells > min(_columns.PLANE_CELLS, 2 ** 31 - 1):
+    words_x = _word_columns(_unwords(bits_x, need.nbytes))       # [range set] (-1: whole)
+    words_s = _word_columns(_unwords(bits_s, need.nbytes))
+    width = sum(w.itemsize for w in words_x)                     # bytes a cell
+    if cells > min(_columns.PLANE_CELLS, 2 ** 31 - 1) or cells * width > 4 * _columns.PLANE_CELLS:
         return _gradients_sent_whole_named(tab, g, need, bits_x, bits_s, own, missing)
     ix = np.full(_F, -1, dtype=np.int32)
     ix[fams] = np.arange(len(fams))
-    words_x = _word_columns(_unwords(bits_x, need.nbytes))       # [range set] (-1: whole)
-    words_s = _word_columns(_unwords(bits_s, need.nbytes))
 
     def at(fam, chunk, hs, rank) -> np.ndarray:
         """The cells of (family code, chunk, head slice code, rank) rows, int32 (cells <
