@@ -550,3 +550,116 @@ def test_results_home_fast_path_agrees_with_the_named_rules(spec, monkeypatch):
         monkeypatch.undo()
         assert str(fast.value) == str(slow.value)
     assert exercised, spec
+
+
+def test_a_gradient_sent_on_with_fewer_blocks_than_it_holds_is_named(monkeypatch):
+    """Defect found (fixed): a backward whose dkv hop carries fewer block ranges than the
+    relaying rank holds (``dkv0[0:1]`` for ``[0:2]``, both ends: a reverse or narrow bug)
+    passed every check (covered() trusted the gradients' ranges to reverse), and the blocks
+    left out never reached their owner: dk, dv wrong by O(0.2) with no error."""
+    import sys
+    plan_mod = sys.modules["fringe.plan"]
+    real = plan_mod.reverse
+
+    def fewer(progs):
+        out = list(progs)
+        for r, old, new in ((3, "S dkv0[0:2]→r2", "S dkv0[0:1]→r2"),
+                            (2, "R dkv0[0:2]←r3", "R dkv0[0:1]←r3")):
+            assert old in str(progs[r])
+            out[r] = Program.parse(str(progs[r]).replace(old, new))
+        return out
+    monkeypatch.setattr(plan_mod, "reverse", lambda fwd, **kw: fewer(real(fwd, **kw)))
+    with pytest.raises(ScheduleError, match=r"rank 3, step 2: a gradient sent on leaves out "
+                                            r"blocks this rank holds"):
+        fringe.plan(fringe.schedules.zigzag(), masks.causal(), seq_len=32, world_size=4,
+                    block_size=2)
+
+
+def _cut(ranges, rng: int, n: int):
+    """A range set (``rng`` -1: the whole chunk of ``n`` blocks) with its longest range cut
+    by a block at both ends; None where no range is 3 blocks long."""
+    rs = list(ranges[rng]) if rng >= 0 else [(0, n)]
+    k = max(range(len(rs)), key=lambda i: rs[i][1] - rs[i][0])
+    lo, hi = rs[k]
+    if hi - lo < 3:
+        return None
+    rs[k] = (lo + 1, hi - 1)
+    return tuple(rs)
+
+
+@pytest.mark.parametrize("spec,S", [("zigzag", 64), ("striped", 64), ("allgather", 64),
+                                    ("compose:zigzag+ulysses:2", 64), ("zigzag", 1024),
+                                    ("move_q", 32)])
+def test_gradients_sent_whole_fast_rule_agrees_with_the_named_rule(spec, S, monkeypatch):
+    """covered() checks that a gradient sent on carries every block its rank holds on dense
+    (family, chunk, head slice, rank) words and names a fault through the sorted-key rule;
+    both pass a valid plan and both decide alike (with one message) on faults made by cutting
+    one range of a gradient hop or collective slot (both ends of it) at a block each side
+    (S=1024: 128 blocks a chunk, rows wider than one word; move_q: a dq sent home)."""
+    from fringe.schedules.passes import _blocks, _columns
+    from fringe.schedules.passes._columns import _FAMILY_CODE
+    from fringe.schedules.passes._narrow import _slot_moves
+    P, B = (2, 2) if spec == "move_q" else (4, 2)
+    sched = (Schedule("move_q", layout=_layout.contiguous, programs_fn=_move_q)
+             if spec == "move_q" else fringe.schedules.get(spec))
+    p = fringe.plan(sched, masks.causal(), seq_len=S, world_size=P, block_size=B, num_heads=4)
+    n = S // P // B
+    need = passes.BlockNeed(P, n, p.block_map.rects.numpy())
+    tab = ProgramTable.of(p.backward)
+    comp, xfer, coll = tab._parts
+    g = _columns._Gen(tab)
+    grads = [_FAMILY_CODE[f] for f in (fringe.schedules.ir.Family.DQ,
+                                       fringe.schedules.ir.Family.DKV)]
+    s_send, s_recv = (np.zeros(0, np.int64),) * 2
+    if len(g.sf):
+        g.sf, g.sc, g.shs = g.sf.copy(), g.sc.copy(), g.shs.copy()
+        inputs = np.isin(g.sf, grads)           # the gradient slots' moves, by narrow's
+        g.sf[inputs] = np.where(g.sf[inputs] == grads[0], 0, 1)     # matching of q, kv
+        s_send, s_recv = _slot_moves(g)
+        keep = np.isin(coll["slot_fam"][s_send], grads) & (g.sc[s_send] != g.kr[g.ss[s_send]])
+        s_send, s_recv = s_send[keep], s_recv[keep]
+    hops = np.flatnonzero(np.isin(xfer["fam"], grads) & (xfer["src"] != xfer["chunk"]))
+    cases = [("x", int(i)) for i in hops] + [("s", k) for k in range(len(s_send))]
+    assert cases, spec
+
+    def decide(progs):
+        out = []
+        for cells in (None, 0):                 # dense, then the sorted rule
+            if cells is not None:
+                monkeypatch.setattr(_columns, "PLANE_CELLS", cells)
+            try:
+                _blocks.covered(progs, need, backward=True)
+                out.append(None)
+            except ScheduleError as e:
+                out.append(str(e))
+            monkeypatch.undo()
+        assert out[0] == out[1]
+        return out[0]
+    assert decide(p.backward) is None
+    order = np.random.default_rng(7).permutation(len(cases))
+    faults = tried = 0
+    for part, i in (cases[k] for k in order):
+        x, c = dict(xfer), dict(coll)
+        if part == "x":
+            rng, ranges = np.array(x["rng"], dtype=np.int64), tuple(x["ranges"])
+            new = _cut(ranges, int(rng[i]), n)
+            rows = [i]
+        else:
+            rng, ranges = np.array(c["slot_rng"], dtype=np.int64), tuple(c["ranges"])
+            new = _cut(ranges, int(rng[s_send[i]]), n)
+            rows = [int(s_send[i]), int(s_recv[i])]
+        if new is None:
+            continue
+        rng[rows] = len(ranges)
+        if part == "x":
+            x["rng"], x["ranges"] = rng, ranges + (new,)
+        else:
+            c["slot_rng"], c["ranges"] = rng, ranges + (new,)
+        got = decide(list(ProgramTable._of_parts(P, comp, x, c).programs()))
+        tried += 1
+        faults += got is not None
+        if got is not None:
+            assert "a gradient sent on leaves out blocks this rank holds" in got
+        if tried == 4:
+            break
+    assert faults, spec

@@ -7,7 +7,8 @@ from typing import Sequence
 import numpy as np
 
 from ..ir import C_, G_, KV_SIDE, Q_SIDE, TILE_TOUCH_CODES, Program, ProgramTable, ScheduleError, marked
-from ._columns import _Gen, _table
+from . import _columns
+from ._columns import _F, _Gen, _table
 from ._keys import _lookup, _unique
 
 
@@ -141,7 +142,9 @@ def covered(programs: Sequence[Program], need: BlockNeed, *, backward: bool = Fa
     * a rank forwards only blocks it holds (it owns the buffer, or they arrived).
 
     In the backward the same holds for the input buffers the gradient computes read again;
-    the gradients follow the forward's ranges by rule (:func:`reverse`).
+    the gradients follow the forward's ranges by rule (:func:`reverse`), and a gradient a
+    rank sends on for another rank's chunk carries every block it holds (its tiles wrote
+    them, or they arrived): else those never reach the chunk's owner.
 
     Raises:
         ScheduleError: naming the rank and step of the first fault.
@@ -217,6 +220,161 @@ def covered(programs: Sequence[Program], need: BlockNeed, *, backward: bool = Fa
             j = int(i[np.lexsort((step[i], rank[i]))[0]])
             _fault(tab, int(rank[j]), int(step[j]),
                    f"{what} forwards blocks of a buffer that did not arrive at this rank")
+    if backward:
+        _gradients_sent_whole(tab, g, need, bits_x, bits_s, own, missing)
+
+
+_BATCH = 1 << 20      # transfer rows at a time: temporaries of MBs, not of 16.8M rows
+
+
+def _grads() -> np.ndarray:
+    """Family codes of what gradient computes write (dq, dkv)."""
+    return np.array(sorted({f for f, _, w in TILE_TOUCH_CODES[G_] if w}), dtype=np.int64)
+
+
+def _word_columns(rows: np.ndarray) -> list[np.ndarray]:
+    """Packed bit rows ``[n, w]`` as 1-D word columns whose bitwise ops are the rows':
+    one (:func:`_words`) where ``w <= 8``, else one uint64 column per 8 bytes."""
+    n, w = rows.shape
+    if w <= 8:
+        return [_words(rows)]
+    k = -(-w // 8)
+    wide = np.zeros((n, 8 * k), dtype=np.uint8)
+    wide[:, :w] = rows
+    return [np.ascontiguousarray(col) for col in wide.view(np.uint64).T]
+
+
+def _gradients_sent_whole(tab, g, need: BlockNeed, bits_x, bits_s, own, missing) -> None:
+    """A gradient a rank sends on for another rank's chunk carries every block it holds:
+    the blocks its tiles wrote and the blocks that arrived (else those never reach the
+    owner). :func:`_gradients_sent_whole_named` has the rule in full and names the fault.
+
+    On the columns as they are: what each (gradient family, chunk, head slice, rank) holds
+    in a dense array of block words by the 1-D ``np.bitwise_or.at`` (chunk-major: a ring's
+    hops of one step touch neighbouring cells), then each send's word against it; the
+    transfers a batch at a time, no sort and no int64 copy of a column (16.8M dkv hops at
+    P=4,096). Past :data:`~._columns.PLANE_CELLS` cells (or 4 bytes a cell of it), the sorted
+    rule."""
+    P, C, HS = g.P, g.C, g.HS
+    is_grad = np.zeros(_F, dtype=bool)
+    is_grad[_grads()] = True
+    fams = [f for f in _grads().tolist() if (g.xf == f).any() or (g.sf == f).any()]
+    if not len(fams):                 # no gradient moves
+        return
+    cells = len(fams) * C * HS * P
+    words_x = _word_columns(_unwords(bits_x, need.nbytes))       # [range set] (-1: whole)
+    words_s = _word_columns(_unwords(bits_s, need.nbytes))
+    width = sum(w.itemsize for w in words_x)                     # bytes a cell
+    if cells > min(_columns.PLANE_CELLS, 2 ** 31 - 1) or cells * width > 4 * _columns.PLANE_CELLS:
+        return _gradients_sent_whole_named(tab, g, need, bits_x, bits_s, own, missing)
+    ix = np.full(_F, -1, dtype=np.int32)
+    ix[fams] = np.arange(len(fams))
+
+    def at(fam, chunk, hs, rank) -> np.ndarray:
+        """The cells of (family code, chunk, head slice code, rank) rows, int32 (cells <
+        2**31); ``hs`` a function of the rows' selector (read where HS > 1)."""
+        c = ix[fam] if np.ndim(fam) else np.full(len(chunk), ix[fam], dtype=np.int32)
+        c *= C
+        c += chunk
+        if HS > 1:
+            c *= HS
+            c += hs()
+        c *= P
+        c += rank
+        return c
+
+    def batches(sends: bool):
+        """``(cells, range set ids)`` of the gradient hops a batch at a time: where they
+        arrive, or (``sends``) where a rank that does not own the chunk sends them on."""
+        for a in range(0, len(g.xf), _BATCH):
+            b = slice(a, a + _BATCH)
+            f, c, rank = g.xf[b], g.xc[b], (g.xs if sends else g.xd)[b]
+            m = ix[f] >= 0
+            if sends:
+                m &= rank != c
+            if not m.any():
+                continue
+            sel = slice(None) if m.all() else np.flatnonzero(m)
+            yield at(f[sel], c[sel], lambda: g.xhs[b][sel], rank[sel]), g.xrng[b][sel]
+
+    held = [np.zeros(cells, dtype=w.dtype) for w in words_x]
+    for c, r in batches(False):
+        for h, w in zip(held, words_x):
+            np.bitwise_or.at(h, c, w[r])
+    srank = g.kr[g.ss]
+    grad_slot = np.flatnonzero(is_grad[g.sf] & ~own)              # (slots: few, int64)
+    s_in = grad_slot[g.sdir[grad_slot] == 1]
+    s_out = grad_slot[(g.sdir[grad_slot] == 0) & (g.sc[grad_slot] != srank[grad_slot])]
+    if len(s_in):
+        c = at(g.sf[s_in], g.sc[s_in], lambda: g.shs[s_in], srank[s_in])
+        for h, w in zip(held, words_s):
+            np.bitwise_or.at(h, c, w[g.srng[s_in]])
+    for fam, side, w in TILE_TOUCH_CODES[G_]:
+        if not w or ix[fam] < 0:
+            continue
+        chunk = (g.cq, g.ckv)[side]
+        rows = np.flatnonzero((g.ck == G_) & (chunk != g.cr))
+        c = at(fam, chunk[rows], lambda: g.chs[rows], g.cr[rows])
+        for h, wt in zip(held, _word_columns(need.bits(g.cq[rows], g.ckv[rows], side))):
+            np.bitwise_or.at(h, c, wt)
+
+    def lost(c, r, words) -> bool:    # a send leaving out blocks its rank holds
+        return any(((h[c] & ~w[r]) != 0).any() for h, w in zip(held, words))
+    bad = any(lost(c, r, words_x) for c, r in batches(True))
+    if not bad and len(s_out):
+        bad = lost(at(g.sf[s_out], g.sc[s_out], lambda: g.shs[s_out], srank[s_out]),
+                   g.srng[s_out], words_s)
+    del held
+    if bad:
+        _gradients_sent_whole_named(tab, g, need, bits_x, bits_s, own, missing)   # names it
+        raise RuntimeError("internal error: covered found a gradient sent on without blocks "
+                           "its rank holds but cannot name it; please report it with the "
+                           "programs")
+
+
+def _gradients_sent_whole_named(tab, g, need: BlockNeed, bits_x, bits_s, own,
+                                missing) -> None:
+    """:func:`_gradients_sent_whole`'s rule on sorted int64 keys, naming the first fault
+    (lowest rank, then step): the slow path, taken once the fast one found a fault. Each
+    gradient (dq, dkv; a head slice on its own) a rank sends on for another rank's chunk, by
+    a hop or a collective slot, carries every block that rank holds of it: the blocks its
+    gradient tiles wrote (:class:`BlockNeed`) and those that arrived by hops or slots."""
+    P = g.P
+    grads = _grads()
+    gx = np.flatnonzero(np.isin(g.xf, grads))
+    recv = np.flatnonzero((g.sdir == 1) & np.isin(g.sf, grads) & ~own)
+    sent = np.flatnonzero((g.sdir == 0) & np.isin(g.sf, grads) & ~own)
+    ox, os_ = gx[g.xs[gx] != g.xc[gx]], sent[g.sc[sent] != g.kr[g.ss[sent]]]
+    if not len(ox) and not len(os_):
+        return
+    s_rank = np.concatenate([g.xs[ox], g.kr[g.ss[os_]]])
+    s_step = np.concatenate([g.xt[ox], g.kt[g.ss[os_]]])
+    key = np.concatenate([g.bkey(g.xf[ox], g.xc[ox], g.xhs[ox]),
+                          g.bkey(g.sf[os_], g.sc[os_], g.shs[os_])]) * P + s_rank
+    space, ids = _unique(key)
+    moved = np.concatenate([bits_x[g.xrng[ox]], bits_s[g.srng[os_]]])     # each send's
+    held = np.zeros((len(space),) + bits_x.shape[1:], dtype=bits_x.dtype)
+
+    def hold(k, bits):
+        k, hit = _lookup(k, space, np.arange(len(space)), -1)
+        np.bitwise_or.at(held, k[hit], bits[hit])
+    hold(np.concatenate([g.bkey(g.xf[gx], g.xc[gx], g.xhs[gx]) * P + g.xd[gx],
+                         g.bkey(g.sf[recv], g.sc[recv], g.shs[recv]) * P + g.kr[g.ss[recv]]]),
+         np.concatenate([bits_x[g.xrng[gx]], bits_s[g.srng[recv]]]))
+    for fam, side, w in TILE_TOUCH_CODES[G_]:
+        if not w:
+            continue
+        chunk = (g.cq, g.ckv)[side]
+        rows = np.flatnonzero((g.ck == G_) & (chunk != g.cr))
+        hold(g.bkey(fam, chunk[rows], g.chs[rows]) * P + g.cr[rows],
+             _words(need.bits(g.cq[rows], g.ckv[rows], side)))
+    bad = missing(held[ids], moved)
+    if bad.any():
+        i = np.flatnonzero(bad)
+        j = int(i[np.lexsort((s_step[i], s_rank[i]))[0]])
+        _fault(tab, int(s_rank[j]), int(s_step[j]),
+               "a gradient sent on leaves out blocks this rank holds (its tiles wrote them or "
+               "they arrived): they never reach the chunk's owner; send every block it holds")
 
 
 def _tile_text(g, j: int) -> str:

@@ -40,8 +40,9 @@ def check(programs: Sequence[Program], *, need: torch.Tensor | None = None,
       dkv in the backward) is sent on at a step after its last write, towards its owner, and
       only once (a head slice counts on its own);
     * with ``blocks`` (a :class:`BlockNeed`), for transfers that move block ranges: the
-      ranges lie in the chunk, a compute reads only blocks the ranged transfers brought, and
-      a rank forwards only blocks it holds (:func:`covered`). Programs that move ranges are
+      ranges lie in the chunk, a compute reads only blocks the ranged transfers brought, a
+      rank forwards only blocks it holds, and (backward) a gradient it sends on for another
+      rank's chunk carries every block it holds (:func:`covered`). Programs that move ranges are
       checked only with ``blocks`` given in full: without it a block left out is not seen.
 
     It runs on the columns of the programs' one table and names the first fault: of the
