@@ -654,20 +654,29 @@ def _write_steps(P: int, C: int, HS: int, ws: list, rs: list):
     or sorted keys past :data:`PLANE_CELLS`."""
     never = np.iinfo(np.int64).max
     if C * HS <= _columns.PLANE_CELLS:
+        def code(ch, hs):                            # (chunk, hs) buffer code; no head
+            return ch if HS == 1 else ch * HS + hs   # slices (HS 1): the chunk, no copies
         used = np.zeros(C * HS, dtype=bool)          # (chunk, hs) buffers of this family
         for _, ch, hs, _ in itertools.chain(ws, rs):
-            used[ch * HS + hs] = True
-        for _, ch, _, _ in rs:                       # the parents of what is read
-            used[ch * HS] = True
-        ids = np.cumsum(used) - 1
+            used[code(ch, hs)] = True
+        if HS > 1:
+            for _, ch, _, _ in rs:                   # the parents of what is read
+                used[ch * HS] = True
+        ids = (np.cumsum(used) - 1).astype(np.int32)     # (< C * HS <= PLANE_CELLS)
         n = int(ids[-1]) + 1 if len(ids) else 0
         if P * n <= _columns.PLANE_CELLS:             # int32 steps where they fit ("never":
             wide = any(len(t) and int(t.max()) >= 2 ** 31 - 1 for *_, t in ws)   # its max)
             st = np.int64 if wide else np.int32
+
+            def cell(r, ch, hs):                     # int32: P * n <= PLANE_CELLS < 2**31
+                k = r.astype(np.int32)
+                k *= np.int32(n)
+                k += ids[code(ch, hs)]
+                return k
             avail = np.full(P * n, np.iinfo(st).max, dtype=st)
             for r, ch, hs, t in ws:
-                _assign_min(avail, r * n + ids[ch * HS + hs], t)
-            return lambda r, ch, hs: avail[r * n + ids[ch * HS + hs]]
+                _assign_min(avail, cell(r, ch, hs), t)
+            return lambda r, ch, hs: avail[cell(r, ch, hs)]
     i64 = np.int64                                   # (chunk columns may be int32)
     codes = ([ch.astype(i64) * HS + hs for _, ch, hs, _ in itertools.chain(ws, rs)]
              + [ch.astype(i64) * HS for _, ch, _, _ in rs])
