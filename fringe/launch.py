@@ -44,11 +44,19 @@ Nothing outlives its launcher:
   or a call is interrupted, the process group can no longer be trusted: the pool stops its
   workers and every later ``run`` raises :class:`LaunchError` naming the cause. ``close()``
   and ``start()`` (or a new :class:`Workers`) give a fresh pool.
-* **A silent rank is not waited for.** Once a rank has reported a communication failure or
-  died, the others have ``peer_grace_s`` (default :data:`PEER_GRACE_S`) to answer; a rank
-  still silent then (stopped by SIGSTOP, hung, deadlocked) is named in a :class:`LaunchError`
-  (``kind == "unresponsive"``) and the whole pool is stopped, stopped processes included.
-  Errors that every rank reports (a ``RankMismatch``, a ``ValueError``) leave the pool alive.
+* **One rank's failure is not a hang.** Once a rank has raised (any exception: a
+  ``ValueError`` or an assertion in user code before a collective, or a communication
+  failure) or died, the others have ``peer_grace_s`` (default :data:`PEER_GRACE_S`) to
+  finish or raise themselves, as torchrun stops the other workers once one fails. Ranks
+  still running then are stopped, with the whole pool (stopped processes included), and
+  the :class:`LaunchError` names them (``stopped``). It leads with the first rank's own
+  exception (type, message, remote traceback) where one raised: its peers were most likely
+  waiting for it in a collective it never joined; where the only failures are a peer's
+  timeout or a death, it leads with the silent ranks instead (``kind == "unresponsive"``:
+  stopped by SIGSTOP, hung, deadlocked). Errors that every rank reports within the grace (a
+  ``RankMismatch``, a ``ValueError`` every rank raises, fringe's invalid-input errors, which
+  every rank raises on purpose) leave the pool alive, as does an error on one rank whose
+  peers finish their call.
 """
 from __future__ import annotations
 
@@ -91,8 +99,8 @@ _COMM_MESSAGE = re.compile(r"gloo|nccl|timed out|pair closure|connection (reset|
 _TORCH_DISTRIBUTED = os.sep + os.path.join("torch", "distributed") + os.sep
 _COLLECT_SLACK_S = 30.0     # the parent waits timeout_s + this before declaring a call lost
 _DEAD_GRACE_S = 2.0         # a dead rank's last message may still be in the queue
-#: Default ``peer_grace_s``: how long the other ranks have to answer once one rank reported a
-#: communication failure or died, before the pool is stopped and the silent ranks are named.
+#: Default ``peer_grace_s``: how long the other ranks have to answer once one rank raised or
+#: died, before the pool is stopped and the ranks still running are named.
 PEER_GRACE_S = 5.0
 _STDERR_TAIL_BYTES = 8192   # what the parent keeps of each worker's stderr
 _STDERR_TAIL_LINES = 12     # ... and how many of its last lines a LaunchError carries
@@ -108,16 +116,22 @@ class LaunchError(RuntimeError):
         remote_traceback: that rank's traceback.
         kind: its exception type name, ``"ProcessDied"``, ``"timeout"`` (a call the ranks did
             not answer in time), ``"unresponsive"`` (``rank`` stayed silent after a peer
-            reported a communication failure or died; the pool was stopped), ``"broken"``
+            reported a communication failure or died, and no rank raised an exception of its
+            own; the pool was stopped), ``"broken"``
             (a call on a pool that broke earlier) or ``"unimportable"`` (this program's
             ``__main__`` cannot be re-imported by spawned workers; nothing was started).
-        errors: rank -> (exception type name, traceback) for every rank that failed.
+        errors: rank -> (exception type name, traceback) for every rank that failed;
+            ``"stopped"`` / ``"unresponsive"`` for a rank the launcher stopped.
+        stopped: the ranks still running ``peer_grace_s`` after a peer raised or died, which
+            the launcher stopped (with the whole pool); empty when every rank answered.
     """
 
     def __init__(self, message: str, *, rank: int | None = None, remote_traceback: str = "",
-                 kind: str = "", errors: dict | None = None) -> None:
+                 kind: str = "", errors: dict | None = None,
+                 stopped: list[int] | None = None) -> None:
         super().__init__(message)
         self.errors = dict(errors or {})
+        self.stopped = sorted(stopped or [])
         self.rank = rank
         self.remote_traceback = remote_traceback
         self.kind = kind
@@ -604,9 +618,11 @@ class Workers:
             group's own timeout); a positive, finite number of seconds.
         backend: ``"gloo"`` here; ``"nccl"`` only makes sense with one GPU per rank.
         threads: torch intra-op threads per rank (default: cores / P, at least 1).
-        peer_grace_s: once a rank reported a communication failure or died, how long the
-            other ranks have to answer before the pool is stopped and :class:`LaunchError`
-            (``kind == "unresponsive"``) names the silent ones (default :data:`PEER_GRACE_S`).
+        peer_grace_s: once a rank raised (any exception) or died, how long the other ranks
+            have to finish or raise before they are stopped with the whole pool and
+            :class:`LaunchError` names them (default :data:`PEER_GRACE_S`); a finite number of
+            seconds >= 0. Set it above the longest a rank may go on working after a peer
+            raised (a rank that does not talk to its peers for that long).
 
     Raises:
         ValueError / TypeError: for arguments that do not fit, saying what was expected.
@@ -723,9 +739,11 @@ class Workers:
         Calls from several threads run one after another, each getting its own results.
 
         Raises:
-            LaunchError: a rank failed (``kind`` is its exception type), died, stayed silent
-                after a peer failed (``"unresponsive"``), or the call timed out; or this
-                pool broke earlier (``kind == "broken"``).
+            LaunchError: a rank failed (``kind`` is its exception type; ranks still running
+                ``peer_grace_s`` later are stopped with the pool and named in ``stopped``),
+                died, stayed silent after a peer's communication failure or death
+                (``"unresponsive"``), or the call timed out; or this pool broke earlier
+                (``kind == "broken"``).
             TypeError: ``fn`` or an argument cannot be sent to the workers (not picklable,
                 or defined in a ``__main__`` the workers cannot import: ``python -c``, an
                 interactive session); checked before anything is sent.
@@ -772,7 +790,8 @@ class Workers:
         breaking: dict[int, bool] = {}
         deadline = time.monotonic() + self.timeout_s + _COLLECT_SLACK_S
         dead_since: dict[int, float] = {}
-        silent_after: float | None = None     # set when a rank broke the group or died
+        raised: list[int] = []                # ranks whose fn raised, in the order they did
+        silent_after: float | None = None     # set when a rank raised or died
         procs = self._res.procs
         while len(out) + len(errors) < self.world_size:
             try:
@@ -794,7 +813,11 @@ class Workers:
                 else:
                     errors[rank] = (value, tb)
                     breaking[rank] = bool(breaks)
-                    if breaks and silent_after is None:
+                    raised.append(rank)
+                    # its peers may be waiting for it in a collective it will never join:
+                    # they have peer_grace_s to answer (an error every rank raises, such as a
+                    # RankMismatch, arrives from all of them well within it)
+                    if silent_after is None:
                         silent_after = now + self.peer_grace_s
                 continue
             for r, p in enumerate(procs):
@@ -806,7 +829,7 @@ class Workers:
                             silent_after = now + self.peer_grace_s
             missing = sorted(set(range(self.world_size)) - set(out) - set(errors))
             if missing and silent_after is not None and now > silent_after:
-                self._silent(missing, errors, breaking, what)
+                self._silent(missing, errors, breaking, raised, what)
             if now > deadline:
                 cause = (f"{what}, when ranks {missing} did not answer within "
                          f"{self.timeout_s + _COLLECT_SLACK_S:g}s")
@@ -817,7 +840,7 @@ class Workers:
                 raise LaunchError(f"ranks {missing} did not answer {what} within "
                                   f"{self.timeout_s + _COLLECT_SLACK_S:g}s"
                                   + (f" (before that: {failed})" if failed else ""),
-                                  kind="timeout", errors=errors) from None
+                                  kind="timeout", errors=errors, stopped=missing) from None
         if errors:
             # lead with a rank's own exception, then a dead process, then the timeouts of its
             # peers that usually follow from either
@@ -853,9 +876,18 @@ class Workers:
                      "above")
         return text
 
-    def _silent(self, missing: list[int], errors: dict, breaking: dict, what: str):
-        """Ranks that stay silent after a peer broke the group or died: stop the pool (a
-        stopped process included) and raise, naming them and what came before."""
+    def _silent(self, missing: list[int], errors: dict, breaking: dict, raised: list[int],
+                what: str):
+        """Ranks still running ``peer_grace_s`` after a peer raised or died: stop the pool (a
+        stopped process included) and raise.
+
+        Where a rank raised an exception of its own (not a communication failure), the error
+        leads with it: the ranks still running were most likely waiting for it in a collective
+        it never joined. Otherwise (a peer timed out or died) it leads with the silent ranks,
+        which most likely caused that (stopped by SIGSTOP, hung, deadlocked)."""
+        own = [r for r in raised if not breaking.get(r, False)]
+        if own:
+            self._stop_waiting(missing, errors, own[0], what)
         died = sorted(r for r in errors if errors[r][0] == "ProcessDied")
         cause_rank = died[0] if died else min(r for r in breaking if breaking[r])
         kind, tb = errors[cause_rank]
@@ -873,7 +905,33 @@ class Workers:
                           f"hung or deadlocked; peer_grace_s= sets the wait). Failed: {others}; "
                           f"rank {cause_rank}'s report:\n{tb}",
                           rank=missing[0], remote_traceback=tb, kind="unresponsive",
-                          errors=errors)
+                          errors=errors, stopped=missing)
+
+    def _stop_waiting(self, missing: list[int], errors: dict, cause_rank: int, what: str):
+        """Rank ``cause_rank`` raised and ``missing`` are still running ``peer_grace_s`` later
+        (most likely waiting for it in a collective): stop the pool and raise its exception,
+        naming the ranks that were stopped (as torchrun stops the other workers once one
+        fails)."""
+        kind, tb = errors[cause_rank]
+        last = _last_line(tb) or kind
+        ranks, was = ((f"rank {missing[0]}", "was") if len(missing) == 1
+                      else (f"ranks {missing}", "were"))
+        self._break(f"{what}, when {ranks} {was} still running {self.peer_grace_s:g}s after "
+                    f"rank {cause_rank} raised {last} and {was} stopped")
+        for r in missing:
+            errors[r] = ("stopped", f"rank {r} was still running {self.peer_grace_s:g}s after "
+                                    f"rank {cause_rank} raised {last}, and was stopped")
+        others = ", ".join(f"rank {r}: {errors[r][0]}" for r in sorted(errors)
+                           if r != cause_rank and r not in missing)
+        raise LaunchError(
+            f"rank {cause_rank} failed with {kind} during {what}: {last}\n"
+            f"{ranks} {was} still running {self.peer_grace_s:g}s later (most likely waiting for "
+            f"rank {cause_rank} in a collective it never joined) and {was} stopped, with the "
+            f"whole pool: the pool is broken (close() and start() it again, or use a new "
+            f"Workers; peer_grace_s= sets the wait)."
+            + (f" Also failed: {others}." if others else "")
+            + f"\nrank {cause_rank}'s traceback:\n{tb}",
+            rank=cause_rank, remote_traceback=tb, kind=kind, errors=errors, stopped=missing)
 
     def close(self) -> None:
         """Stop the ranks (they finish the current call first, up to 10 s) and remove the

@@ -363,6 +363,12 @@ def every_rank_raises_value_error(rank: int, world_size: int):
     raise ValueError(f"bad input on rank {rank}")
 
 
+def every_rank_raises_value_error_rank_0_late(rank: int, world_size: int):
+    if rank == 0:
+        time.sleep(1.0)     # well within the pool's peer_grace_s (3 s)
+    raise ValueError(f"bad input on rank {rank}")
+
+
 def every_rank_disagrees(rank: int, world_size: int):
     """A real RankMismatch: every rank raises it from the agreement before attention."""
     import fringe
@@ -448,6 +454,10 @@ def test_a_stopped_rank_is_named_and_reaped_after_a_peer_times_out(pool):
     # errors every rank reports leave the pool alive, same processes
     with pytest.raises(LaunchError, match="rank 0 failed with ValueError"):
         w.run(every_rank_raises_value_error)
+    # ... also when one reports later than the other, within peer_grace_s
+    with pytest.raises(LaunchError, match="rank 0 failed with ValueError") as info:
+        w.run(every_rank_raises_value_error_rank_0_late)
+    assert sorted(info.value.errors) == [0, 1] and info.value.stopped == []
     with pytest.raises(LaunchError) as info:
         w.run(every_rank_disagrees)
     assert info.value.kind == "RankMismatch" and sorted(info.value.errors) == [0, 1]
@@ -519,14 +529,14 @@ def test_a_rank_that_dies_carries_its_last_stderr_lines_into_the_error(pool):
     assert _wait_gone(pids) == [] and os.listdir(root) == []
 
 
-def rank_1_raises_before_a_collective(rank: int, world_size: int):
+def rank_1_raises_before_a_collective(rank: int, world_size: int, group_timeout_s: float = 1):
     """Rank 1 raises before an all-reduce that rank 0 waits in; rank 0 then fails with gloo's
     own timeout, a plain RuntimeError out of torch.distributed (a group with a 1 s timeout
-    keeps it short)."""
+    keeps it short), unless the pool's ``peer_grace_s`` runs out first."""
     import datetime
 
     import torch.distributed as dist
-    group = dist.new_group(timeout=datetime.timedelta(seconds=1))
+    group = dist.new_group(timeout=datetime.timedelta(seconds=group_timeout_s))
     if rank == 1:
         raise ValueError("bad input on rank 1, before the all-reduce")
     dist.all_reduce(torch.ones(1), group=group)
@@ -558,4 +568,33 @@ def test_a_gloo_failure_breaks_the_pool_and_the_rank_that_raised_leads(pool, mon
     with pytest.raises(LaunchError, match="broken since") as info:
         w.run(ranks_and_pids)
     assert info.value.kind == "broken"
+    assert _wait_gone(pids) == [] and os.listdir(root) == []
+
+
+def test_a_plain_error_on_one_rank_stops_the_peers_waiting_for_it(pool):
+    """A user's bug on one rank (a ValueError before a collective) must not look like a hang:
+    its peer, waiting in the all-reduce, is stopped ``peer_grace_s`` (3 s) after it, long
+    before gloo's timeout (20 s here, 120 s by default), and the error leads with the bug."""
+    healthy, root = pool
+    w = healthy()
+    pids = w.pids
+    start = time.monotonic()
+    with pytest.raises(LaunchError) as info:
+        w.run(rank_1_raises_before_a_collective, 20.0)
+    waited = time.monotonic() - start
+    err = info.value
+    msg = str(err)
+    assert err.kind == "ValueError" and err.rank == 1, msg
+    assert msg.splitlines()[0] == ("rank 1 failed with ValueError during call "
+                                   f"{w._calls} (rank_1_raises_before_a_collective): ValueError: "
+                                   "bad input on rank 1, before the all-reduce"), msg
+    assert "rank 0 was still running 3s later" in msg and "was stopped" in msg, msg
+    assert err.remote_traceback.rstrip().endswith("bad input on rank 1, before the all-reduce")
+    assert "raise ValueError" in err.remote_traceback
+    assert err.stopped == [0] and err.errors[0][0] == "stopped", err.errors
+    assert waited < 20.0, waited                    # the grace ended it, not gloo's timeout
+    assert "rank 0 was still running" in w.broken and "ValueError" in w.broken, w.broken
+    with pytest.raises(LaunchError, match="broken since") as info:
+        w.run(ranks_and_pids)
+    assert info.value.kind == "broken" and "was stopped" in str(info.value)
     assert _wait_gone(pids) == [] and os.listdir(root) == []

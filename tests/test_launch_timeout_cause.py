@@ -1,5 +1,8 @@
 """A call that times out because a peer waits for a rank that already raised must name
-that rank's exception (the root cause), not only the waiting ranks."""
+that rank's exception (the root cause), not only the waiting ranks.
+
+(With the default ``peer_grace_s`` the waiting peer is stopped long before the call's
+timeout: tests/test_launch.py. A grace longer than the timeout keeps this path reachable.)"""
 from __future__ import annotations
 
 import time
@@ -19,7 +22,7 @@ def raise_or_wait(rank, world_size):
 
 def test_timeout_names_the_rank_that_raised(monkeypatch):
     with pytest.raises(LaunchError) as info:
-        with Workers(2, timeout_s=15, threads=1) as w:
+        with Workers(2, timeout_s=15, threads=1, peer_grace_s=600) as w:
             # the short slack for the call only: joining (spawn, torch import) takes longer
             # than 15 + 1 s on a loaded machine
             monkeypatch.setattr(launch, "_COLLECT_SLACK_S", 1.0)
