@@ -87,3 +87,25 @@ def test_the_live_buffer_peak_is_one_answer_by_every_path(path, monkeypatch):
             got = cost_simulate.simulate(p, "h100-ib", SHAPE).memory
         np.testing.assert_array_equal(got, want)
         assert want.max() > 0
+
+
+@pytest.mark.parametrize("cells", [0, 50])
+def test_transfers_priced_a_block_of_steps_at_a_time_give_the_same_prediction(cells, monkeypatch):
+    """The simulator prices transfers a block of steps at a time (STEP_CELLS): one step a
+    block, or blocks that end mid-plan, predict what one block of every step does, field by
+    field (a rank sending twice in a step, collectives and the cpu preset's host bytes
+    included)."""
+    S, P = 8192, 16
+    for spec, hw in (("zigzag", "h100-ib"), ("compose:zigzag+ulysses:4", "cpu"),
+                     ("allgather", "h100-ib")):
+        p = fringe.plan(registry.get(spec), cost_cli.mask_from_spec("document:9", S),
+                        seq_len=S, world_size=P, block_size=64)
+        want = cost_simulate.simulate(p, hw, SHAPE)
+        with monkeypatch.context() as m:
+            m.setattr(cost_simulate, "STEP_CELLS", cells)
+            got = cost_simulate.simulate(p, hw, SHAPE)
+        for which in ("forward", "backward"):
+            for field in ("compute", "wait", "sent", "recv", "tiles", "active", "steps"):
+                np.testing.assert_array_equal(getattr(got, field)[which],
+                                              getattr(want, field)[which])
+        assert got.step_s == want.step_s > 0

@@ -335,11 +335,14 @@ def _general_columns(t, P: int, L: int, shape: Shape, block_size: int | None = N
 
     xs, src, dst, xc = (xfer[k] for k in ("step", "src", "dst", "chunk"))
     x_id = ids(x_sl, x_key, xfer["fam"], xc)
-    sends = (src, xs, dst, _ranged_bytes(buf_bytes[x_id], xfer["rng"], xfer["ranges"], L,
-                                         block_size))
+    x_bytes = _ranged_bytes(buf_bytes[x_id], xfer["rng"], xfer["ranges"], L, block_size)
+    if len(x_bytes) and int(x_bytes.max()) < 2 ** 31:   # int32 where it fits: kept per plan
+        x_bytes = x_bytes.astype(np.int32)               # (16.8M transfers at P=4,096)
+    sends = (src, xs, dst, x_bytes)
     for rank, start in ((src, False), (dst, True)):     # a transfer touches a buffer another
-        m = xc != rank                                  # rank owns
-        touch.append((rank[m], xs[m], x_id[m], start))
+        m = xc != rank                                  # rank owns (every one, in a ring:
+        touch.append((rank, xs, x_id, start) if m.all() else   # the columns, no copies)
+                     (rank[m], xs[m], x_id[m], start))
 
     # collectives: groups by value (as the oracle keys them), the member index of each side's
     # rank, and its ordinal (the collectives on its group earlier in the rank's step)
