@@ -267,6 +267,21 @@ def test_narrow_returns_the_very_table_when_every_move_needs_its_whole_chunk():
         assert ProgramTable.of(out).ranged is ranged
 
 
+def test_narrow_by_dense_cells_and_by_sorted_keys_gives_the_same_table(monkeypatch):
+    """narrow keys (moved buffer, rank) cells densely up to PLANE_CELLS and by a sort past
+    it: the same ranges on hops, collective slots and head slices."""
+    from fringe.schedules import passes, registry
+    for spec in ("zigzag", "allgather", "compose:zigzag+ulysses:2"):
+        p = fringe.plan(registry.get(spec), MASKS["causal_documents"], seq_len=S,
+                        world_size=4, block_size=BS, ranges=False)
+        blocks = BlockNeed(4, S // 4 // BS, p.block_map.rects.numpy())
+        want = ProgramTable.of(narrow(list(p.forward), blocks))
+        with monkeypatch.context() as m:
+            m.setattr(passes, "PLANE_CELLS", 0)
+            got = ProgramTable.of(narrow(list(p.forward), blocks))
+        assert want.ranged and got.digest() == want.digest()
+
+
 def test_narrow_words_are_the_packed_rows():
     """narrow and covered take block bits as one word per row where a row fits 8 bytes: for every row
     width the words round-trip and OR / gather exactly as the uint8 rows do."""

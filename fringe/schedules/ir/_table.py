@@ -121,15 +121,22 @@ class ProgramTable:
 
     @classmethod
     def _of_parts(cls, world_size: int, comp: dict, xfer: dict,
-                  coll: dict | None = None, *, fresh: bool = False) -> ProgramTable:
+                  coll: dict | None = None, *, fresh: bool = False,
+                  base: ProgramTable | None = None) -> ProgramTable:
         """The table of parts ``comp``, ``xfer`` and ``coll`` (the class docstring's
         columns). ``hi, hn`` may be left out (all heads), ``rorder`` too (the send's order),
         and ``coll`` (no collectives). ``fresh``: the transfer columns are arrays the caller
         just made and holds nowhere else (a pass's output): one already narrow is taken
-        as the table's own, not copied (16.8M rows at P=4,096: 67 MB a column)."""
+        as the table's own, not copied (16.8M rows at P=4,096: 67 MB a column). ``base``: a
+        table whose columns (the very arrays, read-only and its own) this one shares where the
+        parts hold them (a pass that changes some columns: narrow's ranges)."""
         import numpy as np
+        shared = set() if base is None else {
+            id(v) for part in base._parts for v in part.values() if isinstance(v, np.ndarray)}
 
         def small(x, take=False):        # int32 where it fits: half the memory at P=1024
+            if id(x) in shared:          # a column of base: already small, read-only, its own
+                return x
             x = np.asarray(x)
             want = column_dtype(*((int(x.min()), int(x.max())) if len(x) else (0, 0)))
             if want is None:             # all zeros (whole heads, ...): fresh zeroed pages,

@@ -9,7 +9,8 @@ import numpy as np
 from ..ir import C_, TILE_TOUCH_CODES, Program, ProgramTable
 from ._blocks import BlockNeed, _inputs, _unwords, _words
 from ._check import _gen
-from ._columns import _table, gc_paused
+from . import _columns
+from ._columns import _F, _table, gc_paused
 from ._keys import _by_step, _lookup, _row_keys, _runs, _unique
 
 
@@ -78,17 +79,41 @@ def narrow(programs: Sequence[Program], need: BlockNeed) -> list[Program]:
     step = cat(g.xt[h], g.kt[g.ss[s_send]])
     rk, rr, rbits = _reads(g, need)
     m = len(mb)
-    mb = mb * P
-    space, ids = _unique(np.concatenate([mb + dst, mb + src]))
-    del mb, src, dst                  # (memory: m moves at P=4,096 are 16.8M)
-    K = len(space)
-    at_dst, at_src = ids[:m], ids[m:]
     rbits = _words(rbits)             # one word per row where it fits: 1-D gathers below
-    use = np.zeros((K,) + rbits.shape[1:], dtype=rbits.dtype)
-    u, hit = _lookup(rk * P + rr, space, np.arange(K), -1)
-    if hit.any():
-        np.bitwise_or.at(use, u[hit], rbits[hit])
-    del space, u, hit, rk, rr, rbits
+    NBC = _F * g.C * g.HS             # buffer codes
+    dense = NBC <= _columns.PLANE_CELLS
+    if dense:
+        used = np.zeros(NBC, dtype=bool)
+        used[mb] = True
+        dense = int(np.count_nonzero(used)) * P <= _columns.PLANE_CELLS
+    if dense:
+        # dense (moved buffer, rank) cells in int32: no sort, no int64 keys of the moves
+        id_of = (np.cumsum(used) - 1).astype(np.int32)
+        K = (int(id_of[-1]) + 1) * P
+
+        def cell(b, r):
+            k = id_of[b]
+            k *= np.int32(P)
+            k += r
+            return k
+        at_dst, at_src = cell(mb, dst), cell(mb, src)
+        del mb, src, dst
+        use = np.zeros((K,) + rbits.shape[1:], dtype=rbits.dtype)
+        hit = used[rk]                # reads of buffers no move carries: nothing to carry
+        if hit.any():
+            np.bitwise_or.at(use, cell(rk[hit], rr[hit]), rbits[hit])
+        del used, id_of, hit, rk, rr, rbits
+    else:                             # (buffer, rank) keys that occur, by a sort
+        mb = mb * P
+        space, ids = _unique(np.concatenate([mb + dst, mb + src]))
+        del mb, src, dst              # (memory: m moves at P=4,096 are 16.8M)
+        K = len(space)
+        at_dst, at_src = ids[:m], ids[m:]
+        use = np.zeros((K,) + rbits.shape[1:], dtype=rbits.dtype)
+        u, hit = _lookup(rk * P + rr, space, np.arange(K), -1)
+        if hit.any():
+            np.bitwise_or.at(use, u[hit], rbits[hit])
+        del space, u, hit, rk, rr, rbits, ids
     live = np.zeros_like(use)
     carry = np.zeros((m,) + use.shape[1:], dtype=use.dtype)
     by_step = _by_step(step, descending=True)
@@ -108,7 +133,7 @@ def narrow(programs: Sequence[Program], need: BlockNeed) -> list[Program]:
             live[frm] |= c
         else:
             np.bitwise_or.at(live, frm, c)
-    del use, live, by_step, step, at_dst, at_src, ids
+    del use, live, by_step, step, at_dst, at_src
     carry = _unwords(carry, need.nbytes)
     whole = (carry == need.whole()).all(axis=1)
     if whole.all():                   # every move needs its whole chunk: the same table
@@ -133,7 +158,7 @@ def narrow(programs: Sequence[Program], need: BlockNeed) -> list[Program]:
         s_rng[s_send] = rng[nh:]
         s_rng[s_recv] = rng[nh:]
         c["slot_rng"], c["ranges"] = s_rng, ranges
-    return list(ProgramTable._of_parts(P, comp, x, c).programs())
+    return list(ProgramTable._of_parts(P, comp, x, c, base=tab).programs())
 
 
 def _distinct_rows(bits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
