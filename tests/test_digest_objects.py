@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import time
 
+import numpy as np
 import torch
 
 from fringe import masks as M
@@ -151,3 +152,15 @@ def test_fn_digest_of_objects_stays_cheap():
     # deterministic however the walk is ordered: equal huge objects, equal digests
     assert M.fn_digest(big.score) == M.fn_digest(_Softcap(30.0, slopes=list(big.slopes)).score)
     assert M.fn_digest(big.score) != M.fn_digest(_Softcap(50.0, slopes=big.slopes).score)
+
+
+def test_fn_digest_reads_numpy_arrays_and_scalars():
+    """A closure's numpy array (snapshot copies it) was digested by type only."""
+    def alibi(slopes):
+        return lambda s, b, h, q, kv: s - torch.as_tensor(slopes)[h] * (q - kv).abs()
+    _differ(lambda c: alibi(np.array([0.5, 0.25]) * c))
+    _differ(lambda c: alibi(np.array([0.5, 0.25], dtype=np.float32) * np.float32(c)))
+    _differ(lambda c: _Softcap(np.float32(c)).score)
+    assert M.fn_digest(alibi(np.zeros(2))) != M.fn_digest(alibi(np.zeros(2, dtype=np.float32)))
+    assert M.fn_digest(alibi(np.zeros(2))) != M.fn_digest(alibi(np.zeros((1, 2))))
+    _differ(lambda c: alibi(np.array([c, "x"], dtype=object)))    # of objects: their values

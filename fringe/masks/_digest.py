@@ -8,6 +8,7 @@ import hashlib
 import re
 import types
 
+import numpy as np
 import torch
 
 from ._bh import reads_bh
@@ -146,10 +147,10 @@ def fn_digest(fn) -> str:
     """A digest (hex) of a callable's code and captured values, for score_mods and the like.
 
     Covered: the code object (bytecode, names, constants recursively, argument layout),
-    defaults and keyword defaults, and the contents of closure cells — tensors by dtype,
-    shape and content bytes, numbers / strings / None by repr, tuples, lists, dicts, sets,
-    ``functools.partial`` objects, nested functions and :class:`Mask` objects recursively
-    (a Mask's plain leaves by their function). Tensors that require grad are digested by
+    defaults and keyword defaults, and the contents of closure cells — tensors and numpy
+    arrays / scalars by dtype, shape and content bytes, numbers / strings / None by repr,
+    tuples, lists, dicts, sets, ``functools.partial`` objects, nested functions and
+    :class:`Mask` objects recursively (a Mask's plain leaves by their function). Tensors that require grad are digested by
     dtype and shape only: their values legitimately change during training and are kept
     in sync by data parallelism. A device by its type only (its index is each rank's own
     accelerator).
@@ -166,7 +167,7 @@ def fn_digest(fn) -> str:
     modules by name only.
 
     Not covered (by type only): objects whose state Python cannot read (C extensions:
-    ``torch.Generator``, numpy arrays, process groups), ``torch.distributed`` objects
+    ``torch.Generator``, process groups), ``torch.distributed`` objects
     (``DeviceMesh``, FSDP state: they differ on every rank by design), an object's
     attribute that holds more than ~5,000 objects or 5 MB of tensor data (the walk is
     bounded so a plan over a score_mod bound to a large model stays cheap), class
@@ -308,6 +309,15 @@ def _obj_digest(hs: _Hasher, obj, seen: _Walk, depth: int) -> None:  # noqa: C90
         else:
             hs.put("shape-only", type(obj).__qualname__)
         hs.tensor(obj, values=values)
+        return
+    if isinstance(obj, (np.ndarray, np.generic)) and not obj.dtype.hasobject:  # by content
+        seen.spend(obj.nbytes >> 10)
+        hs.put("ndarray", f"{obj.dtype.str}{obj.shape}")
+        hs.put("bytes", np.ascontiguousarray(obj).tobytes())
+        return
+    if isinstance(obj, np.ndarray):                     # of Python objects: as nested lists
+        hs.put("ndarray", f"O{obj.shape}")
+        _obj_digest(hs, obj.tolist(), seen, depth + 1)
         return
     if isinstance(obj, torch.dtype):
         hs.put("dtype", str(obj))
