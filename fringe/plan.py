@@ -290,8 +290,9 @@ class Plan:
         programs; ``blocks``: the block classification; ``mask``: the mask's content
         (:func:`fringe.masks.digest`: factory parameters such as document ids, window and
         prefix sizes; for plain callables the mask evaluated over every PARTIAL block);
-        ``score_mod``: :func:`fringe.masks.fn_digest` of the score_mod (code, constants and
-        captured tensors' values; learnable tensors by shape and dtype only) and the shapes
+        ``score_mod``: :func:`fringe.masks.fn_digest` of the score_mod (code, constants,
+        captured tensors' values and the attributes of the objects it is bound to or reads;
+        learnable tensors by shape and dtype only) and the shapes
         of ``score_params``; ``options``: scale, kernel, kv policy, block size, B / H the
         mask was classified for.
         """

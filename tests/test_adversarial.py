@@ -67,6 +67,14 @@ def test_agreement_is_checked_on_every_call(pool2):
 # -------------------------------------------------------------------------------------
 # 2. the agreement covers what decides the numbers, one component per field
 # -------------------------------------------------------------------------------------
+class _Softcap:                            # a score_mod's constant held by an object
+    def __init__(self, cap: float):
+        self.cap = cap
+
+    def score(self, s, b, h, q, kv):
+        return self.cap * torch.tanh(s / self.cap)
+
+
 def worker_content(rank: int, world_size: int, what: str):
     S = 2 * world_size * BLOCK * 4
     cut = S // 2 + 1 + (1 if (what == "doc_ids" and rank == 1) else 0)   # one token apart
@@ -75,6 +83,8 @@ def worker_content(rank: int, world_size: int, what: str):
     if what == "score_mod" and rank == 1:
         def score_mod(s, b, h, q, kv):
             return s + 0.5
+    if what == "bound_softcap":             # self.cap 30 vs 50: was digested by type only
+        score_mod = _Softcap(30.0 if rank == 0 else 50.0).score
     if what == "lambda":                    # a plain callable, different constant per rank
         c = 3 if rank == 0 else 4
         mask = masks.as_mask(lambda b, h, q, kv: (kv <= q) & ((q - kv) % c != 1))
@@ -90,10 +100,13 @@ def worker_content(rank: int, world_size: int, what: str):
 
 
 @pytest.mark.parametrize("what,field", [("doc_ids", "plan mask"), ("score_mod", "plan score_mod"),
+                                        ("bound_softcap", "plan score_mod"),
                                         ("lambda", "plan"), ("scale", "plan options")])
 def test_agreement_names_the_component_that_differs(pool2, what, field):
     for msg in pool2.run(worker_content, what):
         assert f"rank 1 disagrees with rank 0 on {field}" in msg, msg
+        if field == "plan score_mod":           # says what the digest covers
+            assert "attributes of the objects it is bound to" in msg, msg
 
 
 def test_doc_ids_one_token_apart_keep_the_block_map_but_change_the_digest():

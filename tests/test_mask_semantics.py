@@ -485,7 +485,12 @@ def score(s, b, h, q, kv):
 order = torch.arange(32)
 lam = lambda b, h, q, kv: (ids[q] == ids[kv]) & (q >= kv)
 blocks = M.classify(lam, order, order, block_size=4)
-print(M.fn_digest(score), M.fn_digest(M.causal() & M.document(ids)),
+class Cap:                  # an object's state: a set and a dict of strings, in hash order
+    def __init__(self):
+        self.cap, self.tags, self.table = 30.0, {"a", "b", "c"}, {"x": ids, "y": (1, "z")}
+    def score(self, s, b, h, q, kv):
+        return self.cap * torch.tanh(s / self.cap)
+print(M.fn_digest(Cap().score), M.fn_digest(score), M.fn_digest(M.causal() & M.document(ids)),
       M.digest(lam, order=order, blocks=blocks, block_size=4),
       M.digest(M.causal() & M.document(ids), order=order, blocks=blocks, block_size=4))
 """
@@ -499,5 +504,5 @@ def test_digests_are_equal_across_processes():
     assert r.returncode == 0, r.stderr
     here = io.StringIO()
     with contextlib.redirect_stdout(here):
-        exec(compile(_CROSS_PROCESS, "<digests>", "exec"), {})
-    assert r.stdout.split() == here.getvalue().split() and len(here.getvalue().split()) == 4
+        exec(compile(_CROSS_PROCESS, "<digests>", "exec"), {"__name__": "__main__"})
+    assert r.stdout.split() == here.getvalue().split() and len(here.getvalue().split()) == 5

@@ -56,7 +56,7 @@ dense mask.
 Plans keep a :func:`snapshot` of the mask (it does not alias the caller's tensors), and
 ranks compare content digests: :func:`digest` for masks (factory parameters; plain
 callables by value over the PARTIAL blocks) and :func:`fn_digest` for score_mods (code,
-constants, captured values).
+constants, captured values, the attributes of the objects they are bound to or read).
 
 >>> m = causal() & document(torch.tensor([0, 0, 1, 1]))
 >>> m

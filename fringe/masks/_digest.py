@@ -5,8 +5,10 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import re
 import types
 
+import numpy as np
 import torch
 
 from ._bh import reads_bh
@@ -32,6 +34,9 @@ class _Hasher:
             data = data.encode()
         elif not isinstance(data, (bytes, bytearray, memoryview)):
             data = repr(data).encode()
+        if len(data) < 4096:            # one update: the same bytes, a third of the calls
+            self.h.update(f"{kind}:{len(data)}:".encode() + data)
+            return
         self.h.update(f"{kind}:{len(data)}:".encode())
         self.h.update(data)
 
@@ -142,40 +147,136 @@ def fn_digest(fn) -> str:
     """A digest (hex) of a callable's code and captured values, for score_mods and the like.
 
     Covered: the code object (bytecode, names, constants recursively, argument layout),
-    defaults and keyword defaults, and the contents of closure cells — tensors by dtype,
-    shape and content bytes, numbers / strings / None by repr, tuples, lists, dicts, sets,
-    ``functools.partial`` objects, nested functions and :class:`Mask` objects recursively
-    (a Mask's plain leaves by their function). Tensors that require grad are digested by
+    defaults and keyword defaults, and the contents of closure cells — tensors and numpy
+    arrays / scalars by dtype, shape and content bytes, numbers / strings / None by repr,
+    tuples, lists, dicts, sets, ``functools.partial`` objects, nested functions and
+    :class:`Mask` objects recursively (a Mask's plain leaves by their function). Tensors that require grad are digested by
     dtype and shape only: their values legitimately change during training and are kept
-    in sync by data parallelism.
+    in sync by data parallelism. A device by its type only (its index is each rank's own
+    accelerator).
 
-    Module globals the code reads by name are covered where they hold data (tensors,
-    numbers, containers: :func:`fringe.masks.snapshot` copies those); globals holding
-    callables, classes or modules by name only. Not covered: the state of objects it cannot
-    look into — bound methods (the function's code is digested, the instance only by its
-    type), callable instances (type's qualified name, marked opaque) and the globals of
-    functions it calls by name — and anything reached through them. Ranks that run the same
-    program with the same arguments agree; a rank whose attribute, or global read through
-    such an object or function, differs is not detected.
+    Objects are digested by the data they hold: a bound method by its function and its
+    instance, a callable instance by its type's ``__call__`` and its state, and any other
+    object reached (through closure cells, defaults, globals, containers or another
+    object's attributes) by its type's name and the values of its ``__dict__`` and
+    ``__slots__``, recursively, the same way. So ``self.softcap``, a dataclass's float, a
+    ``torch.nn.Module``'s attributes, buffers (by content) and submodules are covered; its
+    parameters, which require grad, by dtype and shape. Module globals the code reads by
+    name are covered where they hold data (tensors, numbers, containers, objects:
+    :func:`fringe.masks.snapshot` copies those); globals holding callables, classes or
+    modules by name only.
+
+    Not covered (by type only): objects whose state Python cannot read (C extensions:
+    ``torch.Generator``, process groups), ``torch.distributed`` objects
+    (``DeviceMesh``, FSDP state: they differ on every rank by design), an object's
+    attribute that holds more than ~5,000 objects or 5 MB of tensor data (the walk is
+    bounded so a plan over a score_mod bound to a large model stays cheap), class
+    attributes, values computed when read (properties, ``__getattr__``) and the globals of
+    functions it calls by name. Ranks that run the same program with the same arguments
+    agree; a rank whose value differs there is not detected, and an object that holds
+    per-rank state the score_mod does not read (a rank number, a logger) makes ranks
+    disagree: bind the values the score_mod reads instead (a closure or ``partial``).
 
     Returns:
         a 40-character hex string, equal across processes for equal functions.
     """
     hs = _Hasher("fringe.fn/1")
-    _obj_digest(hs, fn, set(), 0)
+    _obj_digest(hs, fn, _Walk(), 0)
     return hs.hexdigest()
 
 
 _MAX_DEPTH = 64
+#: what one attribute of an object may cost to digest: objects and container items visited,
+#: plus one per KiB of tensor content hashed. Beyond it the attribute is digested by its type
+_ATTR_BUDGET = 5_000
 
 
-def _sub_digest(obj, seen: set, depth: int) -> str:
+class _TooLarge(Exception):
+    pass
+
+
+class _Walk(set):
+    """One :func:`fn_digest` walk: the ids on the current path (the set: a cycle guard, never
+    part of the digest) and the cost spent, bounded while an object's attribute is walked."""
+
+    def __init__(self):
+        super().__init__()
+        self.spent = 0
+        self.limit: int | None = None   # set while the outermost object attribute is walked
+
+    def spend(self, units: int) -> None:
+        self.spent += units
+        if self.limit is not None and self.spent > self.limit:
+            raise _TooLarge
+
+
+_UNSET = object()
+_RANK_LOCAL = re.compile(r"torch\.distributed(\.|$)")
+
+
+def _state(obj) -> list[tuple[str, object]] | None:
+    """The data an instance holds by name: its ``__dict__`` and the values of its
+    ``__slots__`` (an unset slot as :data:`_UNSET`), sorted by name; None for an object with
+    neither (a C extension's, whose state Python cannot read)."""
+    try:
+        d = object.__getattribute__(obj, "__dict__")
+    except Exception:                   # noqa: BLE001 - no __dict__, or one that cannot be read
+        d = None
+    items = dict(d) if type(d) is dict else {}
+    slotted = False
+    for cls in type(obj).__mro__:
+        if "__slots__" not in cls.__dict__:
+            continue
+        for name, member in cls.__dict__.items():   # one member descriptor per slot
+            if isinstance(member, types.MemberDescriptorType):
+                slotted = True
+                try:
+                    items[f"{cls.__qualname__}.{name}"] = member.__get__(obj, cls)
+                except AttributeError:
+                    items[f"{cls.__qualname__}.{name}"] = _UNSET
+    if type(d) is not dict and not slotted:
+        return None
+    return sorted(items.items(), key=lambda kv: str(kv[0]))
+
+
+def _state_digest(hs: _Hasher, obj, seen: _Walk, depth: int) -> None:
+    """An instance: its type's name, then each attribute's value, recursively. The outermost
+    attributes are each walked within :data:`_ATTR_BUDGET`; one that exceeds it is digested by
+    its type (whether it does is independent of the walk's order, so equal objects agree)."""
+    t = type(obj)
+    hs.put("object", f"{t.__module__}.{t.__qualname__}")
+    # torch.distributed's objects (DeviceMesh, process groups, FSDP state) describe this rank's
+    # place in the group: they differ on every rank by design, so they are digested by type
+    items = None if _RANK_LOCAL.match(str(t.__module__)) else _state(obj)
+    if items is None:
+        hs.put("opaque", "")
+        return
+    hs.put("state", len(items))
+    for name, v in items:
+        hs.put("attr", str(name))
+        if v is _UNSET:
+            hs.put("unset", "")
+        elif seen.limit is not None:           # inside an attribute already bounded
+            _obj_digest(hs, v, seen, depth + 1)
+        else:
+            sub = _Hasher("attr")
+            seen.limit = seen.spent + _ATTR_BUDGET
+            try:
+                _obj_digest(sub, v, seen, depth + 1)
+                hs.put("value", sub.hexdigest())
+            except _TooLarge:
+                hs.put("large", f"{type(v).__module__}.{type(v).__qualname__}")
+            finally:
+                seen.limit = None
+
+
+def _sub_digest(obj, seen: _Walk, depth: int) -> str:
     hs = _Hasher("sub")
     _obj_digest(hs, obj, seen, depth)
     return hs.hexdigest()
 
 
-def _code_digest(hs: _Hasher, code: types.CodeType, seen: set, depth: int) -> None:
+def _code_digest(hs: _Hasher, code: types.CodeType, seen: _Walk, depth: int) -> None:
     hs.put("code", code.co_code)
     hs.put("names", "\0".join(code.co_names))
     hs.put("vars", "\0".join(code.co_varnames) + "|" + "\0".join(code.co_freevars) + "|" +
@@ -187,7 +288,8 @@ def _code_digest(hs: _Hasher, code: types.CodeType, seen: set, depth: int) -> No
         _obj_digest(hs, c, seen, depth + 1)
 
 
-def _obj_digest(hs: _Hasher, obj, seen: set, depth: int) -> None:  # noqa: C901 - one case per type
+def _obj_digest(hs: _Hasher, obj, seen: _Walk, depth: int) -> None:  # noqa: C901 - one case per type
+    seen.spend(1)
     if depth > _MAX_DEPTH:
         hs.put("deep", type(obj).__qualname__)
         return
@@ -198,10 +300,30 @@ def _obj_digest(hs: _Hasher, obj, seen: set, depth: int) -> None:  # noqa: C901 
         hs.put("bytes", bytes(obj))
         return
     if isinstance(obj, torch.Tensor):
-        hs.tensor(obj, values=not obj.requires_grad)
+        # values of plain tensors with data here: not learnable ones, nor meta tensors or
+        # subclasses (a DTensor's values would take a collective), which count by dtype and shape
+        values = not obj.requires_grad and type(obj) in (torch.Tensor, torch.nn.Parameter) \
+            and not obj.is_meta and obj.layout == torch.strided
+        if values:
+            seen.spend(obj.numel() * obj.element_size() >> 10)
+        else:
+            hs.put("shape-only", type(obj).__qualname__)
+        hs.tensor(obj, values=values)
         return
-    if isinstance(obj, (torch.dtype, torch.device)):
-        hs.put(type(obj).__name__, str(obj))
+    if isinstance(obj, (np.ndarray, np.generic)) and not obj.dtype.hasobject:  # by content
+        seen.spend(obj.nbytes >> 10)
+        hs.put("ndarray", f"{obj.dtype.str}{obj.shape}")
+        hs.put("bytes", np.ascontiguousarray(obj).tobytes())
+        return
+    if isinstance(obj, np.ndarray):                     # of Python objects: as nested lists
+        hs.put("ndarray", f"O{obj.shape}")
+        _obj_digest(hs, obj.tolist(), seen, depth + 1)
+        return
+    if isinstance(obj, torch.dtype):
+        hs.put("dtype", str(obj))
+        return
+    if isinstance(obj, torch.device):   # its index is each rank's own accelerator
+        hs.put("device", obj.type)
         return
     if isinstance(obj, types.CodeType):
         _code_digest(hs, obj, seen, depth)
@@ -261,13 +383,15 @@ def _obj_digest(hs: _Hasher, obj, seen: set, depth: int) -> None:  # noqa: C901 
             _obj_digest(hs, obj.args, seen, depth + 1)
             _obj_digest(hs, obj.keywords, seen, depth + 1)
         elif isinstance(obj, types.MethodType):
-            owner = type(obj.__self__)
-            hs.put("opaque-method", f"{owner.__module__}.{owner.__qualname__}")
+            hs.put("method", "")
             _obj_digest(hs, obj.__func__, seen, depth + 1)
+            _obj_digest(hs, obj.__self__, seen, depth + 1)
         elif isinstance(obj, (types.BuiltinFunctionType, types.BuiltinMethodType)):
             hs.put("builtin", f"{getattr(obj, '__module__', None)}.{obj.__qualname__}")
-        else:
-            t = type(obj)
-            hs.put("opaque", f"{t.__module__}.{t.__qualname__}")
+        else:                                   # an instance: the data it holds
+            _state_digest(hs, obj, seen, depth)
+            call = getattr(type(obj), "__call__", None)
+            if isinstance(call, types.FunctionType):   # a callable instance: its code too
+                _obj_digest(hs, call, seen, depth + 1)
     finally:
         seen.discard(key)

@@ -97,6 +97,12 @@ _PHASES = ["a forward with no backward to follow", "a forward whose backward wil
 _FIELDS = (_SHAPE_FIELDS + [f"plan {f}" for f in _PLAN_FIELDS] + _EXTRA_FIELDS + [_DV_FIELD]
            + [_BATCH_FIELD, _PHASE_FIELD])
 _DIGESTS = set(_FIELDS[len(_SHAPE_FIELDS):]) - {_DV_FIELD, _BATCH_FIELD, _PHASE_FIELD}
+#: what a digest covers, where the cause may not be plain from the field's name
+_HINTS = {"plan score_mod": (
+    ". The score_mod's digest (fringe.masks.fn_digest) covers its code, constants, the values "
+    "it captures and the attributes of the objects it is bound to or reads (self.softcap, "
+    "buffers); an object that also holds per-rank values the score_mod does not read (a rank "
+    "number, a logger) differs on every rank: bind only the values it reads (a closure)")}
 
 
 def _h48(text: str) -> int:
@@ -546,7 +552,7 @@ class DistRuntime(Runtime):
                         f"{_describe(field, a)}, rank {r} has {_describe(field, b)} (seen from "
                         f"rank {self.rank}, before any communication of attention data); every "
                         f"rank must call fringe.attention with the same plan (same mask content, "
-                        f"score_mod, options) and the same local shapes")
+                        f"score_mod, options) and the same local shapes{_HINTS.get(field, '')}")
 
     def _transport(self, device: torch.device) -> DistTransport:
         return DistTransport(self.group, timeout_s=self.timeout_s, device=device,
