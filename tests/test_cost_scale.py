@@ -68,13 +68,15 @@ def test_a_plan_simulated_again_predicts_what_a_fresh_one_does(spec):
     assert again.step_s == fresh.step_s > 0
 
 
-@pytest.mark.parametrize("path", [dict(LIVE_SMALL=0), dict(LIVE_SMALL=700),
+@pytest.mark.parametrize("path", [dict(LIVE_DENSE_SHARE=0, LIVE_SMALL=0),
+                                  dict(LIVE_DENSE_SHARE=0, LIVE_SMALL=700),
+                                  dict(LIVE_DENSE_SHARE=2, LIVE_PIECE=7),
                                   dict(LIVE_DENSE_BYTES=0, LIVE_PIECE=5)])
 def test_the_live_buffer_peak_is_one_answer_by_every_path(path, monkeypatch):
-    """The peak of other ranks' buffers alive at once: a dense [rank, buffer] table binned all
-    ranks at once, one rank at a time, or a few ranks at a time with a shorter last block
-    (zigzag at P=4,096), or the live pairs compacted by a sort and binned in pieces; whole
-    bytes, so the same integers whatever the order of the sums."""
+    """The peak of other ranks' buffers alive at once: every cell of a dense [rank, buffer]
+    table binned one rank at a time, or a few ranks at a time with a shorter last block
+    (zigzag at P=4,096), its live pairs in pieces (a ring on documents), or the live pairs
+    compacted by a sort; whole bytes, so the same integers whatever the order of the sums."""
     S, P = 8192, 16
     for spec in ("zigzag", "compose:zigzag+ulysses:4"):
         p = fringe.plan(registry.get(spec), cost_cli.mask_from_spec("document:9", S),

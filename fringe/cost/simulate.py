@@ -187,6 +187,10 @@ LIVE_DENSE_BYTES = 1 << 29
 LIVE_PIECE = 1 << 22
 #: ``(step, rank)`` cells :func:`_run` prices transfers for at a time (whole steps).
 STEP_CELLS = 1 << 22
+#: The share of live ``[rank, buffer]`` cells past which :func:`_live_peak` bins every cell
+#: of the dense table (a block of ranks at a time: zigzag's ring, half of them live) rather
+#: than the live pairs (``np.add.at``: a ring on documents, a few thousand of 33.6M cells).
+LIVE_DENSE_SHARE = 0.25
 #: ``[rank, buffer]`` cells :func:`_live_peak` bins at a time (whole ranks; dense tables).
 LIVE_SMALL = 1 << 22
 
@@ -234,7 +238,8 @@ def _live_peak(P: int, T: int, touch: list, size_of: np.ndarray) -> np.ndarray:
         elif start:
             np.minimum.at(first, key, pos)
         np.maximum.at(last, key, pos)
-    if uniq is None:                                  # dense [rank, buffer]: ranks a block
+    n_alive = int(np.count_nonzero(first < T))       # the live (rank, buffer) pairs
+    if uniq is None and n_alive >= LIVE_DENSE_SHARE * nk:   # many: dense, ranks a block
         first, last = first.reshape(P, NB), last.reshape(P, NB)     # at a time, no index
         size = size_of[ids].astype(np.float64)        # arrays (whole bytes: sums exact)
         R = max(1, LIVE_SMALL // max(NB, 1))
@@ -253,12 +258,12 @@ def _live_peak(P: int, T: int, touch: list, size_of: np.ndarray) -> np.ndarray:
             delta -= np.bincount(E.reshape(-1), weights=sz, minlength=n_bins)[:n_bins]
             peak[r0:r0 + n] = np.cumsum(delta.reshape(n, T + 1), axis=1).max(axis=1).round()
         return peak
-    n_bins = P * (T + 1)                              # the live (rank, buffer) pairs, in
-    alive = np.flatnonzero(first < T)                 # pieces (millions at P=4,096)
+    n_bins = P * (T + 1)                              # else the live pairs, in pieces
+    alive = np.flatnonzero(first < T)
     delta = np.zeros(n_bins)
     for lo in range(0, len(alive), LIVE_PIECE):
         at = alive[lo:lo + LIVE_PIECE]
-        full_key = uniq[at]
+        full_key = at if uniq is None else uniq[at]
         lr, lb = full_key // NB, ids[full_key % NB]
         F = lr * (T + 1) + first[at].astype(np.int64)
         E = lr * (T + 1) + np.maximum(last[at], first[at]).astype(np.int64) + 1
