@@ -75,10 +75,26 @@ class _GlobalDocs:
         return _GLOBAL_IDS[q_idx] == _GLOBAL_IDS[kv_idx]
 
 
+class _Slotted:
+    __slots__ = ("ids",)
+
+    def __init__(self, ids: torch.Tensor) -> None:
+        self.ids = ids
+
+
+class _TableDocs:
+    def __init__(self, table: dict) -> None:
+        self.table = table
+
+    def mask(self, b, h, q_idx, kv_idx):
+        return self.table["ids"][q_idx] == self.table["ids"][kv_idx]
+
+
 def test_what_a_closure_or_a_method_reads_through_objects_is_guarded(monkeypatch):
     """The adversary's cases, each after a plan was made and ran: a closure's ``batch.ids``
     rebound; a nested ``self.cfg.ids``; a list the mask reads appended to and an item
-    rebound; the closure variable itself assigned again; a Mask built from a bound method;
+    rebound; a ``__slots__`` attribute; a dict's entry rebound or deleted (a key added is
+    nothing it read); the closure variable itself assigned again; a Mask built from a bound method;
     a module global a bound method loads (snapshot copies a plain function's globals, not a
     method's). Each raises naming the path; unrelated rebinding does not."""
     q, k, v = _qkv()
@@ -113,6 +129,22 @@ def test_what_a_closure_or_a_method_reads_through_objects_is_guarded(monkeypatch
         plan.check_unchanged()
     holder.cuts[:] = [int("13")]                      # an equal int: harmless, accepted
     plan.check_unchanged()
+
+    slotted = _Slotted(_ids(13))                      # __slots__: no __dict__
+    plan = runs(_plan(lambda b, h, q_idx, kv_idx: slotted.ids[q_idx] == slotted.ids[kv_idx]))
+    slotted.ids = _ids(15)
+    with pytest.raises(ValueError, match=r"reads slotted\.ids, rebound"):
+        plan.check_unchanged()
+    table = {"ids": _ids(13)}                         # a dict a method reads: its entries
+    plan = runs(_plan(_TableDocs(table).mask))
+    table["other"] = 1                                # a key added: nothing it read
+    plan.check_unchanged()
+    table["ids"] = _ids(15)
+    with pytest.raises(ValueError, match=r"reads self\.table\['ids'\], rebound"):
+        plan.check_unchanged()
+    del table["ids"]
+    with pytest.raises(ValueError, match=r"reads self\.table\['ids'\], deleted"):
+        plan.check_unchanged()
 
     def closure_plan():
         state = types.SimpleNamespace(ids=_ids(13))
