@@ -11,11 +11,9 @@ BlockMap(16 x 16 blocks, 34 rects, 120 full, 16 partial)
 from __future__ import annotations
 
 import dataclasses
-import functools
 import hashlib
 import math
 import operator
-import types
 import warnings
 from typing import Callable
 
@@ -23,7 +21,7 @@ import torch
 
 from . import _auto, masks as _masks
 from .masks._blockmap import _paint
-from .masks._snapshot import global_data
+from .masks._guard import guard as _guard_state, rebound as _rebound
 from ._handle import new_handle
 from ._stats import PlanStats, _OpCounts, _op_counts  # noqa: F401 (re-exported)
 from .layout import DEFAULT_BLOCK_SIZE, Layout
@@ -90,6 +88,10 @@ class Plan:
       classification, programs and digest no longer describe it. :meth:`digests` is cached
       only while those versions are unchanged. ``score_params`` are exempt: they are the
       live learnable tensors, meant to change.
+    * what the mask_mod and score_mod read through objects the snapshot cannot copy (a bound
+      method's ``self.doc_ids``, a closure's ``batch.ids``) is recorded by identity too:
+      rebinding it (``docs.doc_ids = next_ids``) makes the next call raise, naming the
+      attribute (parameters and ``nn.Module.training`` excepted).
     """
 
     schedule: Schedule
@@ -144,25 +146,35 @@ class Plan:
 
     def _guard(self) -> list:
         """``(what, tensor, version)`` of every tensor of the plan's state
-        (``cache.guarded``). Recorded when the plan is built, copied or unpickled."""
+        (``cache.guarded``), and the bindings of what its mask_mod and score_mod read through
+        objects (``cache.bindings``). Recorded when the plan is built, copied or unpickled."""
         if self.cache.guarded is None:
-            self.cache.guarded = [(what, t, t._version) for what, t in _covered(self)]
+            tensors, self.cache.bindings = _covered(self)
+            self.cache.guarded = [(what, t, t._version) for what, t in tensors]
         return self.cache.guarded
 
     def _versions(self) -> tuple[int, ...]:
         return tuple(t._version for _, t, _ in self._guard())
 
     def check_unchanged(self) -> None:
-        """Raise if a tensor of the plan's state was edited in place since it was built.
+        """Raise if a tensor of the plan's state was edited in place since it was built, or a
+        value its mask_mod or score_mod reads through an object was rebound.
 
         Covers ``layout.order``, ``tiles``, ``block_map``, the tensors the mask_mod and the
         score_mod captured (``score_params`` excepted) and the plan's own cached positions
-        and tile maps. Cheap (one ``_version`` read per tensor); runs on every call.
+        and tile maps, by version; and by identity what the mask_mod and score_mod read that
+        :func:`fringe.masks.snapshot` cannot copy: the attributes of a bound method's instance
+        or of an object a closure or global holds (``self.doc_ids``, ``batch.ids``,
+        ``self.cfg.ids``; an ``nn.Module``'s buffers and submodules, not its parameters or
+        ``training``), list items and lengths, dict entries, closure cells, the globals a
+        bound method loads (:func:`fringe.masks._guard.guard`). Cheap (one ``_version`` read
+        per tensor, one identity compare per value); runs on every call.
 
         Raises:
-            ValueError: naming the edited tensor and the fix; or the plan was not built by
-                :func:`plan` (``dataclasses.replace(plan, mask_mod=...)`` keeps the old mask's
-                tiles and programs: a wrong answer, not an error, if it ran).
+            ValueError: naming the edited tensor or the rebound attribute (``mask_mod reads
+                self.doc_ids, rebound since the plan was made``) and the fix; or the plan was
+                not built by :func:`plan` (``dataclasses.replace(plan, mask_mod=...)`` keeps
+                the old mask's tiles and programs: a wrong answer, not an error, if it ran).
         """
         if not self.made_by_plan:
             raise ValueError(
@@ -174,8 +186,19 @@ class Plan:
         self._check_versions()
 
     def _check_versions(self) -> None:
-        """Raise if a tensor of the plan's state was edited in place since it was built."""
-        for what, t, v in self._guard():
+        """Raise if a tensor of the plan's state was edited in place since it was built, or a
+        value its mask_mod or score_mod reads through an object was rebound."""
+        guarded = self._guard()
+        for what, binds in self.cache.bindings:
+            hit = _rebound(binds)
+            if hit is not None:
+                path, how = hit
+                raise ValueError(
+                    f"{self!r}: {what} reads {path}, {how}: {_REBOUND_WHY[what]} (a wrong "
+                    f"answer, not an error, if it ran). {_REBOUND_FIX[what]}. If the {what} "
+                    f"itself sets {path} when called, it keeps state the plan cannot see: keep "
+                    f"that state out of the objects it reads")
+        for what, t, v in guarded:
             if t._version != v:
                 raise ValueError(
                     f"{self!r}: {what} was edited in place after the plan was built, so the "
@@ -509,77 +532,38 @@ _LOCAL_FIELDS = ("handle", "cache")
 _MAKING = [0]           # > 0 while plan() builds its Plan (Plan.made_by_plan)
 
 
-def _covered(plan: Plan) -> list[tuple[str, torch.Tensor]]:
-    """The tensors a plan holds as state (what :meth:`Plan.check_unchanged` guards)."""
+def _covered(plan: Plan) -> tuple[list[tuple[str, torch.Tensor]], list]:
+    """The tensors a plan holds as state, and the bindings of what its mask_mod and score_mod
+    read through objects (what :meth:`Plan.check_unchanged` guards: versions, identities)."""
     out = [("its layout's order (plan.layout.order)", plan.layout.order),
            ("plan.tiles", plan.tiles), ("plan.block_map.rects", plan.block_map.rects),
            ("plan.block_map.codes", plan.block_map.codes)]
     seen = {id(t) for _, t in out}
+    bindings = []
     for what, fn in (("mask_mod", plan.mask_mod), ("score_mod", plan.score_mod)):
-        for where, t in _captured_tensors(fn, what, {}, 0):
+        tensors, binds = _guard_state(fn, what)
+        bindings.append((what, binds))
+        for where, t in tensors:
             # inference tensors keep no version counter: an object's cannot be guarded
             if id(t) not in seen and not t.requires_grad and not t.is_inference():
                 seen.add(id(t))
                 out.append((f"a tensor its {where} holds", t))
-    return out
+    return out, bindings
 
 
-def _captured_tensors(obj, where: str, memo: dict, depth: int):
-    """``(where, tensor)`` for the tensors ``obj`` holds: a :class:`fringe.masks.Mask`'s
-    rule fields (document ids) and mod, closure cells and defaults of functions, partials,
-    tuples, lists and dicts, recursively (what :func:`fringe.masks.snapshot` copies)."""
-    if depth > 16 or id(obj) in memo:
-        return
-    memo[id(obj)] = obj
-    if isinstance(obj, torch.Tensor):
-        yield where, obj
-    elif isinstance(obj, _masks.Mask):
-        name = f"mask {obj.name!r}" if obj.op == "leaf" else where
-        if obj.rule is not None and dataclasses.is_dataclass(obj.rule):
-            for f in dataclasses.fields(obj.rule):
-                yield from _captured_tensors(getattr(obj.rule, f.name), f"{name} ({f.name})",
-                                             memo, depth + 1)
-        yield from _captured_tensors(obj.mod, name, memo, depth + 1)
-        for c in obj.children:
-            yield from _captured_tensors(c, where, memo, depth + 1)
-    elif isinstance(obj, types.MethodType):     # a bound method: its function and instance
-        yield from _captured_tensors(obj.__func__, where, memo, depth + 1)
-        yield from _captured_tensors(obj.__self__, where, memo, depth + 1)
-    elif callable(obj) and hasattr(obj, "__code__"):
-        for c in getattr(obj, "__closure__", None) or ():
-            try:
-                v = c.cell_contents
-            except ValueError:
-                continue
-            yield from _captured_tensors(v, where, memo, depth + 1)
-        for v in (getattr(obj, "__defaults__", None) or ()):
-            yield from _captured_tensors(v, where, memo, depth + 1)
-        for v in (getattr(obj, "__kwdefaults__", None) or {}).values():
-            yield from _captured_tensors(v, where, memo, depth + 1)
-        if isinstance(obj, types.FunctionType):  # globals it reads: snapshots, objects to guard
-            for v in global_data(obj).values():
-                yield from _captured_tensors(v, where, memo, depth + 1)
-    elif isinstance(obj, functools.partial):
-        for v in (obj.func, *obj.args, *obj.keywords.values()):
-            yield from _captured_tensors(v, where, memo, depth + 1)
-    elif isinstance(obj, (tuple, list)):        # namedtuples too: snapshot does not copy them
-        for v in obj:
-            yield from _captured_tensors(v, where, memo, depth + 1)
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            yield from _captured_tensors(v, where, memo, depth + 1)
-    elif not isinstance(obj, (type, types.ModuleType)):
-        # an object (a callable instance, or one a closure reads such as ``batch.ids``):
-        # its attributes, in its __dict__ or its __slots__; snapshot cannot copy it, so its
-        # tensors are guarded instead
-        if type(getattr(obj, "__dict__", None)) is dict:
-            yield from _captured_tensors(vars(obj), where, memo, depth + 1)
-        for cls in type(obj).__mro__:
-            slots = cls.__dict__.get("__slots__", ())
-            for name in ((slots,) if isinstance(slots, str) else slots):
-                if name not in ("__dict__", "__weakref__"):
-                    yield from _captured_tensors(getattr(obj, name, None), where, memo,
-                                                 depth + 1)
+_REBOUND_WHY = {
+    "mask_mod": "the plan classified the mask's blocks with the old value and its tiles would "
+                "evaluate the new one",
+    "score_mod": "the plan's digest, which the ranks compare, describes the old value and "
+                 "each rank would run whatever it holds now",
+}
+_REBOUND_FIX = {
+    "mask_mod": "Make a new plan for the new documents (fringe.plan(...)) or pass the ids to a "
+                "mask built with masks.document(...), which keeps its own copy",
+    "score_mod": "Make a new plan (fringe.plan(..., score_mod=...)) after changing what the "
+                 "score_mod reads, or bind the values it reads in a closure, which the plan "
+                 "copies",
+}
 
 
 def _document_leaves(m):

@@ -17,6 +17,8 @@ Modules (private, each importing only those above it; this package re-exports th
 * ``_blockmap`` — :class:`BlockMap`, the sparse classification;
 * ``_classify`` — :func:`classify`, the quadtree;
 * ``_snapshot`` — :func:`snapshot`;
+* ``_guard`` — what a plan records of the state a mask reads but cannot copy (versions,
+  identities), checked on every call;
 * ``_digest`` — :func:`digest` and :func:`fn_digest`.
 
 Layers:

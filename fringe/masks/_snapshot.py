@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import types
+import weakref
 
 import numpy as np
 import torch
@@ -36,8 +37,10 @@ def snapshot(mask_mod):
     * Other callables (bound methods, objects with ``__call__``, functions called through a
       global name) and other objects a closure or global holds (``batch`` of ``batch.ids``)
       are returned / left as they are: those cannot be copied safely, so refilling them in
-      place still changes the mask (:func:`fringe.plan` guards the tensors such objects
-      hold, and those of the objects a function's cells and global data hold).
+      place or rebinding their attributes still changes the mask. :func:`fringe.plan`
+      guards them instead (:mod:`fringe.masks._guard`): the versions of the tensors such
+      objects hold and the identity of every value in their attributes (``self.doc_ids =
+      next_ids`` raises on the next call).
 
     Objects with nothing to copy (no tensors, arrays, lists, dicts or global data) are
     returned unchanged (the same object). Cost: one copy of each captured tensor that does
@@ -69,6 +72,7 @@ def _snap(obj, memo: dict):
         if f is not obj.func or any(a is not b for a, b in zip(args, obj.args)) or \
                 any(kw[k] is not obj.keywords[k] for k in kw):
             out = functools.partial(f, *args, **kw)
+            _COPIES.add(out)
     elif isinstance(obj, np.ndarray):     # no version counter to guard: copy it
         out = obj.copy()
     elif type(obj) is tuple:
@@ -113,6 +117,7 @@ def _snap_function(fn: types.FunctionType, memo: dict):
     new.__dict__.update(fn.__dict__)
     new.__qualname__, new.__module__, new.__doc__ = fn.__qualname__, fn.__module__, fn.__doc__
     new.__annotations__ = dict(getattr(fn, "__annotations__", {}) or {})
+    _COPIES.add(new)
     hit = _cached(fn)  # same code on equal values: the same evaluation method
     if hit is not None:
         _remember(new, hit)
@@ -120,6 +125,18 @@ def _snap_function(fn: types.FunctionType, memo: dict):
 
 
 _EMPTY_CELL = object()
+#: the functions and partials :func:`snapshot` made: their cells, defaults, globals dict and
+#: the lists / dicts / tuples in them are copies only the copy holds (objects are not copied)
+_COPIES: weakref.WeakSet = weakref.WeakSet()
+
+
+def owns(fn) -> bool:
+    """Whether ``fn`` is a copy :func:`snapshot` made (so what it holds directly is its own:
+    :func:`fringe.masks._guard.guard` records no bindings there)."""
+    try:
+        return fn in _COPIES
+    except TypeError:                   # not weak-referenceable: not a copy
+        return False
 
 
 def global_data(fn: types.FunctionType) -> dict:

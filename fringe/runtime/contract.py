@@ -35,6 +35,11 @@ class PlanCache:
         guarded: ``[(what, tensor, version)]`` of every tensor of the plan's state, recorded
             when the plan is built, copied or unpickled, and of each cached tensor when it is
             made. Writer: :meth:`fringe.Plan._guard` / ``Plan._cached`` (``fringe/plan.py``).
+        bindings: ``[(what, records)]`` for the mask_mod and the score_mod: the identity of
+            every value they read through objects the plan cannot copy (attributes, list
+            items, dict entries, closure cells, live globals), recorded with ``guarded``.
+            Writer: :meth:`fringe.Plan._guard` (records from ``fringe.masks._guard.guard``; an
+            equal immutable scalar rebound in place is recorded by ``rebound``).
         positions: ``(rank, device) -> int64 [L]`` global positions, the tile kernels' call
             cache keys on these very tensors. Writer: ``Plan._positions``.
         tiles: ``(i, j) -> int8 [L/block, L/block]`` painted block map of a tile. Writer:
@@ -56,6 +61,7 @@ class PlanCache:
     """
 
     guarded: list | None = None
+    bindings: list | None = None
     positions: dict = dataclasses.field(default_factory=dict)
     tiles: dict = dataclasses.field(default_factory=dict)
     tile_index: tuple | None = None

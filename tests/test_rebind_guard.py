@@ -1,0 +1,288 @@
+"""A mask_mod or score_mod that reads an object's attributes (a bound method's ``self.doc_ids``,
+a closure's ``batch.ids``) cannot be snapshotted, so rebinding the attribute after planning
+(``docs.doc_ids = next_ids``, the usual way to move to the next batch) left the plan's block
+classification of the old documents under tiles that evaluate the new ones: off by O(1) with
+no error. The plan records the identity of what the objects it guards hold (their attributes,
+container items, closure cells, globals) and every call raises, naming the attribute."""
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+import fringe
+import fringe.simulate
+from fringe import masks, schedules
+from fringe.ops import reference
+from fringe.testing import make_qkv, tolerances
+
+TOL = tolerances(torch.float64)
+S, P, BLOCK = 32, 2, 4
+
+
+def _ids(boundary: int) -> torch.Tensor:
+    return (torch.arange(S) >= boundary).long()     # a boundary inside a block: PARTIAL
+
+
+class _Docs:
+    def __init__(self, ids: torch.Tensor) -> None:
+        self.doc_ids = ids
+
+    def mask(self, b, h, q_idx, kv_idx):
+        return (self.doc_ids[q_idx] == self.doc_ids[kv_idx]) & (kv_idx <= q_idx)
+
+
+def _qkv():
+    return make_qkv(B=1, H=1, G=1, S=S, D=4, seed=3)
+
+
+def _plan(mask_mod, **kw):
+    return fringe.plan(schedules.zigzag(), mask_mod, seq_len=S, world_size=P, block_size=BLOCK,
+                       **kw)
+
+
+def test_rebinding_the_ids_a_bound_method_mask_reads_raises_naming_the_attribute():
+    """The reviewer's repro: off by 1.36 from the dense answer of the old ids and 0.89 from
+    the new, no error. Now the next call raises, names ``self.doc_ids`` and the fix."""
+    docs = _Docs(_ids(12))
+    plan = _plan(docs.mask)
+    q, k, v = _qkv()
+    want, _ = reference.attention(q, k, v, mask_mod=_Docs(_ids(12)).mask)
+    assert_close(fringe.simulate.attention(q, k, v, plan=plan), want, **TOL)
+    docs.doc_ids = _ids(14)                           # rebinding, not refilling
+    with pytest.raises(ValueError, match=r"mask_mod reads self\.doc_ids, rebound since the "
+                                         r"plan was made.*fringe\.plan.*masks\.document"):
+        fringe.simulate.attention(q, k, v, plan=plan)
+    docs.doc_ids = _ids(12).clone()                   # equal values, another tensor: raises
+    with pytest.raises(ValueError, match=r"self\.doc_ids"):
+        plan.check_unchanged()
+    # a new plan for the new documents runs and is exact
+    docs.doc_ids = _ids(14)
+    now, _ = reference.attention(q, k, v, mask_mod=docs.mask)
+    assert_close(fringe.simulate.attention(q, k, v, plan=_plan(docs.mask)), now, **TOL)
+
+
+#: a module global whose name is also an attribute the method reads (``self.doc_ids``): the
+#: method loads no global of that name, so rebinding it must not fail the plan
+doc_ids = None
+_GLOBAL_IDS = _ids(12)
+
+
+class _GlobalDocs:
+    def mask(self, b, h, q_idx, kv_idx):
+        return _GLOBAL_IDS[q_idx] == _GLOBAL_IDS[kv_idx]
+
+
+class _Slotted:
+    __slots__ = ("ids",)
+
+    def __init__(self, ids: torch.Tensor) -> None:
+        self.ids = ids
+
+
+class _TableDocs:
+    def __init__(self, table: dict) -> None:
+        self.table = table
+
+    def mask(self, b, h, q_idx, kv_idx):
+        return self.table["ids"][q_idx] == self.table["ids"][kv_idx]
+
+
+def test_what_a_closure_or_a_method_reads_through_objects_is_guarded(monkeypatch):
+    """The adversary's cases, each after a plan was made and ran: a closure's ``batch.ids``
+    rebound; a nested ``self.cfg.ids``; a list the mask reads appended to and an item
+    rebound; a ``__slots__`` attribute; a dict's entry rebound or deleted (a key added is
+    nothing it read); the closure variable itself assigned again; a Mask built from a bound method;
+    a module global a bound method loads (snapshot copies a plain function's globals, not a
+    method's). Each raises naming the path; unrelated rebinding does not."""
+    q, k, v = _qkv()
+
+    def runs(plan):
+        fringe.simulate.attention(q, k, v, plan=plan)
+        return plan
+
+    batch = types.SimpleNamespace(ids=_ids(13))
+    plan = runs(_plan(lambda b, h, q_idx, kv_idx: batch.ids[q_idx] == batch.ids[kv_idx]))
+    batch.other = 1                                   # a new attribute: nothing it read
+    plan.check_unchanged()
+    batch.ids = _ids(14)
+    with pytest.raises(ValueError, match=r"mask_mod reads batch\.ids, rebound .*tensor \[32\]"):
+        runs(plan)
+
+    cfg = types.SimpleNamespace(cfg=types.SimpleNamespace(ids=_ids(13), cuts=[13]))
+    plan = runs(_plan(lambda b, h, q_idx, kv_idx: cfg.cfg.ids[q_idx] == cfg.cfg.ids[kv_idx]))
+    cfg.cfg.ids = _ids(15)
+    with pytest.raises(ValueError, match=r"reads cfg\.cfg\.ids, rebound"):
+        plan.check_unchanged()
+
+    holder = types.SimpleNamespace(cuts=[13])
+    plan = runs(_plan(lambda b, h, q_idx, kv_idx: (q_idx >= holder.cuts[0]) ==
+                      (kv_idx >= holder.cuts[0])))
+    holder.cuts.append(20)
+    with pytest.raises(ValueError, match=r"holder\.cuts, a list of 1 items when the plan was "
+                                         r"made, 2 now"):
+        plan.check_unchanged()
+    holder.cuts[:] = [14]
+    with pytest.raises(ValueError, match=r"holder\.cuts\[0\], rebound .*\(13 then, 14 now\)"):
+        plan.check_unchanged()
+    holder.cuts[:] = [int("13")]                      # an equal int: harmless, accepted
+    plan.check_unchanged()
+
+    slotted = _Slotted(_ids(13))                      # __slots__: no __dict__
+    plan = runs(_plan(lambda b, h, q_idx, kv_idx: slotted.ids[q_idx] == slotted.ids[kv_idx]))
+    slotted.ids = _ids(15)
+    with pytest.raises(ValueError, match=r"reads slotted\.ids, rebound"):
+        plan.check_unchanged()
+    table = {"ids": _ids(13)}                         # a dict a method reads: its entries
+    plan = runs(_plan(_TableDocs(table).mask))
+    table["other"] = 1                                # a key added: nothing it read
+    plan.check_unchanged()
+    table["ids"] = _ids(15)
+    with pytest.raises(ValueError, match=r"reads self\.table\['ids'\], rebound"):
+        plan.check_unchanged()
+    del table["ids"]
+    with pytest.raises(ValueError, match=r"reads self\.table\['ids'\], deleted"):
+        plan.check_unchanged()
+
+    def closure_plan():
+        state = types.SimpleNamespace(ids=_ids(13))
+        p = runs(_plan(lambda b, h, q_idx, kv_idx: state.ids[q_idx] == state.ids[kv_idx]))
+        state = types.SimpleNamespace(ids=_ids(15))   # noqa: F841 - the cell the mask reads
+        return p
+    with pytest.raises(ValueError, match=r"reads state, rebound .*SimpleNamespace"):
+        closure_plan().check_unchanged()
+
+    docs = _Docs(_ids(13))
+    plan = runs(_plan(masks.as_mask(docs.mask) & masks.causal()))
+    monkeypatch.setitem(globals(), "doc_ids", _ids(3))    # a global the method does not load
+    plan.check_unchanged()
+    docs.doc_ids = _ids(15)
+    with pytest.raises(ValueError, match=r"mask_mod reads self\.doc_ids, rebound"):
+        plan.check_unchanged()
+
+    plan = runs(_plan(_GlobalDocs().mask))
+    monkeypatch.setitem(globals(), "_GLOBAL_IDS", _ids(15))
+    with pytest.raises(ValueError, match=r"mask_mod reads _GLOBAL_IDS, rebound"):
+        plan.check_unchanged()
+
+
+def test_containers_the_plan_copied_are_its_own():
+    """A plain closure's lists and dicts are copied by the snapshot: only the mask can edit
+    the copy, so a mask that counts its evaluations into a list (or memoizes into a dict)
+    keeps running; the same list held by an object the mask reads is the caller's."""
+    q, k, v = _qkv()
+    seen, memo, ids = [], {}, _ids(13)
+
+    def counting(b, h, q_idx, kv_idx):
+        seen.append(1)
+        memo[len(memo)] = 1
+        return ids[q_idx] == ids[kv_idx]
+    plan = _plan(counting)
+    for _ in range(2):
+        fringe.simulate.attention(q, k, v, plan=plan)
+    box = types.SimpleNamespace(seen=[])
+
+    def counting_in_object(b, h, q_idx, kv_idx):
+        box.seen.append(1)
+        return ids[q_idx] == ids[kv_idx]
+    plan = _plan(counting_in_object)
+    fringe.simulate.attention(q, k, v, plan=plan)
+    with pytest.raises(ValueError, match=r"reads box\.seen, a list .*itself sets box\.seen"):
+        fringe.simulate.attention(q, k, v, plan=plan)
+
+
+class _Softcap:
+    def __init__(self, cap: float) -> None:
+        self.cap = cap
+
+    def score_mod(self, score, b, h, q_idx, kv_idx):
+        return self.cap * torch.tanh(score / self.cap)
+
+
+class _Alibi(torch.nn.Module):
+    """A module whose bound method is the score_mod: a buffer (slopes), a parameter (a
+    learnable bias) and a plain float."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("slopes", torch.tensor([0.5], dtype=torch.float64))
+        self.bias = torch.nn.Parameter(torch.zeros(S, dtype=torch.float64))
+        self.scale = 1.0
+
+    def score_mod(self, score, b, h, q_idx, kv_idx):
+        return score * self.scale - self.slopes[h] * (q_idx - kv_idx) + self.bias[kv_idx]
+
+
+def test_score_mod_attributes_raise_when_rebound_but_parameters_and_training_do_not():
+    """A score_mod's ``self.cap`` rebound: the digest the ranks compared described the old
+    one; now it raises (an equal float in its place is accepted). An ``nn.Module``'s
+    parameters change by design (an optimizer step, even a new Parameter) and ``train()`` /
+    ``eval()`` flip ``training``: no error; a rebound buffer raises."""
+    q, k, v = _qkv()
+    cap = _Softcap(0.5)
+    plan = _plan(masks.causal(), score_mod=cap.score_mod)
+    fringe.simulate.attention(q, k, v, plan=plan)
+    cap.cap = float("0.5")                            # another float object, equal: accepted
+    plan.check_unchanged()
+    cap.cap = -0.0
+    with pytest.raises(ValueError, match=r"score_mod reads self\.cap, rebound since the plan "
+                                         r"was made \(0\.5 then, -0\.0 now\).*score_mod="):
+        fringe.simulate.attention(q, k, v, plan=plan)
+
+    mod = _Alibi()
+    plan = _plan(masks.causal(), score_mod=mod.score_mod)
+    want, _ = reference.attention(q, k, v, mask_mod=masks.causal(), score_mod=mod.score_mod)
+    assert_close(fringe.simulate.attention(q, k, v, plan=plan), want, **TOL)
+    with torch.no_grad():
+        mod.bias.add_(0.25)                           # an optimizer step
+    mod.eval()
+    mod.train()
+    plan.check_unchanged()
+    mod.bias = torch.nn.Parameter(torch.ones(S, dtype=torch.float64))
+    plan.check_unchanged()
+    mod.slopes = torch.tensor([0.25], dtype=torch.float64)   # a registered buffer rebound
+    with pytest.raises(ValueError, match=r"score_mod reads self\.slopes, rebound"):
+        plan.check_unchanged()
+
+
+def test_a_plan_whose_objects_were_rebound_cannot_be_copied_clean():
+    """A copy records identities afresh: copying after a rebind would launder it."""
+    import copy
+    docs = _Docs(_ids(13))
+    plan = _plan(docs.mask)
+    copy.deepcopy(plan).check_unchanged()
+    docs.doc_ids = _ids(15)
+    with pytest.raises(ValueError, match=r"self\.doc_ids, rebound"):
+        copy.deepcopy(plan)
+
+
+def worker_rebind_on_one_rank(rank, world_size):
+    """``docs.doc_ids`` rebound on rank 1 only, after a first call ran on both ranks."""
+    import time
+    docs = _Docs(_ids(12))
+    plan = _plan(docs.mask)
+    q, k, v = (plan.layout.shard(t, rank) for t in _qkv())
+    fringe.attention(q, k, v, plan=plan, timeout_s=60)
+    if rank == 1:
+        docs.doc_ids = _ids(14)
+    start = time.monotonic()
+    try:
+        fringe.attention(q, k, v, plan=plan, timeout_s=60)
+        err = ""
+    except Exception as e:      # noqa: BLE001 - the type is part of the answer
+        err = f"{type(e).__name__}: {e}"
+    return err, time.monotonic() - start
+
+
+def test_an_attribute_rebound_on_one_rank_fails_every_rank_before_communication():
+    """The check runs with the local validation whose result travels in the agreement
+    exchange: both ranks raise rank 1's reason at once (no peer left waiting)."""
+    from fringe.launch import Workers
+    with Workers(2, timeout_s=120, threads=1) as w:
+        res = w.run(worker_rebind_on_one_rank)
+    for err, took in res:
+        assert err.startswith("ValueError: rank 1 of 2 got invalid input"), err
+        assert "mask_mod reads self.doc_ids, rebound" in err, err
+        assert took < 30, took
