@@ -60,6 +60,8 @@ ranks compare content digests: :func:`digest` for masks (factory parameters; pla
 callables by value over the PARTIAL blocks) and :func:`fn_digest` for score_mods (code,
 constants, captured values, the attributes of the objects they are bound to or read).
 
+>>> import torch
+>>> from fringe.masks import causal, classify, document
 >>> m = causal() & document(torch.tensor([0, 0, 1, 1]))
 >>> m
 causal & document(2 docs)
