@@ -245,9 +245,9 @@ def _resend_parts(P, T, cr, ct, ckv, xt, xs, xd, xc, xorder, after, owner=None, 
         raise _Pad(int((1 - e[fetch]).max()))
     frm = np.where(relay, d, own[c_])
     u = np.where(relay, T - sup_t[key] - 1, e - 1)
+    # orders in (buffer, rank) order, as the op rules emit (int64: key may be int32)
     rows = dict(step=u, src=frm, dst=xd[emit], fam=np.full(len(emit), _FAMILY_CODE[Family.KV]),
-                chunk=c_, order=np.int64(after) + key)   # (buffer, rank) order, as the op
-    #                                                  rules emit (int64: key may be int32)
+                chunk=c_, order=np.int64(after) + key)
     if xrng is not None:
         rows["rng"] = xrng[emit]
     return rows
