@@ -16,6 +16,15 @@ Two kinds of change reach such state, and each has its record:
   (numbers, strings, ``None``, dtypes, devices, tuples of those) rebound to an equal value
   are accepted: nothing can edit them afterwards.
 
+Only what the code can read is recorded: an object's attributes are followed where their
+name is one the code walked loads (``co_names`` of the mod, the functions it reaches, the
+methods, properties and called submodules' ``forward`` those names reach), so state a module
+keeps beside what the mod reads (a step counter ``forward`` bumps, a cache dict, a running
+buffer, another submodule) neither raises nor is guarded; code that reads attributes by a
+computed name (``getattr``, ``vars``, a class's own ``__getattr__``) records them all. Library
+code handed a whole object (``dataclasses.astuple(self.cfg)`` is caught by name, other such
+calls are not) reads attributes this cannot see.
+
 Not recorded, by design: what requires grad (parameters change in training, and
 ``torch.func.functional_call`` swaps them: :func:`fringe.autograd` checks those), an
 ``nn.Module``'s own bookkeeping (``training``, hooks; its ``_buffers`` and ``_modules``
@@ -30,6 +39,7 @@ from __future__ import annotations
 
 import dis
 import functools
+import inspect
 import operator
 import re
 import types
@@ -44,6 +54,10 @@ _MAX_DEPTH = 16
 _RANK_LOCAL = re.compile(r"torch\.distributed(\.|$)")
 _SCALARS = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device)
 _SEQ, _SLOT, _CELL = range(3)
+#: names whose presence in the code read means attributes are read by a computed name (or all
+#: at once): every attribute of every object walked is recorded then
+_DYNAMIC = frozenset({"getattr", "hasattr", "vars", "__dict__", "__getattribute__",
+                      "__getattr__", "attrgetter", "asdict", "astuple", "__slots__"})
 
 
 @functools.lru_cache(maxsize=None)
@@ -65,14 +79,117 @@ def _loaded_globals(code: types.CodeType) -> frozenset[str]:
     return frozenset(names)
 
 
+@functools.lru_cache(maxsize=4096)
+def _code_names(code: types.CodeType) -> frozenset[str]:
+    """Every name ``code`` (and the code nested in it) may read an attribute by: its
+    ``co_names`` (attribute and global names alike: a superset)."""
+    names, todo = set(), [code]
+    while todo:
+        c = todo.pop()
+        names.update(c.co_names)
+        todo.extend(k for k in c.co_consts if isinstance(k, types.CodeType))
+    return frozenset(names)
+
+
+def _class_functions(cls: type, name: str) -> list:
+    """The functions that run when ``name`` is read on an instance of ``cls`` (a method, a
+    property's getter, a static or class method), looked up without running anything."""
+    try:
+        a = inspect.getattr_static(cls, name)
+    except AttributeError:
+        return []
+    if isinstance(a, (staticmethod, classmethod)):
+        a = a.__func__
+    elif isinstance(a, property):
+        a = a.fget
+    elif isinstance(a, functools.cached_property):
+        a = a.func
+    return [a] if isinstance(a, types.FunctionType) else []
+
+
+def _reads_any_attribute(cls: type) -> bool:
+    """A class whose attribute reads run its own code by a computed name (``__getattr__``,
+    ``__getattribute__``; ``nn.Module``'s, which looks the same names up in its parameters,
+    buffers and submodules, excepted)."""
+    for name in ("__getattr__", "__getattribute__"):
+        f = inspect.getattr_static(cls, name, None)
+        if isinstance(f, types.FunctionType) and f is not getattr(torch.nn.Module, name, None):
+            return True
+    return False
+
+
 class _Walk:
-    """One walk of a mask_mod or score_mod: the tensors it reaches, and the bindings."""
+    """One walk of a mask_mod or score_mod: the tensors it reaches, and the bindings.
+
+    Only the attributes the code can read are followed: the names the code walked loads
+    (:func:`_code_names`), grown by the methods and properties those names reach on the
+    objects walked (``self.helper()``, a submodule's ``forward``), to a fixed point
+    (:meth:`settle`). An attribute no code reads (a step counter ``forward`` bumps, a cache
+    dict, a submodule the mod never touches) is neither recorded nor its tensors guarded; code
+    that reads attributes by a computed name (``getattr``, ``vars``, a class's own
+    ``__getattr__``) makes every attribute recorded."""
 
     def __init__(self) -> None:
         self.tensors: list[tuple[str, torch.Tensor]] = []
         self.entries: list[list] = []       # [dict, key, value, path]: attributes, entries, globals
         self.other: list[list] = []         # [_SEQ | _SLOT | _CELL, ...]
         self.memo: dict[int, object] = {}   # id -> the object, kept alive for the walk
+        self.names: set[str] = set()        # attribute names the code walked may read
+        self.dynamic = False                # some code reads attributes by a computed name
+        self.deferred: list[tuple] = []     # (name, args of _attr) not read (yet)
+        self.objects: list[list] = []       # [obj, where, path, depth, bind, names checked]
+        self.selves: set[int] = set()       # ids of bound methods' instances (not called)
+
+    def add_code(self, code) -> None:
+        if isinstance(code, types.CodeType):
+            names = _code_names(code)
+            self.names |= names
+            if not self.dynamic and not names.isdisjoint(_DYNAMIC):
+                self.dynamic = True
+
+    def attr(self, name: str, *args) -> None:
+        """Visit an attribute now if the code may read it, else when it turns out to."""
+        if self.dynamic or name in self.names:
+            self._attr(*args)
+        else:
+            self.deferred.append((name, args))
+
+    def _attr(self, d, key, v, where: str, path: str, depth: int, bind: bool,
+              slot: bool = False) -> None:
+        if bind:
+            if slot:
+                if not (isinstance(v, torch.Tensor) and v.requires_grad):
+                    self.other.append([_SLOT, d, key, v, path])
+            else:
+                self.bind_entry(d, key, v, path)
+        if v is not _MISSING:
+            self.visit(v, where, path, depth + 1, bind)
+
+    def settle(self) -> None:
+        """Follow what the names found so far reach (methods and properties of the objects
+        walked, attributes deferred), until nothing new is found."""
+        while True:
+            progressed = False
+            i = 0
+            while i < len(self.objects):    # grows as functions are visited
+                rec = self.objects[i]
+                i += 1
+                obj, where, path, depth, bind, checked = rec
+                for name in sorted(self.names - checked):
+                    checked.add(name)
+                    for fn in _class_functions(type(obj), name):
+                        if id(fn) not in self.memo:
+                            progressed = True
+                            self.visit(fn, where, f"{path}.{name}", depth + 1, bind)
+            pending, self.deferred = self.deferred, []
+            for name, args in pending:
+                if self.dynamic or name in self.names:
+                    progressed = True
+                    self._attr(*args)
+                else:
+                    self.deferred.append((name, args))
+            if not progressed:
+                return
 
     def bind_entry(self, d: dict, key, value, path: str) -> None:
         if not (isinstance(value, torch.Tensor) and value.requires_grad):  # learnable: may change
@@ -101,6 +218,7 @@ class _Walk:
             self.visit(obj.mod, name, path, depth + 1,
                        bind and obj.op == "leaf" and obj.rule is None)
         elif isinstance(obj, types.MethodType):     # a bound method: its function and instance
+            self.selves.add(id(obj.__self__))       # read through the method, not called
             self.visit(obj.__func__, where, path, depth + 1, bind)
             self.visit(obj.__self__, where, f"{path}.__self__" if path else "self", depth + 1,
                        bind)
@@ -137,6 +255,7 @@ class _Walk:
         # held nothing to copy, or is a bound method's function) shares them with its scope
         own = owns(fn)
         code = getattr(fn, "__code__", None)
+        self.add_code(code)
         names = getattr(code, "co_freevars", ())
         for name, c in zip(names, getattr(fn, "__closure__", None) or ()):
             try:
@@ -160,28 +279,31 @@ class _Walk:
 
     def _object(self, obj, where: str, path: str, depth: int, bind: bool) -> None:
         # an object (a callable instance, a bound method's, or one a closure reads such as
-        # ``batch.ids``): its attributes, in its __dict__ or its __slots__
+        # ``batch.ids``): the attributes of its __dict__ or __slots__ the code may read
         if _RANK_LOCAL.match(str(type(obj).__module__)):
             bind = False                    # DeviceMesh, process groups: rank-local by design
+        cls = type(obj)
+        if _reads_any_attribute(cls):
+            self.dynamic = True
+        self.objects.append([obj, where, path, depth, bind, set()])
+        if id(obj) not in self.selves:      # an object called: what its call runs
+            for name in ("forward",) if isinstance(obj, torch.nn.Module) else ("__call__",):
+                for fn in _class_functions(cls, name):
+                    self.visit(fn, where, f"{path}.{name}", depth + 1, bind)
         d = getattr(obj, "__dict__", None)
         if type(d) is dict:
             if isinstance(obj, torch.nn.Module):
                 self._module(obj, d, where, path, depth, bind)
             else:
                 for name, v in d.items():
-                    if bind:
-                        self.bind_entry(d, name, v, f"{path}.{name}")
-                    self.visit(v, where, f"{path}.{name}", depth + 1, bind)
-        for cls in type(obj).__mro__:
-            slots = cls.__dict__.get("__slots__", ())
+                    self.attr(name, d, name, v, where, f"{path}.{name}", depth, bind)
+        for c in cls.__mro__:
+            slots = c.__dict__.get("__slots__", ())
             for name in ((slots,) if isinstance(slots, str) else slots):
                 if name in ("__dict__", "__weakref__"):
                     continue
-                v = getattr(obj, name, _MISSING)
-                if bind and not (isinstance(v, torch.Tensor) and v.requires_grad):
-                    self.other.append([_SLOT, obj, name, v, f"{path}.{name}"])
-                if v is not _MISSING:
-                    self.visit(v, where, f"{path}.{name}", depth + 1, bind)
+                self.attr(name, obj, name, getattr(obj, name, _MISSING), where,
+                          f"{path}.{name}", depth, bind, True)
 
     def _module(self, obj, d: dict, where: str, path: str, depth: int, bind: bool) -> None:
         """An ``nn.Module``: its buffers and submodules by entry (a rebound buffer is caught),
@@ -192,17 +314,16 @@ class _Walk:
             entries = d.get(part)
             if isinstance(entries, dict):   # OrderedDict in older torch
                 for name, v in entries.items():
-                    if bind:
-                        self.bind_entry(entries, name, v, f"{path}.{name}")
-                    self.visit(v, where, f"{path}.{name}", depth + 1, bind)
+                    # read by name, or the whole table (``self._buffers[...]``)
+                    self.attr(part if part in self.names else name, entries, name, v, where,
+                              f"{path}.{name}", depth, bind)
         for name, v in d.items():
             if name not in internals:
-                if bind:
-                    self.bind_entry(d, name, v, f"{path}.{name}")
-                self.visit(v, where, f"{path}.{name}", depth + 1, bind)
-        for name in ("_parameters", *sorted(internals - {"_buffers", "_modules", "_parameters"})):
-            if name in d:
-                self.visit(d[name], where, f"{path}.{name}", depth + 1, False)
+                self.attr(name, d, name, v, where, f"{path}.{name}", depth, bind)
+        params = d.get("_parameters")
+        if isinstance(params, dict):        # for their tensors only (a frozen one's version)
+            for name, v in params.items():
+                self.attr(name, params, name, v, where, f"{path}.{name}", depth, False)
 
 def guard(fn, what: str) -> tuple[list[tuple[str, torch.Tensor]], tuple[list, list]]:
     """Walk ``fn`` (a mask_mod or score_mod, as a plan holds it) and what it reads.
@@ -223,6 +344,7 @@ def guard(fn, what: str) -> tuple[list[tuple[str, torch.Tensor]], tuple[list, li
     walk = _Walk()
     if fn is not None:
         walk.visit(fn, what, "", 0, True)
+        walk.settle()
     return walk.tensors, (walk.entries, walk.other)
 
 
