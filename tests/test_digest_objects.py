@@ -164,3 +164,37 @@ def test_fn_digest_reads_numpy_arrays_and_scalars():
     assert M.fn_digest(alibi(np.zeros(2))) != M.fn_digest(alibi(np.zeros(2, dtype=np.float32)))
     assert M.fn_digest(alibi(np.zeros(2))) != M.fn_digest(alibi(np.zeros((1, 2))))
     _differ(lambda c: alibi(np.array([c, "x"], dtype=object)))    # of objects: their values
+
+
+class _Capped(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.cap = 30.0
+
+    def score(self, s, b, h, q, kv):
+        return self.cap * torch.tanh(s / self.cap)
+
+
+def _rank_digest(rank: int, *, training: bool = True) -> str:
+    """One rank's score_mod digest: rank 0 alone logs its head's activations (a hook), then
+    every rank wraps the attention module (a hook of its own, the same code everywhere)."""
+    head, attn = torch.nn.Linear(2, 2), _Capped()
+    if rank == 0:
+        head.register_forward_hook(lambda *args: None)
+        torch.zeros(1, requires_grad=True).register_hook(lambda g: g)
+    attn.register_forward_pre_hook(lambda *args: None)
+    attn.train(training)
+    return M.fn_digest(attn.score)
+
+
+def test_fn_digest_of_a_module_leaves_its_hooks_out():
+    """A hook's key in a module's hook table is a process-wide counter: a hook rank 0 alone
+    registered elsewhere (activation logging) made the identical hooks every rank then put on
+    the attention module differ in key, so a score_mod bound to it raised a RankMismatch on
+    every call. Hooks are the module's bookkeeping, per rank by nature: left out; ``training``
+    and the module's data are still read."""
+    assert _rank_digest(0) == _rank_digest(1)
+    assert _rank_digest(1, training=False) != _rank_digest(1)
+    a, b = _Capped(), _Capped()
+    b.cap = 50.0
+    assert M.fn_digest(a.score) != M.fn_digest(b.score)

@@ -14,6 +14,7 @@ import torch
 from ._bh import reads_bh
 from ._blockmap import BlockMap
 from ._eval import _eval_pairs, _method
+from ._guard import _module_internals
 from ._kinds import _PARTIAL
 from ._mask import Mask
 from ._snapshot import global_data
@@ -167,7 +168,8 @@ def fn_digest(fn) -> str:
     modules by name only.
 
     Not covered (by type only): objects whose state Python cannot read (C extensions:
-    ``torch.Generator``, process groups), ``torch.distributed`` objects
+    ``torch.Generator``, process groups), an ``nn.Module``'s hooks and other bookkeeping
+    (``training`` is covered), ``torch.distributed`` objects
     (``DeviceMesh``, FSDP state: they differ on every rank by design), an object's
     attribute that holds more than ~5,000 objects or 5 MB of tensor data (the walk is
     bounded so a plan over a score_mod bound to a large model stays cheap), class
@@ -214,15 +216,25 @@ _UNSET = object()
 _RANK_LOCAL = re.compile(r"torch\.distributed(\.|$)")
 
 
+#: what ``nn.Module.__init__`` sets that holds the module's data (the rest is bookkeeping)
+_MODULE_DATA = frozenset({"training", "_parameters", "_buffers", "_modules"})
+
+
 def _state(obj) -> list[tuple[str, object]] | None:
     """The data an instance holds by name: its ``__dict__`` and the values of its
     ``__slots__`` (an unset slot as :data:`_UNSET`), sorted by name; None for an object with
-    neither (a C extension's, whose state Python cannot read)."""
+    neither (a C extension's, whose state Python cannot read). An ``nn.Module``'s hooks and
+    other bookkeeping are left out: a hook's key is a process-wide counter (a hook registered
+    on rank 0 alone, anywhere, shifts every later key there), and hooks are registered per
+    rank (logging, profiling)."""
     try:
         d = object.__getattribute__(obj, "__dict__")
     except Exception:                   # noqa: BLE001 - no __dict__, or one that cannot be read
         d = None
     items = dict(d) if type(d) is dict else {}
+    if isinstance(obj, torch.nn.Module):   # its bookkeeping: hooks, keyed by a process-wide
+        for name in _module_internals() - _MODULE_DATA:     # counter, registered per rank
+            items.pop(name, None)
     slotted = False
     for cls in type(obj).__mro__:
         if "__slots__" not in cls.__dict__:
