@@ -6,6 +6,7 @@ no error. The plan records the identity of what the objects it guards hold (thei
 container items, closure cells, globals) and every call raises, naming the attribute."""
 from __future__ import annotations
 
+import functools
 import re
 import types
 
@@ -341,14 +342,26 @@ class _Rule(torch.nn.Module):
         return q_idx - kv_idx < self.w
 
 
+class _Table:
+    """Ids read by subscription (``__getitem__``: no attribute name in the caller's code)."""
+
+    def __init__(self, ids: torch.Tensor) -> None:
+        self._ids = ids
+
+    def __getitem__(self, i):
+        return self._ids[i]
+
+
 class _Indirect(torch.nn.Module):
-    """A mask that reads its state through a helper method, a property, a called submodule
-    and ``getattr`` by a computed name."""
+    """A mask that reads its state through a helper method, a property, a called submodule,
+    a ModuleList's item, an object's ``__getitem__`` and ``getattr`` by a computed name."""
 
     def __init__(self) -> None:
         super().__init__()
         self.lo, self._hi, self.name, self.cut = 1, 13, "cut", 6
         self.rule = _Rule(9)
+        self.rules = torch.nn.ModuleList([_Rule(11)])
+        self.table = _Table(_ids(13))
 
     @property
     def hi(self):
@@ -359,7 +372,12 @@ class _Indirect(torch.nn.Module):
 
     def mask(self, b, h, q_idx, kv_idx):
         return (self._inside(q_idx) == self._inside(kv_idx)) & self.rule(q_idx, kv_idx) & \
-            ((q_idx >= getattr(self, self.name)) | (kv_idx <= q_idx))
+            self.rules[0](q_idx, kv_idx) & (self.table[q_idx] == self.table[kv_idx])
+
+
+class _ByName(_Indirect):
+    def mask(self, b, h, q_idx, kv_idx):
+        return (q_idx >= getattr(self, self.name)) | (kv_idx <= q_idx)
 
 
 def test_what_a_mask_reads_through_helpers_properties_submodules_and_getattr_is_guarded():
@@ -367,11 +385,12 @@ def test_what_a_mask_reads_through_helpers_properties_submodules_and_getattr_is_
     method's, a property's, a called submodule's ``forward``, and ``getattr`` by name (every
     attribute then)."""
     q, k, v = _qkv()
-    for attr, value in (("lo", 2), ("_hi", 14), ("rule.w", 5), ("cut", 7)):
-        obj = _Indirect()
+    for attr, value in (("lo", 2), ("_hi", 14), ("rule.w", 5), ("rules.0.w", 6),
+                        ("table._ids", _ids(15)), ("cut", 7)):
+        obj = _ByName() if attr == "cut" else _Indirect()
         plan = _plan(obj.mask)
         fringe.simulate.attention(q, k, v, plan=plan)
-        owner, _, name = attr.rpartition(".")
-        setattr(obj.rule if owner else obj, name, value)
+        *owner, name = attr.split(".")
+        setattr(functools.reduce(getattr, owner, obj), name, value)
         with pytest.raises(ValueError, match=rf"mask_mod reads self\.{re.escape(attr)}, rebound"):
             plan.check_unchanged()

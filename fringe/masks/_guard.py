@@ -107,6 +107,32 @@ def _class_functions(cls: type, name: str) -> list:
     return [a] if isinstance(a, types.FunctionType) else []
 
 
+#: special methods that run without their name in the code (``obj[i]``, ``len(obj)``, ``for x
+#: in obj``, ``obj + 1``): every other one a walked object's class defines is followed
+_NOT_READING = frozenset({
+    "__init__", "__new__", "__init_subclass__", "__post_init__", "__setattr__", "__delattr__",
+    "__setitem__", "__delitem__", "__del__", "__repr__", "__str__", "__format__", "__dir__",
+    "__sizeof__", "__reduce__", "__reduce_ex__", "__getstate__", "__setstate__", "__copy__",
+    "__deepcopy__", "__enter__", "__exit__", "__class_getitem__", "__subclasshook__",
+    "__getattr__", "__getattribute__"})
+
+
+@functools.lru_cache(maxsize=1024)
+def _special_methods(cls: type) -> tuple:
+    """``(name, function)`` of the special methods ``cls`` defines (not ``object``'s, nor
+    ``nn.Module``'s own, whose attribute lookup is by the names the code reads)."""
+    out, seen = [], set()
+    for c in cls.__mro__:
+        if c is object or c.__module__ == torch.nn.Module.__module__:
+            continue
+        for name, f in c.__dict__.items():
+            if name.startswith("__") and name.endswith("__") and name not in seen \
+                    and name not in _NOT_READING and isinstance(f, types.FunctionType):
+                seen.add(name)
+                out.append((name, f))
+    return tuple(out)
+
+
 def _reads_any_attribute(cls: type) -> bool:
     """A class whose attribute reads run its own code by a computed name (``__getattr__``,
     ``__getattribute__``; ``nn.Module``'s, which looks the same names up in its parameters,
@@ -136,7 +162,7 @@ class _Walk:
         self.memo: dict[int, object] = {}   # id -> the object, kept alive for the walk
         self.names: set[str] = set()        # attribute names the code walked may read
         self.dynamic = False                # some code reads attributes by a computed name
-        self.deferred: list[tuple] = []     # (name, args of _attr) not read (yet)
+        self.deferred: list[tuple] = []     # (names, args of _attr) none read (yet)
         self.objects: list[list] = []       # [obj, where, path, depth, bind, names checked]
         self.selves: set[int] = set()       # ids of bound methods' instances (not called)
 
@@ -147,12 +173,13 @@ class _Walk:
             if not self.dynamic and not names.isdisjoint(_DYNAMIC):
                 self.dynamic = True
 
-    def attr(self, name: str, *args) -> None:
-        """Visit an attribute now if the code may read it, else when it turns out to."""
-        if self.dynamic or name in self.names:
+    def attr(self, names: tuple, *args) -> None:
+        """Visit an attribute now if the code may read it by one of ``names``, else when it
+        turns out to."""
+        if self.dynamic or not self.names.isdisjoint(names):
             self._attr(*args)
         else:
-            self.deferred.append((name, args))
+            self.deferred.append((names, args))
 
     def _attr(self, d, key, v, where: str, path: str, depth: int, bind: bool,
               slot: bool = False) -> None:
@@ -182,12 +209,12 @@ class _Walk:
                             progressed = True
                             self.visit(fn, where, f"{path}.{name}", depth + 1, bind)
             pending, self.deferred = self.deferred, []
-            for name, args in pending:
-                if self.dynamic or name in self.names:
+            for names, args in pending:
+                if self.dynamic or not self.names.isdisjoint(names):
                     progressed = True
                     self._attr(*args)
                 else:
-                    self.deferred.append((name, args))
+                    self.deferred.append((names, args))
             if not progressed:
                 return
 
@@ -290,19 +317,21 @@ class _Walk:
             for name in ("forward",) if isinstance(obj, torch.nn.Module) else ("__call__",):
                 for fn in _class_functions(cls, name):
                     self.visit(fn, where, f"{path}.{name}", depth + 1, bind)
+        for name, fn in _special_methods(cls):  # obj[i], len(obj), iter(obj), obj + 1
+            self.visit(fn, where, f"{path}.{name}", depth + 1, bind)
         d = getattr(obj, "__dict__", None)
         if type(d) is dict:
             if isinstance(obj, torch.nn.Module):
                 self._module(obj, d, where, path, depth, bind)
             else:
                 for name, v in d.items():
-                    self.attr(name, d, name, v, where, f"{path}.{name}", depth, bind)
+                    self.attr((name,), d, name, v, where, f"{path}.{name}", depth, bind)
         for c in cls.__mro__:
             slots = c.__dict__.get("__slots__", ())
             for name in ((slots,) if isinstance(slots, str) else slots):
                 if name in ("__dict__", "__weakref__"):
                     continue
-                self.attr(name, obj, name, getattr(obj, name, _MISSING), where,
+                self.attr((name,), obj, name, getattr(obj, name, _MISSING), where,
                           f"{path}.{name}", depth, bind, True)
 
     def _module(self, obj, d: dict, where: str, path: str, depth: int, bind: bool) -> None:
@@ -314,16 +343,18 @@ class _Walk:
             entries = d.get(part)
             if isinstance(entries, dict):   # OrderedDict in older torch
                 for name, v in entries.items():
-                    # read by name, or the whole table (``self._buffers[...]``)
-                    self.attr(part if part in self.names else name, entries, name, v, where,
-                              f"{path}.{name}", depth, bind)
+                    # read by name, or through the table (``self._modules[...]``: a
+                    # ModuleList's ``[i]``, a Sequential's iteration)
+                    self.attr((name, part), entries, name, v, where, f"{path}.{name}", depth,
+                              bind)
         for name, v in d.items():
             if name not in internals:
-                self.attr(name, d, name, v, where, f"{path}.{name}", depth, bind)
+                self.attr((name,), d, name, v, where, f"{path}.{name}", depth, bind)
         params = d.get("_parameters")
         if isinstance(params, dict):        # for their tensors only (a frozen one's version)
             for name, v in params.items():
-                self.attr(name, params, name, v, where, f"{path}.{name}", depth, False)
+                self.attr((name, "_parameters"), params, name, v, where, f"{path}.{name}",
+                          depth, False)
 
 def guard(fn, what: str) -> tuple[list[tuple[str, torch.Tensor]], tuple[list, list]]:
     """Walk ``fn`` (a mask_mod or score_mod, as a plan holds it) and what it reads.
