@@ -375,6 +375,10 @@ class _Indirect(torch.nn.Module):
             self.rules[0](q_idx, kv_idx) & (self.table[q_idx] == self.table[kv_idx])
 
 
+def _window_of(cfg) -> int:
+    return cfg.window
+
+
 class _ByName(_Indirect):
     def mask(self, b, h, q_idx, kv_idx):
         return (q_idx >= getattr(self, self.name)) | (kv_idx <= q_idx)
@@ -394,3 +398,12 @@ def test_what_a_mask_reads_through_helpers_properties_submodules_and_getattr_is_
         setattr(functools.reduce(getattr, owner, obj), name, value)
         with pytest.raises(ValueError, match=rf"mask_mod reads self\.{re.escape(attr)}, rebound"):
             plan.check_unchanged()
+    cfg = types.SimpleNamespace(window=9, step=0)     # read by a module function it calls
+    plan = _plan(lambda b, h, q_idx, kv_idx: (kv_idx <= q_idx) & (q_idx - kv_idx <
+                                                                   _window_of(cfg)))
+    fringe.simulate.attention(q, k, v, plan=plan)
+    cfg.step = 1
+    plan.check_unchanged()
+    cfg.window = 5
+    with pytest.raises(ValueError, match=r"mask_mod reads cfg\.window, rebound"):
+        plan.check_unchanged()

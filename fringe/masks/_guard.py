@@ -166,12 +166,25 @@ class _Walk:
         self.objects: list[list] = []       # [obj, where, path, depth, bind, names checked]
         self.selves: set[int] = set()       # ids of bound methods' instances (not called)
 
-    def add_code(self, code) -> None:
-        if isinstance(code, types.CodeType):
+    def add_code(self, code, glob: dict | None = None) -> None:
+        """Add the names ``code`` reads; with ``glob`` (its function's globals), those of the
+        functions of the same module it calls by a global name too (``window_of(cfg)``),
+        recursively (a library's functions are not followed)."""
+        todo = [code]
+        while todo:
+            code = todo.pop()
+            if not isinstance(code, types.CodeType) or id(code) in self.memo:
+                continue
+            self.memo[id(code)] = code
             names = _code_names(code)
             self.names |= names
             if not self.dynamic and not names.isdisjoint(_DYNAMIC):
                 self.dynamic = True
+            if glob is not None:
+                for n in _loaded_globals(code):
+                    f = glob.get(n)
+                    if isinstance(f, types.FunctionType) and f.__globals__ is glob:
+                        todo.append(f.__code__)
 
     def attr(self, names: tuple, *args) -> None:
         """Visit an attribute now if the code may read it by one of ``names``, else when it
@@ -282,7 +295,7 @@ class _Walk:
         # held nothing to copy, or is a bound method's function) shares them with its scope
         own = owns(fn)
         code = getattr(fn, "__code__", None)
-        self.add_code(code)
+        self.add_code(code, getattr(fn, "__globals__", None))
         names = getattr(code, "co_freevars", ())
         for name, c in zip(names, getattr(fn, "__closure__", None) or ()):
             try:
