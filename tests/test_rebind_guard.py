@@ -375,6 +375,11 @@ class _Indirect(torch.nn.Module):
             self.rules[0](q_idx, kv_idx) & (self.table[q_idx] == self.table[kv_idx])
 
 
+class _Narrower(_Indirect):
+    def mask(self, b, h, q_idx, kv_idx):              # the parent's mask reads self.lo
+        return super().mask(b, h, q_idx, kv_idx) & (q_idx != 0)
+
+
 def _window_of(cfg) -> int:
     return cfg.window
 
@@ -389,9 +394,11 @@ def test_what_a_mask_reads_through_helpers_properties_submodules_and_getattr_is_
     method's, a property's, a called submodule's ``forward``, and ``getattr`` by name (every
     attribute then)."""
     q, k, v = _qkv()
-    for attr, value in (("lo", 2), ("_hi", 14), ("rule.w", 5), ("rules.0.w", 6),
-                        ("table._ids", _ids(15)), ("cut", 7)):
-        obj = _ByName() if attr == "cut" else _Indirect()
+    for cls, attr, value in ((_Indirect, "lo", 2), (_Indirect, "_hi", 14),
+                             (_Indirect, "rule.w", 5), (_Indirect, "rules.0.w", 6),
+                             (_Indirect, "table._ids", _ids(15)), (_ByName, "cut", 7),
+                             (_Narrower, "lo", 3)):
+        obj = cls()
         plan = _plan(obj.mask)
         fringe.simulate.attention(q, k, v, plan=plan)
         *owner, name = attr.split(".")

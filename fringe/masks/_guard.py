@@ -92,19 +92,21 @@ def _code_names(code: types.CodeType) -> frozenset[str]:
 
 
 def _class_functions(cls: type, name: str) -> list:
-    """The functions that run when ``name`` is read on an instance of ``cls`` (a method, a
-    property's getter, a static or class method), looked up without running anything."""
-    try:
-        a = inspect.getattr_static(cls, name)
-    except AttributeError:
-        return []
-    if isinstance(a, (staticmethod, classmethod)):
-        a = a.__func__
-    elif isinstance(a, property):
-        a = a.fget
-    elif isinstance(a, functools.cached_property):
-        a = a.func
-    return [a] if isinstance(a, types.FunctionType) else []
+    """The functions that may run when ``name`` is read on an instance of ``cls`` (a method, a
+    property's getter, a static or class method), looked up without running anything: every
+    class of the MRO's own (an override's ``super().name()`` runs its parent's)."""
+    out = []
+    for c in cls.__mro__:
+        a = c.__dict__.get(name)
+        if isinstance(a, (staticmethod, classmethod)):
+            a = a.__func__
+        elif isinstance(a, property):
+            a = a.fget
+        elif isinstance(a, functools.cached_property):
+            a = a.func
+        if isinstance(a, types.FunctionType):
+            out.append(a)
+    return out
 
 
 #: special methods that run without their name in the code (``obj[i]``, ``len(obj)``, ``for x
