@@ -414,3 +414,25 @@ def test_what_a_mask_reads_through_helpers_properties_submodules_and_getattr_is_
     cfg.window = 5
     with pytest.raises(ValueError, match=r"mask_mod reads cfg\.window, rebound"):
         plan.check_unchanged()
+
+
+class _TrainOnly(torch.nn.Module):
+    def mask(self, b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) if self.training else (kv_idx <= q_idx) & (q_idx - kv_idx < 5)
+
+
+def test_a_mask_that_reads_training_raises_after_eval():
+    """``training`` was never recorded: a mask reading ``self.training`` ran after ``eval()``
+    on the blocks classified in training mode, off by 1.24 from the dense answer, no error.
+    Recorded now where the code reads it (``eval()`` beside a mask that does not read it runs:
+    the test above)."""
+    q, k, v = _qkv()
+    model = _TrainOnly()
+    plan = _plan(model.mask)
+    fringe.simulate.attention(q, k, v, plan=plan)
+    model.train()
+    plan.check_unchanged()
+    model.eval()
+    with pytest.raises(ValueError, match=r"mask_mod reads self\.training, rebound .*\(True "
+                                         r"then, False now\)"):
+        fringe.simulate.attention(q, k, v, plan=plan)

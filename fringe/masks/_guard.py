@@ -27,8 +27,8 @@ calls are not) reads attributes this cannot see.
 
 Not recorded, by design: what requires grad (parameters change in training, and
 ``torch.func.functional_call`` swaps them: :func:`fringe.autograd` checks those), an
-``nn.Module``'s own bookkeeping (``training``, hooks; its ``_buffers`` and ``_modules``
-entries are recorded), ``torch.distributed`` objects (they are rank-local by design), keys
+``nn.Module``'s own bookkeeping (``training``, hooks) unless the code reads it by name (a mask
+that reads ``self.training`` raises after ``eval()``), ``torch.distributed`` objects (they are rank-local by design), keys
 added to a dict or attributes added to an object (a class attribute shadowed that way is not
 seen, nor are class attributes at all), sets, numpy arrays edited in place (no version
 counter), and what a snapshot's copy holds directly (its cells, globals dict, and the lists and
@@ -54,6 +54,8 @@ _MAX_DEPTH = 16
 _RANK_LOCAL = re.compile(r"torch\.distributed(\.|$)")
 _SCALARS = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device)
 _SEQ, _SLOT, _CELL = range(3)
+#: an ``nn.Module``'s tables, walked entry by entry
+_TABLES = frozenset({"_parameters", "_buffers", "_modules"})
 #: names whose presence in the code read means attributes are read by a computed name (or all
 #: at once): every attribute of every object walked is recorded then
 _DYNAMIC = frozenset({"getattr", "hasattr", "vars", "__dict__", "__getattribute__",
@@ -352,8 +354,9 @@ class _Walk:
     def _module(self, obj, d: dict, where: str, path: str, depth: int, bind: bool) -> None:
         """An ``nn.Module``: its buffers and submodules by entry (a rebound buffer is caught),
         plain attributes like any object's, parameters for their tensors only (they change
-        by design), its own bookkeeping (``training``, hooks) unrecorded."""
-        internals = _module_internals()
+        by design); its own bookkeeping (``training``, hooks) as plain attributes, recorded
+        where the code reads them by name (``self.training`` in a mask: ``eval()`` raises;
+        in a model's ``forward`` beside the mask, nothing)."""
         for part in ("_buffers", "_modules"):
             entries = d.get(part)
             if isinstance(entries, dict):   # OrderedDict in older torch
@@ -362,8 +365,8 @@ class _Walk:
                     # ModuleList's ``[i]``, a Sequential's iteration)
                     self.attr((name, part), entries, name, v, where, f"{path}.{name}", depth,
                               bind)
-        for name, v in d.items():
-            if name not in internals:
+        for name, v in d.items():           # its bookkeeping too, where read by name: a mask
+            if name not in _TABLES:         # that reads self.training changes with eval()
                 self.attr((name,), d, name, v, where, f"{path}.{name}", depth, bind)
         params = d.get("_parameters")
         if isinstance(params, dict):        # for their tensors only (a frozen one's version)
