@@ -198,3 +198,38 @@ def test_fn_digest_of_a_module_leaves_its_hooks_out():
     a, b = _Capped(), _Capped()
     b.cap = 50.0
     assert M.fn_digest(a.score) != M.fn_digest(b.score)
+
+
+def _fully_sharded(cap: float) -> _Capped:
+    """What ``fully_shard`` does to a module's Python state (no process group needed here): its
+    class becomes ``FSDP<name>`` (a subclass of ``FSDPModule`` and the module's own class,
+    defined in ``torch.distributed``), and it keeps its state under a name ending in a uuid4
+    drawn per process."""
+    from torch.distributed._composable.contract import generate_state_key
+    from torch.distributed.fsdp import FSDPModule
+    m = _Capped()
+    m.cap = cap
+    cls = type(f"FSDP{_Capped.__name__}", (FSDPModule, _Capped), {})
+    cls.__module__ = "torch.distributed.fsdp._fully_shard._fsdp_init"
+    m.__class__ = cls
+    m.__dict__[generate_state_key()] = {}
+    return m
+
+
+def test_fn_digest_reads_a_fully_sharded_module():
+    """``fully_shard`` re-classes the module into ``torch.distributed``: it was digested by
+    type only, so ranks whose ``self.cap`` differed (30 vs 50) under FSDP2 agreed, and the
+    guard recorded none of its attributes. Its data is the user's module's: read; the state
+    ``fully_shard`` keeps under a per-process name is not."""
+    assert M.fn_digest(_fully_sharded(30.0).score) == M.fn_digest(_fully_sharded(30.0).score)
+    assert M.fn_digest(_fully_sharded(30.0).score) != M.fn_digest(_fully_sharded(50.0).score)
+    import pytest
+
+    import fringe
+    from fringe import schedules
+    m = _fully_sharded(30.0)
+    plan = fringe.plan(schedules.zigzag(), M.causal(), seq_len=16, world_size=2, block_size=4,
+                       score_mod=m.score)
+    m.cap = 50.0
+    with pytest.raises(ValueError, match=r"score_mod reads self\.cap, rebound"):
+        plan.check_unchanged()

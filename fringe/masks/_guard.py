@@ -68,6 +68,18 @@ def _module_internals() -> frozenset[str]:
     return frozenset(vars(torch.nn.Module()))
 
 
+@functools.lru_cache(maxsize=1024)
+def rank_local(cls: type) -> bool:
+    """Whether instances of ``cls`` describe this rank's place in the group by design
+    (``DeviceMesh``, process groups, FSDP state): ``torch.distributed``'s own classes. Not a
+    module ``fully_shard`` re-classed (``FSDPAttn``, a subclass of ``FSDPModule`` and the
+    user's ``Attn``, defined in ``torch.distributed``): its data is the user's module's."""
+    if not _RANK_LOCAL.match(str(cls.__module__)):
+        return False
+    return not any(issubclass(c, torch.nn.Module) and c is not torch.nn.Module and
+                   not _RANK_LOCAL.match(str(c.__module__)) for c in cls.__mro__)
+
+
 @functools.lru_cache(maxsize=4096)
 def _loaded_globals(code: types.CodeType) -> frozenset[str]:
     """The names ``code`` (and the code nested in it) loads as globals: not the attribute names
@@ -324,7 +336,7 @@ class _Walk:
     def _object(self, obj, where: str, path: str, depth: int, bind: bool) -> None:
         # an object (a callable instance, a bound method's, or one a closure reads such as
         # ``batch.ids``): the attributes of its __dict__ or __slots__ the code may read
-        if _RANK_LOCAL.match(str(type(obj).__module__)):
+        if rank_local(type(obj)):
             bind = False                    # DeviceMesh, process groups: rank-local by design
         cls = type(obj)
         if _reads_any_attribute(cls):
