@@ -436,3 +436,27 @@ def test_a_mask_that_reads_training_raises_after_eval():
     with pytest.raises(ValueError, match=r"mask_mod reads self\.training, rebound .*\(True "
                                          r"then, False now\)"):
         fringe.simulate.attention(q, k, v, plan=plan)
+
+
+class _WindowedList(_Windowed):
+    def __init__(self) -> None:
+        super().__init__()
+        self.rules = torch.nn.ModuleList([_Rule(9)])
+
+    def mask(self, b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) & self.rules[0](q_idx, kv_idx)
+
+
+def test_a_mask_reading_a_module_list_item_keeps_its_step_counter_free():
+    """Reading ``self.rules[0]`` followed torch's own ModuleList code by name into
+    ``add_module``'s ``hasattr``, which marked the walk as reading every attribute: the step
+    counter raised again. torch's code is not followed; a ModuleList's items are recorded."""
+    q, k, v = _qkv()
+    model = _WindowedList()
+    plan = _plan(model.mask)
+    want, _ = reference.attention(q, k, v, mask_mod=model.mask)
+    for _ in range(3):
+        assert_close(model(q, k, v, plan), want, **TOL)
+    model.rules[0].w = 5
+    with pytest.raises(ValueError, match=r"mask_mod reads self\.rules\.0\.w, rebound"):
+        model(q, k, v, plan)

@@ -105,6 +105,22 @@ def _code_names(code: types.CodeType) -> frozenset[str]:
     return frozenset(names)
 
 
+def _library(fn) -> bool:
+    """torch's own code: not followed for names (its methods read their own bookkeeping, by
+    ``hasattr`` too); an object whose class inherits it has all its data recorded instead
+    (:func:`_library_reads`)."""
+    return str(getattr(fn, "__module__", None) or "").startswith("torch")
+
+
+@functools.lru_cache(maxsize=1024)
+def _library_reads(cls: type) -> bool:
+    """Whether torch code ``cls`` inherits may read its instances' attributes (a
+    ``ModuleList``'s ``[i]``, a ``Linear``'s ``forward``): ``nn.Module`` itself and
+    ``torch.distributed``'s rank-local classes (``FSDPModule``) aside."""
+    return any(c is not torch.nn.Module and _library(c) and not rank_local(c)
+               for c in cls.__mro__)
+
+
 def _class_functions(cls: type, name: str) -> list:
     """The functions that may run when ``name`` is read on an instance of ``cls`` (a method, a
     property's getter, a static or class method), looked up without running anything: every
@@ -118,7 +134,7 @@ def _class_functions(cls: type, name: str) -> list:
             a = a.fget
         elif isinstance(a, functools.cached_property):
             a = a.func
-        if isinstance(a, types.FunctionType):
+        if isinstance(a, types.FunctionType) and not _library(a):
             out.append(a)
     return out
 
@@ -139,7 +155,7 @@ def _special_methods(cls: type) -> tuple:
     ``nn.Module``'s own, whose attribute lookup is by the names the code reads)."""
     out, seen = [], set()
     for c in cls.__mro__:
-        if c is object or c.__module__ == torch.nn.Module.__module__:
+        if c is object or _library(c):
             continue
         for name, f in c.__dict__.items():
             if name.startswith("__") and name.endswith("__") and name not in seen \
@@ -202,10 +218,10 @@ class _Walk:
                     if isinstance(f, types.FunctionType) and f.__globals__ is glob:
                         todo.append(f.__code__)
 
-    def attr(self, names: tuple, *args) -> None:
-        """Visit an attribute now if the code may read it by one of ``names``, else when it
-        turns out to."""
-        if self.dynamic or not self.names.isdisjoint(names):
+    def attr(self, names: tuple, *args, force: bool = False) -> None:
+        """Visit an attribute now if the code may read it by one of ``names`` (or ``force``:
+        library code may), else when it turns out to."""
+        if force or self.dynamic or not self.names.isdisjoint(names):
             self._attr(*args)
         else:
             self.deferred.append((names, args))
@@ -311,7 +327,8 @@ class _Walk:
         # held nothing to copy, or is a bound method's function) shares them with its scope
         own = owns(fn)
         code = getattr(fn, "__code__", None)
-        self.add_code(code, getattr(fn, "__globals__", None))
+        if not _library(fn):
+            self.add_code(code, getattr(fn, "__globals__", None))
         names = getattr(code, "co_freevars", ())
         for name, c in zip(names, getattr(fn, "__closure__", None) or ()):
             try:
@@ -341,6 +358,7 @@ class _Walk:
         cls = type(obj)
         if _reads_any_attribute(cls):
             self.dynamic = True
+        lib = _library_reads(cls)           # torch code it inherits may read any attribute
         self.objects.append([obj, where, path, depth, bind, set()])
         if id(obj) not in self.selves:      # an object called: what its call runs
             for name in ("forward",) if isinstance(obj, torch.nn.Module) else ("__call__",):
@@ -351,19 +369,21 @@ class _Walk:
         d = getattr(obj, "__dict__", None)
         if type(d) is dict:
             if isinstance(obj, torch.nn.Module):
-                self._module(obj, d, where, path, depth, bind)
+                self._module(obj, d, where, path, depth, bind, lib)
             else:
                 for name, v in d.items():
-                    self.attr((name,), d, name, v, where, f"{path}.{name}", depth, bind)
+                    self.attr((name,), d, name, v, where, f"{path}.{name}", depth, bind,
+                              force=lib)
         for c in cls.__mro__:
             slots = c.__dict__.get("__slots__", ())
             for name in ((slots,) if isinstance(slots, str) else slots):
                 if name in ("__dict__", "__weakref__"):
                     continue
                 self.attr((name,), obj, name, getattr(obj, name, _MISSING), where,
-                          f"{path}.{name}", depth, bind, True)
+                          f"{path}.{name}", depth, bind, True, force=lib)
 
-    def _module(self, obj, d: dict, where: str, path: str, depth: int, bind: bool) -> None:
+    def _module(self, obj, d: dict, where: str, path: str, depth: int, bind: bool,
+                lib: bool) -> None:
         """An ``nn.Module``: its buffers and submodules by entry (a rebound buffer is caught),
         plain attributes like any object's, parameters for their tensors only (they change
         by design); its own bookkeeping (``training``, hooks) as plain attributes, recorded
@@ -376,10 +396,12 @@ class _Walk:
                     # read by name, or through the table (``self._modules[...]``: a
                     # ModuleList's ``[i]``, a Sequential's iteration)
                     self.attr((name, part), entries, name, v, where, f"{path}.{name}", depth,
-                              bind)
+                              bind, force=lib)
+        internals = _module_internals()
         for name, v in d.items():           # its bookkeeping too, where read by name: a mask
             if name not in _TABLES:         # that reads self.training changes with eval()
-                self.attr((name,), d, name, v, where, f"{path}.{name}", depth, bind)
+                self.attr((name,), d, name, v, where, f"{path}.{name}", depth, bind,
+                          force=lib and name not in internals)
         params = d.get("_parameters")
         if isinstance(params, dict):        # for their tensors only (a frozen one's version)
             for name, v in params.items():
