@@ -228,8 +228,28 @@ def test_fn_digest_reads_a_fully_sharded_module():
     import fringe
     from fringe import schedules
     m = _fully_sharded(30.0)
+    m.lin = torch.nn.Linear(2, 2)                   # parameters the score_mod does not read
+    m.step = 0
     plan = fringe.plan(schedules.zigzag(), M.causal(), seq_len=16, world_size=2, block_size=4,
                        score_mod=m.score)
+    m.step = 1                                      # FSDPAttn's code is FSDP's: not the mod's
+    plan.check_unchanged()
+
+    def grad_tensors(x, depth=0):                   # as FSDP2 walks a module's forward args
+        if isinstance(x, torch.Tensor):
+            return [x] if x.requires_grad else []
+        if depth > 32:
+            return []
+        if dataclasses.is_dataclass(x) and not isinstance(x, type):
+            x = [getattr(x, f.name) for f in dataclasses.fields(x)]
+        elif isinstance(x, dict):
+            x = list(x.values())
+        elif not isinstance(x, (list, tuple)):
+            return []
+        return [t for v in x for t in grad_tensors(v, depth + 1)]
+    # the plan's records of m's attributes must not hand FSDP2 m's parameters to replace in
+    # the plan (dataclasses.replace of a Plan raised: "field cache is declared with init=False")
+    assert grad_tensors(plan) == []
     m.cap = 50.0
     with pytest.raises(ValueError, match=r"score_mod reads self\.cap, rebound"):
         plan.check_unchanged()

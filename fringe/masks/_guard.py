@@ -116,9 +116,10 @@ def _library(fn) -> bool:
 def _library_reads(cls: type) -> bool:
     """Whether torch code ``cls`` inherits may read its instances' attributes (a
     ``ModuleList``'s ``[i]``, a ``Linear``'s ``forward``): ``nn.Module`` itself and
-    ``torch.distributed``'s rank-local classes (``FSDPModule``) aside."""
-    return any(c is not torch.nn.Module and _library(c) and not rank_local(c)
-               for c in cls.__mro__)
+    ``torch.distributed``'s classes (``FSDPModule``, the ``FSDPAttn`` ``fully_shard`` makes
+    of a user's ``Attn``: their code reads FSDP's state) aside."""
+    return any(c is not torch.nn.Module and _library(c) and
+               not _RANK_LOCAL.match(str(c.__module__)) for c in cls.__mro__)
 
 
 def _class_functions(cls: type, name: str) -> list:
@@ -408,7 +409,19 @@ class _Walk:
                 self.attr((name, "_parameters"), params, name, v, where, f"{path}.{name}",
                           depth, False)
 
-def guard(fn, what: str) -> tuple[list[tuple[str, torch.Tensor]], tuple[list, list]]:
+class Records:
+    """What :func:`guard` recorded, for :func:`rebound`: opaque (not a list, dict or
+    dataclass), so that code walking a plan's fields for tensors (FSDP2 walks a module's
+    forward arguments, a plan among them) does not reach the objects recorded (a module's
+    ``__dict__``, its parameters)."""
+
+    __slots__ = ("entries", "other")
+
+    def __init__(self, entries: list, other: list) -> None:
+        self.entries, self.other = entries, other
+
+
+def guard(fn, what: str) -> tuple[list[tuple[str, torch.Tensor]], Records]:
     """Walk ``fn`` (a mask_mod or score_mod, as a plan holds it) and what it reads.
 
     Follows a :class:`Mask`'s rule fields and mod, closure cells and defaults of functions,
@@ -428,7 +441,7 @@ def guard(fn, what: str) -> tuple[list[tuple[str, torch.Tensor]], tuple[list, li
     if fn is not None:
         walk.visit(fn, what, "", 0, True)
         walk.settle()
-    return walk.tensors, (walk.entries, walk.other)
+    return walk.tensors, Records(walk.entries, walk.other)
 
 
 def _same(a, b) -> bool:
@@ -456,14 +469,14 @@ def _describe(v) -> str:
     return f"a {type(v).__name__}"
 
 
-def rebound(bindings: tuple[list, list]) -> tuple[str, str] | None:
+def rebound(bindings: Records) -> tuple[str, str] | None:
     """The first binding :func:`guard` recorded that changed: ``(path, how)``, or None.
 
     An equal immutable scalar rebound in its place is accepted, and recorded instead (so the
     next check takes the fast path again). Cost: one identity compare per recorded value
     (about 60 ns each, plus 0.3 us per list).
     """
-    entries, other = bindings
+    entries, other = bindings.entries, bindings.other
     for rec in entries:
         d, k, old, path = rec
         now = d.get(k, _MISSING)
