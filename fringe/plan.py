@@ -91,7 +91,8 @@ class Plan:
     * what the mask_mod and score_mod read through objects the snapshot cannot copy (a bound
       method's ``self.doc_ids``, a closure's ``batch.ids``) is recorded by identity too:
       rebinding it (``docs.doc_ids = next_ids``) makes the next call raise, naming the
-      attribute (parameters and ``nn.Module.training`` excepted).
+      attribute (parameters excepted; ``nn.Module.training`` where the code reads it; only
+      the attributes the code can read: a step counter beside them is not recorded).
     """
 
     schedule: Schedule
@@ -165,8 +166,8 @@ class Plan:
         and tile maps, by version; and by identity what the mask_mod and score_mod read that
         :func:`fringe.masks.snapshot` cannot copy: the attributes of a bound method's instance
         or of an object a closure or global holds (``self.doc_ids``, ``batch.ids``,
-        ``self.cfg.ids``; an ``nn.Module``'s buffers and submodules, not its parameters or
-        ``training``), list items and lengths, dict entries, closure cells, the globals a
+        ``self.cfg.ids``; an ``nn.Module``'s buffers and submodules, not its parameters;
+        only the attributes the code can read, ``training`` included where it does), list items and lengths, dict entries, closure cells, the globals a
         bound method loads (:func:`fringe.masks._guard.guard`). Cheap (one ``_version`` read
         per tensor, one identity compare per value); runs on every call.
 

@@ -164,3 +164,92 @@ def test_fn_digest_reads_numpy_arrays_and_scalars():
     assert M.fn_digest(alibi(np.zeros(2))) != M.fn_digest(alibi(np.zeros(2, dtype=np.float32)))
     assert M.fn_digest(alibi(np.zeros(2))) != M.fn_digest(alibi(np.zeros((1, 2))))
     _differ(lambda c: alibi(np.array([c, "x"], dtype=object)))    # of objects: their values
+
+
+class _Capped(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.cap = 30.0
+
+    def score(self, s, b, h, q, kv):
+        return self.cap * torch.tanh(s / self.cap)
+
+
+def _rank_digest(rank: int, *, training: bool = True) -> str:
+    """One rank's score_mod digest: rank 0 alone logs its head's activations (a hook), then
+    every rank wraps the attention module (a hook of its own, the same code everywhere)."""
+    head, attn = torch.nn.Linear(2, 2), _Capped()
+    if rank == 0:
+        head.register_forward_hook(lambda *args: None)
+        torch.zeros(1, requires_grad=True).register_hook(lambda g: g)
+    attn.register_forward_pre_hook(lambda *args: None)
+    attn.train(training)
+    return M.fn_digest(attn.score)
+
+
+def test_fn_digest_of_a_module_leaves_its_hooks_out():
+    """A hook's key in a module's hook table is a process-wide counter: a hook rank 0 alone
+    registered elsewhere (activation logging) made the identical hooks every rank then put on
+    the attention module differ in key, so a score_mod bound to it raised a RankMismatch on
+    every call. Hooks are the module's bookkeeping, per rank by nature: left out; ``training``
+    and the module's data are still read."""
+    assert _rank_digest(0) == _rank_digest(1)
+    assert _rank_digest(1, training=False) != _rank_digest(1)
+    a, b = _Capped(), _Capped()
+    b.cap = 50.0
+    assert M.fn_digest(a.score) != M.fn_digest(b.score)
+
+
+def _fully_sharded(cap: float) -> _Capped:
+    """What ``fully_shard`` does to a module's Python state (no process group needed here): its
+    class becomes ``FSDP<name>`` (a subclass of ``FSDPModule`` and the module's own class,
+    defined in ``torch.distributed``), and it keeps its state under a name ending in a uuid4
+    drawn per process."""
+    from torch.distributed._composable.contract import generate_state_key
+    from torch.distributed.fsdp import FSDPModule
+    m = _Capped()
+    m.cap = cap
+    cls = type(f"FSDP{_Capped.__name__}", (FSDPModule, _Capped), {})
+    cls.__module__ = "torch.distributed.fsdp._fully_shard._fsdp_init"
+    m.__class__ = cls
+    m.__dict__[generate_state_key()] = {}
+    return m
+
+
+def test_fn_digest_reads_a_fully_sharded_module():
+    """``fully_shard`` re-classes the module into ``torch.distributed``: it was digested by
+    type only, so ranks whose ``self.cap`` differed (30 vs 50) under FSDP2 agreed, and the
+    guard recorded none of its attributes. Its data is the user's module's: read; the state
+    ``fully_shard`` keeps under a per-process name is not."""
+    assert M.fn_digest(_fully_sharded(30.0).score) == M.fn_digest(_fully_sharded(30.0).score)
+    assert M.fn_digest(_fully_sharded(30.0).score) != M.fn_digest(_fully_sharded(50.0).score)
+    import pytest
+
+    import fringe
+    from fringe import schedules
+    m = _fully_sharded(30.0)
+    m.lin = torch.nn.Linear(2, 2)                   # parameters the score_mod does not read
+    m.step = 0
+    plan = fringe.plan(schedules.zigzag(), M.causal(), seq_len=16, world_size=2, block_size=4,
+                       score_mod=m.score)
+    m.step = 1                                      # FSDPAttn's code is FSDP's: not the mod's
+    plan.check_unchanged()
+
+    def grad_tensors(x, depth=0):                   # as FSDP2 walks a module's forward args
+        if isinstance(x, torch.Tensor):
+            return [x] if x.requires_grad else []
+        if depth > 32:
+            return []
+        if dataclasses.is_dataclass(x) and not isinstance(x, type):
+            x = [getattr(x, f.name) for f in dataclasses.fields(x)]
+        elif isinstance(x, dict):
+            x = list(x.values())
+        elif not isinstance(x, (list, tuple)):
+            return []
+        return [t for v in x for t in grad_tensors(v, depth + 1)]
+    # the plan's records of m's attributes must not hand FSDP2 m's parameters to replace in
+    # the plan (dataclasses.replace of a Plan raised: "field cache is declared with init=False")
+    assert grad_tensors(plan) == []
+    m.cap = 50.0
+    with pytest.raises(ValueError, match=r"score_mod reads self\.cap, rebound"):
+        plan.check_unchanged()

@@ -6,6 +6,8 @@ no error. The plan records the identity of what the objects it guards hold (thei
 container items, closure cells, globals) and every call raises, naming the attribute."""
 from __future__ import annotations
 
+import functools
+import re
 import types
 
 import pytest
@@ -286,3 +288,175 @@ def test_an_attribute_rebound_on_one_rank_fails_every_rank_before_communication(
         assert err.startswith("ValueError: rank 1 of 2 got invalid input"), err
         assert "mask_mod reads self.doc_ids, rebound" in err, err
         assert took < 30, took
+
+
+class _Windowed(torch.nn.Module):
+    """A model whose bound method is the mask: its forward keeps state the mask never reads (a
+    step counter, a cache dict, a running-count buffer bumped in place, a submodule)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.window = 9
+        self.step = 0
+        self.cache: dict = {}
+        self.register_buffer("seen", torch.zeros((), dtype=torch.int64))
+        self.proj = torch.nn.Linear(4, 4)
+
+    def mask(self, b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) & (q_idx - kv_idx < self.window)
+
+    def forward(self, q, k, v, plan):
+        self.step += 1                      # rebound every call: the mask does not read it
+        self.cache["shape"] = tuple(q.shape)
+        self.seen.add_(1)                   # edited in place every call
+        return fringe.simulate.attention(q, k, v, plan=plan)
+
+
+def test_state_a_module_keeps_that_the_mask_does_not_read_runs_across_steps():
+    """A plan reused across training steps whose mask is a bound method of an ``nn.Module``
+    that bumps a step counter, fills a cache dict and a running-count buffer in forward: the
+    guard recorded every attribute of ``self``, so the second step raised "mask_mod reads
+    self.step, rebound (0 then, 1 now)" though the mask reads only ``self.window``. Only what
+    the code can read is guarded now; rebinding that still raises."""
+    q, k, v = _qkv()
+    model = _Windowed()
+    plan = _plan(model.mask)
+    want, _ = reference.attention(q, k, v, mask_mod=model.mask)
+    for _ in range(3):
+        assert_close(model(q, k, v, plan), want, **TOL)
+    model.proj = torch.nn.Linear(4, 4)                  # an unrelated submodule replaced
+    model.eval()
+    model.register_forward_hook(lambda *a: None)
+    assert_close(model(q, k, v, plan), want, **TOL)
+    model.window = 5
+    with pytest.raises(ValueError, match=r"mask_mod reads self\.window, rebound \(?since"):
+        model(q, k, v, plan)
+
+
+class _Rule(torch.nn.Module):
+    def __init__(self, w: int) -> None:
+        super().__init__()
+        self.w = w
+
+    def forward(self, q_idx, kv_idx):
+        return q_idx - kv_idx < self.w
+
+
+class _Table:
+    """Ids read by subscription (``__getitem__``: no attribute name in the caller's code)."""
+
+    def __init__(self, ids: torch.Tensor) -> None:
+        self._ids = ids
+
+    def __getitem__(self, i):
+        return self._ids[i]
+
+
+class _Indirect(torch.nn.Module):
+    """A mask that reads its state through a helper method, a property, a called submodule,
+    a ModuleList's item, an object's ``__getitem__`` and ``getattr`` by a computed name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lo, self._hi, self.name, self.cut = 1, 13, "cut", 6
+        self.rule = _Rule(9)
+        self.rules = torch.nn.ModuleList([_Rule(11)])
+        self.table = _Table(_ids(13))
+
+    @property
+    def hi(self):
+        return self._hi
+
+    def _inside(self, i):
+        return (i >= self.lo) & (i < self.hi)
+
+    def mask(self, b, h, q_idx, kv_idx):
+        return (self._inside(q_idx) == self._inside(kv_idx)) & self.rule(q_idx, kv_idx) & \
+            self.rules[0](q_idx, kv_idx) & (self.table[q_idx] == self.table[kv_idx])
+
+
+class _Narrower(_Indirect):
+    def mask(self, b, h, q_idx, kv_idx):              # the parent's mask reads self.lo
+        return super().mask(b, h, q_idx, kv_idx) & (q_idx != 0)
+
+
+def _window_of(cfg) -> int:
+    return cfg.window
+
+
+class _ByName(_Indirect):
+    def mask(self, b, h, q_idx, kv_idx):
+        return (q_idx >= getattr(self, self.name)) | (kv_idx <= q_idx)
+
+
+def test_what_a_mask_reads_through_helpers_properties_submodules_and_getattr_is_guarded():
+    """Narrowing the guard to the names the code reads must follow the code: a helper
+    method's, a property's, a called submodule's ``forward``, and ``getattr`` by name (every
+    attribute then)."""
+    q, k, v = _qkv()
+    for cls, attr, value in ((_Indirect, "lo", 2), (_Indirect, "_hi", 14),
+                             (_Indirect, "rule.w", 5), (_Indirect, "rules.0.w", 6),
+                             (_Indirect, "table._ids", _ids(15)), (_ByName, "cut", 7),
+                             (_Narrower, "lo", 3)):
+        obj = cls()
+        plan = _plan(obj.mask)
+        fringe.simulate.attention(q, k, v, plan=plan)
+        *owner, name = attr.split(".")
+        setattr(functools.reduce(getattr, owner, obj), name, value)
+        with pytest.raises(ValueError, match=rf"mask_mod reads self\.{re.escape(attr)}, rebound"):
+            plan.check_unchanged()
+    cfg = types.SimpleNamespace(window=9, step=0)     # read by a module function it calls
+    plan = _plan(lambda b, h, q_idx, kv_idx: (kv_idx <= q_idx) & (q_idx - kv_idx <
+                                                                   _window_of(cfg)))
+    fringe.simulate.attention(q, k, v, plan=plan)
+    cfg.step = 1
+    plan.check_unchanged()
+    cfg.window = 5
+    with pytest.raises(ValueError, match=r"mask_mod reads cfg\.window, rebound"):
+        plan.check_unchanged()
+
+
+class _TrainOnly(torch.nn.Module):
+    def mask(self, b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) if self.training else (kv_idx <= q_idx) & (q_idx - kv_idx < 5)
+
+
+def test_a_mask_that_reads_training_raises_after_eval():
+    """``training`` was never recorded: a mask reading ``self.training`` ran after ``eval()``
+    on the blocks classified in training mode, off by 1.24 from the dense answer, no error.
+    Recorded now where the code reads it (``eval()`` beside a mask that does not read it runs:
+    the test above)."""
+    q, k, v = _qkv()
+    model = _TrainOnly()
+    plan = _plan(model.mask)
+    fringe.simulate.attention(q, k, v, plan=plan)
+    model.train()
+    plan.check_unchanged()
+    model.eval()
+    with pytest.raises(ValueError, match=r"mask_mod reads self\.training, rebound .*\(True "
+                                         r"then, False now\)"):
+        fringe.simulate.attention(q, k, v, plan=plan)
+
+
+class _WindowedList(_Windowed):
+    def __init__(self) -> None:
+        super().__init__()
+        self.rules = torch.nn.ModuleList([_Rule(9)])
+
+    def mask(self, b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) & self.rules[0](q_idx, kv_idx)
+
+
+def test_a_mask_reading_a_module_list_item_keeps_its_step_counter_free():
+    """Reading ``self.rules[0]`` followed torch's own ModuleList code by name into
+    ``add_module``'s ``hasattr``, which marked the walk as reading every attribute: the step
+    counter raised again. torch's code is not followed; a ModuleList's items are recorded."""
+    q, k, v = _qkv()
+    model = _WindowedList()
+    plan = _plan(model.mask)
+    want, _ = reference.attention(q, k, v, mask_mod=model.mask)
+    for _ in range(3):
+        assert_close(model(q, k, v, plan), want, **TOL)
+    model.rules[0].w = 5
+    with pytest.raises(ValueError, match=r"mask_mod reads self\.rules\.0\.w, rebound"):
+        model(q, k, v, plan)

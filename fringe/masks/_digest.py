@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
-import re
 import types
 
 import numpy as np
@@ -14,6 +13,7 @@ import torch
 from ._bh import reads_bh
 from ._blockmap import BlockMap
 from ._eval import _eval_pairs, _method
+from ._guard import _module_internals, rank_local
 from ._kinds import _PARTIAL
 from ._mask import Mask
 from ._snapshot import global_data
@@ -167,8 +167,10 @@ def fn_digest(fn) -> str:
     modules by name only.
 
     Not covered (by type only): objects whose state Python cannot read (C extensions:
-    ``torch.Generator``, process groups), ``torch.distributed`` objects
-    (``DeviceMesh``, FSDP state: they differ on every rank by design), an object's
+    ``torch.Generator``, process groups), an ``nn.Module``'s hooks and other bookkeeping
+    (``training`` is covered), ``torch.distributed``'s own objects
+    (``DeviceMesh``, FSDP state: they differ on every rank by design; a module
+    ``fully_shard`` re-classed is read as the module it was), an object's
     attribute that holds more than ~5,000 objects or 5 MB of tensor data (the walk is
     bounded so a plan over a score_mod bound to a large model stays cheap), class
     attributes, values computed when read (properties, ``__getattr__``) and the globals of
@@ -211,18 +213,32 @@ class _Walk(set):
 
 
 _UNSET = object()
-_RANK_LOCAL = re.compile(r"torch\.distributed(\.|$)")
+
+
+#: the prefix of the attributes torch.distributed's composable APIs (``fully_shard``,
+#: ``replicate``) keep their state under: the rest of the name is a uuid4 drawn per process
+_COMPOSABLE = "__composable_api_state_key_"
+#: what ``nn.Module.__init__`` sets that holds the module's data (the rest is bookkeeping)
+_MODULE_DATA = frozenset({"training", "_parameters", "_buffers", "_modules"})
 
 
 def _state(obj) -> list[tuple[str, object]] | None:
     """The data an instance holds by name: its ``__dict__`` and the values of its
     ``__slots__`` (an unset slot as :data:`_UNSET`), sorted by name; None for an object with
-    neither (a C extension's, whose state Python cannot read)."""
+    neither (a C extension's, whose state Python cannot read). An ``nn.Module``'s hooks and
+    other bookkeeping are left out: a hook's key is a process-wide counter (a hook registered
+    on rank 0 alone, anywhere, shifts every later key there), and hooks are registered per
+    rank (logging, profiling)."""
     try:
         d = object.__getattribute__(obj, "__dict__")
     except Exception:                   # noqa: BLE001 - no __dict__, or one that cannot be read
         d = None
     items = dict(d) if type(d) is dict else {}
+    if isinstance(obj, torch.nn.Module):   # its bookkeeping: hooks, keyed by a process-wide
+        for name in _module_internals() - _MODULE_DATA:     # counter, registered per rank
+            items.pop(name, None)
+        for name in [n for n in items if n.startswith(_COMPOSABLE)]:
+            del items[name]     # fully_shard's state, under a name with a per-process uuid4
     slotted = False
     for cls in type(obj).__mro__:
         if "__slots__" not in cls.__dict__:
@@ -247,7 +263,7 @@ def _state_digest(hs: _Hasher, obj, seen: _Walk, depth: int) -> None:
     hs.put("object", f"{t.__module__}.{t.__qualname__}")
     # torch.distributed's objects (DeviceMesh, process groups, FSDP state) describe this rank's
     # place in the group: they differ on every rank by design, so they are digested by type
-    items = None if _RANK_LOCAL.match(str(t.__module__)) else _state(obj)
+    items = None if rank_local(t) else _state(obj)
     if items is None:
         hs.put("opaque", "")
         return

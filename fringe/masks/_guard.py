@@ -16,10 +16,19 @@ Two kinds of change reach such state, and each has its record:
   (numbers, strings, ``None``, dtypes, devices, tuples of those) rebound to an equal value
   are accepted: nothing can edit them afterwards.
 
+Only what the code can read is recorded: an object's attributes are followed where their
+name is one the code walked loads (``co_names`` of the mod, the functions it reaches, the
+methods, properties and called submodules' ``forward`` those names reach), so state a module
+keeps beside what the mod reads (a step counter ``forward`` bumps, a cache dict, a running
+buffer, another submodule) neither raises nor is guarded; code that reads attributes by a
+computed name (``getattr``, ``vars``, a class's own ``__getattr__``) records them all. Library
+code handed a whole object (``dataclasses.astuple(self.cfg)`` is caught by name, other such
+calls are not) reads attributes this cannot see.
+
 Not recorded, by design: what requires grad (parameters change in training, and
 ``torch.func.functional_call`` swaps them: :func:`fringe.autograd` checks those), an
-``nn.Module``'s own bookkeeping (``training``, hooks; its ``_buffers`` and ``_modules``
-entries are recorded), ``torch.distributed`` objects (they are rank-local by design), keys
+``nn.Module``'s own bookkeeping (``training``, hooks) unless the code reads it by name (a mask
+that reads ``self.training`` raises after ``eval()``), ``torch.distributed`` objects (they are rank-local by design), keys
 added to a dict or attributes added to an object (a class attribute shadowed that way is not
 seen, nor are class attributes at all), sets, numpy arrays edited in place (no version
 counter), and what a snapshot's copy holds directly (its cells, globals dict, and the lists and
@@ -30,6 +39,7 @@ from __future__ import annotations
 
 import dis
 import functools
+import inspect
 import operator
 import re
 import types
@@ -44,12 +54,30 @@ _MAX_DEPTH = 16
 _RANK_LOCAL = re.compile(r"torch\.distributed(\.|$)")
 _SCALARS = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device)
 _SEQ, _SLOT, _CELL = range(3)
+#: an ``nn.Module``'s tables, walked entry by entry
+_TABLES = frozenset({"_parameters", "_buffers", "_modules"})
+#: names whose presence in the code read means attributes are read by a computed name (or all
+#: at once): every attribute of every object walked is recorded then
+_DYNAMIC = frozenset({"getattr", "hasattr", "vars", "__dict__", "__getattribute__",
+                      "__getattr__", "attrgetter", "asdict", "astuple", "__slots__"})
 
 
 @functools.lru_cache(maxsize=None)
 def _module_internals() -> frozenset[str]:
     """The attributes ``nn.Module.__init__`` sets (its bookkeeping: ``training``, hooks, ...)."""
     return frozenset(vars(torch.nn.Module()))
+
+
+@functools.lru_cache(maxsize=1024)
+def rank_local(cls: type) -> bool:
+    """Whether instances of ``cls`` describe this rank's place in the group by design
+    (``DeviceMesh``, process groups, FSDP state): ``torch.distributed``'s own classes. Not a
+    module ``fully_shard`` re-classed (``FSDPAttn``, a subclass of ``FSDPModule`` and the
+    user's ``Attn``, defined in ``torch.distributed``): its data is the user's module's."""
+    if not _RANK_LOCAL.match(str(cls.__module__)):
+        return False
+    return not any(issubclass(c, torch.nn.Module) and c is not torch.nn.Module and
+                   not _RANK_LOCAL.match(str(c.__module__)) for c in cls.__mro__)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -65,14 +93,176 @@ def _loaded_globals(code: types.CodeType) -> frozenset[str]:
     return frozenset(names)
 
 
+@functools.lru_cache(maxsize=4096)
+def _code_names(code: types.CodeType) -> frozenset[str]:
+    """Every name ``code`` (and the code nested in it) may read an attribute by: its
+    ``co_names`` (attribute and global names alike: a superset)."""
+    names, todo = set(), [code]
+    while todo:
+        c = todo.pop()
+        names.update(c.co_names)
+        todo.extend(k for k in c.co_consts if isinstance(k, types.CodeType))
+    return frozenset(names)
+
+
+def _library(fn) -> bool:
+    """torch's own code: not followed for names (its methods read their own bookkeeping, by
+    ``hasattr`` too); an object whose class inherits it has all its data recorded instead
+    (:func:`_library_reads`)."""
+    return str(getattr(fn, "__module__", None) or "").startswith("torch")
+
+
+@functools.lru_cache(maxsize=1024)
+def _library_reads(cls: type) -> bool:
+    """Whether torch code ``cls`` inherits may read its instances' attributes (a
+    ``ModuleList``'s ``[i]``, a ``Linear``'s ``forward``): ``nn.Module`` itself and
+    ``torch.distributed``'s classes (``FSDPModule``, the ``FSDPAttn`` ``fully_shard`` makes
+    of a user's ``Attn``: their code reads FSDP's state) aside."""
+    return any(c is not torch.nn.Module and _library(c) and
+               not _RANK_LOCAL.match(str(c.__module__)) for c in cls.__mro__)
+
+
+def _class_functions(cls: type, name: str) -> list:
+    """The functions that may run when ``name`` is read on an instance of ``cls`` (a method, a
+    property's getter, a static or class method), looked up without running anything: every
+    class of the MRO's own (an override's ``super().name()`` runs its parent's)."""
+    out = []
+    for c in cls.__mro__:
+        a = c.__dict__.get(name)
+        if isinstance(a, (staticmethod, classmethod)):
+            a = a.__func__
+        elif isinstance(a, property):
+            a = a.fget
+        elif isinstance(a, functools.cached_property):
+            a = a.func
+        if isinstance(a, types.FunctionType) and not _library(a):
+            out.append(a)
+    return out
+
+
+#: special methods that run without their name in the code (``obj[i]``, ``len(obj)``, ``for x
+#: in obj``, ``obj + 1``): every other one a walked object's class defines is followed
+_NOT_READING = frozenset({
+    "__init__", "__new__", "__init_subclass__", "__post_init__", "__setattr__", "__delattr__",
+    "__setitem__", "__delitem__", "__del__", "__repr__", "__str__", "__format__", "__dir__",
+    "__sizeof__", "__reduce__", "__reduce_ex__", "__getstate__", "__setstate__", "__copy__",
+    "__deepcopy__", "__enter__", "__exit__", "__class_getitem__", "__subclasshook__",
+    "__getattr__", "__getattribute__"})
+
+
+@functools.lru_cache(maxsize=1024)
+def _special_methods(cls: type) -> tuple:
+    """``(name, function)`` of the special methods ``cls`` defines (not ``object``'s, nor
+    ``nn.Module``'s own, whose attribute lookup is by the names the code reads)."""
+    out, seen = [], set()
+    for c in cls.__mro__:
+        if c is object or _library(c):
+            continue
+        for name, f in c.__dict__.items():
+            if name.startswith("__") and name.endswith("__") and name not in seen \
+                    and name not in _NOT_READING and isinstance(f, types.FunctionType):
+                seen.add(name)
+                out.append((name, f))
+    return tuple(out)
+
+
+def _reads_any_attribute(cls: type) -> bool:
+    """A class whose attribute reads run its own code by a computed name (``__getattr__``,
+    ``__getattribute__``; ``nn.Module``'s, which looks the same names up in its parameters,
+    buffers and submodules, excepted)."""
+    for name in ("__getattr__", "__getattribute__"):
+        f = inspect.getattr_static(cls, name, None)
+        if isinstance(f, types.FunctionType) and f is not getattr(torch.nn.Module, name, None):
+            return True
+    return False
+
+
 class _Walk:
-    """One walk of a mask_mod or score_mod: the tensors it reaches, and the bindings."""
+    """One walk of a mask_mod or score_mod: the tensors it reaches, and the bindings.
+
+    Only the attributes the code can read are followed: the names the code walked loads
+    (:func:`_code_names`), grown by the methods and properties those names reach on the
+    objects walked (``self.helper()``, a submodule's ``forward``), to a fixed point
+    (:meth:`settle`). An attribute no code reads (a step counter ``forward`` bumps, a cache
+    dict, a submodule the mod never touches) is neither recorded nor its tensors guarded; code
+    that reads attributes by a computed name (``getattr``, ``vars``, a class's own
+    ``__getattr__``) makes every attribute recorded."""
 
     def __init__(self) -> None:
         self.tensors: list[tuple[str, torch.Tensor]] = []
         self.entries: list[list] = []       # [dict, key, value, path]: attributes, entries, globals
         self.other: list[list] = []         # [_SEQ | _SLOT | _CELL, ...]
         self.memo: dict[int, object] = {}   # id -> the object, kept alive for the walk
+        self.names: set[str] = set()        # attribute names the code walked may read
+        self.dynamic = False                # some code reads attributes by a computed name
+        self.deferred: list[tuple] = []     # (names, args of _attr) none read (yet)
+        self.objects: list[list] = []       # [obj, where, path, depth, bind, names checked]
+        self.selves: set[int] = set()       # ids of bound methods' instances (not called)
+
+    def add_code(self, code, glob: dict | None = None) -> None:
+        """Add the names ``code`` reads; with ``glob`` (its function's globals), those of the
+        functions of the same module it calls by a global name too (``window_of(cfg)``),
+        recursively (a library's functions are not followed)."""
+        todo = [code]
+        while todo:
+            code = todo.pop()
+            if not isinstance(code, types.CodeType) or id(code) in self.memo:
+                continue
+            self.memo[id(code)] = code
+            names = _code_names(code)
+            self.names |= names
+            if not self.dynamic and not names.isdisjoint(_DYNAMIC):
+                self.dynamic = True
+            if glob is not None:
+                for n in _loaded_globals(code):
+                    f = glob.get(n)
+                    if isinstance(f, types.FunctionType) and f.__globals__ is glob:
+                        todo.append(f.__code__)
+
+    def attr(self, names: tuple, *args, force: bool = False) -> None:
+        """Visit an attribute now if the code may read it by one of ``names`` (or ``force``:
+        library code may), else when it turns out to."""
+        if force or self.dynamic or not self.names.isdisjoint(names):
+            self._attr(*args)
+        else:
+            self.deferred.append((names, args))
+
+    def _attr(self, d, key, v, where: str, path: str, depth: int, bind: bool,
+              slot: bool = False) -> None:
+        if bind:
+            if slot:
+                if not (isinstance(v, torch.Tensor) and v.requires_grad):
+                    self.other.append([_SLOT, d, key, v, path])
+            else:
+                self.bind_entry(d, key, v, path)
+        if v is not _MISSING:
+            self.visit(v, where, path, depth + 1, bind)
+
+    def settle(self) -> None:
+        """Follow what the names found so far reach (methods and properties of the objects
+        walked, attributes deferred), until nothing new is found."""
+        while True:
+            progressed = False
+            i = 0
+            while i < len(self.objects):    # grows as functions are visited
+                rec = self.objects[i]
+                i += 1
+                obj, where, path, depth, bind, checked = rec
+                for name in sorted(self.names - checked):
+                    checked.add(name)
+                    for fn in _class_functions(type(obj), name):
+                        if id(fn) not in self.memo:
+                            progressed = True
+                            self.visit(fn, where, f"{path}.{name}", depth + 1, bind)
+            pending, self.deferred = self.deferred, []
+            for names, args in pending:
+                if self.dynamic or not self.names.isdisjoint(names):
+                    progressed = True
+                    self._attr(*args)
+                else:
+                    self.deferred.append((names, args))
+            if not progressed:
+                return
 
     def bind_entry(self, d: dict, key, value, path: str) -> None:
         if not (isinstance(value, torch.Tensor) and value.requires_grad):  # learnable: may change
@@ -101,6 +291,7 @@ class _Walk:
             self.visit(obj.mod, name, path, depth + 1,
                        bind and obj.op == "leaf" and obj.rule is None)
         elif isinstance(obj, types.MethodType):     # a bound method: its function and instance
+            self.selves.add(id(obj.__self__))       # read through the method, not called
             self.visit(obj.__func__, where, path, depth + 1, bind)
             self.visit(obj.__self__, where, f"{path}.__self__" if path else "self", depth + 1,
                        bind)
@@ -137,6 +328,8 @@ class _Walk:
         # held nothing to copy, or is a bound method's function) shares them with its scope
         own = owns(fn)
         code = getattr(fn, "__code__", None)
+        if not _library(fn):
+            self.add_code(code, getattr(fn, "__globals__", None))
         names = getattr(code, "co_freevars", ())
         for name, c in zip(names, getattr(fn, "__closure__", None) or ()):
             try:
@@ -160,51 +353,75 @@ class _Walk:
 
     def _object(self, obj, where: str, path: str, depth: int, bind: bool) -> None:
         # an object (a callable instance, a bound method's, or one a closure reads such as
-        # ``batch.ids``): its attributes, in its __dict__ or its __slots__
-        if _RANK_LOCAL.match(str(type(obj).__module__)):
+        # ``batch.ids``): the attributes of its __dict__ or __slots__ the code may read
+        if rank_local(type(obj)):
             bind = False                    # DeviceMesh, process groups: rank-local by design
+        cls = type(obj)
+        if _reads_any_attribute(cls):
+            self.dynamic = True
+        lib = _library_reads(cls)           # torch code it inherits may read any attribute
+        self.objects.append([obj, where, path, depth, bind, set()])
+        if id(obj) not in self.selves:      # an object called: what its call runs
+            for name in ("forward",) if isinstance(obj, torch.nn.Module) else ("__call__",):
+                for fn in _class_functions(cls, name):
+                    self.visit(fn, where, f"{path}.{name}", depth + 1, bind)
+        for name, fn in _special_methods(cls):  # obj[i], len(obj), iter(obj), obj + 1
+            self.visit(fn, where, f"{path}.{name}", depth + 1, bind)
         d = getattr(obj, "__dict__", None)
         if type(d) is dict:
             if isinstance(obj, torch.nn.Module):
-                self._module(obj, d, where, path, depth, bind)
+                self._module(obj, d, where, path, depth, bind, lib)
             else:
                 for name, v in d.items():
-                    if bind:
-                        self.bind_entry(d, name, v, f"{path}.{name}")
-                    self.visit(v, where, f"{path}.{name}", depth + 1, bind)
-        for cls in type(obj).__mro__:
-            slots = cls.__dict__.get("__slots__", ())
+                    self.attr((name,), d, name, v, where, f"{path}.{name}", depth, bind,
+                              force=lib)
+        for c in cls.__mro__:
+            slots = c.__dict__.get("__slots__", ())
             for name in ((slots,) if isinstance(slots, str) else slots):
                 if name in ("__dict__", "__weakref__"):
                     continue
-                v = getattr(obj, name, _MISSING)
-                if bind and not (isinstance(v, torch.Tensor) and v.requires_grad):
-                    self.other.append([_SLOT, obj, name, v, f"{path}.{name}"])
-                if v is not _MISSING:
-                    self.visit(v, where, f"{path}.{name}", depth + 1, bind)
+                self.attr((name,), obj, name, getattr(obj, name, _MISSING), where,
+                          f"{path}.{name}", depth, bind, True, force=lib)
 
-    def _module(self, obj, d: dict, where: str, path: str, depth: int, bind: bool) -> None:
+    def _module(self, obj, d: dict, where: str, path: str, depth: int, bind: bool,
+                lib: bool) -> None:
         """An ``nn.Module``: its buffers and submodules by entry (a rebound buffer is caught),
         plain attributes like any object's, parameters for their tensors only (they change
-        by design), its own bookkeeping (``training``, hooks) unrecorded."""
-        internals = _module_internals()
+        by design); its own bookkeeping (``training``, hooks) as plain attributes, recorded
+        where the code reads them by name (``self.training`` in a mask: ``eval()`` raises;
+        in a model's ``forward`` beside the mask, nothing)."""
         for part in ("_buffers", "_modules"):
             entries = d.get(part)
             if isinstance(entries, dict):   # OrderedDict in older torch
                 for name, v in entries.items():
-                    if bind:
-                        self.bind_entry(entries, name, v, f"{path}.{name}")
-                    self.visit(v, where, f"{path}.{name}", depth + 1, bind)
-        for name, v in d.items():
-            if name not in internals:
-                if bind:
-                    self.bind_entry(d, name, v, f"{path}.{name}")
-                self.visit(v, where, f"{path}.{name}", depth + 1, bind)
-        for name in ("_parameters", *sorted(internals - {"_buffers", "_modules", "_parameters"})):
-            if name in d:
-                self.visit(d[name], where, f"{path}.{name}", depth + 1, False)
+                    # read by name, or through the table (``self._modules[...]``: a
+                    # ModuleList's ``[i]``, a Sequential's iteration)
+                    self.attr((name, part), entries, name, v, where, f"{path}.{name}", depth,
+                              bind, force=lib)
+        internals = _module_internals()
+        for name, v in d.items():           # its bookkeeping too, where read by name: a mask
+            if name not in _TABLES:         # that reads self.training changes with eval()
+                self.attr((name,), d, name, v, where, f"{path}.{name}", depth, bind,
+                          force=lib and name not in internals)
+        params = d.get("_parameters")
+        if isinstance(params, dict):        # for their tensors only (a frozen one's version)
+            for name, v in params.items():
+                self.attr((name, "_parameters"), params, name, v, where, f"{path}.{name}",
+                          depth, False)
 
-def guard(fn, what: str) -> tuple[list[tuple[str, torch.Tensor]], tuple[list, list]]:
+class Records:
+    """What :func:`guard` recorded, for :func:`rebound`: opaque (not a list, dict or
+    dataclass), so that code walking a plan's fields for tensors (FSDP2 walks a module's
+    forward arguments, a plan among them) does not reach the objects recorded (a module's
+    ``__dict__``, its parameters)."""
+
+    __slots__ = ("entries", "other")
+
+    def __init__(self, entries: list, other: list) -> None:
+        self.entries, self.other = entries, other
+
+
+def guard(fn, what: str) -> tuple[list[tuple[str, torch.Tensor]], Records]:
     """Walk ``fn`` (a mask_mod or score_mod, as a plan holds it) and what it reads.
 
     Follows a :class:`Mask`'s rule fields and mod, closure cells and defaults of functions,
@@ -223,7 +440,8 @@ def guard(fn, what: str) -> tuple[list[tuple[str, torch.Tensor]], tuple[list, li
     walk = _Walk()
     if fn is not None:
         walk.visit(fn, what, "", 0, True)
-    return walk.tensors, (walk.entries, walk.other)
+        walk.settle()
+    return walk.tensors, Records(walk.entries, walk.other)
 
 
 def _same(a, b) -> bool:
@@ -251,14 +469,14 @@ def _describe(v) -> str:
     return f"a {type(v).__name__}"
 
 
-def rebound(bindings: tuple[list, list]) -> tuple[str, str] | None:
+def rebound(bindings: Records) -> tuple[str, str] | None:
     """The first binding :func:`guard` recorded that changed: ``(path, how)``, or None.
 
     An equal immutable scalar rebound in its place is accepted, and recorded instead (so the
     next check takes the fast path again). Cost: one identity compare per recorded value
     (about 60 ns each, plus 0.3 us per list).
     """
-    entries, other = bindings
+    entries, other = bindings.entries, bindings.other
     for rec in entries:
         d, k, old, path = rec
         now = d.get(k, _MISSING)
