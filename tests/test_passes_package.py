@@ -126,3 +126,16 @@ def test_a_plane_limit_assigned_on_the_package_reaches_check_prune_and_reverse(m
     monkeypatch.setattr(passes, "PLANE_CELLS", 0)
     assert _run_passes(need) == want
     assert set(calls) == {"_check", "_prune", "_reverse"}
+
+
+def test_assign_min_casts_for_the_fast_loop_and_refuses_values_that_would_wrap():
+    """``_assign_min`` casts the values to the array's dtype (``ufunc.at`` with two dtypes
+    leaves NumPy's fast loop) and raises where the cast would wrap, instead of writing a
+    wrong minimum."""
+    from fringe.schedules.passes import _keys
+    arr = np.full(4, np.iinfo(np.int32).max, dtype=np.int32)
+    _keys._assign_min(arr, np.array([1, 1, 3]), np.array([7, 5, 2], dtype=np.int64))
+    assert arr.tolist() == [2 ** 31 - 1, 5, 2 ** 31 - 1, 2]
+    with pytest.raises(OverflowError, match="do not fit the int32 array"):
+        _keys._assign_min(arr, np.array([0]), np.array([-2 ** 40], dtype=np.int64))
+    assert arr[0] == 2 ** 31 - 1
