@@ -281,10 +281,11 @@ def _show(args) -> int:
     print(p.stats().table())
     if args.png:
         cost_cli.check_memory(p, budget, what=f"--png (the cost model's timeline) at "
-                                              f"S={args.seq_len:,}")
+                                              f"S={args.seq_len:,}", timelines=True)
         stem = args.png[:-4]
         render.save_png(render.tile_map_figure(p), args.png)
-        pred = simulate(p, "cpu", Shape(heads=8, kv_heads=8, head_dim=64, dtype="float32"))
+        pred = simulate(p, "cpu", Shape(heads=8, kv_heads=8, head_dim=64, dtype="float32"),
+                        timelines=True)
         render.save_png(render.timeline_figure(pred), f"{stem}.timeline.png")
         print(f"wrote {args.png} (tile map) and {stem}.timeline.png (timeline, cost model, cpu)")
     return 0

@@ -403,15 +403,16 @@ def _predict(name: str, ps: Sequence[PlanLike], weights: Sequence[int], hw: Hard
              shape: Shape, *, several: bool) -> Candidate:
     """One candidate's row: its plans (one per layer kind) simulated, summed per rank with
     each kind's number of layers as weight; over the hardware's memory: excluded, saying so."""
-    preds = [simulate(p, hw, shape, name=name) for p in ps]
+    preds = [simulate(p, hw, shape, name=name, timelines=False) for p in ps]
     step = fwd = bwd = 0.0
     sent = compute = 0
     for w, pr in zip(weights, preds):
         step += w * pr.step_s
         fwd += w * pr.forward_s
         bwd += w * pr.backward_s
-        sent = sent + w * pr.sent["forward"].sum(1)
-        compute = compute + w * (pr.compute["forward"].sum(1) + pr.compute["backward"].sum(1))
+        sent = sent + w * pr.totals["forward"]["sent"]
+        compute = compute + w * (pr.totals["forward"]["compute"]
+                                 + pr.totals["backward"]["compute"])
     mean = float(np.mean(compute))
     memory = max(float(pr.memory.max(initial=0)) for pr in preds)
     excluded = None

@@ -215,10 +215,15 @@ def tile_map_figure(plan, *, max_blocks: int = 256, title: str | None = None):
     return fig
 
 
+def _is_prediction(source) -> bool:
+    """A cost model Prediction (read by its fields: render sits beside the cost model)."""
+    return hasattr(source, "totals") and hasattr(source, "timelines")
+
+
 def _arrays(source, which: str):
     """``(compute [P, T], wait [P, T], active [P, T])`` from a Prediction or StepRecords."""
     import numpy as np
-    if hasattr(source, "compute") and isinstance(getattr(source, "compute"), dict):
+    if _is_prediction(source):
         return source.compute[which], source.wait[which], source.active[which]
     recs = list(source)
     if not recs:
@@ -256,7 +261,7 @@ def timeline_figure(source, *, which: str | Sequence[str] = ("forward", "backwar
     import numpy as np
     from matplotlib.figure import Figure
     from matplotlib.patches import Patch
-    is_pred = hasattr(source, "compute") and isinstance(getattr(source, "compute"), dict)
+    is_pred = _is_prediction(source)
     if is_pred:
         whichs = (which,) if isinstance(which, str) else tuple(which)
         bad = [w for w in whichs if w not in ("forward", "backward")]

@@ -6,6 +6,8 @@ plus the P^2 tile arrays), checked here to bound what ``tile_work`` really alloc
 allocations, traced)."""
 from __future__ import annotations
 
+import dataclasses
+
 import os
 import subprocess
 import sys
@@ -126,7 +128,8 @@ def test_over_the_budget_through_the_shell():
 def test_the_estimate_counts_the_simulators_timelines_and_transfers():
     """A ring that forwards every kv chunk through nearly every rank (zigzag on many short
     documents) holds far more transfers than tiles: the check before simulate counts the
-    [P, T] cells and the transfer rows, and bounds what simulate allocates (traced)."""
+    [P, T] cells (their timelines where the prediction keeps them) and the transfer rows,
+    and bounds what simulate allocates either way (traced)."""
     from fringe.cost import cli as cost_cli
     from fringe.cost.simulate import simulate
     from fringe.schedules.ir import ProgramTable
@@ -141,14 +144,19 @@ def test_the_estimate_counts_the_simulators_timelines_and_transfers():
     live = int((torch.as_tensor(p.tiles) != int(BlockKind.EMPTY)).sum())
     assert moves > 4 * live                              # transfers, not tiles, set the size
     work, _ = costmodel.tile_work_bytes(p)
-    need = (work + cost_cli.BYTES_PER_TILE * live + cost_cli.BYTES_PER_CELL * cells
-            + cost_cli.BYTES_PER_TRANSFER * moves)
-    with pytest.raises(MemoryError, match=f"{moves:,} transfers of the timelines"):
-        cost_cli.check_memory(p, (need - 1, "test"), what="predicting")
-    tracemalloc.start()
-    try:
-        simulate(p, "h100-ib")
-        _, peak = tracemalloc.get_traced_memory()
-    finally:
-        tracemalloc.stop()
-    assert peak <= need, (peak, need)
+    for keep, per_cell in ((True, cost_cli.BYTES_PER_CELL),
+                           (False, cost_cli.BYTES_PER_STEP_CELL)):
+        need = (work + cost_cli.BYTES_PER_TILE * live + per_cell * cells
+                + cost_cli.BYTES_PER_TRANSFER * moves)
+        with pytest.raises(MemoryError, match=f"{moves:,} transfers of the simulation"):
+            cost_cli.check_memory(p, (need - 1, "test"), what="predicting", timelines=keep)
+        cost_cli.check_memory(p, (need + cost_cli.KEPT_BYTES_PER_TOKEN * S, "test"),
+                              what="predicting", timelines=keep)
+        tracemalloc.start()
+        try:
+            pred = simulate(dataclasses.replace(p), "h100-ib", timelines=keep)
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        assert bool(pred.timelines) == keep
+        assert peak <= need, (keep, peak, need)

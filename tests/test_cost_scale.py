@@ -93,10 +93,10 @@ def test_the_live_buffer_peak_is_one_answer_by_every_path(path, monkeypatch):
 
 @pytest.mark.parametrize("cells", [0, 50])
 def test_transfers_priced_a_block_of_steps_at_a_time_give_the_same_prediction(cells, monkeypatch):
-    """The simulator prices transfers a block of steps at a time (STEP_CELLS): one step a
-    block, or blocks that end mid-plan, predict what one block of every step does, field by
-    field (a rank sending twice in a step, collectives and the cpu preset's host bytes
-    included)."""
+    """The simulator runs a block of steps at a time (STEP_CELLS): one step a block, or
+    blocks that end mid-plan, predict what one block of every step does, field by field and
+    total by total (a rank sending twice in a step, collectives and the cpu preset's host
+    bytes included)."""
     S, P = 8192, 16
     for spec, hw in (("zigzag", "h100-ib"), ("compose:zigzag+ulysses:4", "cpu"),
                      ("allgather", "h100-ib")):
@@ -110,4 +110,43 @@ def test_transfers_priced_a_block_of_steps_at_a_time_give_the_same_prediction(ce
             for field in ("compute", "wait", "sent", "recv", "tiles", "active", "steps"):
                 np.testing.assert_array_equal(getattr(got, field)[which],
                                               getattr(want, field)[which])
+            for field, total in want.totals[which].items():
+                np.testing.assert_array_equal(got.totals[which][field], total)
         assert got.step_s == want.step_s > 0
+
+
+def test_totals_are_the_timelines_summed_and_need_no_timelines(monkeypatch):
+    """A prediction's per-rank totals are its per-(rank, step) timelines summed over the
+    steps, and a rank's end is its compute plus its waits; a prediction that keeps no
+    timelines (timelines=False, or the default past TIMELINE_CELLS) gives the same totals
+    and summaries bit for bit, and reading its timelines says how to keep them."""
+    S, P = 8192, 16
+    for spec, hw in (("zigzag", "cpu"), ("compose:zigzag+ulysses:4", "h100-ib")):
+        p = fringe.plan(registry.get(spec), cost_cli.mask_from_spec("document:9", S),
+                        seq_len=S, world_size=P, block_size=64)
+        full = cost_simulate.simulate(p, hw, SHAPE, timelines=True)
+        bare = cost_simulate.simulate(p, hw, SHAPE, timelines=False)
+        with monkeypatch.context() as m:
+            m.setattr(cost_simulate, "TIMELINE_CELLS", P - 1)      # one step is too many
+            default = cost_simulate.simulate(p, hw, SHAPE)
+        assert cost_simulate.simulate(p, hw, SHAPE).timelines.keys() == {"forward", "backward"}
+        for which in ("forward", "backward"):
+            t = full.totals[which]
+            for field in ("compute", "wait", "sent", "recv", "tiles"):
+                np.testing.assert_allclose(t[field], getattr(full, field)[which].sum(1),
+                                           rtol=1e-12)
+            np.testing.assert_allclose(t["end"], t["compute"] + t["wait"], rtol=1e-12)
+            assert t["compute"].max() > 0 and t["sent"].max() > 0
+            for pred in (bare, default):
+                assert pred.totals[which].keys() == t.keys()
+                for field, x in t.items():
+                    np.testing.assert_array_equal(pred.totals[which][field], x)
+                with pytest.raises(ValueError, match="timelines=True"):
+                    pred.compute[which]
+                with pytest.raises(ValueError, match="timelines=True"):
+                    pred.records(which)
+        for pred in (bare, default):
+            assert not pred.timelines
+            assert (pred.step_s, pred.balance, pred.exposed(), pred.bytes_per_rank(),
+                    pred.row()) == (full.step_s, full.balance, full.exposed(),
+                                    full.bytes_per_rank(), full.row())

@@ -52,18 +52,21 @@ def _walked(plan, hw, shape, monkeypatch):
         return costmodel.simulate(dataclasses.replace(plan), hw, shape)
 
 
+def _assert_same(x, y, where: tuple) -> None:
+    if isinstance(x, dict):
+        assert x.keys() == y.keys(), where
+        for k in x:
+            _assert_same(x[k], y[k], where + (k,))
+    elif isinstance(x, np.ndarray):
+        assert x.dtype == y.dtype and np.array_equal(x, y), where
+    else:
+        assert x == y, where
+
+
 def assert_same_prediction(a: costmodel.Prediction, b: costmodel.Prediction) -> None:
-    """Every field bit for bit, and what reports derive from them."""
+    """Every field bit for bit (totals and timelines included), and what reports derive."""
     for f in dataclasses.fields(a):
-        x, y = getattr(a, f.name), getattr(b, f.name)
-        if isinstance(x, dict):
-            assert x.keys() == y.keys(), f.name
-            for k in x:
-                assert x[k].dtype == y[k].dtype and np.array_equal(x[k], y[k]), (f.name, k)
-        elif isinstance(x, np.ndarray):
-            assert x.dtype == y.dtype and np.array_equal(x, y), f.name
-        else:
-            assert x == y, f.name
+        _assert_same(getattr(a, f.name), getattr(b, f.name), (f.name,))
     assert (a.step_s, a.forward_s, a.backward_s, a.balance, a.exposed(), a.bytes_per_rank()) == \
         (b.step_s, b.forward_s, b.backward_s, b.balance, b.exposed(), b.bytes_per_rank())
     for which in ("forward", "backward"):

@@ -77,12 +77,15 @@ KEPT_BYTES_PER_TOKEN = 10
 #: (measured 880-960 B/tile: zigzag, causal, P = 1024 and 2048, S = 128 P).
 BYTES_PER_TILE = 1024
 #: Bytes per (rank, step) cell and per transfer row (of the larger direction) the simulator
-#: adds at its peak: its ``[P, T]`` timelines (compute, tiles, sent, received, busy, waits) and
-#: per-transfer columns (positions, peers, bytes, latency, bandwidth, durations). Measured:
-#: 2.5 GB over the plan's own for zigzag at P = 4,096 on documents (16.8M cells, T = 4,097,
-#: and 16.8M transfers a direction), about 150 bytes for each pair; split by memray's sites.
-BYTES_PER_CELL = 80
-BYTES_PER_TRANSFER = 80
+#: adds at its peak. A cell: the ``[P, T]`` timelines when kept (``BYTES_PER_CELL``: compute,
+#: tiles, sent, received, waits and ``active`` of both directions, ~82), else the ``active``
+#: masks (``BYTES_PER_STEP_CELL``). A transfer: its cached bytes column, the step order, the
+#: buffers' live-peak tables and a block's working arrays. Measured: 0.96 GB over the plan's
+#: own for zigzag at P = 4,096 on documents without timelines (16.8M cells, T = 4,097, and
+#: 16.8M transfers a direction: 57 bytes for each pair; memray's high-water mark and RSS).
+BYTES_PER_CELL = 84
+BYTES_PER_STEP_CELL = 4
+BYTES_PER_TRANSFER = 64
 
 
 def memory_budget(max_memory: int | None) -> tuple[int | None, str]:
@@ -122,12 +125,14 @@ def check_plan_memory(seq_len: int, budget: tuple[int | None, str], *,
           f"{flag} {seq_len}", f"use a smaller {flag}")
 
 
-def check_memory(plan, budget: tuple[int | None, str], *, what: str) -> None:
+def check_memory(plan, budget: tuple[int | None, str], *, what: str,
+                 timelines: bool = False) -> None:
     """Before :func:`simulate`: raise ``MemoryError`` (one line: the estimate and
     ``--max-memory``) when the plan kept, its programs and the cost model's tile work
-    (:func:`tile_work_bytes`: linear in the PARTIAL tiles' rectangles) would pass ``budget``.
-    Costs one pass over the block map's rectangles and allocates nothing of the estimate's
-    size."""
+    (:func:`tile_work_bytes`: linear in the PARTIAL tiles' rectangles) would pass ``budget``;
+    ``timelines``: the prediction will keep its ``[P, T]`` timelines (``simulate(...,
+    timelines=True)``, to draw them). Costs one pass over the block map's rectangles and
+    allocates nothing of the estimate's size."""
     limit = budget[0]
     if limit is None:
         return
@@ -136,11 +141,12 @@ def check_memory(plan, budget: tuple[int | None, str], *, what: str) -> None:
     base = KEPT_BYTES_PER_TOKEN * plan.seq_len + BYTES_PER_TILE * live
     work, how = tile_work_bytes(plan)
     cells, moves = _timeline_size(plan)
-    extra = BYTES_PER_CELL * cells + BYTES_PER_TRANSFER * moves
+    per_cell = BYTES_PER_CELL if timelines else BYTES_PER_STEP_CELL
+    extra = per_cell * cells + BYTES_PER_TRANSFER * moves
     _over(base + work + extra, f"the cost model's tile work, {how}; {KEPT_BYTES_PER_TOKEN} bytes "
           f"x {plan.seq_len:,} tokens of plan; {BYTES_PER_TILE} bytes x {live:,} tiles of "
-          f"programs; {BYTES_PER_CELL} bytes x {cells:,} (rank, step) cells and "
-          f"{BYTES_PER_TRANSFER} bytes x {moves:,} transfers of the timelines",
+          f"programs; {per_cell} bytes x {cells:,} (rank, step) cells and "
+          f"{BYTES_PER_TRANSFER} bytes x {moves:,} transfers of the simulation",
           budget, what, "use a smaller --seq-len or a larger --block-size or --world-size")
 
 
@@ -199,15 +205,16 @@ def cli(args) -> int:
         t0 = time.process_time()
         p = make_plan(made[name], mask, seq_len=args.seq_len,
                       world_size=args.world_size, block_size=args.block_size)
-        check_memory(p, budget, what=f"predicting {name} at S={args.seq_len:,}")
+        check_memory(p, budget, what=f"predicting {name} at S={args.seq_len:,}",
+                     timelines=bool(args.png))
         if name in auto:
             explained.append(p.explain())
         t1 = time.process_time()
         pred = simulate(p, hw, shape, name=f"{name}={p.choice.winner}" if name in auto
-                        else name)
+                        else name, timelines=bool(args.png))
         t2 = time.process_time()
         del p                # its programs and cost columns go before the next plan is made
-        if args.png:         # the [P, T] timelines are kept only to be drawn
+        if args.png:         # the [P, T] timelines are kept only to be drawn (timelines=)
             preds.append(pred)
         row = pred.row()
         del pred

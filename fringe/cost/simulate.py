@@ -54,6 +54,7 @@ P ranks.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 
 import numpy as np
 
@@ -75,8 +76,8 @@ class _Flat:
 
     steps: np.ndarray            # sorted distinct global step indices
     active: np.ndarray           # [P, T] bool: rank has a step at that index
-    tiles: np.ndarray            # [P, T] tiles computed
-    compute: np.ndarray          # [P, T] seconds
+    cells: np.ndarray            # per tile compute, step-major ``position * P + rank``, sorted
+    work: np.ndarray             # seconds of those tiles, in the same order
     sends: tuple                 # (rank, step position, peer, bytes) arrays
     colls: tuple                 # collective sides: (rank, position, instance) + instances
     live_peak: np.ndarray        # [P] peak bytes of other ranks' buffers alive at once
@@ -123,7 +124,6 @@ def _flatten(cols: _Cols, keys: np.ndarray, fixed: np.ndarray, per_heads: np.nda
         cols.live_peak = _live_peak(P, T, touch, cols.buf_bytes)
         cols.static, cols.touch = (steps, active), ()
         del touch
-    cell = c_rank * T + at(c_step)
     flat_q = c_q * P + c_kv
     at_k = np.minimum(np.searchsorted(keys, flat_q), max(len(keys) - 1, 0))
     hit = keys[at_k] == flat_q if len(keys) else np.zeros(len(flat_q), dtype=bool)
@@ -132,11 +132,13 @@ def _flatten(cols: _Cols, keys: np.ndarray, fixed: np.ndarray, per_heads: np.nda
         w = np.where(hit, (fixed + per_heads)[at_k] if len(keys) else 0.0, 0.0)
     else:
         w = np.where(hit, (fixed[at_k] + per_heads[at_k] / c_split) if len(keys) else 0.0, 0.0)
-    compute = np.bincount(cell, weights=w, minlength=P * T).reshape(P, T)
-    tiles = np.bincount(cell, minlength=P * T).reshape(P, T)
+    # step-major cells, sorted (stable: a cell's tiles keep the columns' op order, so its
+    # seconds sum in the order the interpreter runs them)
+    cell = at(c_step).astype(np.int64) * P + c_rank
+    order = np.argsort(cell, kind="stable")
     sends = (s_rank, s_pos, s_peer, s_bytes)
     colls = _instances(cols, at, hw)
-    return _Flat(steps, active, tiles, compute, sends, colls, cols.live_peak)
+    return _Flat(steps, active, cell[order], w[order], sends, colls, cols.live_peak)
 
 
 def _instances(cols: _Cols, at, hw: Hardware) -> tuple:
@@ -185,8 +187,13 @@ def _instances(cols: _Cols, at, hw: Hardware) -> tuple:
 LIVE_DENSE_BYTES = 1 << 29
 #: Live (rank, buffer) pairs :func:`_live_peak` turns into step bins at a time.
 LIVE_PIECE = 1 << 22
-#: ``(step, rank)`` cells :func:`_run` prices transfers for at a time (whole steps).
-STEP_CELLS = 1 << 22
+#: ``(step, rank)`` cells :func:`_run` simulates at a time (whole steps): its working arrays
+#: are ``[steps, P]`` slabs of this many cells and the block's transfers.
+STEP_CELLS = 1 << 20
+#: ``P x T`` cells up to which :func:`simulate` keeps a direction's per-(rank, step)
+#: timelines by default (ten ``[P, T]`` arrays: ~340 MB at this size; zigzag at P=4,096 has
+#: 16.8M cells a direction, 1.3 GB for both, where its per-rank totals take 0.3 MB).
+TIMELINE_CELLS = 1 << 22
 #: The share of live ``[rank, buffer]`` cells past which :func:`_live_peak` bins every cell
 #: of the dense table (a block of ranks at a time: zigzag's ring, half of them live) rather
 #: than the live pairs (``np.add.at``: a ring on documents, a few thousand of 33.6M cells).
@@ -279,8 +286,17 @@ def _counts(index: np.ndarray, weights: np.ndarray, n: int) -> np.ndarray:
                        minlength=n).astype(np.float64, copy=False)
 
 
-def _run(flat: _Flat, hw: Hardware, P: int) -> tuple[np.ndarray, ...]:
-    """Event simulation: ``(busy, wait, sent, recv)``, each ``[P, T]``.
+#: The per-(rank, step) quantities of a prediction, in the order :func:`_run` makes them.
+FIELDS = ("compute", "wait", "sent", "recv", "tiles")
+
+
+def _run(flat: _Flat, hw: Hardware, P: int, keep: bool) -> tuple[dict, dict | None]:
+    """Event simulation, a block of steps at a time: ``(totals, timelines)``.
+
+    ``totals``: ``{field: [P]}`` per rank, summed over the steps in step order
+    (:data:`FIELDS`), and ``end``: each rank's clock when its last step ends;
+    ``timelines``: ``{field: [P, T]}`` per rank and step when ``keep``, else None (a block's
+    ``[steps, P]`` slabs are summed and dropped: nothing ``[P, T]`` is made).
 
     At each step every active rank issues its transfers and collectives at its clock,
     computes, then waits for all of them (the interpreter's order). A point-to-point
@@ -288,89 +304,103 @@ def _run(flat: _Flat, hw: Hardware, P: int) -> tuple[np.ndarray, ...]:
     the busier end's traffic in that step. A collective starts when every member has issued
     it (and finished its earlier collectives of the step: they run one after the other) and
     takes :meth:`Hardware.collective_s`. A step ends when its compute and all its
-    communication are done. ``busy``: the step's compute plus the host time of the bytes the
+    communication are done. ``compute``: the step's tiles plus the host time of the bytes the
     rank sends and receives in it (``hw.byte_s`` per byte; see :func:`_busy`).
     """
     T = len(flat.steps)
     src, spos, dst, nbytes = flat.sends
-    # the transfers in step order (a radix sort of their step positions), once: every array
-    # per transfer below is made in that order, and the loop reads a step's as one slice
+    # the transfers in step order (a radix sort of their step positions), once, as int32
+    # indices where they fit (16.8M transfers a direction at P=4,096); a block reads its
+    # steps' transfers through them
     per_step = np.bincount(spos, minlength=T)
     order = np.argsort(spos.astype(np.int16 if T < 1 << 15 else np.int64), kind="stable")
-    src, dst = src[order], dst[order]
-    bounds = np.r_[0, np.cumsum(per_step)]
-    sent, recv = np.zeros((T, P)), np.zeros((T, P))  # [T, P]: the loop's order; [P, T] views
-    dur = np.empty(len(order))
-    # steps where no rank sends (receives) twice: the latest of its transfers is its only one,
-    # so a plain assignment does what np.maximum.at does, without its per-element cost
-    once_s, once_d = np.ones(T, dtype=bool), np.ones(T, dtype=bool)
-    # a block of steps at a time: (step, rank) cells step-major, a block's sums and gathers in
-    # one [steps, P] slab (no [T * P] temporaries: 16.8M transfers a direction at P=4,096)
+    if len(order) < _WIDE:
+        order = order.astype(np.int32)
+    bounds = np.r_[0, np.cumsum(per_step)].tolist()
+    cbounds = np.searchsorted(flat.cells, np.arange(T + 1, dtype=np.int64) * P).tolist()
+    waves: dict = {}
+    if flat.colls is not None:
+        c_rank, c_pos, c_sent, c_recv, _, waves, c_dur = flat.colls
+        kbounds = np.searchsorted(c_pos, np.arange(T + 1)).tolist()
+    totals = {f: np.zeros(P, dtype=np.int64 if f == "tiles" else np.float64) for f in FIELDS}
+    kept = ({f: np.zeros((T, P), dtype=np.int64 if f == "tiles" else np.float64)
+             for f in FIELDS} if keep else None)
+    clock = np.zeros(P)
+    # a block of steps at a time: (step, rank) cells step-major, the block's sums and gathers
+    # in [steps, P] slabs
     B = max(1, STEP_CELLS // max(P, 1))
     for s0 in range(0, T, B):
         s1 = min(T, s0 + B)
-        a, b = int(bounds[s0]), int(bounds[s1])
-        if a == b:
-            continue
-        n = (s1 - s0) * P
-        at = np.repeat(np.arange(s1 - s0, dtype=np.int64), per_step[s0:s1])
+        n, a = s1 - s0, bounds[s0]
+        nc = n * P
+        idx = order[a:bounds[s1]]
+        bs, bd = src[idx], dst[idx]
+        at = np.repeat(np.arange(n, dtype=np.int64), per_step[s0:s1])
         at *= P                                       # the block's (step, rank) cells
-        ks, kd = at + src[a:b], at + dst[a:b]
+        ks, kd = at + bs, at + bd
         del at
-        nb = nbytes[order[a:b]].astype(np.float64)    # whole bytes: sums exact in any order
-        snt = np.bincount(ks, weights=nb, minlength=n)
-        rcv = np.bincount(kd, weights=nb, minlength=n)
-        d = snt[ks]
-        np.maximum(d, rcv[kd], out=d)                 # the busier end's bytes, over its link
-        dur[a:b] = hw.transfer_s(src[a:b], dst[a:b], d)
-        sent[s0:s1] = snt.reshape(-1, P)
-        recv[s0:s1] = rcv.reshape(-1, P)
-        once_s[s0:s1] = np.bincount(ks, minlength=n).reshape(-1, P).max(axis=1) <= 1
-        once_d[s0:s1] = np.bincount(kd, minlength=n).reshape(-1, P).max(axis=1) <= 1
-    del order, nbytes
-    sent, recv = sent.T, recv.T                       # [P, T] views
-    bounds = bounds.tolist()
-    once = [once_s.tolist(), once_d.tolist()]
-    del per_step
-    waves = {}
-    if flat.colls is not None:
-        c_rank, c_pos, c_sent, c_recv, _, waves, c_dur = flat.colls
-        sent += _counts(c_rank * T + c_pos, c_sent, P * T).reshape(P, T)
-        recv += _counts(c_rank * T + c_pos, c_recv, P * T).reshape(P, T)
-    busy = _busy(flat.compute, sent, recv, hw)
-    compute = np.ascontiguousarray(busy.T)                           # [T, P]
-    wait_t = np.zeros((T, P))
-    clock = np.zeros(P)
-    once_s, once_d = once
-    for i in range(T):
-        done = clock + compute[i]
-        a, b = bounds[i], bounds[i + 1]
-        if b > a:
-            s, d = src[a:b], dst[a:b]
-            fin = np.maximum(clock[s], clock[d])
-            fin += dur[a:b]
-            for ends, one in ((s, once_s[i]), (d, once_d[i])):
-                if one:
-                    done[ends] = np.maximum(done[ends], fin)
-                else:                                 # a rank's several transfers: the last
-                    np.maximum.at(done, ends, fin)
-        if i in waves:
-            ready = clock.copy()
-            for a, b, i0, rel in waves[i]:
-                m = c_rank[a:b]
-                fin = np.maximum.reduceat(ready[m], rel) + c_dur[i0:i0 + len(rel)]
-                fin_m = np.repeat(fin, np.diff(np.r_[rel, b - a]))
-                np.maximum.at(ready, m, fin_m)
-                np.maximum.at(done, m, fin_m)
-        wait_t[i] = done - clock - compute[i]        # exactly 0 where the rank has no step
-        clock = done
-    del compute
-    return busy, wait_t.T, sent, recv
+        nb = nbytes[idx].astype(np.float64)           # whole bytes: sums exact in any order
+        del idx
+        sent, recv = _counts(ks, nb, nc), _counts(kd, nb, nc)
+        dur = sent[ks]
+        np.maximum(dur, recv[kd], out=dur)            # the busier end's bytes, over its link
+        dur = hw.transfer_s(bs, bd, dur)
+        # steps where no rank sends (receives) twice: the latest of its transfers is its only
+        # one, so a plain assignment does what np.maximum.at does, without its per-element cost
+        once_s = (np.bincount(ks, minlength=nc).reshape(n, P).max(axis=1) <= 1).tolist()
+        once_d = (np.bincount(kd, minlength=nc).reshape(n, P).max(axis=1) <= 1).tolist()
+        del ks, kd, nb
+        if flat.colls is not None:
+            ka, kb = kbounds[s0], kbounds[s1]
+            cell = (c_pos[ka:kb] - s0) * P + c_rank[ka:kb]
+            sent += _counts(cell, c_sent[ka:kb], nc)
+            recv += _counts(cell, c_recv[ka:kb], nc)
+        ca, cb = cbounds[s0], cbounds[s1]
+        cell = flat.cells[ca:cb] - s0 * P
+        compute = _counts(cell, flat.work[ca:cb], nc).reshape(n, P)
+        tiles = np.bincount(cell, minlength=nc).reshape(n, P)
+        sent, recv = sent.reshape(n, P), recv.reshape(n, P)
+        busy = _busy(compute, sent, recv, hw)
+        del compute, cell
+        wait = np.zeros((n, P))
+        sums = [(totals[f], x) for f, x in zip(FIELDS, (busy, wait, sent, recv, tiles))]
+        for i in range(n):
+            g = s0 + i
+            done = clock + busy[i]
+            lo, hi = bounds[g] - a, bounds[g + 1] - a
+            if hi > lo:
+                s, d = bs[lo:hi], bd[lo:hi]
+                fin = np.maximum(clock[s], clock[d])
+                fin += dur[lo:hi]
+                for ends, one in ((s, once_s[i]), (d, once_d[i])):
+                    if one:
+                        done[ends] = np.maximum(done[ends], fin)
+                    else:                             # a rank's several transfers: the last
+                        np.maximum.at(done, ends, fin)
+            if g in waves:
+                ready = clock.copy()
+                for wa, wb, i0, rel in waves[g]:
+                    m = c_rank[wa:wb]
+                    fin = np.maximum.reduceat(ready[m], rel) + c_dur[i0:i0 + len(rel)]
+                    fin_m = np.repeat(fin, np.diff(np.r_[rel, wb - wa]))
+                    np.maximum.at(ready, m, fin_m)
+                    np.maximum.at(done, m, fin_m)
+            wait[i] = done - clock - busy[i]          # exactly 0 where the rank has no step
+            clock = done
+            for tot, x in sums:                       # step by step: the same sums whatever
+                tot += x[i]                           # the block size
+        if keep:
+            for f, x in zip(FIELDS, (busy, wait, sent, recv, tiles)):
+                kept[f][s0:s1] = x
+        del bs, bd, dur, busy, wait, sent, recv, tiles
+    totals["end"] = clock
+    return totals, ({f: x.T for f, x in kept.items()} if keep else None)
 
 
 def _busy(compute: np.ndarray, sent: np.ndarray, recv: np.ndarray, hw: Hardware) -> np.ndarray:
-    """Each rank's busy seconds per step ``[P, T]``: its tiles' compute plus ``hw.byte_s``
-    for every byte it sends or receives in that step (point to point and collectives).
+    """Each rank's busy seconds per step (``[steps, P]`` slabs, elementwise): its tiles'
+    compute plus ``hw.byte_s`` for every byte it sends or receives in that step (point to
+    point and collectives).
 
     The host side of moving a byte (the transport's copies, packing a buffer to send,
     unpacking or accumulating one received) runs on the rank's own cores on a CPU, so it
@@ -383,6 +413,33 @@ def _busy(compute: np.ndarray, sent: np.ndarray, recv: np.ndarray, hw: Hardware)
     return compute + hw.byte_s * (sent + recv)
 
 
+class _Timelines(Mapping):
+    """One per-(rank, step) field of a :class:`Prediction`, ``{direction: [P, T]}``, where
+    a direction whose timelines were not kept says so rather than being missing."""
+
+    def __init__(self, pred: "Prediction", field: str):
+        self._pred, self._field = pred, field
+
+    def __getitem__(self, which: str) -> np.ndarray:
+        kept = self._pred.timelines
+        if which not in self._pred.totals:
+            raise KeyError(which)
+        if which not in kept:
+            P, T = self._pred.world_size, len(self._pred.steps[which])
+            raise ValueError(
+                f"this prediction kept the {which} per-rank totals only "
+                f"(pred.totals[{which!r}]): its per-(rank, step) timelines, P={P:,} ranks x "
+                f"T={T:,} steps, would take {P * T * 41 / 1e9:.2g} GB; "
+                f"simulate(plan, ..., timelines=True) keeps them")
+        return kept[which][self._field]
+
+    def __iter__(self):
+        return iter(self._pred.totals)
+
+    def __len__(self) -> int:
+        return len(self._pred.totals)
+
+
 @dataclasses.dataclass
 class Prediction:
     """What the cost model predicts for one plan on one machine.
@@ -392,13 +449,19 @@ class Prediction:
         hardware: the machine model used.
         shape: the tensor shapes assumed.
         steps: ``{"forward": [T], "backward": [T]}`` global step indices.
-        compute, wait, sent, recv, tiles: ``{"forward"/"backward": [P, T]}`` arrays
-            (seconds, seconds, bytes, bytes, count) per rank and step; ``compute`` is the
-            rank's busy time: its tiles plus the host time of the bytes it moves
-            (``Hardware.byte_s``).
-        active: ``{...: [P, T]}`` whether the rank has that step.
+        totals: ``{"forward"/"backward": {field: [P]}}`` per rank, summed over its steps, for
+            the fields ``compute``, ``wait``, ``sent``, ``recv``, ``tiles`` below, and ``end``:
+            the rank's clock when its last step ends (its compute plus its waits): what every
+            summary (spans, balance, bytes) reads.
         memory: ``[P]`` predicted peak bytes per rank (resident tensors + received buffers
             alive at once, forward or backward, whichever is larger).
+        timelines: ``{direction: {field: [P, T]}}`` for the directions whose per-(rank, step)
+            arrays were kept (see :func:`simulate`'s ``timelines``); read them as below.
+        compute, wait, sent, recv, tiles: ``{"forward"/"backward": [P, T]}`` arrays (seconds,
+            seconds, bytes, bytes, count) per rank and step; ``compute`` is the rank's busy
+            time: its tiles plus the host time of the bytes it moves (``Hardware.byte_s``).
+            A direction not kept raises a ValueError saying how to keep it.
+        active: ``{...: [P, T]}`` whether the rank has that step (kept with the others).
     """
 
     name: str
@@ -407,17 +470,20 @@ class Prediction:
     world_size: int
     seq_len: int
     steps: dict
-    compute: dict
-    wait: dict
-    sent: dict
-    recv: dict
-    tiles: dict
-    active: dict
+    totals: dict
     memory: np.ndarray
+    timelines: dict = dataclasses.field(default_factory=dict, repr=False)
+
+    compute = property(lambda self: _Timelines(self, "compute"))
+    wait = property(lambda self: _Timelines(self, "wait"))
+    sent = property(lambda self: _Timelines(self, "sent"))
+    recv = property(lambda self: _Timelines(self, "recv"))
+    tiles = property(lambda self: _Timelines(self, "tiles"))
+    active = property(lambda self: _Timelines(self, "active"))
 
     def span(self, which: str = "forward") -> float:
         """Seconds from the first issue to the last rank's end (the step's makespan)."""
-        return float((self.compute[which] + self.wait[which]).sum(axis=1).max(initial=0.0))
+        return float(self.totals[which]["end"].max(initial=0.0))
 
     @property
     def forward_s(self) -> float:
@@ -435,22 +501,23 @@ class Prediction:
     @property
     def balance(self) -> float:
         """max / mean compute seconds per rank (forward + backward)."""
-        c = self.compute["forward"].sum(1) + self.compute["backward"].sum(1)
+        c = self.totals["forward"]["compute"] + self.totals["backward"]["compute"]
         return float(c.max() / c.mean()) if c.mean() > 0 else 1.0
 
     def exposed(self, which: str | None = None) -> float:
         """Waiting / (compute + waiting), summed over ranks (as ``RunStats`` reports it)."""
         whichs = (which,) if which else ("forward", "backward")
-        w = sum(float(self.wait[x].sum()) for x in whichs)
-        c = sum(float(self.compute[x].sum()) for x in whichs)
+        w = sum(float(self.totals[x]["wait"].sum()) for x in whichs)
+        c = sum(float(self.totals[x]["compute"].sum()) for x in whichs)
         return w / (w + c) if w + c else 0.0
 
     def bytes_per_rank(self) -> float:
         """Largest bytes one rank sends (forward + backward)."""
-        return float((self.sent["forward"].sum(1) + self.sent["backward"].sum(1)).max())
+        return float((self.totals["forward"]["sent"] + self.totals["backward"]["sent"]).max())
 
     def records(self, which: str = "forward") -> list[StepRecord]:
-        """The prediction as the per-step records a measured run leaves (one per rank·step)."""
+        """The prediction as the per-step records a measured run leaves (one per rank·step);
+        needs the direction's timelines (kept: see :func:`simulate`)."""
         act = self.active[which]
         out = []
         for r, i in zip(*np.nonzero(act)):
@@ -470,7 +537,7 @@ class Prediction:
 
 
 def simulate(plan, hardware: str | Hardware = "cpu", shape: Shape = Shape(), *,
-             name: str | None = None) -> Prediction:
+             name: str | None = None, timelines: bool | None = None) -> Prediction:
     """Predict a plan's forward and backward on ``hardware`` for tensors of ``shape``.
 
     Args:
@@ -479,6 +546,11 @@ def simulate(plan, hardware: str | Hardware = "cpu", shape: Shape = Shape(), *,
             :class:`Hardware` (:func:`fringe.cost.calibrate.calibrate` measures this machine).
         shape: batch, heads, kv heads, head dim and dtype of q/k/v.
         name: label for reports (default: the schedule's name).
+        timelines: keep each direction's per-(rank, step) arrays (``pred.compute[...]``,
+            ``.records()``, the timeline figures): True always, False never (the summaries
+            and ``pred.totals`` need only per-rank sums), None (default) where a direction
+            has at most :data:`TIMELINE_CELLS` ``P x T`` cells. The simulation is the same
+            either way: a block of steps at a time, summed per rank.
 
     Returns:
         A :class:`Prediction`; ``.records("forward")`` are :class:`StepRecord` values.
@@ -505,7 +577,7 @@ def simulate(plan, hardware: str | Hardware = "cpu", shape: Shape = Shape(), *,
                                  what=f"schedule {label!r} (heads split {n} ways)")
         return c
 
-    out = dict(steps={}, compute={}, wait={}, sent={}, recv={}, tiles={}, active={})
+    out = dict(steps={}, totals={}, timelines={})
     peak = np.zeros(P, dtype=np.int64)
     for which in ("forward", "backward"):       # one direction's columns at a time (memory)
         c = cols(which)
@@ -514,15 +586,14 @@ def simulate(plan, hardware: str | Hardware = "cpu", shape: Shape = Shape(), *,
         keys, work = cache["work"]
         fixed, per_heads = _costs(work, L, hw, shape, which == "backward")
         flat = _flatten(c, keys, fixed, per_heads, hw)
-        busy, wait, sent, recv = _run(flat, hw, P)
+        keep = (P * len(flat.steps) <= TIMELINE_CELLS) if timelines is None else bool(timelines)
+        totals, kept = _run(flat, hw, P, keep)
         out["steps"][which] = flat.steps
-        out["compute"][which] = busy
-        out["wait"][which] = wait
-        out["sent"][which] = sent
-        out["recv"][which] = recv
-        out["tiles"][which] = flat.tiles
-        out["active"][which] = flat.active
+        out["totals"][which] = totals
+        if keep:
+            out["timelines"][which] = {**kept, "active": flat.active}
         peak = np.maximum(peak, flat.live_peak)
+        del flat, kept
     # resident per rank: q, k, v, out (+lse), and in the backward dout, dq, dk, dv as well
     resident = (2 * shape.buffer_bytes("q", L) + shape.buffer_bytes("kv", L)
                 + shape.buffer_bytes("out", L) + shape.buffer_bytes("dq", L)

@@ -88,7 +88,7 @@ def validate(*, world_size: int = 2, seq_len: int = 8192, block_size: int = 128,
         mf = max(r[0][0] for r in res[c])
         mb = max(r[0][1] for r in res[c])
         mc = max(r[0][2] for r in res[c])
-        pc = float((pred.compute["forward"].sum(1) + pred.compute["backward"].sum(1)).max())
+        pc = float((pred.totals["forward"]["compute"] + pred.totals["backward"]["compute"]).max())
         rows.append(dict(schedule=case[0], mask=case[1], predicted_s=pred.step_s,
                          measured_s=mf + mb, error=pred.step_s / (mf + mb) - 1,
                          predicted_fwd_s=pred.forward_s, measured_fwd_s=mf,
