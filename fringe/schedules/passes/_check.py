@@ -501,6 +501,14 @@ def _slots_matched(g: _Gen, inst_g, sent, got, b, sme, sinst) -> bool:
     return bool((recv[peer * n_idx + sme[sent]] == b[sent]).all())
 
 
+def _plus_one(t: np.ndarray) -> np.ndarray:
+    """``t + 1`` in ``t``'s dtype where it cannot wrap (int32 steps: 67 MB, not 134, for
+    16.8M transfers), else in int64."""
+    if len(t) and t.dtype != np.int64 and int(t.max()) >= np.iinfo(t.dtype).max:
+        t = t.astype(np.int64)
+    return t + t.dtype.type(1)
+
+
 def _presence_ok(tab: ProgramTable, g: _Gen, backward: bool, kv: str) -> None:
     """Every read finds its buffer (or the buffer's whole-heads parent) on its rank at the
     start of its step: owned (:func:`_owned`), kept (the backward's kv with ``kv="keep"``),
@@ -516,7 +524,7 @@ def _presence_ok(tab: ProgramTable, g: _Gen, backward: bool, kv: str) -> None:
     side = (g.cq, g.ckv)
     writes += [(cr[m], f, side[sd][m], chs[m], ct[m] + 1)
                for f, m, sd, _ in _tile_touches(g.ck, written=True)]
-    writes.append((g.xd, g.xf, g.xc, g.xhs, g.xt + np.int64(1)))   # (int32 steps: no wrap)
+    writes.append((g.xd, g.xf, g.xc, g.xhs, _plus_one(g.xt)))
     if backward and kv == "keep":
         writes.append((cr[isg], KV, g.ckv[isg], chs[isg], np.zeros(int(isg.sum()), np.int64)))
     srank, sstep = g.kr[g.ss], g.kt[g.ss]
@@ -584,7 +592,7 @@ def _presence_ok(tab: ProgramTable, g: _Gen, backward: bool, kv: str) -> None:
 def _by_family(entries) -> dict:
     """``(rank, fam, chunk, hs, t)`` column tuples (``fam`` an int or a column) split by
     family: ``{fam: [(k, sel), ...]}``, ``k`` the entry's index and ``sel`` the rows of that
-    family (None: all); :func:`_family_rows` cuts them, one family at a time (a backward's kv
+    family (None: all); :func:`_pieces` cuts them, one family at a time (a backward's kv
     re-sends and dkv hops: 16.8M rows each at P=4,096)."""
     out = collections.defaultdict(list)
     for k, (r, f, ch, hs, t) in enumerate(entries):
@@ -602,18 +610,28 @@ def _by_family(entries) -> dict:
     return out
 
 
-def _family_rows(entries, k: int, fv) -> tuple:
-    """``(sel, rank, chunk, hs, t)`` of entry ``k``'s rows of family ``fv`` (None: all rows,
-    the columns as they are)."""
-    r, f, ch, hs, t = entries[k]
-    if fv is None:
-        return None, r, ch, hs, t
-    sel = np.flatnonzero(f == fv)
-    return sel, r[sel], ch[sel], hs[sel], t[sel]
-
-
-#: Reads :func:`_late_reads` looks up at a time (its temporaries: 8 bytes a read each).
+#: Rows :func:`_late_reads` cuts, writes and looks up at a time (its temporaries: a few
+#: bytes a row each, never a whole family's copy).
 LATE_PIECE = 1 << 22
+
+
+def _pieces(entries, k: int, fv):
+    """A callable giving entry ``k``'s rows of family ``fv`` (None: all rows) a piece of
+    :data:`LATE_PIECE` rows at a time, as ``(rows, rank, chunk, hs, t)``: ``rows`` the
+    piece's row numbers in the entry (a slice where it takes them all: views, no copies)."""
+    r, f, ch, hs, t = entries[k]
+
+    def gen():
+        for i in range(0, len(r), LATE_PIECE):
+            j = min(len(r), i + LATE_PIECE)
+            if fv is None:
+                yield slice(i, j), r[i:j], ch[i:j], hs[i:j], t[i:j]
+                continue
+            sel = np.flatnonzero(f[i:j] == fv)
+            if len(sel):
+                sel += i
+                yield sel, r[sel], ch[sel], hs[sel], t[sel]
+    return gen
 
 
 def _late_reads(P: int, C: int, HS: int, writes: list, reads: list) -> list | None:
@@ -622,51 +640,55 @@ def _late_reads(P: int, C: int, HS: int, writes: list, reads: list) -> list | No
     does, else per entry of ``reads`` a bool mask of its late reads (None: none)."""
     w_by, r_by = _by_family(writes), _by_family(reads)
     out = None
-    for fam, rs in r_by.items():            # one family's rows at a time (memory)
-        ws = [_family_rows(writes, k, fv)[1:] for k, fv in w_by.get(fam, [])]
-        rows = [(k, *_family_rows(reads, k, fv)) for k, fv in rs]
-        at = _write_steps(P, C, HS, ws, [x[2:] for x in rows])
+    for fam, rs in r_by.items():            # one family's rows at a time, in pieces (memory)
+        ws = [_pieces(writes, k, fv) for k, fv in w_by.get(fam, [])]
+        rows = [(k, _pieces(reads, k, fv)) for k, fv in rs]
+        at = _write_steps(P, C, HS, ws, [x[1] for x in rows])
         del ws
-        for k, sel, r, ch, hs, t in rows:
-            late = np.concatenate([at(r[i:i + LATE_PIECE], ch[i:i + LATE_PIECE],
-                                      hs[i:i + LATE_PIECE]) > t[i:i + LATE_PIECE]
-                                   for i in range(0, len(r), LATE_PIECE)] or [np.zeros(0, bool)])
-            if not late.any():
-                continue
-            li = np.flatnonzero(late)
-            li = li[at(r[li], ch[li], np.zeros(len(li), np.int64)) > t[li]]
-            if not len(li):
-                continue
-            if out is None:
-                out = [None] * len(reads)
-            if out[k] is None:
-                out[k] = np.zeros(len(reads[k][0]), dtype=bool)
-            out[k][li if sel is None else sel[li]] = True
+        for k, pieces in rows:
+            for sel, r, ch, hs, t in pieces():
+                late = at(r, ch, hs) > t
+                if not late.any():
+                    continue
+                li = np.flatnonzero(late)
+                li = li[at(r[li], ch[li], np.zeros(len(li), np.int64)) > t[li]]
+                if not len(li):
+                    continue
+                if out is None:
+                    out = [None] * len(reads)
+                if out[k] is None:
+                    out[k] = np.zeros(len(reads[k][0]), dtype=bool)
+                out[k][li + sel.start if isinstance(sel, slice) else sel[li]] = True
         del rows, at
     return out
 
 
 def _write_steps(P: int, C: int, HS: int, ws: list, rs: list):
     """``at(rank, chunk, hs)``: the earliest step buffers of one family are written on a
-    rank (its dtype's max: never), from writes ``ws`` ``[(rank, chunk, hs, t), ...]``; ``rs``, the
-    reads' ``(rank, chunk, hs, t)``, say which buffers are asked for. A dense ``[rank,
-    buffer]`` plane over the buffers that occur (no sort of the millions of compute reads),
-    or sorted keys past :data:`PLANE_CELLS`."""
+    rank (its dtype's max: never), from writes ``ws`` and for the reads ``rs`` (each a
+    :func:`_pieces` callable of ``(rows, rank, chunk, hs, t)``), which say which buffers are
+    asked for. A dense ``[rank, buffer]`` plane over the buffers that occur (no sort of the
+    millions of compute reads), or sorted keys past :data:`PLANE_CELLS`."""
     never = np.iinfo(np.int64).max
+
+    def each(groups):
+        return itertools.chain.from_iterable(g() for g in groups)
     if C * HS <= _columns.PLANE_CELLS:
         def code(ch, hs):                            # (chunk, hs) buffer code; no head
             return ch if HS == 1 else ch * HS + hs   # slices (HS 1): the chunk, no copies
         used = np.zeros(C * HS, dtype=bool)          # (chunk, hs) buffers of this family
-        for _, ch, hs, _ in itertools.chain(ws, rs):
+        wide = False
+        for _, _, ch, hs, t in each(ws):
             used[code(ch, hs)] = True
-        if HS > 1:
-            for _, ch, _, _ in rs:                   # the parents of what is read
-                used[ch * HS] = True
+            wide = wide or bool(len(t) and int(t.max()) >= 2 ** 31 - 1)
+        for _, _, ch, hs, _ in each(rs):
+            used[code(ch, hs)] = True
+            if HS > 1:
+                used[ch * HS] = True                 # the parents of what is read
         ids = (np.cumsum(used) - 1).astype(np.int32)     # (< C * HS <= PLANE_CELLS)
         n = int(ids[-1]) + 1 if len(ids) else 0
         if P * n <= _columns.PLANE_CELLS:             # int32 steps where they fit ("never":
-            wide = any(len(t) and int(t.max()) >= 2 ** 31 - 1 for *_, t in ws)   # its max)
-            st = np.int64 if wide else np.int32
+            st = np.int64 if wide else np.int32      # its max)
 
             def cell(r, ch, hs):                     # int32: P * n <= PLANE_CELLS < 2**31
                 k = r.astype(np.int32)
@@ -674,20 +696,22 @@ def _write_steps(P: int, C: int, HS: int, ws: list, rs: list):
                 k += ids[code(ch, hs)]
                 return k
             avail = np.full(P * n, np.iinfo(st).max, dtype=st)
-            for r, ch, hs, t in ws:
+            for _, r, ch, hs, t in each(ws):
                 _assign_min(avail, cell(r, ch, hs), t)
             return lambda r, ch, hs: avail[cell(r, ch, hs)]
     i64 = np.int64                                   # (chunk columns may be int32)
-    codes = ([ch.astype(i64) * HS + hs for _, ch, hs, _ in itertools.chain(ws, rs)]
-             + [ch.astype(i64) * HS for _, ch, _, _ in rs])
+    codes = ([ch.astype(i64) * HS + hs for _, _, ch, hs, _ in each(ws)]
+             + [ch.astype(i64) * HS + hs for _, _, ch, hs, _ in each(rs)]
+             + [ch.astype(i64) * HS for _, _, ch, _, _ in each(rs)])
     ub = _uniq(np.concatenate(codes)) if codes else np.zeros(0, np.int64)
 
     def key(r, ch, hs):
         return r.astype(i64) * len(ub) + np.searchsorted(ub, ch.astype(i64) * HS + hs)
-    if not ws:
+    w = list(each(ws))
+    if not w:
         return lambda r, ch, hs: np.full(len(r), never, dtype=np.int64)
-    wk, wv = _min_by_key(np.concatenate([key(r, ch, hs) for r, ch, hs, _ in ws]),
-                         np.concatenate([t for *_, t in ws]).astype(np.int64, copy=False))
+    wk, wv = _min_by_key(np.concatenate([key(r, ch, hs) for _, r, ch, hs, _ in w]),
+                         np.concatenate([t for *_, t in w]).astype(np.int64, copy=False))
     return lambda r, ch, hs: _lookup(key(r, ch, hs), wk, wv, never)[0]
 
 
