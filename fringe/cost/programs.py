@@ -37,9 +37,10 @@ class _Cols:
 
     ``comp``: ``(rank, step, grad, q, kv, split)`` per tile compute (``split`` k: one head
     slice of k; 1: all heads). ``send``: ``(rank, step, peer, bytes)`` per point-to-point
-    send. ``touch``: groups of ``(rank, step, buffer id, start)``: ops on buffers another
-    rank owns (``start``, an array or one bool for the group: it arrives or is first written
-    there). ``coll``: ``(rank, step, group id,
+    send. ``touch``: groups of ``(rank, step, buffer id, start[, rows])``: ops on buffers
+    another rank owns (``start``, an array or one bool for the group: it arrives or is first
+    written there; ``rows``, a bool mask: the group is those rows of its columns; absent or
+    None: all). ``coll``: ``(rank, step, group id,
     ordinal, kind, sent bytes, received bytes)`` per member side of a collective; ``ordinal``
     counts the collectives on the same group earlier in that step. ``groups``: the groups by
     id; ``buf_bytes``: bytes by buffer id; ``splits``: the head splits the programs use.
@@ -340,9 +341,9 @@ def _general_columns(t, P: int, L: int, shape: Shape, block_size: int | None = N
         x_bytes = x_bytes.astype(np.int32)               # (16.8M transfers at P=4,096)
     sends = (src, xs, dst, x_bytes)
     for rank, start in ((src, False), (dst, True)):     # a transfer touches a buffer another
-        m = xc != rank                                  # rank owns (every one, in a ring:
-        touch.append((rank, xs, x_id, start) if m.all() else   # the columns, no copies)
-                     (rank[m], xs[m], x_id[m], start))
+        m = xc != rank                                  # rank owns: the columns and which
+        touch.append((rank, xs, x_id, start, None if m.all() else m))   # rows (no copies of
+                                                        # 16.8M rows a direction at P=4,096)
 
     # collectives: groups by value (as the oracle keys them), the member index of each side's
     # rank, and its ordinal (the collectives on its group earlier in the rank's step)

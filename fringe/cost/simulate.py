@@ -114,12 +114,13 @@ def _flatten(cols: _Cols, keys: np.ndarray, fixed: np.ndarray, per_heads: np.nda
         c_rank, s_rank, s_peer, c_q = (x.astype(np.int64) for x in (c_rank, s_rank, s_peer, c_q))
     s_pos = at(s_step)
     if cols.static is None:        # what the touches give, once per plan; then drop them
-        touch = [(r if P * T < _WIDE else r.astype(np.int64), at(st), b, start)
-                 for r, st, b, start in cols.touch]
+        touch = [(r if P * T < _WIDE else r.astype(np.int64), at(st), b, start, *rows)
+                 for r, st, b, start, *rows in cols.touch]
         active = np.zeros(P * T, dtype=bool)
-        for r, pos in ((c_rank, at(c_step)), (s_rank, s_pos), (k_rank, at(k_step)),
-                       *((u[0], u[1]) for u in touch)):
-            active[r * T + pos] = True
+        for t in ((c_rank, at(c_step), c_rank, False), (s_rank, s_pos, s_rank, False),
+                  (k_rank, at(k_step), k_rank, False), *touch):
+            for r, pos, _, _ in _pieces(t):
+                active[r * T + pos] = True
         active = active.reshape(P, T)
         cols.live_peak = _live_peak(P, T, touch, cols.buf_bytes)
         cols.static, cols.touch = (steps, active), ()
@@ -202,21 +203,40 @@ LIVE_DENSE_SHARE = 0.25
 LIVE_SMALL = 1 << 22
 
 
+def _pieces(t: tuple):
+    """A touch group ``(rank, position, buffer id, start[, rows])`` as pieces of
+    :data:`LIVE_PIECE` rows ``(rank, position, buffer id, start)``, its ``rows`` applied
+    (start: an array, or one bool)."""
+    r, pos, b, start, *rows = t
+    rows = rows[0] if rows else None
+    for i in range(0, len(r), LIVE_PIECE):
+        j = i + LIVE_PIECE
+        st = start[i:j] if isinstance(start, np.ndarray) else start
+        if rows is None:
+            yield r[i:j], pos[i:j], b[i:j], st
+            continue
+        m = rows[i:j]
+        yield r[i:j][m], pos[i:j][m], b[i:j][m], (st[m] if isinstance(st, np.ndarray) else st)
+
+
 def _live_peak(P: int, T: int, touch: list, size_of: np.ndarray) -> np.ndarray:
     """Peak bytes of other ranks' buffers alive at once on each rank: a buffer lives from the
     first step it arrives or is written there to the last step an op touches it. ``touch``:
-    groups of ``(rank, position, buffer id, start)`` (start: an array, or one bool)."""
+    groups of ``(rank, position, buffer id, start[, rows])`` (see :func:`_pieces`)."""
     peak = np.zeros(P, dtype=np.int64)
     touch = [t for t in touch if len(t[0])]
     if not touch or not any(bool(np.any(t[3])) for t in touch):
         return peak
     used = np.zeros(len(size_of), dtype=bool)
     for t in touch:
-        used[t[2]] = True
+        for _, _, b, _ in _pieces(t):
+            used[b] = True
     ids = np.flatnonzero(used)                        # the buffers touched anywhere
     NB = len(ids)
     step_bytes = 2 if T < (1 << 15) - 1 else 8
     if P * NB * 2 * step_bytes > LIVE_DENSE_BYTES:    # compact the keys (large sliced plans)
+        touch = [tuple(np.concatenate(x) if isinstance(x[0], np.ndarray) else x[0]
+                       for x in zip(*_pieces(t))) for t in touch]      # the rows, copied
         remap = np.cumsum(used) - 1
         keys = [t[0].astype(np.int64) * NB + remap[t[2]] for t in touch]
         uniq, inv = np.unique(np.concatenate(keys), return_inverse=True)
@@ -224,20 +244,24 @@ def _live_peak(P: int, T: int, touch: list, size_of: np.ndarray) -> np.ndarray:
         bounds = np.cumsum([0] + [len(k) for k in keys])
         keys = [inv[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
         nk, pt = len(uniq), np.int64
+        keyed = list(zip(keys, ((pos, start) for _, pos, _, start in touch)))
     else:                                             # int32 keys, int16 steps where they fit
         uniq, nk = None, P * NB
         kt = np.int32 if nk < 1 << 31 else np.int64
         pt = np.int16 if T < (1 << 15) - 1 else np.int64
         remap = (np.cumsum(used) - 1).astype(kt)
-        keys = []
-        for t in touch:
-            k = t[0].astype(kt)
-            k *= kt(NB)
-            k += remap[t[2]]
-            keys.append(k)
+
+        def each():                                   # a piece at a time: no key column
+            for t in touch:
+                for r, pos, b, start in _pieces(t):
+                    k = r.astype(kt)
+                    k *= kt(NB)
+                    k += remap[b]
+                    yield k, (pos, start)
+        keyed = each()
     first = np.full(nk, T, dtype=pt)
     last = np.full(nk, -1, dtype=pt)
-    for key, (_, pos, _, start) in zip(keys, touch):
+    for key, (pos, start) in keyed:
         pos = pos.astype(pt, copy=False)
         if isinstance(start, np.ndarray):
             if start.any():
