@@ -140,13 +140,13 @@ def _resend_parts(P, T, cr, ct, ckv, xt, xs, xd, xc, xorder, after, owner=None, 
         _Late: a hop sends a buffer on before the hop that brings it to its sender.
         _Unsent: a read of a buffer no hop brings (the caller names it).
     """
-    NONE = np.int64(1) << 40
     own = np.arange(P) if owner is None else owner
     nb = len(own)
     n = len(xc)
     # steps, ranks and hop numbers in int32 where they fit: [buffer, rank] planes and arrays
     # per hop (16.8M hops at P=4,096: 67 MB each, not 134)
     it = np.int32 if max(T, n, P) < 2 ** 31 - 1 else np.int64
+    NONE = it(np.iinfo(it).max)                     # no re-send (steps are < T < NONE)
     if nb * P <= _columns.PLANE_CELLS:              # (buffer, rank) cells < 2**31: int32 keys
         K = nb * P
 
@@ -225,9 +225,9 @@ def _resend_parts(P, T, cr, ct, ckv, xt, xs, xd, xc, xorder, after, owner=None, 
             defined[g[lo:hi]] |= defined[gu[lo:hi]]
     relay_up &= defined[up0]
     del up, up0
-    e = np.where(reads >= 0, T - reads.astype(np.int64), NONE)
+    e = np.where(reads >= 0, it(T) - reads.astype(it, copy=False), NONE)
     del reads
-    e2 = np.where(relay_up, np.int64(T) - xt - 1, NONE)      # (np.int64(T): xt may be int32)
+    e2 = np.where(relay_up, it(T) - xt.astype(it, copy=False) - it(1), NONE)  # (T < NONE)
     np.minimum(e, e2, out=e)
     del e2, relay_up
     emit = np.nonzero(e != NONE)[0]
@@ -475,8 +475,9 @@ def _general_reverse(tab: ProgramTable, kv: str, pad: int = 0) -> list[Program]:
     # adjoints, at twice the forward order (+1: an op that goes with its adjoint)
     bcomp = dict(rank=g.cr, step=T - g.ct, kind=np.full(len(g.cr), ADJOINT_CODE[C_]), q=g.cq, kv=g.ckv,
                  order=2 * g.co, hi=g.chi, hn=g.chn)
-    two = np.int64(2)                       # (order columns may be int32)
-    Tx = step_scalar(T)
+    top = max([int(x.max()) for x in (g.xo, g.xro) if len(x)] or [0])
+    two = (np.int32 if 2 * top + 1 < 2 ** 31 else np.int64)(2)   # (order columns may be int32:
+    Tx = step_scalar(T)                                         # int64 where 2x would wrap)
     xs = [dict(step=Tx - g.xt, src=g.xd, dst=g.xs, fam=cot[g.xf], chunk=g.xc, order=two * g.xro,
                rorder=two * g.xo, hi=g.xhi, hn=g.xhn, rng=g.xrng)]  # the adjoint: same blocks
     o_ = g.xf == OUT                        # the merged (out, lse) goes with its cotangent
@@ -711,7 +712,8 @@ def _general_resend(g: _Gen, T: int, fams: list, reads: tuple, after: int) -> di
     emit_order = np.lexsort((first_h, first_r, uchunk, fam_rank[ufam]))
     bid = np.empty(n, np.int64)
     bid[emit_order] = np.arange(n)
-    r_bid, x_bid = bid[id_of[rb]], bid[id_of[xb]]
+    r_bid, x_bid = bid[id_of[rb]], bid[id_of[xb]].astype(np.int32 if n < 2 ** 31 else np.int64)
+    del xb                                    # (16.8M hops: 134 MB)
     owner = np.empty(n, np.int64)
     owner[bid] = uchunk
     try:
