@@ -517,8 +517,8 @@ def test_results_home_head_slices_fast_and_named(monkeypatch):
 def test_results_home_fast_path_agrees_with_the_named_rules(spec, monkeypatch):
     """check runs the results-home rules on dense (family, rank, chunk) arrays and names a
     fault through the sorted-key rules; both must pass a valid plan and both must name a
-    second send of a result (whole heads and head slices), the sorted rules alone too (past
-    PLANE_CELLS)."""
+    second send of a result (whole heads and head slices), the fast path a few rows at a
+    time too (LATE_PIECE), and the sorted rules alone (past PLANE_CELLS)."""
     from fringe.schedules.passes import _check as chk
     from fringe.schedules.passes import _columns
     p = fringe.plan(fringe.schedules.get(spec), masks.causal(), seq_len=32, world_size=4,
@@ -544,6 +544,12 @@ def test_results_home_fast_path_agrees_with_the_named_rules(spec, monkeypatch):
         tab2 = ProgramTable.of(twice)
         with pytest.raises(ScheduleError, match="again") as fast:
             chk._results_home_ok(tab2, back)
+        monkeypatch.setattr(chk, "LATE_PIECE", 2)        # the fast path two rows at a time
+        chk._results_home_ok(tab, back)
+        with pytest.raises(ScheduleError, match="again") as pieces:
+            chk._results_home_ok(tab2, back)
+        monkeypatch.undo()
+        assert str(pieces.value) == str(fast.value)
         monkeypatch.setattr(_columns, "PLANE_CELLS", 0)
         with pytest.raises(ScheduleError, match="again") as slow:
             chk._results_home_ok(tab2, back)
