@@ -181,8 +181,13 @@ def test_check_names_a_ranged_hop_that_leaves_out_a_block_a_tile_reads():
     assert narrow(_ring_text(""), blocks)[0].ascii().count("kv0[1:4]") == 1
 
 
-def test_a_rank_forwards_only_blocks_it_holds():
+@pytest.mark.parametrize("batch", [None, 1])
+def test_a_rank_forwards_only_blocks_it_holds(batch, monkeypatch):
+    """Also a row at a time (the check reads a ring's hops a batch at a time)."""
     from fringe.schedules.ir import parse_programs
+    from fringe.schedules.passes import _blocks
+    if batch:
+        monkeypatch.setattr(_blocks, "_BATCH", batch)
     m = masks.full()
     p = fringe.plan(schedules.ring(), m, seq_len=96, world_size=3, block_size=16)
     blocks = BlockNeed(3, 2, p.block_map.rects.numpy())
