@@ -80,9 +80,9 @@ BYTES_PER_TILE = 1024
 #: adds at its peak. A cell: the ``[P, T]`` timelines when kept (``BYTES_PER_CELL``: compute,
 #: tiles, sent, received, waits and ``active`` of both directions, ~82), else the ``active``
 #: masks (``BYTES_PER_STEP_CELL``). A transfer: its cached bytes column, the step order, the
-#: buffers' live-peak tables and a block's working arrays. Measured: 0.96 GB over the plan's
+#: buffers' live-peak tables and a block's working arrays. Measured: 0.6 GB over the plan's
 #: own for zigzag at P = 4,096 on documents without timelines (16.8M cells, T = 4,097, and
-#: 16.8M transfers a direction: 57 bytes for each pair; memray's high-water mark and RSS).
+#: 16.8M transfers a direction: ~36 bytes for each pair; memray's high-water mark and RSS).
 BYTES_PER_CELL = 84
 BYTES_PER_STEP_CELL = 4
 BYTES_PER_TRANSFER = 64
