@@ -201,10 +201,18 @@ def _distinct_maps_from_rects(bm, tiles_flat: np.ndarray, part: np.ndarray, P: i
     key = np.empty(N, dtype=it)                       # tile i * P + j of every rectangle
     enc = np.empty(N, dtype=it)                       # (row, height, col, width, code) packed
     # a tile's signature: the sums of two 24-bit hashes of its rectangles (float64 sums of
-    # integers below 2**53 are exact and order-free) and its count, by bincount
-    lo = np.zeros(P * P)
-    hi = np.zeros(P * P)
-    cnt = np.zeros(P * P, dtype=np.int64)
+    # integers below 2**53 are exact and order-free) and its count, by bincount, per PARTIAL
+    # tile (``part``, sorted: its positions index every per-tile array; no P x P array,
+    # 0.4 GB at P=4,096 where a few thousand tiles are PARTIAL)
+    nP = len(part)
+
+    def at_part(keys):
+        """Each tile key's position in ``part``, and whether it is there (PARTIAL)."""
+        t = np.minimum(np.searchsorted(part, keys), nP - 1)
+        return t, part[t] == keys
+    lo = np.zeros(nP)
+    hi = np.zeros(nP)
+    cnt = np.zeros(nP, dtype=np.int64)
     mask24 = np.uint32((1 << 24) - 1)
     for a in range(0, N, _RECT_CHUNK):                # a chunk at a time: arrays stay in cache
         Rc = R[a:a + _RECT_CHUNK]
@@ -230,52 +238,56 @@ def _distinct_maps_from_rects(bm, tiles_flat: np.ndarray, part: np.ndarray, P: i
         e += c1
         e *= it(4)
         e += C[a:a + _RECT_CHUNK].astype(it)          # injective
-        k0, k1 = int(k.min()), int(k.max()) + 1       # the chunk's tiles (rows: a few)
-        kk = k - it(k0)
+        t, hit = at_part(k)                           # (rectangles of other tiles: not
+        t = t[hit]                                    # counted, as no PARTIAL tile's)
         with np.errstate(over="ignore"):
             for acc, mul in ((lo, 0x9E3779B1), (hi, 0x85EBCA77)):
-                x = e.astype(np.uint32)
+                x = e[hit].astype(np.uint32)
                 x *= np.uint32(mul)
                 x ^= x >> np.uint32(15)
                 x *= np.uint32(0xC2B2AE3D)
                 x ^= x >> np.uint32(13)
                 x &= mask24
-                acc[k0:k1] += np.bincount(kk, weights=x, minlength=k1 - k0)
-        cnt[k0:k1] += np.bincount(kk, minlength=k1 - k0)
+                acc += np.bincount(t, weights=x, minlength=nP)
+        cnt += np.bincount(t, minlength=nP)
     del r0, r1, c0, c1, ti, tj, lr, lc
     with np.errstate(over="ignore"):
-        sig = _mix64(lo[part].astype(np.uint64) * np.uint64(0xBF58476D1CE4E5B9)
-                     + hi[part].astype(np.uint64) * np.uint64(0x94D049BB133111EB)
-                     + cnt[part].astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15))
+        sig = _mix64(lo.astype(np.uint64) * np.uint64(0xBF58476D1CE4E5B9)
+                     + hi.astype(np.uint64) * np.uint64(0x94D049BB133111EB)
+                     + cnt.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15))
     _, first, inv = np.unique(sig.view(np.int64), return_index=True, return_inverse=True)
     inv = inv.reshape(-1)
     U = len(first)
-    rep_tile = part[first]                            # each group's representative tile
-    uid = np.full(P * P + 1, U, dtype=it)             # U: not a PARTIAL tile (not checked)
-    uid[part] = inv
-    is_rep = np.zeros(P * P, dtype=bool)
-    is_rep[rep_tile] = True
+
+    def uid(keys):
+        """Each tile key's group (U: not a PARTIAL tile, not checked)."""
+        t, hit = at_part(keys)
+        return np.where(hit, inv[t], U).astype(it)
+    is_rep = np.zeros(nP, dtype=bool)                 # each group's representative tile
+    is_rep[first] = True
     E = m ** 4 * 4
-    ok = bool((cnt[part] == cnt[rep_tile][inv]).all())
+    ok = bool((cnt == cnt[first][inv]).all())
     # the representatives' rectangles, and then every rectangle checked against them, a chunk
     # at a time (gathers from small tables, temporaries in cache)
-    keep = np.concatenate([a + np.flatnonzero(is_rep[key[a:a + _RECT_CHUNK]])
-                           for a in range(0, N, _RECT_CHUNK)])
+    def rep_rows(a):
+        t, hit = at_part(key[a:a + _RECT_CHUNK])
+        return a + np.flatnonzero(hit & is_rep[t])
+    keep = np.concatenate([rep_rows(a) for a in range(0, N, _RECT_CHUNK)])
     if ok:
-        ref_u, ref_e = uid[key[keep]].astype(np.int64), enc[keep].astype(np.int64)
+        ref_u, ref_e = uid(key[keep]).astype(np.int64), enc[keep].astype(np.int64)
         if (U + 1) * E <= 1 << 26:                    # membership by a table
             table = np.zeros((U + 1) * E, dtype=bool)
             table[ref_u * E + ref_e] = True
             table[U * E:] = True
             for a in range(0, N, _RECT_CHUNK):
-                look = uid[key[a:a + _RECT_CHUNK]]
+                look = uid(key[a:a + _RECT_CHUNK])
                 look *= it(E)
                 look += enc[a:a + _RECT_CHUNK]
                 if not table[look].all():
                     ok = False
                     break
         else:                                         # membership by a search
-            u = uid[key]
+            u = uid(key)
             ref = np.unique(ref_u * E + ref_e)
             cand = u.astype(np.int64) * E + enc
             chk = cand[u < U]
@@ -288,7 +300,7 @@ def _distinct_maps_from_rects(bm, tiles_flat: np.ndarray, part: np.ndarray, P: i
     ti_, tj_ = kt // P, kt % P
     local = np.stack([rr[:, 0] - ti_ * n, rr[:, 1] - ti_ * n, rr[:, 2] - tj_ * n,
                       rr[:, 3] - tj_ * n], axis=1)
-    return _Distinct(U, inv, uid[kt].astype(np.int64), local, C[keep].astype(np.int8))
+    return _Distinct(U, inv, uid(kt).astype(np.int64), local, C[keep].astype(np.int8))
 
 
 def _distinct_maps_sorted(bm, tiles_flat: np.ndarray, part: np.ndarray, P: int, n: int):
