@@ -211,9 +211,15 @@ def _resend_parts(P, T, cr, ct, ckv, xt, xs, xd, xc, xorder, after, owner=None, 
     if (up[relay_up] == idx[relay_up] - 1).all():  # chains in hop order: segmented prefix OR
         seg = np.maximum.accumulate(np.where(relay_up, 0, idx))
         del idx
-        cs = np.cumsum(reads >= 0, dtype=it)
-        defined = (cs - np.where(seg > 0, cs[seg - 1], 0)) > 0
-        del seg, cs
+        cs = np.cumsum(reads >= 0, dtype=it)        # reads in the segment up to each hop:
+        seg -= 1                                    # cs minus cs before the segment (in place:
+        prev = cs[np.maximum(seg, 0)]               # 16.8M hops at P=4,096)
+        prev[seg < 0] = 0
+        del seg
+        cs -= prev
+        del prev
+        defined = cs > 0
+        del cs
     else:                                           # any tree: upstream ranks received b earlier
         del idx
         defined = reads >= 0
@@ -233,7 +239,7 @@ def _resend_parts(P, T, cr, ct, ckv, xt, xs, xd, xc, xorder, after, owner=None, 
     emit = np.nonzero(e != NONE)[0]
     key, e = in_key[emit], e[emit]
     del in_key
-    d = sup_d[key].astype(np.int64)
+    d = sup_d[key]
     c_ = xc[emit]
     dh = hop_of[ix(c_, np.maximum(d, 0))]           # the hop that took b on from this rank
     relay = (d >= 0) & (T - sup_t[key].astype(np.int64) <= e) & (dh >= 0)
@@ -245,9 +251,12 @@ def _resend_parts(P, T, cr, ct, ckv, xt, xs, xd, xc, xorder, after, owner=None, 
         raise _Pad(int((1 - e[fetch]).max()))
     frm = np.where(relay, d, own[c_])
     u = np.where(relay, T - sup_t[key] - 1, e - 1)
-    # orders in (buffer, rank) order, as the op rules emit (int64: key may be int32)
-    rows = dict(step=u, src=frm, dst=xd[emit], fam=np.full(len(emit), _FAMILY_CODE[Family.KV]),
-                chunk=c_, order=np.int64(after) + key)
+    # orders in (buffer, rank) order, as the op rules emit (int64 where after + key may not
+    # fit int32: key may be int32); one family, a zero-stride column
+    ot = np.int32 if int(after) + K < 2 ** 31 - 1 else np.int64
+    rows = dict(step=u, src=frm, dst=xd[emit],
+                fam=np.broadcast_to(np.array([_FAMILY_CODE[Family.KV]]), (len(emit),)),
+                chunk=c_, order=ot(after) + key.astype(ot, copy=False))
     if xrng is not None:
         rows["rng"] = xrng[emit]
     return rows
@@ -478,13 +487,20 @@ def _general_reverse(tab: ProgramTable, kv: str, pad: int = 0) -> list[Program]:
     top = max([int(x.max()) for x in (g.xo, g.xro) if len(x)] or [0])
     two = (np.int32 if 2 * top + 1 < 2 ** 31 else np.int64)(2)   # (order columns may be int32:
     Tx = step_scalar(T)                                         # int64 where 2x would wrap)
-    xs = [dict(step=Tx - g.xt, src=g.xd, dst=g.xs, fam=cot[g.xf], chunk=g.xc, order=two * g.xro,
-               rorder=two * g.xo, hi=g.xhi, hn=g.xhn, rng=g.xrng)]  # the adjoint: same blocks
-    o_ = g.xf == OUT                        # the merged (out, lse) goes with its cotangent
-    if o_.any():
-        xs.append(dict(step=Tx - g.xt[o_], src=g.xd[o_], dst=g.xs[o_], fam=g.xf[o_],
-                       chunk=g.xc[o_], order=two * g.xro[o_] + 1, rorder=two * g.xo[o_] + 1,
-                       hi=g.xhi[o_], hn=g.xhn[o_], rng=g.xrng[o_]))
+
+    def adjoints() -> list:
+        """The transfers' adjoints (made after the re-sends: their columns and the re-sends'
+        working arrays, 16.8M hops each at P=4,096, are not alive at once)."""
+        xs = [dict(step=Tx - g.xt, src=g.xd, dst=g.xs, fam=cot[g.xf], chunk=g.xc,
+                   order=two * g.xro, rorder=two * g.xo, hi=g.xhi, hn=g.xhn,
+                   rng=g.xrng)]              # the adjoint: same blocks
+        o_ = g.xf == OUT                    # the merged (out, lse) goes with its cotangent
+        if o_.any():
+            xs.append(dict(step=Tx - g.xt[o_], src=g.xd[o_], dst=g.xs[o_], fam=g.xf[o_],
+                           chunk=g.xc[o_], order=two * g.xro[o_] + 1,
+                           rorder=two * g.xo[o_] + 1, hi=g.xhi[o_], hn=g.xhn[o_],
+                           rng=g.xrng[o_]))
+        return xs
     adj = np.array([ir_kinds.index(COLLECTIVE_ADJOINT[k]) for k in ir_kinds])
     n_side = len(g.kr)
     sides = [dict(rank=g.kr, step=T - g.kt, order=2 * g.ko, kind=adj[g.kk], group=g.kg)]
@@ -580,7 +596,7 @@ def _general_reverse(tab: ProgramTable, kv: str, pad: int = 0) -> list[Program]:
         return _general_reverse(tab, kv, _more(pad, e.by, T0))
     except _Late as e:
         _late(tab, e.hop, e.arrival)
-    xs.append(extra)
+    xs = adjoints() + [extra]
     bxfer = {k: concat_column([x.pop(k) for x in xs]) for k in list(xs[0])}   # (each piece
     del xs, extra                                                           # freed as it goes)
     bxfer["ranges"] = g.ranges
@@ -714,7 +730,7 @@ def _general_resend(g: _Gen, T: int, fams: list, reads: tuple, after: int) -> di
     bid[emit_order] = np.arange(n)
     r_bid, x_bid = bid[id_of[rb]], bid[id_of[xb]].astype(np.int32 if n < 2 ** 31 else np.int64)
     del xb                                    # (16.8M hops: 134 MB)
-    owner = np.empty(n, np.int64)
+    owner = np.empty(n, np.int32 if P < 2 ** 31 else np.int64)
     owner[bid] = uchunk
     try:
         rows = _resend_parts(P, T, rr, rt, r_bid, xt, xs, xd, x_bid, g.xo[sel], after,
@@ -722,11 +738,20 @@ def _general_resend(g: _Gen, T: int, fams: list, reads: tuple, after: int) -> di
     except _Late as e:                      # hops numbered as the table's transfers
         row = np.flatnonzero(isin)
         raise _Late(int(row[e.hop]), int(row[e.arrival])) from None
-    b = ub[emit_order][rows["chunk"]]         # the buffer code of each row's id
-    hi, hn = _slices(b % g.HS)
-    return dict(step=rows["step"], src=rows["src"], dst=rows["dst"], fam=b // g.HS // P,
-                chunk=b // g.HS % P, order=rows["order"], rorder=rows["order"], hi=hi, hn=hn,
-                rng=rows.get("rng", np.full(len(rows["step"]), -1, np.int64)))
+    code = ub[emit_order]                     # the buffer code of each id (int32 where
+    if NBC < 2 ** 31:                         # the codes fit: 16.8M rows at P=4,096)
+        code = code.astype(np.int32)
+    b = code[rows["chunk"]]                   # the buffer code of each row's id
+    del code
+    m = len(b)
+
+    def const(v):                             # a column of one value: zero-stride
+        return np.broadcast_to(np.array([v], np.int64), (m,))
+    hi, hn = _slices(b % g.HS) if g.HS > 1 else (const(0), const(0))
+    b //= g.HS
+    return dict(step=rows["step"], src=rows["src"], dst=rows["dst"], fam=b // P,
+                chunk=b % P, order=rows["order"], rorder=rows["order"], hi=hi, hn=hn,
+                rng=rows.get("rng", const(-1)))
 
 
 def _no_xfer_general():
