@@ -64,11 +64,15 @@ def narrow(programs: Sequence[Program], need: BlockNeed) -> list[Program]:
         return list(tab.programs())
     g = _gen(tab)
     P = g.P
-    hop = np.flatnonzero(np.isin(g.xf, _inputs()))
+    is_hop = np.isin(g.xf, _inputs())
+    # every transfer an input's hop (rings): views, no index of 16.8M rows at P=4,096
+    hop = slice(None) if is_hop.all() else np.flatnonzero(is_hop)
+    nh = len(g.xf) if isinstance(hop, slice) else len(hop)
+    del is_hop
     s_send, s_recv = _slot_moves(g)
-    if not len(hop) and not len(s_send):
+    if not nh and not len(s_send):
         return list(tab.programs())
-    h = slice(None) if len(hop) == len(g.xf) else hop    # every hop an input's: views
+    h = hop
 
     def cat(a, b):                    # (no copy of the hops' columns where no slot moves)
         return a if not len(b) else np.concatenate([a, b])
@@ -133,32 +137,39 @@ def narrow(programs: Sequence[Program], need: BlockNeed) -> list[Program]:
             live[frm] |= c
         else:
             np.bitwise_or.at(live, frm, c)
+    if m:
+        del s, d, c, frm              # (s: a view that keeps by_step alive)
     del use, live, by_step, step, at_dst, at_src
     carry = _unwords(carry, need.nbytes)
     whole = (carry == need.whole()).all(axis=1)
     if whole.all():                   # every move needs its whole chunk: the same table
         return list(tab.programs())
-    rng = np.full(m, -1, np.int64)
-    part = np.flatnonzero(~whole)
-    ranges: tuple = ()
-    if len(part):
+    if not whole.any():               # every move carries ranges (documents): no index
+        rows, rng = _distinct_rows(carry)
+    else:
+        rng = np.full(m, -1, np.int32)
+        part = np.flatnonzero(~whole)
         rows, inv = _distinct_rows(carry[part])
-        ranges = tuple(_ranges_of(r, need.n) for r in rows)
         rng[part] = inv
+        del part, inv
+    del carry, whole
+    ranges = tuple(_ranges_of(r, need.n) for r in rows)
     comp, xfer, coll = tab._parts
     x = dict(xfer)
     c = dict(coll)
-    nh = len(hop)
     if (rng[:nh] >= 0).any():
-        x_rng = np.full(len(g.xf), -1, np.int64)
-        x_rng[hop] = rng[:nh]
+        if isinstance(hop, slice) and nh == m:   # the hops' ranges are the column (fresh,
+            x_rng = rng                          # int32: the table takes it as it is)
+        else:
+            x_rng = np.full(len(g.xf), -1, np.int32)
+            x_rng[hop] = rng[:nh]
         x["rng"], x["ranges"] = x_rng, ranges
     if (rng[nh:] >= 0).any():
         s_rng = np.full(len(g.sf), -1, np.int64)
         s_rng[s_send] = rng[nh:]
         s_rng[s_recv] = rng[nh:]
         c["slot_rng"], c["ranges"] = s_rng, ranges
-    return list(ProgramTable._of_parts(P, comp, x, c, base=tab).programs())
+    return list(ProgramTable._of_parts(P, comp, x, c, base=tab, fresh=True).programs())
 
 
 def _distinct_rows(bits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -166,14 +177,14 @@ def _distinct_rows(bits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     row where a row fits in 8 bytes (a 1-D unique), else a unique over rows."""
     m, w = bits.shape
     if w <= 2:                        # up to 16 blocks: mark the keys, no sort (P=4,096)
-        key = bits[:, 0].astype(np.int64)
+        key = bits[:, 0].astype(np.int32)
         if w == 2:
-            key |= bits[:, 1].astype(np.int64) << 8
+            key |= bits[:, 1].astype(np.int32) << 8
         seen = np.zeros(1 << (8 * w), dtype=bool)
         seen[key] = True
         keys = np.flatnonzero(seen)
         rows = np.stack([(keys >> (8 * i)) & 0xFF for i in range(w)], axis=1).astype(np.uint8)
-        return rows, (np.cumsum(seen) - 1)[key]
+        return rows, (np.cumsum(seen) - 1).astype(np.int32)[key]     # (int32: 16.8M moves)
     if w <= 8:
         wide = np.zeros((m, 8), dtype=np.uint8)
         wide[:, :w] = bits
