@@ -12,6 +12,7 @@ import torch
 import fringe
 from fringe import masks, schedules
 from fringe.cost import programs as cost_programs, simulate as cost_simulate
+from fringe.cost import programs as cost_programs
 from fringe.runtime import costmodel
 from fringe.schedules import ir
 from fringe.testing import oracle
@@ -90,6 +91,10 @@ def test_general_tables_predict_what_the_op_walk_predicts(spec, mask, monkeypatc
             want = _walked(walked, hw, SHAPE, monkeypatch)
             assert_same_prediction(costmodel.simulate(gen, hw, SHAPE), want)
             assert_same_prediction(costmodel.simulate(walked, hw, SHAPE), want)
+            with monkeypatch.context() as m:     # the transfers' bytes three at a time
+                m.setattr(cost_programs, "_BYTES_PIECE", 3)
+                assert_same_prediction(
+                    costmodel.simulate(dataclasses.replace(gen), hw, SHAPE), want)
             checked += 1
         if "ulysses" in spec or spec == "allgather":  # they do communicate
             assert want.bytes_per_rank() > 0

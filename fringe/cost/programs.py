@@ -26,6 +26,7 @@ __all__: list[str] = []
 
 _SLICE_LOOKUP = 1 << 22   # head-slice keys looked up in a dense table up to this many
 _WIDE = 1 << 31           # buffer ids at or past this: computed in int64 (table columns are int32)
+_BYTES_PIECE = 1 << 22    # transfers whose bytes are computed at a time
 
 #: Collective kinds in the columns: all-gather, reduce-scatter, all-to-all.
 _COLL_KINDS = {"AG": 0, "RS": 1, "A2A": 2}
@@ -336,9 +337,14 @@ def _general_columns(t, P: int, L: int, shape: Shape, block_size: int | None = N
 
     xs, src, dst, xc = (xfer[k] for k in ("step", "src", "dst", "chunk"))
     x_id = ids(x_sl, x_key, xfer["fam"], xc)
-    x_bytes = _ranged_bytes(buf_bytes[x_id], xfer["rng"], xfer["ranges"], L, block_size)
-    if len(x_bytes) and int(x_bytes.max()) < 2 ** 31:   # int32 where it fits: kept per plan
-        x_bytes = x_bytes.astype(np.int32)               # (16.8M transfers at P=4,096)
+    # int32 where every buffer's bytes fit (a range's never pass its buffer's): kept per plan,
+    # made a piece at a time (16.8M transfers at P=4,096: int64 temporaries took 0.4 GB)
+    x_bytes = np.empty(len(x_id), dtype=np.int32 if int(buf_bytes.max(initial=0)) < 2 ** 31
+                       else np.int64)
+    for i in range(0, len(x_id), _BYTES_PIECE):
+        j = i + _BYTES_PIECE
+        x_bytes[i:j] = _ranged_bytes(buf_bytes[x_id[i:j]], xfer["rng"][i:j], xfer["ranges"],
+                                     L, block_size)
     sends = (src, xs, dst, x_bytes)
     for rank, start in ((src, False), (dst, True)):     # a transfer touches a buffer another
         m = xc != rank                                  # rank owns: the columns and which
