@@ -200,7 +200,7 @@ TIMELINE_CELLS = 1 << 22
 #: than the live pairs (``np.add.at``: a ring on documents, a few thousand of 33.6M cells).
 LIVE_DENSE_SHARE = 0.25
 #: ``[rank, buffer]`` cells :func:`_live_peak` bins at a time (whole ranks; dense tables).
-LIVE_SMALL = 1 << 22
+LIVE_SMALL = 1 << 20
 
 
 def _pieces(t: tuple):

@@ -121,7 +121,7 @@ def _parts_ok(tab: ProgramTable, need: np.ndarray | None, backward: bool, kv: st
         writes.append((KV, cr[isg], ckv[isg], np.zeros(int(isg.sum()), np.int64)))
     # one [rank, chunk] plane per family written (int32 steps), the others never present
     fams = sorted({f for f, r, _, _ in writes if len(r)}
-                  | set(np.flatnonzero(np.bincount(xf, minlength=_F)).tolist()))
+                  | set(_families(xf)))
     plane = np.full(_F + 1, len(fams), dtype=np.int64)
     plane[fams] = np.arange(len(fams))
     if int(max(ct.max() if len(ct) else 0, xt.max() if len(xt) else 0)) + 1 >= 2 ** 31 - 1:
@@ -173,15 +173,16 @@ def _results_home_ok(tab: ProgramTable, backward: bool) -> None:
         return _results_home_named(tab, backward)
     ix = np.full(_F, -1, np.int64)
     ix[codes] = np.arange(len(codes))
-    last_w = np.full(cells, -1, np.int32)
-    last_s = np.full(cells, -1, np.int32)
+    st = np.int16 if T < 2 ** 15 - 1 else np.int32      # steps: int16 where they fit (and
+    last_w = np.full(cells, -1, st)                     # cast so: np.maximum.at's fast loop)
+    last_s = np.full(cells, -1, st)
 
     def cells_of(rank, fam, chunk):
         """``(rows, cells)`` of the result buffers of another rank's chunk among the rows
         (``fam`` a code or a column), a family and a piece of :data:`LATE_PIECE` rows at a
         time: no copy of a column (16.8M backward hops at P=4,096)."""
         present = ([int(fam)] if not np.ndim(fam) else
-                   np.flatnonzero(np.bincount(fam, minlength=_F)).tolist())
+                   _families(fam))
         several = np.ndim(fam) and len(present) > 1
         for fv in present:
             if ix[fv] < 0:
@@ -201,7 +202,7 @@ def _results_home_ok(tab: ProgramTable, backward: bool) -> None:
     def mark(arr, rank, fam, chunk, step):
         for rows, c in cells_of(rank, fam, chunk):
             if len(c):
-                np.maximum.at(arr, c, step[rows])
+                np.maximum.at(arr, c, step[rows].astype(st))
     # each buffer sent once: marked as sent (whole heads), or (cell, slice) pairs kept to sort
     sliced = bool(xfer["hn"].any()) or bool(len(coll["slot_side"]) and coll["slot_hn"].any())
     seen = None if sliced else np.zeros(cells, dtype=bool)
@@ -215,7 +216,7 @@ def _results_home_ok(tab: ProgramTable, backward: bool) -> None:
     mark(last_w, xd, xf, xc, xt)
     for rows, c in cells_of(xs, xf, xc):
         if len(c):
-            np.maximum.at(last_s, c, xt[rows])
+            np.maximum.at(last_s, c, xt[rows].astype(st))
         if sliced:
             sends.append((c, None if not xfer["hn"].any() else
                           (xfer["hi"][rows], xfer["hn"][rows])))
@@ -235,7 +236,7 @@ def _results_home_ok(tab: ProgramTable, backward: bool) -> None:
             m = np.flatnonzero(moves & (coll["slot_dir"] == d))
             for rows, c in cells_of(srank[m], coll["slot_fam"][m], coll["slot_chunk"][m]):
                 if len(c):
-                    np.maximum.at(arr, c, sstep[m][rows])
+                    np.maximum.at(arr, c, sstep[m][rows].astype(st))
                 if d != 0:
                     continue
                 if sliced:
@@ -596,6 +597,21 @@ def _presence_ok(tab: ProgramTable, g: _Gen, backward: bool, kv: str) -> None:
     _fail(tab, r, t, f"'{op}' {verb} {buf}, which is not on rank {r} yet")
 
 
+def _families(f: np.ndarray) -> list[int]:
+    """The family codes in column ``f``, in order: one when its min is its max (a ring's
+    hops), else counted a piece at a time (``np.bincount`` makes an int64 copy of what it
+    counts: 134 MB for 16.8M rows)."""
+    if not len(f):
+        return []
+    lo, hi = int(f.min()), int(f.max())
+    if lo == hi:
+        return [lo]
+    seen = np.zeros(max(_F, hi + 1), dtype=bool)
+    for i in range(0, len(f), LATE_PIECE):
+        seen[np.bincount(f[i:i + LATE_PIECE], minlength=len(seen)) > 0] = True
+    return np.flatnonzero(seen).tolist()
+
+
 def _by_family(entries) -> dict:
     """``(rank, fam, chunk, hs, t)`` column tuples (``fam`` an int or a column) split by
     family: ``{fam: [(k, sel), ...]}``, ``k`` the entry's index and ``sel`` the rows of that
@@ -608,7 +624,7 @@ def _by_family(entries) -> dict:
         if isinstance(f, (int, np.integer)):
             out[int(f)].append((k, None))
             continue
-        fvs = np.flatnonzero(np.bincount(f, minlength=_F)).tolist()
+        fvs = _families(f)
         if len(fvs) == 1:                   # one family: the columns as they are
             out[fvs[0]].append((k, None))
             continue
