@@ -150,3 +150,17 @@ def test_totals_are_the_timelines_summed_and_need_no_timelines(monkeypatch):
             assert (pred.step_s, pred.balance, pred.exposed(), pred.bytes_per_rank(),
                     pred.row()) == (full.step_s, full.balance, full.exposed(),
                                     full.bytes_per_rank(), full.row())
+
+
+@pytest.mark.parametrize("piece", [1, 3, 1 << 20])
+def test_the_transfers_step_order_is_a_stable_sort_by_step(piece, monkeypatch):
+    """The simulator orders transfers by step with a counting sort a piece of rows at a
+    time (int32 indices): the stable argsort, whatever the piece size."""
+    monkeypatch.setattr(cost_simulate, "ORDER_PIECE", piece)
+    rng = np.random.default_rng(7)
+    for T, n in ((1, 5), (6, 40), (300, 2000)):
+        spos = rng.integers(0, T, n).astype(np.int32)
+        per_step = np.bincount(spos, minlength=T + 2)      # steps no transfer has, too
+        got = cost_simulate._step_order(spos, per_step)
+        assert got.dtype == np.int32
+        np.testing.assert_array_equal(got, np.argsort(spos, kind="stable"))

@@ -38,7 +38,8 @@ class _Cols:
 
     ``comp``: ``(rank, step, grad, q, kv, split)`` per tile compute (``split`` k: one head
     slice of k; 1: all heads). ``send``: ``(rank, step, peer, bytes)`` per point-to-point
-    send. ``touch``: groups of ``(rank, step, buffer id, start[, rows])``: ops on buffers
+    send (``bytes``: a column, or a :class:`_Coded` one, indexed alike). ``touch``: groups of
+    ``(rank, step, buffer id, start[, rows])``: ops on buffers
     another rank owns (``start``, an array or one bool for the group: it arrives or is first
     written there; ``rows``, a bool mask: the group is those rows of its columns; absent or
     None: all). ``coll``: ``(rank, step, group id,
@@ -137,6 +138,53 @@ def _ranged_bytes(whole: np.ndarray, rng: np.ndarray, ranges: tuple, L: int,
                          "(plan.block_size) to price them")
     tokens = _i64([sum(hi - lo for lo, hi in rs) * block_size for rs in ranges] + [L])
     return whole // L * tokens[rng]               # -1: the whole chunk, L tokens
+
+
+@dataclasses.dataclass(frozen=True)
+class _Coded:
+    """A column of few distinct values, as small codes into its values: ``col[i]`` is
+    ``values[codes[i]]`` (``i`` an index array or a slice)."""
+
+    codes: np.ndarray
+    values: np.ndarray
+
+    def __getitem__(self, i) -> np.ndarray:
+        return self.values[self.codes[i]]
+
+    def __len__(self) -> int:
+        return len(self.codes)
+
+
+def _narrowest(x: np.ndarray, bound: int) -> np.ndarray:
+    """``x`` (values in ``[0, bound)``) as int16 or int32 where they fit: a column kept per
+    plan (16.8M transfers at P=4,096: 34 MB in int16, 67 in int32)."""
+    for t in (np.int16, np.int32):
+        if bound <= np.iinfo(t).max:
+            return x.astype(t, copy=False)
+    return x
+
+
+def _transfer_bytes(x_id: np.ndarray, rng: np.ndarray, ranges: tuple, buf_bytes: np.ndarray,
+                    L: int, block_size: int | None) -> _Coded:
+    """Each transfer's bytes (:func:`_ranged_bytes` of its buffer and its range set), as
+    codes into the few distinct values: a buffer's bytes take a handful of values (one per
+    family and head split), range sets a few more."""
+    fb, fb_code = np.unique(buf_bytes, return_inverse=True)
+    if not len(ranges):
+        values, n_r = fb, 1
+    else:
+        n_r = len(ranges) + 1                    # -1 (the whole chunk), then each range set
+        values = _ranged_bytes(np.repeat(fb, n_r), np.tile(np.arange(-1, n_r - 1), len(fb)),
+                               ranges, L, block_size)
+    codes = np.empty(len(x_id), dtype=np.int16 if len(values) <= 2 ** 15 - 1 else np.int32)
+    fb_code = fb_code.reshape(-1).astype(codes.dtype) * codes.dtype.type(n_r)
+    for i in range(0, len(x_id), _BYTES_PIECE):  # (a piece at a time: no int64 temporaries)
+        j = i + _BYTES_PIECE
+        c = fb_code[x_id[i:j]]
+        if n_r > 1:
+            c += (rng[i:j] + 1).astype(codes.dtype)
+        codes[i:j] = c
+    return _Coded(codes, values)
 
 
 def _within(x: np.ndarray, lo: int, hi: int) -> bool:
@@ -336,15 +384,8 @@ def _general_columns(t, P: int, L: int, shape: Shape, block_size: int | None = N
     touch += [(r, s, base + slot_of(key), start) for r, s, key, start in sliced_refs]
 
     xs, src, dst, xc = (xfer[k] for k in ("step", "src", "dst", "chunk"))
-    x_id = ids(x_sl, x_key, xfer["fam"], xc)
-    # int32 where every buffer's bytes fit (a range's never pass its buffer's): kept per plan,
-    # made a piece at a time (16.8M transfers at P=4,096: int64 temporaries took 0.4 GB)
-    x_bytes = np.empty(len(x_id), dtype=np.int32 if int(buf_bytes.max(initial=0)) < 2 ** 31
-                       else np.int64)
-    for i in range(0, len(x_id), _BYTES_PIECE):
-        j = i + _BYTES_PIECE
-        x_bytes[i:j] = _ranged_bytes(buf_bytes[x_id[i:j]], xfer["rng"][i:j], xfer["ranges"],
-                                     L, block_size)
+    x_id = _narrowest(ids(x_sl, x_key, xfer["fam"], xc), len(buf_bytes))
+    x_bytes = _transfer_bytes(x_id, xfer["rng"], xfer["ranges"], buf_bytes, L, block_size)
     sends = (src, xs, dst, x_bytes)
     for rank, start in ((src, False), (dst, True)):     # a transfer touches a buffer another
         m = xc != rank                                  # rank owns: the columns and which

@@ -186,8 +186,9 @@ def _instances(cols: _Cols, at, hw: Hardware) -> tuple:
 #: allocates (int16 steps where they fit): zigzag at P=4,096 on documents needs 268 MB, where
 #: compacting its 33.6M (rank, buffer) keys by a sort took 1.1 GB at once. Past it: the sort.
 LIVE_DENSE_BYTES = 1 << 29
-#: Live (rank, buffer) pairs :func:`_live_peak` turns into step bins at a time.
-LIVE_PIECE = 1 << 22
+#: Live (rank, buffer) pairs :func:`_live_peak` turns into step bins at a time (and touch
+#: rows it reads at a time).
+LIVE_PIECE = 1 << 20
 #: ``(step, rank)`` cells :func:`_run` simulates at a time (whole steps): its working arrays
 #: are ``[steps, P]`` slabs of this many cells and the block's transfers.
 STEP_CELLS = 1 << 20
@@ -310,6 +311,29 @@ def _counts(index: np.ndarray, weights: np.ndarray, n: int) -> np.ndarray:
                        minlength=n).astype(np.float64, copy=False)
 
 
+#: Transfers :func:`_step_order` sorts at a time.
+ORDER_PIECE = 1 << 20
+
+
+def _step_order(spos: np.ndarray, per_step: np.ndarray) -> np.ndarray:
+    """The transfers in step order (a step's in row order): int32 indices where they fit, by
+    a counting sort a piece of rows at a time (``np.argsort`` of all 16.8M at P=4,096 makes
+    int64 indices, 134 MB at once). ``per_step``: the transfers of each step position."""
+    n, T = len(spos), len(per_step)
+    out = np.empty(n, dtype=np.int32 if n < _WIDE else np.int64)
+    nxt = np.r_[0, np.cumsum(per_step)[:-1]].astype(np.int64)   # each step's next free slot
+    small = np.int16 if T < 1 << 15 else np.int64                  # (a radix sort)
+    for i in range(0, n, ORDER_PIECE):
+        s = spos[i:i + ORDER_PIECE]
+        o = np.argsort(s.astype(small), kind="stable")
+        ss = s[o]
+        head = np.flatnonzero(np.r_[True, ss[1:] != ss[:-1]])
+        k = np.arange(len(ss)) - np.repeat(head, np.diff(np.r_[head, len(ss)]))
+        out[nxt[ss] + k] = o + i                      # its step's slot, after earlier pieces'
+        nxt += np.bincount(s, minlength=T)
+    return out
+
+
 #: The per-(rank, step) quantities of a prediction, in the order :func:`_run` makes them.
 FIELDS = ("compute", "wait", "sent", "recv", "tiles")
 
@@ -337,9 +361,7 @@ def _run(flat: _Flat, hw: Hardware, P: int, keep: bool) -> tuple[dict, dict | No
     # indices where they fit (16.8M transfers a direction at P=4,096); a block reads its
     # steps' transfers through them
     per_step = np.bincount(spos, minlength=T)
-    order = np.argsort(spos.astype(np.int16 if T < 1 << 15 else np.int64), kind="stable")
-    if len(order) < _WIDE:
-        order = order.astype(np.int32)
+    order = _step_order(spos, per_step)
     bounds = np.r_[0, np.cumsum(per_step)].tolist()
     cbounds = np.searchsorted(flat.cells, np.arange(T + 1, dtype=np.int64) * P).tolist()
     waves: dict = {}
