@@ -635,7 +635,7 @@ def _by_family(entries) -> dict:
 
 #: Rows :func:`_late_reads` cuts, writes and looks up at a time (its temporaries: a few
 #: bytes a row each, never a whole family's copy).
-LATE_PIECE = 1 << 22
+LATE_PIECE = 1 << 20
 
 
 def _pieces(entries, k: int, fv):

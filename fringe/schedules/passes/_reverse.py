@@ -198,7 +198,9 @@ def _resend_parts(P, T, cr, ct, ckv, xt, xs, xd, xc, xorder, after, owner=None, 
     relay_up = sup_d[out_key] == xd
     relay_up &= up >= 0
     del out_key
-    up0 = np.maximum(up, 0)
+    # up >= 0 wherever relay_up: from here on up is read there only, so clipped in place (the
+    # upstream hop, 0 where none: 16.8M hops at P=4,096)
+    up0 = np.maximum(up, 0, out=up)
     if xrng is not None:                            # and holds what its upstream reads
         relay_up &= xrng[up0] == xrng
     late = relay_up & (xt[up0] >= xt)
@@ -209,13 +211,17 @@ def _resend_parts(P, T, cr, ct, ckv, xt, xs, xd, xc, xorder, after, owner=None, 
     # a rank needs b when it reads it, or when it relays b up to a rank that needs it
     idx = np.arange(n, dtype=it)
     if (up[relay_up] == idx[relay_up] - 1).all():  # chains in hop order: segmented prefix OR
-        seg = np.maximum.accumulate(np.where(relay_up, 0, idx))
+        seg = np.where(relay_up, 0, idx)
         del idx
+        np.maximum.accumulate(seg, out=seg)
         cs = np.cumsum(reads >= 0, dtype=it)        # reads in the segment up to each hop:
-        seg -= 1                                    # cs minus cs before the segment (in place:
-        prev = cs[np.maximum(seg, 0)]               # 16.8M hops at P=4,096)
-        prev[seg < 0] = 0
+        seg -= 1                                    # cs minus cs before the segment (in place)
+        first = seg < 0
+        np.maximum(seg, 0, out=seg)
+        prev = cs[seg]
         del seg
+        prev[first] = 0
+        del first
         cs -= prev
         del prev
         defined = cs > 0
