@@ -145,6 +145,13 @@ def test_totals_are_the_timelines_summed_and_need_no_timelines(monkeypatch):
                     pred.compute[which]
                 with pytest.raises(ValueError, match="timelines=True"):
                     pred.records(which)
+        with monkeypatch.context() as m:         # one direction's cells at the limit: both
+            m.setattr(cost_simulate, "TIMELINE_CELLS", P * len(full.steps["forward"]))
+            edge = cost_simulate.simulate(p, hw, SHAPE)          # directions kept, or neither
+        assert set(edge.timelines) in (set(), {"forward", "backward"})
+        assert list(edge.compute) == list(edge.timelines)
+        assert ("backward" in edge.compute) == ("backward" in edge.timelines)
+        assert "backward" not in bare.compute and not list(bare.compute)
         for pred in (bare, default):
             assert not pred.timelines
             assert (pred.step_s, pred.balance, pred.exposed(), pred.bytes_per_rank(),

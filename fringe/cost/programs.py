@@ -97,6 +97,13 @@ def columns(programs: Sequence, L: int, shape: Shape, block_size: int | None = N
     return _general_columns(t, len(programs), L, shape, block_size)
 
 
+def step_count(programs: Sequence) -> int:
+    """One more than the programs' largest step (at least the steps their timelines have),
+    from their table's step columns."""
+    t = ir.ProgramTable.of(list(programs))
+    return 1 + max([int(p["step"].max()) for p in t._parts if len(p["step"])] or [-1])
+
+
 def _compute_touches(P, rank, step, grad, q, kv):
     """Touch rows of tile computes on buffers other ranks own (all heads, ``bufid = family
     code * P + chunk``), by the rule table (``ir.TILE_TOUCHES``: ``grad`` holds the kind

@@ -60,7 +60,7 @@ import numpy as np
 
 from ..runtime.interpreter import StepRecord
 from .hardware import Hardware, Shape, check_head_split, get_hardware
-from .programs import _Cols, _i64, columns
+from .programs import _Cols, _i64, columns, step_count
 from .work import _costs, live_tile_work
 
 __all__ = ["Prediction", "simulate"]
@@ -460,8 +460,8 @@ def _busy(compute: np.ndarray, sent: np.ndarray, recv: np.ndarray, hw: Hardware)
 
 
 class _Timelines(Mapping):
-    """One per-(rank, step) field of a :class:`Prediction`, ``{direction: [P, T]}``, where
-    a direction whose timelines were not kept says so rather than being missing."""
+    """One per-(rank, step) field of a :class:`Prediction`, ``{direction: [P, T]}`` over the
+    directions kept (both or none); reading one that was not kept says how to keep it."""
 
     def __init__(self, pred: "Prediction", field: str):
         self._pred, self._field = pred, field
@@ -479,11 +479,14 @@ class _Timelines(Mapping):
                 f"simulate(plan, ..., timelines=True) keeps them")
         return kept[which][self._field]
 
+    def __contains__(self, which) -> bool:
+        return which in self._pred.timelines
+
     def __iter__(self):
-        return iter(self._pred.totals)
+        return iter(self._pred.timelines)
 
     def __len__(self) -> int:
-        return len(self._pred.totals)
+        return len(self._pred.timelines)
 
 
 @dataclasses.dataclass
@@ -594,9 +597,10 @@ def simulate(plan, hardware: str | Hardware = "cpu", shape: Shape = Shape(), *,
         name: label for reports (default: the schedule's name).
         timelines: keep each direction's per-(rank, step) arrays (``pred.compute[...]``,
             ``.records()``, the timeline figures): True always, False never (the summaries
-            and ``pred.totals`` need only per-rank sums), None (default) where a direction
-            has at most :data:`TIMELINE_CELLS` ``P x T`` cells. The simulation is the same
-            either way: a block of steps at a time, summed per rank.
+            and ``pred.totals`` need only per-rank sums), None (default) where ``P x T`` is
+            at most :data:`TIMELINE_CELLS`, T the longer direction's steps (both directions
+            kept, or neither). The simulation is the same either way: a block of steps at a
+            time, summed per rank.
 
     Returns:
         A :class:`Prediction`; ``.records("forward")`` are :class:`StepRecord` values.
@@ -625,6 +629,9 @@ def simulate(plan, hardware: str | Hardware = "cpu", shape: Shape = Shape(), *,
 
     out = dict(steps={}, totals={}, timelines={})
     peak = np.zeros(P, dtype=np.int64)
+    if timelines is None:           # both directions or neither: by the longer one's steps
+        timelines = P * max(step_count(plan.forward), step_count(plan.backward)) \
+            <= TIMELINE_CELLS
     for which in ("forward", "backward"):       # one direction's columns at a time (memory)
         c = cols(which)
         if "work" not in cache:
@@ -632,7 +639,7 @@ def simulate(plan, hardware: str | Hardware = "cpu", shape: Shape = Shape(), *,
         keys, work = cache["work"]
         fixed, per_heads = _costs(work, L, hw, shape, which == "backward")
         flat = _flatten(c, keys, fixed, per_heads, hw)
-        keep = (P * len(flat.steps) <= TIMELINE_CELLS) if timelines is None else bool(timelines)
+        keep = bool(timelines)
         totals, kept = _run(flat, hw, P, keep)
         out["steps"][which] = flat.steps
         out["totals"][which] = totals

@@ -240,6 +240,10 @@ def _distinct_maps_from_rects(bm, tiles_flat: np.ndarray, part: np.ndarray, P: i
         e += C[a:a + _RECT_CHUNK].astype(it)          # injective
         t, hit = at_part(k)                           # (rectangles of other tiles: not
         t = t[hit]                                    # counted, as no PARTIAL tile's)
+        if not len(t):
+            continue
+        t0, t1 = int(t.min()), int(t.max()) + 1       # the chunk's tiles (rows: a few)
+        t -= t0
         with np.errstate(over="ignore"):
             for acc, mul in ((lo, 0x9E3779B1), (hi, 0x85EBCA77)):
                 x = e[hit].astype(np.uint32)
@@ -248,8 +252,8 @@ def _distinct_maps_from_rects(bm, tiles_flat: np.ndarray, part: np.ndarray, P: i
                 x *= np.uint32(0xC2B2AE3D)
                 x ^= x >> np.uint32(13)
                 x &= mask24
-                acc += np.bincount(t, weights=x, minlength=nP)
-        cnt += np.bincount(t, minlength=nP)
+                acc[t0:t1] += np.bincount(t, weights=x, minlength=t1 - t0)
+        cnt[t0:t1] += np.bincount(t, minlength=t1 - t0)
     del r0, r1, c0, c1, ti, tj, lr, lc
     with np.errstate(over="ignore"):
         sig = _mix64(lo.astype(np.uint64) * np.uint64(0xBF58476D1CE4E5B9)

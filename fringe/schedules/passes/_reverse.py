@@ -159,14 +159,15 @@ def _resend_parts(P, T, cr, ct, ckv, xt, xs, xd, xc, xorder, after, owner=None, 
         remote = own[ckv] != cr
         in_key, out_key = ix(xc, xd), ix(xc, xs)
     else:                                           # the (buffer, rank) keys that occur
-        rk0 = ckv * P + cr                          # (buffer, rank) of each read
+        i64 = np.int64                              # (ids may be int32: keys past 2**31)
+        rk0 = ckv.astype(i64) * P + cr              # (buffer, rank) of each read
         remote = own[ckv] != cr
-        in0, out0 = xc * P + xd, xc * P + xs
+        in0, out0 = xc.astype(i64) * P + xd, xc.astype(i64) * P + xs
         space = _uniq(np.concatenate([in0, out0, rk0[remote]]))
         K = len(space) + 1                          # + a sink for keys that do not occur
 
         def ix(b, r):
-            return _lookup(b * P + r, space, np.arange(len(space)), len(space))[0]
+            return _lookup(b.astype(i64) * P + r, space, np.arange(len(space)), len(space))[0]
         in_key, out_key, rk = ix(xc, xd), ix(xc, xs), ix(ckv, cr)
         del rk0, in0, out0
     maxread = np.full(K, -1, it)
